@@ -1,0 +1,45 @@
+"""The Experts interface: the GEMM half of a FusedMoEKernel.
+
+An Experts class implements the math and nothing else: what it supports is written in its kernel
+spec (DESIGN rule 1), so it never checks platforms, keys or shapes itself.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from moe_registry.weights import ExpertWeights
+
+ActivationFn = Literal["silu", "gelu", "swigluoai"]
+ActivationFormat = Literal["standard", "batched"]
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """How the layer is computed, beyond its weights."""
+
+    activation: ActivationFn = "silu"
+    apply_router_weight_on_input: bool = False
+    activation_format: ActivationFormat = "standard"
+
+
+class Experts(abc.ABC):
+    """Computes sum_k w_k · down(act(gate(x)) * up(x)) over each token's top-k experts.
+
+    ``apply`` takes hidden states [M, H] (float16/bfloat16/float32), ``topk_weights`` [M, k]
+    float32 and ``topk_ids`` [M, k] (int32 or int64) and returns [M, H] in the hidden dtype.
+    It must not synchronise with the host (CUDA graphs) and must not mutate its inputs.
+    """
+
+    def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
+        self.weights = weights
+        self.config = config
+
+    @abc.abstractmethod
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' output for every token, already weighted and summed over top-k."""

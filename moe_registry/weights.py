@@ -1,0 +1,76 @@
+"""Converted expert weights in a kernel layout: the one structure every converter returns and
+every Experts class reads.
+
+Layout ``nk`` (the layout all shipped kernels take): every matrix is [E, N, K] with N the output
+features and K the input features. ``w13`` stacks gate then up along N (N = 2·I, rows [0, I) are
+gate, rows [I, 2I) up); ``w2`` is down, [E, H, I].
+
+Per weight scalar type (``ExpertWeights.weight_key.dtype``):
+
+- unquantized: ``weight`` in the activation dtype.
+- 4-bit (uint4, uint4b8, int4): ``weight`` uint8 [E, N, K/2]; input element k sits in byte k//2,
+  the low nibble for even k, the high nibble for odd k. Stored values are raw codes.
+- int8: int8 [E, N, K]. uint8b128: uint8 [E, N, K] raw codes (value = code − 128).
+- fp8e4m3: torch.float8_e4m3fn [E, N, K].
+
+``scale``: [E, N/rows, K/cols] rounded up, in the key's scale dtype (e8m0 as raw uint8 exponents,
+value 2^(e−127)); per-channel and per-tensor weight scales are both stored expanded as [E, N, 1]
+float32, which is exact and lets a per-tensor gate and up keep their own scales after fusion.
+``zero``: uint8 [E, N, K/group] raw zero-point codes (value = (code − zero) · scale).
+``perm``: act-order; int32 [E, K]; stored column j holds original input column perm[j], so groups
+are contiguous in stored order (group of stored column j is j // group) and out = x[:, perm] @ Wᵀ.
+``bias``: [E, N] float32. ``input_scale``: static activation scale, float32 [1] (the largest
+over experts, as the checkpoint's per-expert scales are collapsed to one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_registry.keys import QuantKey
+
+
+@dataclass(frozen=True)
+class ProjectionWeights:
+    """One fused projection (w13 or w2) of all experts, in a kernel layout."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> ProjectionWeights:
+        """A copy on ``device`` (new tensors; this one is left as it is)."""
+        moved = {k: (None if v is None else v.to(device)) for k, v in self.__dict__.items()}
+        return ProjectionWeights(**moved)
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """All experts of one MoE layer: w13 (gate+up) and w2 (down), with the keys they are in."""
+
+    w13: ProjectionWeights
+    w2: ProjectionWeights
+    weight_key: QuantKey
+    activation_key: QuantKey
+    layout: str = "nk"
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.w2.weight.shape[1])
+
+    @property
+    def intermediate_size(self) -> int:
+        return int(self.w13.weight.shape[1]) // 2
+
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        return ExpertWeights(self.w13.to(device), self.w2.to(device), self.weight_key,
+                             self.activation_key, self.layout)
