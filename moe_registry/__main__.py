@@ -1,0 +1,7 @@
+"""``python -m moe_registry`` runs the CLI."""
+
+import sys
+
+from moe_registry.cli import main
+
+sys.exit(main())

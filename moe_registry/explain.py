@@ -1,0 +1,135 @@
+"""From what the user points at (config.json, a model dir, or a runtime file) and flags to the
+oracle's Situation. Flags override what files say."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_registry.errors import ConfigError
+from moe_registry.model_config import ModelConfig, config_path, read_json, read_model_config
+from moe_registry.oracle import Situation, expert_modules
+from moe_registry.registry import Registry
+from moe_registry.runtime import (
+    MoEShape,
+    ParallelConfig,
+    RuntimeConfig,
+    check_dtype,
+    parse_platform,
+    parse_runtime_file,
+)
+from moe_registry.yamlio import load_yaml_file
+
+
+@dataclass(frozen=True)
+class Flags:
+    """Command-line overrides; None means "not given"."""
+
+    platform: str | None = None
+    dtype: str | None = None
+    tp: int | None = None
+    ep: int | None = None
+    dp: int | None = None
+    all2all: str | None = None
+    layer: int | None = None
+    max_tokens: int | None = None
+
+
+def _is_runtime_file(path: Path) -> bool:
+    if path.is_dir():
+        return False
+    if path.suffix in (".yaml", ".yml"):
+        return True
+    data = read_json(path, "config")
+    return "runtime" in data or not ({"model_type", "architectures"} & set(data))
+
+
+def _pick(flag: Any, file_value: Any) -> Any:
+    return file_value if flag is None else flag
+
+
+def pick_layer(model: ModelConfig, layer: int | None) -> int:
+    """The requested layer (it must be MoE) or the first MoE layer."""
+    if not model.moe_layers:
+        raise ConfigError(f"{model.path}: no decoder layer is a MoE layer")
+    if layer is None:
+        return model.moe_layers[0]
+    if layer not in model.moe_layers:
+        shown = ", ".join(map(str, model.moe_layers[:12])) + (" …" if len(model.moe_layers) > 12 else "")
+        raise ConfigError(f"--layer: layer {layer} has no MoE (MoE layers: {shown})")
+    return layer
+
+
+def situation_for(target: Path, registry: Registry, flags: Flags) -> Situation:
+    """Build the Situation the user described."""
+    if not target.exists():
+        raise ConfigError(f"{target}: no such file or directory")
+    if target.is_dir() and not (target / "config.json").is_file():
+        raise ConfigError(f"{target}: a model dir needs a config.json")
+    if _is_runtime_file(config_path(target)):
+        return _from_runtime_file(target, registry, flags)
+    model = read_model_config(target, registry)
+    return _from_model(model, registry, flags, None)
+
+
+def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: RuntimeConfig | None) -> Situation:
+    layer = pick_layer(model, flags.layer)
+    platform = parse_platform(flags.platform) if flags.platform else (
+        base.platform if base else parse_platform("auto"))
+    dtype = check_dtype(flags.dtype or (base.dtype if base else None) or model.dtype or "bfloat16")
+    if dtype == "float32" and not flags.dtype and model.dtype is None:
+        dtype = "bfloat16"
+    parallel = ParallelConfig(
+        tp=_pick(flags.tp, base.parallel.tp if base else 1), ep=_pick(flags.ep, base.parallel.ep if base else 1),
+        dp=_pick(flags.dp, base.parallel.dp if base else 1),
+        all2all=_pick(flags.all2all, base.parallel.all2all if base else "none"))
+    _check_parallel(parallel, model.shape)
+    runtime = RuntimeConfig(platform, dtype, model.shape, parallel,
+                            _pick(flags.max_tokens, base.max_tokens if base else 8192),
+                            base.router_weight_on_input if base else False)
+    family = registry.families[model.family].spec
+    return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
+                     model.quant_source, model.path, model.family, layer)
+
+
+def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
+    for name in ("tp", "ep", "dp"):
+        if getattr(p, name) < 1:
+            raise ConfigError(f"--{name}: got {getattr(p, name)}; wanted a positive integer")
+    if shape is None:
+        return
+    if p.ep > 1 and shape.num_experts % p.ep:
+        raise ConfigError(f"--ep: {shape.num_experts} experts do not split evenly over ep={p.ep}")
+    if p.ep == 1 and shape.intermediate % p.tp:
+        raise ConfigError(f"--tp: intermediate size {shape.intermediate} does not split evenly over tp={p.tp}")
+
+
+def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situation:
+    path = config_path(target)
+    data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
+    rf = parse_runtime_file(json.loads(json.dumps(data)), str(path))
+    platform = parse_platform(flags.platform or rf.platform)
+    base = RuntimeConfig(platform, rf.dtype or "bfloat16", None,
+                         ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all), rf.max_tokens, rf.router_weight_on_input)
+    if rf.model is not None:
+        model_path = (path.parent / rf.model).resolve()
+        model = read_model_config(model_path, registry)
+        if rf.dtype and not flags.dtype:
+            flags = Flags(**{**flags.__dict__, "dtype": rf.dtype})
+        return _from_model(model, registry, flags, base)
+    dims = [rf.num_experts, rf.top_k, rf.hidden, rf.intermediate]
+    shape = None
+    if any(d is not None for d in dims):
+        if any(d is None for d in dims):
+            raise ConfigError(f"{path}: give all of num_experts, top_k, hidden, intermediate (or a model)")
+        shape = MoEShape(rf.num_experts, rf.top_k, rf.hidden, rf.intermediate,  # type: ignore[arg-type]
+                         rf.activation, rf.has_bias)
+    parallel = ParallelConfig(_pick(flags.tp, rf.tp), _pick(flags.ep, rf.ep), _pick(flags.dp, rf.dp),
+                              _pick(flags.all2all, rf.all2all))
+    _check_parallel(parallel, shape)
+    runtime = RuntimeConfig(platform, check_dtype(flags.dtype or rf.dtype or "bfloat16"), shape, parallel,
+                            _pick(flags.max_tokens, rf.max_tokens), rf.router_weight_on_input)
+    return Situation(rf.quantization_config, runtime, quant_source=f"{path.name}:quantization_config",
+                     model=str(path))

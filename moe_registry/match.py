@@ -1,0 +1,285 @@
+"""Scheme detection: per-layer scoping of a quantization_config, detect rules, and bindings.
+
+This is half of the oracle (the other half, kernel predicates, is in predicates.py). It is
+generic: every scheme is handled by the same code reading its spec.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_registry.checks import Check, Reason, failed, passed
+from moe_registry.keys import QuantKey, parse_quant_key
+from moe_registry.registry import fill_template
+from moe_registry.spec_models import BindRule, FieldRule, SchemeSpec, ScopeRule
+
+_MISSING = object()
+
+
+def get_path(config: Mapping[str, Any] | None, path: str) -> Any:
+    """``config['a']['b']`` for path ``a.b``; a key containing dots is also tried whole."""
+    if config is None:
+        return _MISSING
+    if path in config:
+        return config[path]
+    node: Any = config
+    for part in path.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+def _norm(value: Any, case: str) -> Any:
+    if case == "insensitive" and isinstance(value, str):
+        return value.lower()
+    return value
+
+
+def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) -> Check:
+    """One detect rule against the config."""
+    value, used = _MISSING, path
+    for candidate in [path, *rule.aliases]:
+        value = get_path(config, candidate)
+        if value is not _MISSING:
+            used = candidate
+            break
+    if rule.present is not None:
+        if (value is not _MISSING) == rule.present:
+            return passed(used, f"{used} is {'present' if rule.present else 'absent'}")
+        if rule.present:
+            return failed(Reason.FIELD_MISSING, used, f"{used} is missing; wanted it present")
+        return failed(Reason.FIELD_PRESENT, used, f"{used} = {value!r} is present; wanted it absent",
+                      seen=value)
+    defaulted = value is _MISSING
+    if defaulted:
+        if rule.default is None:
+            wanted = rule.equals if rule.equals is not None else rule.one_of
+            return failed(Reason.FIELD_MISSING, path, f"{path} is missing; wanted {_wanted_text(rule)}",
+                          wanted=wanted)
+        value = rule.default
+    seen = _norm(value, rule.case)
+    note = " (default)" if defaulted else ""
+    if rule.equals is not None:
+        ok = seen == _norm(rule.equals, rule.case)
+    elif rule.one_of is not None:
+        ok = seen in [_norm(v, rule.case) for v in rule.one_of]
+    else:
+        assert rule.range is not None
+        ok = (isinstance(seen, int | float) and not isinstance(seen, bool)
+              and (rule.range.min is None or seen >= rule.range.min)
+              and (rule.range.max is None or seen <= rule.range.max))
+    if ok:
+        return passed(used, f"{used} = {value!r}{note}", seen=value)
+    return failed(Reason.FIELD_VALUE, used, f"{used} = {value!r}{note}; wanted {_wanted_text(rule)}",
+                  seen=value, wanted=rule.equals if rule.equals is not None else rule.one_of)
+
+
+def _wanted_text(rule: FieldRule) -> str:
+    if rule.equals is not None:
+        return repr(rule.equals)
+    if rule.one_of is not None:
+        return "one of " + ", ".join(repr(v) for v in rule.one_of)
+    if rule.range is not None:
+        return f"in [{rule.range.min}, {rule.range.max}]"
+    return "present"
+
+
+# ---------------------------------------------------------------- per-layer scope
+
+
+def _components_match(pattern: str, name: str) -> bool:
+    pat, parts = pattern.strip(".").split("."), name.split(".")
+    return any(parts[i:i + len(pat)] == pat for i in range(len(parts) - len(pat) + 1))
+
+
+def _gptq_dynamic(key: str, name: str) -> str | None:
+    """GPTQ ``dynamic``: ``-:regex`` excludes, ``+:regex`` (or a bare regex) overrides."""
+    sign, body = ("-", key[2:]) if key.startswith("-:") else ("+", key[2:] if key.startswith("+:") else key)
+    try:
+        return sign if re.match(body, name) else None
+    except re.error:
+        return None
+
+
+def pattern_matches(kind: str, pattern: str, name: str, types: Sequence[str]) -> bool:
+    """Whether a module ``name`` matches ``pattern`` under a scope rule's matcher."""
+    if kind == "substring":
+        return pattern in name
+    if kind == "component":
+        return _components_match(pattern, name)
+    if kind == "glob":
+        return fnmatch.fnmatchcase(name, pattern)
+    if kind == "regex":
+        try:
+            return re.search(pattern, name) is not None
+        except re.error:
+            return False
+    if kind == "exact":
+        return name == pattern or name.startswith(pattern + ".")
+    if kind == "type":
+        return pattern in types
+    if kind == "ct-target":
+        if pattern.startswith("re:"):
+            try:
+                return re.match(pattern[3:], name) is not None
+            except re.error:
+                return False
+        return name == pattern
+    if kind == "gptq-dynamic":
+        return _gptq_dynamic(pattern, name) is not None
+    raise ValueError(f"unknown matcher {kind!r}")
+
+
+@dataclass(frozen=True)
+class ScopeOutcome:
+    """The layer's effective config; ``excluded`` when a rule said the layer is not quantized."""
+
+    config: Mapping[str, Any] | None
+    excluded: bool = False
+    note: str | None = None
+
+
+def _merge(base: Mapping[str, Any], into: str | None, value: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    if into is None:
+        out.update(value)
+        return out
+    head, _, rest = into.partition(".")
+    sub = base.get(head)
+    out[head] = _merge(sub if isinstance(sub, Mapping) else {}, rest or None, value)
+    return out
+
+
+def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
+                module: str) -> ScopeOutcome:
+    """Apply the first matching scope rule for ``module`` (an expert projection's full name)."""
+    if config is None:
+        return ScopeOutcome(None)
+    for rule in rules:
+        source = get_path(config, rule.from_)
+        if source is _MISSING or source is None:
+            continue
+        if rule.kind == "exclude":
+            patterns = list(source) if isinstance(source, list | Mapping) else [source]
+            for p in patterns:
+                if isinstance(p, str) and pattern_matches(rule.match, p, module, rule.types):
+                    return ScopeOutcome(None, True, f"{rule.from_} entry {p!r} matches {module}")
+            continue
+        if not isinstance(source, Mapping):
+            continue
+        for p, value in source.items():
+            if not pattern_matches(rule.match, str(p), module, rule.types):
+                continue
+            if rule.match == "gptq-dynamic" and _gptq_dynamic(str(p), module) == "-":
+                return ScopeOutcome(None, True, f"{rule.from_} entry {p!r} excludes {module}")
+            if not isinstance(value, Mapping):
+                continue
+            where = rule.into or "the top level"
+            return ScopeOutcome(_merge(config, rule.into, value), False,
+                                f"{rule.from_} entry {p!r} applies to {module} (merged into {where})")
+    return ScopeOutcome(config)
+
+
+# ---------------------------------------------------------------- detection and binding
+
+
+@dataclass(frozen=True)
+class SchemeVerdict:
+    """Detection of one scheme for one layer, with every check that decided it."""
+
+    scheme: str
+    matched: bool
+    checks: tuple[Check, ...]
+    excluded: bool = False
+    scope_note: str | None = None
+    bindings: Mapping[str, Any] = field(default_factory=dict)
+    weight_key: QuantKey | None = None
+    activation_key: QuantKey | None = None
+    features: Mapping[str, bool] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+
+def _detect(config: Mapping[str, Any] | None, scheme: SchemeSpec) -> list[Check]:
+    checks = [check_field(config, path, rule) for path, rule in scheme.detect.fields.items()]
+    if scheme.detect.any_of:
+        tried = []
+        for alt in scheme.detect.any_of:
+            alt_checks = [check_field(config, p, r) for p, r in alt.items()]
+            if all(c.passed for c in alt_checks):
+                checks += alt_checks
+                break
+            tried.append(next(c for c in alt_checks if not c.passed).message)
+        else:
+            checks.append(failed(Reason.NO_ALTERNATIVE, "any_of",
+                                 "no alternative matched: " + " | ".join(tried)))
+    return checks
+
+
+def _bind(config: Mapping[str, Any] | None, name: str, rule: BindRule) -> tuple[Any, Check]:
+    if rule.value is not None:
+        return rule.value, passed(f"${name}", f"${name} = {rule.value!r}")
+    value, used = _MISSING, rule.from_ or ""
+    for candidate in [rule.from_, *rule.aliases]:
+        value = get_path(config, candidate or "")
+        if value is not _MISSING:
+            used = candidate or ""
+            break
+    if value is _MISSING or value is None:
+        if rule.default is None:
+            return None, failed(Reason.BIND_MISSING, used, f"{used} is missing (needed for ${name})")
+        value = rule.default
+    if rule.map is not None:
+        if str(value) not in rule.map:
+            return None, failed(Reason.BIND_VALUE, used, f"{used} = {value!r}; wanted one of "
+                                + ", ".join(rule.map), seen=value, wanted=list(rule.map))
+        value = rule.map[str(value)]
+    if rule.one_of is not None and value not in rule.one_of:
+        return None, failed(Reason.BIND_VALUE, used, f"{used} = {value!r}; wanted one of "
+                            + ", ".join(repr(v) for v in rule.one_of), seen=value, wanted=rule.one_of)
+    return value, passed(used, f"${name} = {value!r} (from {used})", seen=value)
+
+
+def detect_scheme(scheme: SchemeSpec, config: Mapping[str, Any] | None,
+                  modules: Sequence[str]) -> SchemeVerdict:
+    """Scope the config to the layer's expert projections, test detect rules, bind values."""
+    outcomes = [apply_scope(config, scheme.scope, m) for m in modules]
+    first = outcomes[0] if outcomes else ScopeOutcome(config)
+    if any(o.excluded != first.excluded or o.config != first.config for o in outcomes[1:]):
+        notes = "; ".join(o.note or f"{m}: global config" for o, m in zip(outcomes, modules, strict=False))
+        return SchemeVerdict(scheme.scheme, False, (failed(
+            Reason.LAYER_OVERRIDE, "scope",
+            f"the layer's projections are quantized differently ({notes}); a fused MoE needs one scheme"),))
+    if first.excluded:
+        checks = _detect(config, scheme)
+        note = first.note or "excluded"
+        checks.append(failed(Reason.LAYER_EXCLUDED, "scope", f"layer not quantized: {note}"))
+        return SchemeVerdict(scheme.scheme, False, tuple(checks), excluded=all(c.passed for c in checks[:-1]),
+                             scope_note=note)
+    checks = _detect(first.config, scheme)
+    if first.note:
+        checks.insert(0, passed("scope", first.note))
+    if not all(c.passed for c in checks):
+        return SchemeVerdict(scheme.scheme, False, tuple(checks), scope_note=first.note)
+    bindings: dict[str, Any] = {}
+    for name, rule in scheme.bind.items():
+        value, check = _bind(first.config, name, rule)
+        checks.append(check)
+        if check.passed:
+            bindings[name] = value
+    if not all(c.passed for c in checks):
+        return SchemeVerdict(scheme.scheme, False, tuple(checks), scope_note=first.note)
+    weight = parse_quant_key(fill_template(scheme.weight, bindings))
+    activation = parse_quant_key(fill_template(scheme.activation, bindings))
+    features = {name: (v if isinstance(v, bool) else fill_template(v, bindings) == "true")
+                for name, v in scheme.features.items()}
+    return SchemeVerdict(scheme.scheme, True, tuple(checks), False, first.note, bindings, weight,
+                         activation, features)

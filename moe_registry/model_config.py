@@ -1,0 +1,163 @@
+"""Reading a model's ``config.json`` (and ``hf_quant_config.json`` beside it) through the
+model-family specs: which family, the MoE shape, which layers are MoE, routing parameters, and
+the quantization config with where it came from."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_registry.errors import ConfigError
+from moe_registry.registry import Registry
+from moe_registry.runtime import MoEShape
+from moe_registry.spec_models import FieldRef, ModelFamilySpec
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+_TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
+                 "float32": "float32", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What config.json says about the MoE layers, resolved through a family spec."""
+
+    path: str
+    family: str
+    shape: MoEShape
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    routing: Mapping[str, Any]
+    quant_config: Mapping[str, Any] | None
+    quant_source: str
+    dtype: str | None
+    raw: Mapping[str, Any]
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``, with errors naming the file."""
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES // 1024 // 1024} MiB")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read {what}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}:{err.lineno}: {what} is not valid JSON: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: {what} must be a JSON object")
+    return data
+
+
+def config_path(target: Path) -> Path:
+    """``target`` itself or the config.json inside a model dir."""
+    return target / "config.json" if target.is_dir() else target
+
+
+def _roots(cfg: Mapping[str, Any], family: ModelFamilySpec) -> list[Mapping[str, Any]]:
+    roots: list[Mapping[str, Any]] = [cfg]
+    for name in family.config_root:
+        sub = cfg.get(name)
+        if isinstance(sub, Mapping):
+            roots.append(sub)
+    return roots
+
+
+def resolve_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path: str) -> Any:
+    """The first present name of ``ref`` in any root, else its default; ConfigError if neither."""
+    for root in roots:
+        for name in ref.from_:
+            if name in root and root[name] is not None:
+                return root[name]
+    if ref.default is not None:
+        return ref.default
+    names = " or ".join(ref.from_) or "(none)"
+    raise ConfigError(f"{path}: {what}: field {names} is missing")
+
+
+def match_family(cfg: Mapping[str, Any], registry: Registry, path: str) -> ModelFamilySpec:
+    """The family whose model_type or architectures match; ConfigError listing known ones."""
+    model_types = {str(cfg.get("model_type", ""))}
+    archs = set(cfg.get("architectures") or [])
+    for sub in cfg.values():
+        if isinstance(sub, Mapping) and "model_type" in sub:
+            model_types.add(str(sub["model_type"]))
+    for loaded in registry.families.values():
+        fam = loaded.spec
+        if model_types & set(fam.match.model_type) or archs & set(fam.match.architectures):
+            return fam
+    known = sorted(t for f in registry.families.values() for t in f.spec.match.model_type)
+    seen = cfg.get("model_type") or "(none)"
+    raise ConfigError(f"{path}: model_type: {seen!r} is not a known MoE family "
+                      f"(architectures {sorted(archs) or 'none'}); known model types: {', '.join(known)}")
+
+
+def _int(value: Any, what: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{path}: {what}: got {value!r}; wanted a positive integer")
+    return value
+
+
+def _moe_layers(roots: list[Mapping[str, Any]], family: ModelFamilySpec, num_layers: int,
+                path: str) -> tuple[int, ...]:
+    spec = family.moe_layers
+    first = resolve_field(roots, spec.first_dense, "first_dense", path) if spec.first_dense else 0
+    step = resolve_field(roots, spec.step, "step", path) if spec.step else 1
+    skip = resolve_field(roots, spec.skip, "skip", path) if spec.skip else []
+    step = max(int(step), 1)
+    return tuple(i for i in range(int(first), num_layers)
+                 if (i + 1) % step == 0 and i not in set(skip or []))
+
+
+def read_model_config(target: Path, registry: Registry) -> ModelConfig:
+    """Read config.json (a file or a model dir) and the quantization config beside it."""
+    path = config_path(target)
+    cfg = read_json(path, "config.json")
+    family = match_family(cfg, registry, str(path))
+    roots = _roots(cfg, family)
+    f = family.fields
+    name = str(path)
+    num_layers = _int(resolve_field(roots, f["num_layers"], "num_layers", name), "num_hidden_layers", name)
+    shape = MoEShape(
+        num_experts=_int(resolve_field(roots, f["num_experts"], "num_experts", name), "num_experts", name),
+        top_k=_int(resolve_field(roots, f["top_k"], "top_k", name), "top_k", name),
+        hidden=_int(resolve_field(roots, f["hidden"], "hidden", name), "hidden_size", name),
+        intermediate=_int(resolve_field(roots, f["intermediate"], "intermediate", name),
+                          "intermediate_size", name),
+        activation=_activation(resolve_field(roots, f["activation"], "activation", name)
+                               if "activation" in f else "silu", name),
+        has_bias=bool(resolve_field(roots, f["has_bias"], "has_bias", name)) if "has_bias" in f else False,
+    )
+    if shape.top_k > shape.num_experts:
+        raise ConfigError(f"{name}: num_experts_per_tok: {shape.top_k} is more than the {shape.num_experts} experts")
+    routing = {k: resolve_field(roots, ref, k, name) for k, ref in family.routing.items()}
+    quant, source = _quant_config(cfg, roots, path)
+    dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), None)
+    return ModelConfig(name, family.family, shape, num_layers,
+                       _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg)
+
+
+def _activation(value: Any, path: str) -> str:
+    names = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu",
+             "swigluoai": "swigluoai"}
+    if str(value) not in names:
+        raise ConfigError(f"{path}: hidden_act: got {value!r}; wanted one of {', '.join(sorted(names))}")
+    return names[str(value)]
+
+
+def _quant_config(cfg: Mapping[str, Any], roots: list[Mapping[str, Any]],
+                  path: Path) -> tuple[Mapping[str, Any] | None, str]:
+    for root in roots:
+        q = root.get("quantization_config")
+        if q is not None:
+            if not isinstance(q, Mapping):
+                raise ConfigError(f"{path}: quantization_config must be an object, got {type(q).__name__}")
+            return q, f"{path.name}:quantization_config"
+    side = path.parent / "hf_quant_config.json"
+    if side.is_file():
+        return read_json(side, "hf_quant_config.json"), side.name
+    return None, "none (no quantization_config)"

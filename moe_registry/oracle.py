@@ -1,0 +1,139 @@
+"""The oracle: the one generic engine that turns a situation into a decision with its reasons.
+
+detect scheme (exactly one must match) → bind QuantKeys → test every candidate kernel's declared
+constraints → pick by the scheme's preference order (``prefer`` falls back, ``pin`` fails hard).
+It imports no kernel code and needs no GPU; building the chosen kernel is in build.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from moe_registry.checks import Reason, failed
+from moe_registry.errors import SelectionError
+from moe_registry.match import SchemeVerdict, detect_scheme
+from moe_registry.predicates import kernel_checks
+from moe_registry.registry import Registry
+from moe_registry.report import KernelVerdict, Report
+from moe_registry.runtime import RuntimeConfig
+from moe_registry.spec_models import ModelFamilySpec
+
+EXCLUDED_SCHEME = "unquantized"
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the oracle decides for: the layer's quantization config and module names, and the
+    runtime. ``modules`` are the expert projections' full names (for per-layer scoping)."""
+
+    quant_config: Mapping[str, Any] | None
+    runtime: RuntimeConfig
+    modules: tuple[str, ...] = ("model.layers.0.mlp.experts.0.gate_proj",)
+    quant_source: str = "quantization_config"
+    model: str | None = None
+    family: str | None = None
+    layer: int | None = None
+
+
+def expert_modules(family: ModelFamilySpec, layer: int, num_experts: int) -> tuple[str, ...]:
+    """Full names of the first and last experts' projections of ``layer``, per the family naming."""
+    n = family.naming
+    prefix = n.layer.format(layer=layer)
+    experts = sorted({0, max(num_experts - 1, 0)})
+    return tuple(f"{prefix}.{n.expert.format(expert=e)}.{n.projections[p]}"
+                 for e in experts for p in ("gate", "up", "down"))
+
+
+def detect(registry: Registry, situation: Situation) -> tuple[SchemeVerdict | None, tuple[SchemeVerdict, ...],
+                                                            str | None]:
+    """Every scheme's verdict, the one that matched (or None), and a note when the layer was
+    excluded from quantization by a scope rule."""
+    verdicts = tuple(detect_scheme(loaded.spec, situation.quant_config, situation.modules)
+                     for loaded in registry.schemes.values())
+    matched = [v for v in verdicts if v.matched]
+    if len(matched) > 1:
+        names = ", ".join(v.scheme for v in matched)
+        raise SelectionError(f"{situation.quant_source}: matches several schemes ({names}); "
+                             "their detect rules overlap — make one of them stricter")
+    if matched:
+        return matched[0], verdicts, None
+    excluded = [v for v in verdicts if v.excluded]
+    if excluded and EXCLUDED_SCHEME in registry.schemes:
+        plain = detect_scheme(registry.scheme(EXCLUDED_SCHEME), None, situation.modules)
+        note = f"{excluded[0].scheme} checkpoint, but this layer is excluded: {excluded[0].scope_note}"
+        return plain, verdicts, note
+    return None, verdicts, None
+
+
+def select(registry: Registry, situation: Situation, *, prefer: str | None = None,
+           pin: str | None = None, raise_on_failure: bool = True) -> Report:
+    """Decide scheme and kernel for ``situation``; the report explains every decision.
+
+    Raises SelectionError (carrying the report) when no scheme or no kernel fits, or when the
+    pinned kernel does not fit, unless ``raise_on_failure`` is false.
+    """
+    scheme_v, verdicts, excluded_note = detect(registry, situation)
+    base = Report(situation=situation, schemes=verdicts, scheme=scheme_v, excluded_note=excluded_note,
+                  overrides=_overrides(registry))
+    if scheme_v is None:
+        if raise_on_failure:
+            raise SelectionError(f"{situation.quant_source}: no scheme matches this config", base)
+        return base
+    scheme = registry.scheme(scheme_v.scheme)
+    assert scheme_v.weight_key is not None and scheme_v.activation_key is not None
+    candidates = list(scheme.kernels)
+    for extra in (pin, prefer):
+        if extra is not None and extra not in candidates:
+            candidates.append(extra)
+    verdicts_k = []
+    for name in candidates:
+        if name not in registry.kernels:
+            verdicts_k.append(KernelVerdict(name, False, (failed(
+                Reason.NOT_LISTED, "kernel", f"unknown kernel {name!r}; known: {', '.join(sorted(registry.kernels))}"),)))
+            continue
+        checks = kernel_checks(registry.kernel(name), situation.runtime, scheme_v.weight_key,
+                               scheme_v.activation_key, scheme_v.bindings, scheme_v.features,
+                               scheme.checkpoint.format)
+        if name not in scheme.kernels:
+            checks = (failed(Reason.NOT_LISTED, "kernels", f"scheme {scheme.scheme} does not list "
+                             f"{name} (it lists {', '.join(scheme.kernels)})"),) + checks
+        verdicts_k.append(KernelVerdict(name, all(c.passed for c in checks), checks))
+    eligible = [v.kernel for v in verdicts_k if v.eligible]
+    notes: list[str] = []
+    chosen: str | None = None
+    if pin is not None:
+        if pin in eligible:
+            chosen = pin
+            notes.append(f"pinned to {pin}")
+        else:
+            report = base.with_kernels(tuple(verdicts_k), None, (f"pinned kernel {pin} is not eligible",))
+            if raise_on_failure:
+                reasons = "; ".join(c.message for v in verdicts_k if v.kernel == pin for c in v.failures)
+                raise SelectionError(f"pinned kernel {pin} cannot run this: {reasons}", report)
+            return report
+    elif prefer is not None and prefer in eligible:
+        chosen = prefer
+        notes.append(f"preferred {prefer}")
+    else:
+        chosen = eligible[0] if eligible else None
+        if prefer is not None:
+            why = "; ".join(c.message for v in verdicts_k if v.kernel == prefer for c in v.failures)
+            notes.append(f"preferred {prefer} is not eligible ({why}); fell back to {chosen or 'nothing'}")
+    report = base.with_kernels(tuple(verdicts_k), chosen, tuple(notes))
+    if chosen is None and raise_on_failure:
+        raise SelectionError(f"no kernel of scheme {scheme.scheme} can run on {situation.runtime.platform}: "
+                             + "; ".join(f"{v.kernel}: {v.failures[0].message}" for v in verdicts_k), report)
+    return report
+
+
+def _overrides(registry: Registry) -> tuple[str, ...]:
+    out = []
+    for kind, table in (("scheme", registry.schemes), ("kernel", registry.kernels), ("family", registry.families)):
+        for name, loaded in table.items():
+            if loaded.overrides:
+                out.append(f"{kind} {name} from {loaded.path} overrides {loaded.overrides}")
+            elif not loaded.builtin:
+                out.append(f"{kind} {name} added by {loaded.path}")
+    return tuple(out)

@@ -1,0 +1,199 @@
+"""Kernel predicates: pure checks of one kernel spec against bound keys and the runtime config.
+
+Each returns a :class:`Check`; :func:`kernel_checks` runs them all (never stopping at the first
+failure, so explain shows every reason a kernel was turned down).
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import importlib.util
+from collections.abc import Mapping
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from moe_registry.checks import Check, Reason, failed, passed
+from moe_registry.expr import ExprError, parse_expr
+from moe_registry.keys import QuantKey
+from moe_registry.runtime import RuntimeConfig
+from moe_registry.spec_models import KernelSpec
+
+# Which activation format each all2all backend delivers to the experts. "none" is no EP dispatch.
+ALL2ALL_FORMATS = {
+    "none": "standard", "naive": "standard", "allgather_reducescatter": "standard",
+    "deepep_high_throughput": "standard", "pplx": "batched", "deepep_low_latency": "batched",
+}
+_OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+        "<": lambda a, b: a < b, "==": lambda a, b: a == b}
+
+
+@lru_cache(maxsize=1)
+def declared_converters() -> frozenset[tuple[str, str]]:
+    """(format, layout) pairs registered in moe_registry/formats, read from the source with ast
+    so that choosing a kernel never imports torch."""
+    pairs: set[tuple[str, str]] = set()
+    for entry in (resources.files("moe_registry") / "formats").iterdir():
+        if not entry.name.endswith(".py"):
+            continue
+        tree = ast.parse(entry.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_converter"
+                    and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)):
+                pairs.add((str(node.args[0].value), str(node.args[1].value)))  # type: ignore[attr-defined]
+    return frozenset(pairs)
+
+
+def check_platform(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
+    plat = runtime.platform
+    wanted = ", ".join(f"{p.device}{' ' + p.capability if p.capability else ''}" for p in kernel.platforms)
+    same_device = [p for p in kernel.platforms if p.device == plat.device]
+    if not same_device:
+        return [failed(Reason.PLATFORM, "platform", f"platform {plat.device}; kernel runs on {wanted}",
+                       seen=plat.device, wanted=wanted)]
+    for p in same_device:
+        bounds = p.capability_bounds()
+        if not bounds:
+            return [passed("platform", f"platform {plat}")]
+        if plat.capability is None:
+            continue
+        if all(_OPS[op](plat.capability, ver) for op, ver in bounds):
+            return [passed("platform", f"capability {plat.capability[0]}.{plat.capability[1]} "
+                                       f"in {p.capability}")]
+    cap = f"{plat.capability[0]}.{plat.capability[1]}" if plat.capability else "unknown"
+    return [failed(Reason.CAPABILITY, "platform.capability",
+                   f"{plat.device} capability {cap}; kernel wants {wanted}", seen=cap, wanted=wanted)]
+
+
+def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
+    if not kernel.requires_packages:
+        return []
+    if not runtime.platform.live:
+        return [passed("requires_packages", f"needs {', '.join(kernel.requires_packages)} "
+                                            "(not checked: the target is not this machine)")]
+    missing = [p for p in kernel.requires_packages if importlib.util.find_spec(p) is None]
+    if missing:
+        return [failed(Reason.PACKAGE_MISSING, "requires_packages",
+                       f"package {', '.join(missing)} is not installed", seen=missing)]
+    return [passed("requires_packages", f"{', '.join(kernel.requires_packages)} installed")]
+
+
+def _key_matches(key: QuantKey, patterns: list[str]) -> bool:
+    text = str(key)
+    return any(fnmatch.fnmatchcase(text, p) for p in patterns)
+
+
+def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> list[Check]:
+    weight_ok = [p for p in kernel.keys if _key_matches(weight, p.weights())]
+    if not weight_ok:
+        wanted = "; ".join(w for p in kernel.keys for w in p.weights())
+        return [failed(Reason.WEIGHT_KEY, "weight", f"weight key {weight}; kernel takes {wanted}",
+                       seen=str(weight), wanted=wanted)]
+    pair_ok = [p for p in weight_ok if _key_matches(activation, p.activations())]
+    if not pair_ok:
+        wanted = "; ".join(a for p in weight_ok for a in p.activations())
+        return [passed("weight", f"weight key {weight}"),
+                failed(Reason.ACTIVATION_KEY, "activation",
+                       f"activation key {activation} with that weight; kernel takes {wanted}",
+                       seen=str(activation), wanted=wanted)]
+    return [passed("keys", f"weight {weight}, activation {activation}")]
+
+
+def check_runtime(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
+    out = []
+    if runtime.dtype in kernel.dtypes:
+        out.append(passed("dtype", f"dtype {runtime.dtype}"))
+    else:
+        out.append(failed(Reason.DTYPE, "dtype", f"dtype {runtime.dtype}; kernel takes "
+                          + ", ".join(kernel.dtypes), seen=runtime.dtype, wanted=kernel.dtypes))
+    p = runtime.parallel
+    fmt = ALL2ALL_FORMATS.get(p.all2all)
+    if fmt is None:
+        out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"unknown all2all backend {p.all2all!r}; "
+                          f"known: {', '.join(ALL2ALL_FORMATS)}", seen=p.all2all))
+    elif p.ep > 1 and p.all2all not in kernel.parallel.all2all:
+        out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"all2all {p.all2all}; kernel supports "
+                          + ", ".join(kernel.parallel.all2all), seen=p.all2all, wanted=kernel.parallel.all2all))
+    elif fmt not in kernel.activation_formats:
+        out.append(failed(Reason.ACTIVATION_FORMAT, "activation_format",
+                          f"all2all {p.all2all} delivers the {fmt} format; kernel takes "
+                          + ", ".join(kernel.activation_formats), seen=fmt, wanted=kernel.activation_formats))
+    else:
+        out.append(passed("activation_format", f"{fmt} format"))
+    for mode, size in (("tp", p.tp), ("ep", p.ep), ("dp", p.dp)):
+        if size > 1 and not getattr(kernel.parallel, mode):
+            out.append(failed(Reason.PARALLEL, f"parallel.{mode}", f"{mode} = {size}; kernel does not "
+                              f"support {mode.upper()}", seen=size, wanted=1))
+    return out
+
+
+def check_shape(kernel: KernelSpec, runtime: RuntimeConfig, bindings: Mapping[str, Any]) -> list[Check]:
+    shape = runtime.local_shape()
+    if shape is None:
+        return [passed("shape", "no model shape given: shape limits not checked")] if kernel.shapes else []
+    out = []
+    if shape.activation in kernel.activations:
+        out.append(passed("activation", f"activation {shape.activation}"))
+    else:
+        out.append(failed(Reason.ACTIVATION_FN, "activation", f"activation {shape.activation}; kernel takes "
+                          + ", ".join(kernel.activations), seen=shape.activation, wanted=kernel.activations))
+    dims = {"hidden": shape.hidden, "intermediate": shape.intermediate, "experts": shape.num_experts,
+            "top_k": shape.top_k, "tokens": runtime.max_tokens}
+    values = {f"${k}": v for k, v in bindings.items() if isinstance(v, int) and not isinstance(v, bool)}
+    for dim, limit in kernel.shapes.items():
+        seen = dims[dim]
+        for attr, reason in (("multiple_of", Reason.SHAPE_MULTIPLE), ("min", Reason.SHAPE_MIN),
+                             ("max", Reason.SHAPE_MAX)):
+            raw = getattr(limit, attr)
+            if raw is None:
+                continue
+            try:
+                bound = parse_expr(raw).evaluate(values)
+            except ExprError as err:
+                out.append(failed(Reason.SHAPE_UNKNOWN, f"shapes.{dim}.{attr}", str(err)))
+                continue
+            ok = (seen % bound == 0 if bound > 0 else True) if attr == "multiple_of" else (
+                seen >= bound if attr == "min" else seen <= bound)
+            if not ok:
+                word = {"multiple_of": "a multiple of", "min": "at least", "max": "at most"}[attr]
+                out.append(failed(reason, f"shapes.{dim}", f"{dim} = {seen}; kernel wants {word} {bound}",
+                                  seen=seen, wanted=bound))
+    if len(out) == 1 and kernel.shapes:
+        out.append(passed("shapes", "within " + ", ".join(kernel.shapes) + " limits"))
+    return out
+
+
+def check_features(kernel: KernelSpec, runtime: RuntimeConfig, scheme_features: Mapping[str, bool],
+                   weight: QuantKey) -> list[Check]:
+    needed = {name for name, on in scheme_features.items() if on}
+    if weight.zero_point != "none":
+        needed.add("zero_point")
+    shape = runtime.shape
+    if shape is not None and shape.has_bias:
+        needed.add("bias")
+    if runtime.router_weight_on_input:
+        needed.add("router_weight_on_input")
+    missing = sorted(needed - set(kernel.features))
+    if missing:
+        return [failed(Reason.FEATURE, "features", f"needs {', '.join(missing)}; kernel has "
+                       + (", ".join(kernel.features) or "none"), seen=sorted(needed), wanted=kernel.features)]
+    return [passed("features", f"features {', '.join(sorted(needed))}")] if needed else []
+
+
+def check_converter(kernel: KernelSpec, checkpoint_format: str) -> list[Check]:
+    if (checkpoint_format, kernel.layout) in declared_converters():
+        return []
+    return [failed(Reason.CONVERTER, "layout", f"no converter from {checkpoint_format} to layout "
+                   f"{kernel.layout}", seen=checkpoint_format, wanted=kernel.layout)]
+
+
+def kernel_checks(kernel: KernelSpec, runtime: RuntimeConfig, weight: QuantKey, activation: QuantKey,
+                  bindings: Mapping[str, Any], scheme_features: Mapping[str, bool],
+                  checkpoint_format: str) -> tuple[Check, ...]:
+    """Every declared constraint of ``kernel`` against the situation."""
+    return tuple(check_platform(kernel, runtime) + check_packages(kernel, runtime)
+                 + check_keys(kernel, weight, activation) + check_runtime(kernel, runtime)
+                 + check_shape(kernel, runtime, bindings)
+                 + check_features(kernel, runtime, scheme_features, weight)
+                 + check_converter(kernel, checkpoint_format))

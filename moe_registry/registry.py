@@ -1,0 +1,295 @@
+"""Loading specs: built-ins shipped in the wheel, then user dirs that add or override them.
+
+Loading validates every file (pydantic models, key templates, shape expressions, references
+between specs) and collects every problem, so ``validate`` can list them all, one per line.
+Nothing here imports kernel code or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from pydantic import ValidationError
+
+from moe_registry.errors import SpecError
+from moe_registry.expr import parse_expr
+from moe_registry.keys import KeyError_, parse_quant_key
+from moe_registry.spec_models import SPEC_KINDS, KernelSpec, ModelFamilySpec, SchemeSpec, Strict
+from moe_registry.yamlio import line_of, load_yaml_file
+
+T = TypeVar("T", bound=Strict)
+SPEC_PATH_ENV = "MOE_REGISTRY_SPEC_PATH"
+_TEMPLATE_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+@dataclass(frozen=True)
+class Loaded(Generic[T]):
+    """A validated spec and where it came from; ``overrides`` names the file it replaced."""
+
+    spec: T
+    path: str
+    line: int
+    builtin: bool
+    overrides: str | None = None
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Every known scheme, kernel and model family, by name."""
+
+    schemes: Mapping[str, Loaded[SchemeSpec]]
+    kernels: Mapping[str, Loaded[KernelSpec]]
+    families: Mapping[str, Loaded[ModelFamilySpec]]
+    problems: tuple[SpecError, ...] = field(default=())
+
+    def scheme(self, name: str) -> SchemeSpec:
+        return self.schemes[name].spec
+
+    def kernel(self, name: str) -> KernelSpec:
+        return self.kernels[name].spec
+
+
+def builtin_spec_dir() -> Path:
+    """The specs shipped with the package (the repo's specs/ in a checkout)."""
+    return Path(str(resources.files("moe_registry.specs_data")))
+
+
+def fill_template(text: str, bindings: Mapping[str, Any]) -> str:
+    """Replace each ``$name`` with the binding's value (booleans as true/false)."""
+
+    def value(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in bindings:
+            raise KeyError_(f"${name} is not bound (bindings: {', '.join(sorted(bindings)) or 'none'})")
+        v = bindings[name]
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return _TEMPLATE_RE.sub(value, text)
+
+
+def _pydantic_problems(err: ValidationError, path: str, data: Any) -> list[SpecError]:
+    out = []
+    for e in err.errors():
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
+        # DetectSpec is written flat in YAML; drop its synthetic 'fields' level for the line lookup.
+        lookup = [p for p in loc if p != "fields"]
+        dotted = ".".join(str(p) for p in loc if p != "fields") or "(top)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and e["type"] not in ("value_error",):
+            msg = f"{msg}, got {e['input']!r}"[:300]
+        msg = msg.removeprefix("Value error, ")
+        out.append(SpecError(path, line_of(data, *lookup), msg, field=dotted))
+    return out
+
+
+def parse_spec(data: Any, path: str) -> Strict:
+    """Validate one parsed YAML document into its spec model."""
+    if not isinstance(data, dict):
+        raise SpecError(path, line_of(data), "a spec must be a mapping")
+    kinds = [k for k in SPEC_KINDS if k in data]
+    if len(kinds) != 1:
+        raise SpecError(path, getattr(data, "line", 1),
+                        "a spec needs exactly one of the top-level keys: scheme, kernel, family")
+    model = SPEC_KINDS[kinds[0]]
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        problems = _pydantic_problems(err, path, data)
+        raise (problems[0] if len(problems) == 1 else SpecErrors(problems)) from None
+
+
+class SpecErrors(SpecError):
+    """Several problems in one file; ``str`` lists them one per line."""
+
+    def __init__(self, problems: list[SpecError]) -> None:
+        self.problems = problems
+        first = problems[0]
+        super().__init__(first.path, first.line, first.message, first.field)
+        self.args = ("\n".join(str(p) for p in problems),)
+
+
+def binding_samples(scheme: SchemeSpec) -> list[dict[str, Any]]:
+    """Binding values to validate templates with: each listed value, else the default."""
+    samples: list[dict[str, Any]] = [{}]
+    for name, rule in scheme.bind.items():
+        if rule.value is not None:
+            values = [rule.value]
+        elif rule.map:
+            values = list(rule.map.values())
+        elif rule.one_of:
+            values = list(rule.one_of)
+        elif rule.default is not None:
+            values = [rule.default]
+        else:
+            values = [128]
+        samples = [{**s, name: v} for s in samples for v in values]
+    return samples[:64]
+
+
+def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, Any]) -> list[SpecError]:
+    scheme, path = loaded.spec, loaded.path
+    problems: list[SpecError] = []
+    for sample in binding_samples(scheme):
+        for fld in ("weight", "activation"):
+            text = getattr(scheme, fld)
+            try:
+                parse_quant_key(fill_template(text, sample))
+            except KeyError_ as err:
+                problems.append(SpecError(path, line_of(data, fld), str(err), field=fld))
+                break
+        for fname, value in scheme.features.items():
+            if isinstance(value, str):
+                try:
+                    resolved = fill_template(value, sample)
+                except KeyError_ as err:
+                    problems.append(SpecError(path, line_of(data, "features", fname), str(err),
+                                              field=f"features.{fname}"))
+                    continue
+                if resolved not in ("true", "false"):
+                    problems.append(SpecError(path, line_of(data, "features", fname),
+                                              f"must be true, false or a boolean $binding, got {value!r}",
+                                              field=f"features.{fname}"))
+    bound = set(scheme.bind)
+    for tname, tensor in scheme.checkpoint.tensors.items():
+        for i, dim in enumerate(tensor.shape):
+            expr = parse_expr(dim)
+            unknown = (expr.names - {"in", "out"}) | (expr.bindings - bound)
+            if unknown:
+                problems.append(SpecError(
+                    path, line_of(data, "checkpoint", "tensors", tname),
+                    f"shape[{i}] {dim!r} uses {', '.join(sorted(unknown))}; known: in, out, "
+                    + ", ".join("$" + b for b in sorted(bound)),
+                    field=f"checkpoint.tensors.{tname}.shape"))
+    for i, kname in enumerate(scheme.kernels):
+        if kname not in kernels:
+            problems.append(SpecError(path, line_of(data, "kernels", i),
+                                      f"unknown kernel {kname!r}; known: {', '.join(sorted(kernels))}",
+                                      field="kernels"))
+    if len(set(scheme.kernels)) != len(scheme.kernels):
+        problems.append(SpecError(path, line_of(data, "kernels"), "a kernel is listed twice",
+                                  field="kernels"))
+    return problems
+
+
+def _check_kernel(loaded: Loaded[KernelSpec], data: Any) -> list[SpecError]:
+    problems = []
+    for dim, limit in loaded.spec.shapes.items():
+        for attr in ("multiple_of", "min", "max"):
+            value = getattr(limit, attr)
+            if value is None:
+                continue
+            expr = parse_expr(value)
+            if expr.names:
+                problems.append(SpecError(loaded.path, line_of(data, "shapes", dim, attr),
+                                          f"may only use integers and $bindings, got {value!r}",
+                                          field=f"shapes.{dim}.{attr}"))
+    return problems
+
+
+def spec_files(directory: Path) -> list[Path]:
+    """The spec files of a spec dir: *.yaml and *.yml, in its schemes/, kernels/ and models/ or
+    directly in it."""
+    files: list[Path] = []
+    for sub in ("", "schemes", "kernels", "models"):
+        d = directory / sub if sub else directory
+        if d.is_dir():
+            files += sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    return files
+
+
+def user_spec_dirs(extra: Iterable[str | Path] = ()) -> list[Path]:
+    """User dirs from the environment (``MOE_REGISTRY_SPEC_PATH``, os.pathsep-separated) and flags."""
+    dirs = [Path(p) for p in os.environ.get(SPEC_PATH_ENV, "").split(os.pathsep) if p]
+    return dirs + [Path(p) for p in extra]
+
+
+def load_registry(extra_dirs: Iterable[str | Path] = (), *, builtin: bool = True,
+                  strict: bool = True) -> Registry:
+    """Load built-in and user specs. With ``strict`` any problem raises (all of them, listed);
+    otherwise problems are kept in ``Registry.problems`` and the bad specs are left out."""
+    sources: list[tuple[Path, Path]] = []
+    if builtin:
+        sources += [(p, builtin_spec_dir()) for p in spec_files(builtin_spec_dir())]
+    for d in user_spec_dirs(extra_dirs):
+        if not d.is_dir():
+            err = SpecError(str(d), None, "spec dir does not exist")
+            if strict:
+                raise err
+            continue
+        sources += [(p, d) for p in spec_files(d)]
+    return build_registry(sources, strict=strict)
+
+
+def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> Registry:
+    """Validate ``(path, spec root)`` files in order; a later root overrides an earlier one by
+    name, while two files of one root defining one name is an error."""
+    problems: list[SpecError] = []
+    tables: dict[str, dict[str, Loaded[Any]]] = {"scheme": {}, "kernel": {}, "family": {}}
+    raw: dict[str, Any] = {}
+    roots: dict[str, Path] = {}
+    builtin_root = builtin_spec_dir()
+    for path, root in sources:
+        is_builtin = root == builtin_root
+        try:
+            data = load_yaml_file(path)
+            spec = parse_spec(data, str(path))
+        except SpecErrors as err:
+            problems += err.problems
+            continue
+        except SpecError as err:
+            problems.append(err)
+            continue
+        kind = next(k for k in SPEC_KINDS if k in data)
+        name = getattr(spec, kind)
+        table = tables[kind]
+        prev = table.get(name)
+        overrides = None
+        if prev is not None:
+            if roots[f"{kind}:{name}"] == root:
+                problems.append(SpecError(str(path), line_of(data, kind),
+                                          f"duplicate {kind} name {name!r} (also in {prev.path}:{prev.line})",
+                                          field=kind))
+                continue
+            overrides = prev.path
+        table[name] = Loaded(spec, str(path), line_of(data, kind) or 1, is_builtin, overrides)
+        raw[f"{kind}:{name}"] = data
+        roots[f"{kind}:{name}"] = root
+    for name, loaded in list(tables["scheme"].items()):
+        found = _check_scheme(loaded, raw[f"scheme:{name}"], tables["kernel"])
+        if found:
+            problems += found
+            del tables["scheme"][name]
+    for name, loaded in list(tables["kernel"].items()):
+        found = _check_kernel(loaded, raw[f"kernel:{name}"])
+        if found:
+            problems += found
+            del tables["kernel"][name]
+    if problems and strict:
+        raise SpecErrors(problems)
+    return Registry(tables["scheme"], tables["kernel"], tables["family"], tuple(problems))
+
+
+def validate_paths(paths: Iterable[str | Path]) -> list[SpecError]:
+    """Every problem in the given files or dirs, checked together with the built-ins they refer to."""
+    builtin = builtin_spec_dir()
+    sources = [(p, builtin) for p in spec_files(builtin)]
+    for p in map(Path, paths):
+        if p.resolve() == builtin.resolve():
+            continue
+        if p.is_dir():
+            sources += [(f, p) for f in spec_files(p)]
+        elif p.exists():
+            sources.append((p, p))
+        else:
+            return [SpecError(str(p), None, "no such file or directory")]
+    return list(build_registry(sources, strict=False).problems)
