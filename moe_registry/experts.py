@@ -43,3 +43,9 @@ class Experts(abc.ABC):
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts' output for every token, already weighted and summed over top-k."""
+
+    def apply_batched(self, hidden: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """Batched format: ``hidden`` [E, T, H] with ``expert_num_tokens`` [E] valid rows per
+        expert; returns [E, T, H] without router weights (finalize applies them). Kernels whose
+        spec lists the batched format implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement the batched activation format")

@@ -70,7 +70,8 @@ def _check(node: ast.AST, text: str, names: set[str], depth: int) -> None:
         raise ExprError(f"expression {text!r} nests too deeply")
     if isinstance(node, ast.Constant):
         if not isinstance(node.value, int) or isinstance(node.value, bool):
-            raise ExprError(f"only integer constants are allowed in {text!r}, got {node.value!r}")
+            seen = "a string" if isinstance(node.value, str) else repr(node.value)  # (strings are mangled)
+            raise ExprError(f"only integer constants are allowed in {text!r}, got {seen}")
         return
     if isinstance(node, ast.Name):
         names.add(node.id)

@@ -12,6 +12,9 @@ One-line string form (round-trips through :func:`parse_quant_key` and ``str``)::
     fp8e4m3 scale:e8m0:block(1x32):static
     fp8e4m3 scale:float32:block(128x128):static
 
+``block(1xN)`` is written back as ``group(N)``, and a dynamic ``channel`` scale as ``token``
+(they are the same shapes); parse(str(key)) == key always holds.
+
 Tokens after the scalar type are ``scale:<dtype>:<group>:<static|dynamic>``,
 ``zp:<none|group>`` and ``scale2:<dtype>:<group>:<static|dynamic>`` (a second-level scale).
 """
@@ -141,7 +144,9 @@ class ScaleSpec:
     dynamic: bool = False
 
     def __str__(self) -> str:
-        return f"{self.dtype}:{self.group}:{'dynamic' if self.dynamic else 'static'}"
+        # A dynamic scale over one row is a per-token activation scale: say so.
+        group = "token" if self.dynamic and self.group == PER_TOKEN else str(self.group)
+        return f"{self.dtype}:{group}:{'dynamic' if self.dynamic else 'static'}"
 
 
 ZeroPoint = Literal["none", "group"]
@@ -225,9 +230,31 @@ def parse_quant_key(text: str) -> QuantKey:
         else:
             raise KeyError_(f"unknown token {tok!r} in quant key {text!r}; wanted scale:, zp: or scale2:")
     if scale is None:
+        if zp != "none" or scale2 is not None:
+            raise KeyError_(f"quant key {text!r} has a zero point or second scale but no scale:")
         if dtype.is_float and dtype.bits >= 16 and not rest:
             return UNQUANTIZED
         raise KeyError_(f"quant key {text!r} has no scale; a quantized key needs scale:<dtype>:<group>")
     if zp == "group" and dtype.is_float:
         raise KeyError_(f"quant key {text!r}: a float type cannot carry a zero point")
     return QuantKey(dtype, scale, zp, scale2)
+
+
+def canonical_pattern(pattern: str) -> str:
+    """A key pattern with each wildcard-free group shape written as ``str(GroupShape)`` does, so
+    that ``block(1x32)`` in a spec matches the canonical ``group(32)``."""
+    out = []
+    for token in pattern.split():
+        name, _, body = token.partition(":")
+        fields = body.split(":")
+        if name in ("scale", "scale2") and len(fields) >= 2 and "*" not in fields[1]:
+            try:
+                shape = parse_group_shape(fields[1])
+            except KeyError_:
+                shape = None
+            if shape is not None:
+                dynamic = len(fields) > 2 and fields[2] == "dynamic"
+                fields[1] = "token" if dynamic and shape == PER_TOKEN else str(shape)
+            token = f"{name}:{':'.join(fields)}"
+        out.append(token)
+    return " ".join(out)

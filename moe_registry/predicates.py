@@ -16,7 +16,7 @@ from typing import Any
 
 from moe_registry.checks import Check, Reason, failed, passed
 from moe_registry.expr import ExprError, parse_expr
-from moe_registry.keys import QuantKey
+from moe_registry.keys import QuantKey, canonical_pattern
 from moe_registry.runtime import RuntimeConfig
 from moe_registry.spec_models import KernelSpec
 
@@ -81,7 +81,7 @@ def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
 
 def _key_matches(key: QuantKey, patterns: list[str]) -> bool:
     text = str(key)
-    return any(fnmatch.fnmatchcase(text, p) for p in patterns)
+    return any(fnmatch.fnmatchcase(text, canonical_pattern(p)) for p in patterns)
 
 
 def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> list[Check]:

@@ -77,9 +77,11 @@ def _pydantic_problems(err: ValidationError, path: str, data: Any) -> list[SpecE
     out = []
     for e in err.errors():
         loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
-        # DetectSpec is written flat in YAML; drop its synthetic 'fields' level for the line lookup.
-        lookup = [p for p in loc if p != "fields"]
-        dotted = ".".join(str(p) for p in loc if p != "fields") or "(top)"
+        # DetectSpec is written flat in YAML; drop its synthetic 'fields' level (only that one: a
+        # family spec has a real 'fields' key).
+        lookup = [p for i, p in enumerate(loc) if p != "[key]"  # (pydantic's marker for a bad dict key)
+                  and not (p == "fields" and i and loc[i - 1] == "detect")]
+        dotted = ".".join(str(p) for p in lookup) or "(top)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
@@ -163,12 +165,12 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
     for tname, tensor in scheme.checkpoint.tensors.items():
         for i, dim in enumerate(tensor.shape):
             expr = parse_expr(dim)
-            unknown = (expr.names - {"in", "out"}) | (expr.bindings - bound)
+            unknown = sorted(expr.names - {"in", "out"}) + ["$" + b for b in sorted(expr.bindings - bound)]
             if unknown:
                 problems.append(SpecError(
                     path, line_of(data, "checkpoint", "tensors", tname),
-                    f"shape[{i}] {dim!r} uses {', '.join(sorted(unknown))}; known: in, out, "
-                    + ", ".join("$" + b for b in sorted(bound)),
+                    f"shape[{i}] {dim!r} uses {', '.join(unknown)}; known: "
+                    + ", ".join(["in", "out"] + ["$" + b for b in sorted(bound)]),
                     field=f"checkpoint.tensors.{tname}.shape"))
     for i, kname in enumerate(scheme.kernels):
         if kname not in kernels:

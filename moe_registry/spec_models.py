@@ -351,12 +351,13 @@ class ModelFamilySpec(Strict):
                           "routed_scaling_factor"], FieldRef] = Field(default_factory=dict)
     naming: Naming
 
-    @model_validator(mode="after")
-    def _required(self) -> ModelFamilySpec:
-        missing = {"num_experts", "top_k", "hidden", "intermediate", "num_layers"} - set(self.fields)
+    @field_validator("fields")
+    @classmethod
+    def _required(cls, fields: dict[str, FieldRef]) -> dict[str, FieldRef]:
+        missing = {"num_experts", "top_k", "hidden", "intermediate", "num_layers"} - set(fields)
         if missing:
             raise ValueError(f"fields is missing {', '.join(sorted(missing))}")
-        return self
+        return fields
 
 
 SPEC_KINDS: dict[str, type[Strict]] = {

@@ -1,0 +1,165 @@
+"""The torch reference experts: what a scheme means, computed from dequantized weights.
+
+Per expert e and each token row x routed to it::
+
+    x = x * w_router               (only with apply_router_weight_on_input; top_k must be 1)
+    x = fake_quant(x, activation_key, w13.input_scale)
+    h = x @ W13[e]^T + b13[e]
+    a = act_and_mul(h, activation)
+    a = fake_quant(a, activation_key, w2.input_scale)
+    y = a @ W2[e]^T + b2[e]
+    out[token] += w_router * y     (unless the weight was applied on the input)
+
+``fake_quant`` is :func:`quant_ref.fake_quantize_activation` (identity when unquantized). The
+float32 path (:class:`ReferenceExperts`) is what every kernel is checked against; the float64 path
+(:func:`reference_moe`) runs the same code and checks the reference itself. This is a reference:
+it reads expert token counts on the host, so it synchronises with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.dequant import dequantize
+from moe_registry_kernels.quant_ref import fake_quantize_activation
+
+from moe_registry.experts import Experts, ExpertsConfig
+from moe_registry.keys import QuantKey
+from moe_registry.weights import ExpertWeights
+
+__all__ = ["DenseExperts", "dense_experts", "ReferenceExperts", "reference_moe", "reference_moe_batched"]
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """Experts dequantized once into ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of one compute dtype."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    input_scale13: torch.Tensor | None
+    input_scale2: torch.Tensor | None
+    activation_key: QuantKey
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.w13.shape[0])
+
+
+def dense_experts(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> DenseExperts:
+    """Dequantize both projections (and cast biases) to ``dtype``."""
+    if weights.layout != "nk":
+        raise ValueError(f"the reference reads layout 'nk', got {weights.layout!r}")
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    return DenseExperts(
+        w13=dequantize(weights.w13, weights.weight_key, dtype=dtype),
+        w2=dequantize(weights.w2, weights.weight_key, dtype=dtype),
+        b13=cast(weights.w13.bias),
+        b2=cast(weights.w2.bias),
+        input_scale13=weights.w13.input_scale,
+        input_scale2=weights.w2.input_scale,
+        activation_key=weights.activation_key,
+    )
+
+
+def _expert_mlp(dense: DenseExperts, e: int, x: torch.Tensor, activation: str,
+                dtype: torch.dtype) -> torch.Tensor:
+    """One expert on rows x [T, H] -> [T, H] in ``dtype`` (no router weight)."""
+    key = dense.activation_key
+    xq = fake_quantize_activation(x, key, dense.input_scale13, dtype)
+    h = xq @ dense.w13[e].T
+    if dense.b13 is not None:
+        h = h + dense.b13[e]
+    a = act_and_mul(h, activation)
+    aq = fake_quantize_activation(a, key, dense.input_scale2, dtype)
+    y = aq @ dense.w2[e].T
+    if dense.b2 is not None:
+        y = y + dense.b2[e]
+    return y
+
+
+def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+         config: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Standard-format layer [M, H] -> [M, H] in ``dtype``."""
+    m, top_k = topk_ids.shape
+    num_experts = dense.num_experts
+    if config.apply_router_weight_on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {top_k}")
+    out = torch.zeros(m, hidden.shape[1], dtype=dtype, device=hidden.device)
+    if m == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    lo, hi = int(flat_ids.min()), int(flat_ids.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+    order = torch.argsort(flat_ids, stable=True)
+    tokens = order // top_k
+    router = topk_weights.reshape(-1)[order].to(dtype)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok, w = tokens[start:start + n], router[start:start + n, None]
+        start += n
+        x = hidden[tok].to(dtype)
+        if config.apply_router_weight_on_input:
+            y = _expert_mlp(dense, e, x * w, config.activation, dtype)
+        else:
+            y = _expert_mlp(dense, e, x, config.activation, dtype) * w
+        out.index_add_(0, tok, y)
+    return out
+
+
+def _moe_batched(dense: DenseExperts, x: torch.Tensor, expert_num_tokens: torch.Tensor,
+                 config: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
+    """Batched-format layer [E, T, H] -> [E, T, H] in ``dtype``; rows past a count stay zero."""
+    num_experts = dense.num_experts
+    if x.dim() != 3 or x.shape[0] != num_experts:
+        raise ValueError(f"batched input must be [E={num_experts}, T, H], got {tuple(x.shape)}")
+    if expert_num_tokens.shape != (num_experts,):
+        raise ValueError(f"expert_num_tokens must be [{num_experts}], got {tuple(expert_num_tokens.shape)}")
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    for e, n in enumerate(expert_num_tokens.tolist()):
+        if n < 0 or n > x.shape[1]:
+            raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {x.shape[1]}]")
+        if n:
+            out[e, :n] = _expert_mlp(dense, e, x[e, :n].to(dtype), config.activation, dtype)
+    return out
+
+
+class ReferenceExperts(Experts):
+    """Float32 reference; weights are dequantized once here, not per call."""
+
+    def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
+        super().__init__(weights, config)
+        self.dense = dense_experts(weights, torch.float32)
+
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return _moe(self.dense, hidden, topk_weights, topk_ids, self.config, torch.float32).to(hidden.dtype)
+
+    def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """Batched format: x [E, T, H], the first expert_num_tokens[e] rows of x[e] are real; no
+        router weights here (finalize applies them). Returns [E, T, H] in x's dtype."""
+        return _moe_batched(self.dense, x, expert_num_tokens, self.config, torch.float32).to(x.dtype)
+
+
+def reference_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  weights: ExpertWeights, config: ExpertsConfig,
+                  compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Ground truth: the same computation in ``compute_dtype``; returns [M, H] in ``compute_dtype``
+    (not the hidden dtype, so comparisons keep its precision)."""
+    return _moe(dense_experts(weights, compute_dtype), hidden, topk_weights, topk_ids, config, compute_dtype)
+
+
+def reference_moe_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, weights: ExpertWeights,
+                          config: ExpertsConfig, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Batched-format ground truth, [E, T, H] in ``compute_dtype``."""
+    return _moe_batched(dense_experts(weights, compute_dtype), x, expert_num_tokens, config, compute_dtype)

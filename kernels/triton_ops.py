@@ -1,0 +1,522 @@
+"""Triton ops around the fused MoE GEMMs: token alignment, gated activations (fused with activation
+quantisation), the top-k sum, and the activation quantisers.
+
+Each op is a torch custom op (``torch.ops.moe_registry.<name>``) with a fake implementation, so
+torch.compile traces through it without a graph break and CUDA graphs can capture it. None of
+them reads a device value on the host: every output is sized from shapes alone.
+
+Quantisation reproduces :mod:`moe_registry_kernels.quant_ref` bit for bit: a true division
+(``div_rn``), round half to even, and fp8 rounding done in float32 arithmetic before the final
+(then exact) cast, because the Triton interpreter's own float8 cast rounds differently.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "align_sizes",
+    "moe_align_block_size",
+    "act_and_mul",
+    "act_and_mul_quant",
+    "moe_sum",
+    "quant_int8_per_token",
+    "quant_fp8_per_group",
+    "quant_mxfp8",
+    "act_quant",
+    "align",
+]
+
+MX_GROUP = 32  # MXFP8 block size
+# numerics of quant_ref and activations (constexpr so the kernels can read them)
+SWIGLUOAI_ALPHA = tl.constexpr(1.702)
+SWIGLUOAI_LIMIT = tl.constexpr(7.0)
+FP8_MAX = tl.constexpr(448.0)
+INT8_MAX = tl.constexpr(127.0)
+AMAX_FLOOR = tl.constexpr(1e-10)
+
+# Up to this many (token, k) pairs, alignment runs as one program (one launch: decode); above it,
+# three launches that split the pairs into chunks (prefill).
+ALIGN_ONE_PROGRAM_MAX = 1024
+
+ACTIVATIONS = ("silu", "gelu", "swigluoai")
+# act_quant modes: how the rows are quantised after the (optional) activation.
+QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# alignment: group the (token, k) pairs by expert, each expert padded to a multiple of BLOCK_M
+
+
+def align_sizes(numel: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """Worst-case (length of sorted_token_ids, number of blocks): every expert that can receive a
+    pair (at most min(numel, E) of them) adds at most block_m - 1 padding slots."""
+    max_padded = numel + min(numel, num_experts) * (block_m - 1)
+    num_blocks = triton.cdiv(max_padded, block_m)
+    return num_blocks * block_m, num_blocks
+
+
+@triton.jit
+def _one_hot_chunk(ids_ptr, start, numel, num_experts, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Pair indices [CHUNK] and their expert one-hot [CHUNK, BLOCK_E] for pairs start..start+CHUNK.
+    Ids outside [0, E) (expert parallelism marks foreign experts -1) match no expert."""
+    offs = start + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
+    ids = tl.where((ids >= 0) & (ids < num_experts), ids, -1)
+    one_hot = (ids[:, None] == tl.arange(0, BLOCK_E)[None, :]).to(tl.int32)
+    return offs, one_hot
+
+
+@triton.jit
+def _expert_ranges(counts, BLOCK_M: tl.constexpr):
+    """Per-expert [start, end) in the padded order, and the padded total."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    return ends - padded, ends, tl.sum(padded, 0)
+
+
+@triton.jit
+def _fill_expert_ids(expert_ids_ptr, ends, total, first_block, last_block,
+                     BLOCK_M: tl.constexpr, FILL: tl.constexpr):
+    """expert_ids[b] for b in [first_block, last_block): the expert whose range holds the block's
+    first slot (= number of experts ending at or before it), or -1 past the padded total."""
+    for b in range(first_block, last_block, FILL):
+        blocks = b + tl.arange(0, FILL)
+        block_start = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
+        expert = tl.where(block_start < total, expert, -1)
+        tl.store(expert_ids_ptr + blocks, expert, mask=blocks < last_block)
+
+
+@triton.jit
+def _fill_sentinel(sorted_ptr, first, last, sentinel, FILL: tl.constexpr):
+    for p in range(first, last, FILL):
+        offs = p + tl.arange(0, FILL)
+        tl.store(sorted_ptr + offs, tl.zeros([FILL], dtype=tl.int32) + sentinel, mask=offs < last)
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                              numel, num_experts, max_padded, num_blocks,
+                              BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                              FILL: tl.constexpr):
+    """Whole alignment in one program: count, lay out the expert ranges, then scatter each pair to
+    start[e] + (pairs of e seen before it). Stable: pairs keep their order within an expert."""
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        _, one_hot = _one_hot_chunk(ids_ptr, start, numel, num_experts, CHUNK, BLOCK_E)
+        counts += tl.sum(one_hot, axis=0)
+    starts, ends, total = _expert_ranges(counts, BLOCK_M)
+    tl.store(num_post_ptr, total)
+    _fill_expert_ids(expert_ids_ptr, ends, total, 0, num_blocks, BLOCK_M, FILL)
+    _fill_sentinel(sorted_ptr, 0, max_padded, numel, FILL)
+    tl.debug_barrier()  # the scatter below overwrites sentinels other threads just stored
+
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, numel, CHUNK):
+        offs, one_hot = _one_hot_chunk(ids_ptr, start, numel, num_experts, CHUNK, BLOCK_E)
+        slot = tl.cumsum(one_hot, 0) - 1 + seen[None, :] + starts[None, :]
+        dest = tl.sum(slot * one_hot, axis=1)
+        tl.store(sorted_ptr + dest, offs, mask=tl.sum(one_hot, axis=1) > 0)
+        seen += tl.sum(one_hot, axis=0)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, chunk_counts_ptr, rank_ptr, sorted_ptr,
+                        numel, num_experts, max_padded, fill_per_program,
+                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+    """Chunked path, step 1: per-chunk expert counts, each pair's rank inside its chunk, and this
+    program's share of the sentinel fill."""
+    chunk = tl.program_id(0)
+    offs, one_hot = _one_hot_chunk(ids_ptr, chunk * CHUNK, numel, num_experts, CHUNK, BLOCK_E)
+    tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(one_hot, axis=0))
+    rank = tl.sum((tl.cumsum(one_hot, 0) - 1) * one_hot, axis=1)
+    tl.store(rank_ptr + offs, rank, mask=offs < numel)
+    first = chunk * fill_per_program
+    _fill_sentinel(sorted_ptr, first, tl.minimum(first + fill_per_program, max_padded), numel, FILL)
+
+
+@triton.jit
+def _align_prefix_kernel(chunk_counts_ptr, counts_ptr, num_chunks,
+                         BLOCK_E: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
+    """Chunked path, step 2: turn per-chunk counts into the exclusive prefix over chunks (in
+    place), one program per E_TILE experts, and store each expert's total."""
+    experts = tl.program_id(0) * E_TILE + tl.arange(0, E_TILE)
+    running = tl.zeros([E_TILE], dtype=tl.int32)
+    for c in range(0, num_chunks, C_TILE):
+        chunks = c + tl.arange(0, C_TILE)
+        ptrs = chunk_counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :]
+        mask = chunks[:, None] < num_chunks
+        x = tl.load(ptrs, mask=mask, other=0)
+        tl.store(ptrs, tl.cumsum(x, 0) - x + running[None, :], mask=mask)
+        running += tl.sum(x, axis=0)
+    tl.store(counts_ptr + experts, running)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorted_ptr, expert_ids_ptr,
+                          num_post_ptr, numel, num_experts, num_blocks, blocks_per_program,
+                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
+                          FILL: tl.constexpr):
+    """Chunked path, step 3: every program recomputes the (small) expert ranges, scatters its
+    chunk and writes its share of expert_ids."""
+    chunk = tl.program_id(0)
+    counts = tl.load(counts_ptr + tl.arange(0, BLOCK_E))
+    starts, ends, total = _expert_ranges(counts, BLOCK_M)
+    if chunk == 0:
+        tl.store(num_post_ptr, total)
+    offs, one_hot = _one_hot_chunk(ids_ptr, chunk * CHUNK, numel, num_experts, CHUNK, BLOCK_E)
+    base = tl.load(chunk_prefix_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E)) + starts
+    valid = tl.sum(one_hot, axis=1) > 0
+    dest = tl.sum(one_hot * base[None, :], axis=1) + tl.load(rank_ptr + offs, mask=valid, other=0)
+    tl.store(sorted_ptr + dest, offs, mask=valid)
+    first = chunk * blocks_per_program
+    last = tl.minimum(first + blocks_per_program, num_blocks)
+    _fill_expert_ids(expert_ids_ptr, ends, total, first, last, BLOCK_M, FILL)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+          one_program_max: int = ALIGN_ONE_PROGRAM_MAX) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """See :func:`moe_align_block_size`; ``one_program_max`` picks the path (tests use it)."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    numel = ids.numel()
+    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
+    dev = ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = max(triton.next_power_of_2(num_experts), 16)
+    fill = 256
+    if numel <= one_program_max:
+        chunk = max(16, min(128, 8192 // block_e))
+        _align_one_program_kernel[(1,)](
+            ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks,
+            BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, FILL=fill, num_warps=8)
+        return sorted_ids, expert_ids, num_post
+
+    chunk = max(16, min(256, 16384 // block_e))
+    num_chunks = triton.cdiv(numel, chunk)
+    chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
+    rank = torch.empty(numel, dtype=torch.int32, device=dev)
+    counts = torch.empty(block_e, dtype=torch.int32, device=dev)
+    _align_count_kernel[(num_chunks,)](
+        ids, chunk_counts, rank, sorted_ids, numel, num_experts, max_padded,
+        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, BLOCK_E=block_e, FILL=fill, num_warps=8)
+    e_tile = 16
+    _align_prefix_kernel[(block_e // e_tile,)](
+        chunk_counts, counts, num_chunks, BLOCK_E=block_e, E_TILE=e_tile, C_TILE=64)
+    _align_scatter_kernel[(num_chunks,)](
+        ids, chunk_counts, rank, counts, sorted_ids, expert_ids, num_post, numel, num_experts,
+        num_blocks, triton.cdiv(num_blocks, num_chunks),
+        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, FILL=64, num_warps=8)
+    return sorted_ids, expert_ids, num_post
+
+
+@torch.library.custom_op("moe_registry::moe_align_block_size", mutates_args=())
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the M·k (token, k) pairs of ``topk_ids`` [M, k] by expert for block-wise GEMMs.
+
+    Returns ``sorted_token_ids`` int32 [P] (flat pair indices token·k + j, each expert's run padded
+    to a multiple of ``block_m`` with the sentinel M·k; pairs keep their order within an expert),
+    ``expert_ids`` int32 [P / block_m] (the expert of each block, -1 past the end) and
+    ``num_tokens_post_padded`` int32 [1], on the device. P = :func:`align_sizes`' worst case, so
+    nothing is read back to the host; kernels skip blocks at or past num_tokens_post_padded.
+    Ids outside [0, num_experts) are dropped (their pairs appear nowhere).
+    """
+    return align(topk_ids, num_experts, block_m)
+
+
+@moe_align_block_size.register_fake
+def _(topk_ids, num_experts, block_m):
+    max_padded, num_blocks = align_sizes(topk_ids.numel(), num_experts, block_m)
+    new = functools.partial(topk_ids.new_empty, dtype=torch.int32)
+    return new(max_padded), new(num_blocks), new(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# activation + quantisation, one row per program
+
+
+@triton.jit
+def _rint(x):
+    """Round half to even for |x| < 2^22 (adding 1.5·2^23 leaves no fraction bits); larger values
+    stay large, which the callers' clamps handle."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for integer e in [-127, 127] (2^-127 is the one subnormal)."""
+    bits = tl.where(e > -127, (e + 127) << 23, 0x400000)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3(v):
+    """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals included).
+    Rounded on the e4m3 grid in float32 first, so the cast itself is exact everywhere."""
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    biased = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal spacing
+    quantum = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    inv_quantum = ((257 - biased) << 23).to(tl.float32, bitcast=True)
+    return (_rint(v * inv_quantum) * quantum).to(tl.float8e4nv)
+
+
+@triton.jit
+def _to_int8(v):
+    return tl.minimum(tl.maximum(_rint(v), -128.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _mx_exponent(amax):
+    """floor(log2(amax)) - 8 from the float32 exponent bits, clamped to [-127, 127]; zero and
+    subnormal amax land on -127, as in quant_ref."""
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return tl.minimum(tl.maximum(biased - 127 - 8, -127), 127)
+
+
+@triton.jit
+def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
+    """float32 values of one row chunk: act(gate) * up over a fused [gate | up] row, or x itself."""
+    if ACTIVATION == "none":
+        out = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == "silu":
+            out = gate / (1.0 + tl.exp(-gate)) * up
+        elif ACTIVATION == "gelu":
+            out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+        else:  # swigluoai (gpt-oss)
+            gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
+            up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
+            out = (up + 1.0) * gate / (1.0 + tl.exp(gate * -SWIGLUOAI_ALPHA))
+    return out * row_scale
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
+                      D, stride_x, stride_out, stride_scale,
+                      ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
+                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: optional gated activation ([2D] -> [D]), optional row factor (router weight on
+    the input), then store as the activation dtype or quantise (see QUANT_MODES)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    row_scale = 1.0
+    if HAS_ROW_SCALE:
+        row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
+
+    if QUANT == "int8_token":  # first pass: the row's amax
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for d in range(0, D, BLOCK):
+            cols = d + tl.arange(0, BLOCK)
+            v = _row_values(x_row, cols, cols < D, D, row_scale, ACTIVATION)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), INT8_MAX)
+        tl.store(scale_ptr + row * stride_scale, scale)
+    elif QUANT == "int8_static" or QUANT == "fp8_static":
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+
+    for d in range(0, D, BLOCK):
+        cols = d + tl.arange(0, BLOCK)
+        mask = cols < D
+        v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
+        if QUANT == "none":
+            tl.store(out_row + cols, v.to(out_ptr.dtype.element_ty), mask=mask)
+        elif QUANT == "int8_token" or QUANT == "int8_static":
+            tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
+        elif QUANT == "fp8_static":
+            tl.store(out_row + cols, _to_e4m3(tl.math.div_rn(v, scale)), mask=mask)
+        else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
+            v = tl.reshape(v, (BLOCK // GROUP, GROUP))
+            amax = tl.max(tl.abs(v), axis=1)
+            if QUANT == "fp8_group":
+                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+                stored = scale
+            else:
+                e = _mx_exponent(amax)
+                scale = _pow2(e)
+                stored = (e + 127).to(tl.uint8)
+            q = _to_e4m3(tl.math.div_rn(v, scale[:, None]))
+            tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
+            groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
+            tl.store(scale_ptr + row * stride_scale + groups, stored, mask=groups < tl.cdiv(D, GROUP))
+
+
+def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: torch.Tensor | None = None,
+              row_scale: torch.Tensor | None = None, group: int = 128,
+              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
+    ACTIVATIONS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
+    [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
+    [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. Plain implementation
+    behind the custom ops (no dispatcher hop inside the fused layer)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t, d_in = x.shape
+    d = d_in if activation == "none" else d_in // 2
+    dev = x.device
+    if quant == "mxfp8":
+        group = MX_GROUP
+    scale: torch.Tensor | None = None
+    if quant == "none":
+        out = torch.empty(t, d, dtype=out_dtype or x.dtype, device=dev)
+    elif quant.startswith("int8"):
+        out = torch.empty(t, d, dtype=torch.int8, device=dev)
+        scale = torch.empty(t, 1, dtype=torch.float32, device=dev) if quant == "int8_token" else static_scale
+    else:
+        out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=dev)
+        if quant == "fp8_static":
+            scale = static_scale
+        else:
+            sdt = torch.uint8 if quant == "mxfp8" else torch.float32
+            scale = torch.empty(t, triton.cdiv(d, group), dtype=sdt, device=dev)
+    if t == 0:
+        return out, scale
+    block = max(min(triton.next_power_of_2(d), 2048), group if quant in ("fp8_group", "mxfp8") else 16)
+    dummy = out
+    scale_arg = scale if scale is not None else dummy
+    _act_quant_kernel[(t,)](
+        x, out, scale_arg, static_scale if static_scale is not None else dummy,
+        row_scale if row_scale is not None else dummy,
+        d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0,
+        ACTIVATION=activation, QUANT=quant, GROUP=group, HAS_ROW_SCALE=row_scale is not None,
+        BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out, scale
+
+
+@torch.library.custom_op("moe_registry::act_and_mul", mutates_args=())
+def act_and_mul(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """[T, 2I] -> [T, I] in x's dtype: act(gate) * up, gate = first half, up = second half;
+    activation is silu, gelu (erf) or swigluoai. Computed in float32."""
+    return act_quant(x, activation, "none")[0]
+
+
+@act_and_mul.register_fake
+def _(x, activation):
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+@torch.library.custom_op("moe_registry::act_and_mul_quant", mutates_args=())
+def act_and_mul_quant(x: torch.Tensor, activation: str, quant: str,
+                      static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_and_mul fused with activation quantisation (``quant`` in QUANT_MODES except "none"),
+    quantising the float32 activation directly (no rounding to 16 bits in between)."""
+    q, s = act_quant(x, activation, quant, static_scale=static_scale)
+    return q, s.clone() if s is static_scale else s
+
+
+@act_and_mul_quant.register_fake
+def _(x, activation, quant, static_scale=None):
+    return _fake_quant(x.shape[0], x.shape[1] // 2, quant, x, static_scale)
+
+
+def _fake_quant(t, d, quant, like, static_scale):
+    qdt = torch.int8 if quant.startswith("int8") else torch.float8_e4m3fn
+    if quant == "int8_token":
+        s = like.new_empty(t, 1, dtype=torch.float32)
+    elif quant in ("int8_static", "fp8_static"):
+        s = static_scale.new_empty(static_scale.shape)
+    elif quant == "mxfp8":
+        s = like.new_empty(t, triton.cdiv(d, MX_GROUP), dtype=torch.uint8)
+    else:
+        s = like.new_empty(t, triton.cdiv(d, 128), dtype=torch.float32)
+    return like.new_empty(t, d, dtype=qdt), s
+
+
+@torch.library.custom_op("moe_registry::quant_int8_per_token", mutates_args=())
+def quant_int8_per_token(x: torch.Tensor,
+                         static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> int8 codes and float32 scales [T, 1] (amax / 127 per row), or with a static
+    per-tensor ``static_scale`` [1], codes against it (returned scale: a copy of it)."""
+    q, s = act_quant(x, "none", "int8_token" if static_scale is None else "int8_static",
+                     static_scale=static_scale)
+    return q, s.clone() if s is static_scale else s
+
+
+@quant_int8_per_token.register_fake
+def _(x, static_scale=None):
+    return _fake_quant(x.shape[0], x.shape[1], "int8_token" if static_scale is None else "int8_static",
+                       x, static_scale)
+
+
+@torch.library.custom_op("moe_registry::quant_fp8_per_group", mutates_args=())
+def quant_fp8_per_group(x: torch.Tensor, group_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> float8_e4m3fn codes and float32 scales [T, ceil(K/group)] (amax / 448 per group;
+    group_size a power of two)."""
+    return act_quant(x, "none", "fp8_group", group=group_size)
+
+
+@quant_fp8_per_group.register_fake
+def _(x, group_size=128):
+    t, k = x.shape
+    return x.new_empty(t, k, dtype=torch.float8_e4m3fn), x.new_empty(t, triton.cdiv(k, group_size),
+                                                                       dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_registry::quant_mxfp8", mutates_args=())
+def quant_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> MXFP8: float8_e4m3fn codes and raw e8m0 exponents uint8 [T, ceil(K/32)]."""
+    return act_quant(x, "none", "mxfp8")
+
+
+@quant_mxfp8.register_fake
+def _(x):
+    return _fake_quant(x.shape[0], x.shape[1], "mxfp8", x, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# top-k reduction
+
+
+@triton.jit
+def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_xk, stride_om,
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        v = tl.load(x_ptr + row * stride_xm + j * stride_xk + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            v *= tl.load(w_ptr + row * TOP_K + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_topk(x: torch.Tensor, topk_weights: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain implementation of :func:`moe_sum` (optionally into ``out``)."""
+    m, top_k, h = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if topk_weights is not None:
+        topk_weights = topk_weights.contiguous()
+    block_h = min(triton.next_power_of_2(h), 1024)
+    _moe_sum_kernel[(m, triton.cdiv(h, block_h))](
+        x, topk_weights if topk_weights is not None else x, out, h, x.stride(0), x.stride(1), out.stride(0),
+        TOP_K=top_k, HAS_WEIGHTS=topk_weights is not None, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("moe_registry::moe_sum", mutates_args=())
+def moe_sum(x: torch.Tensor, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, k, H] -> [M, H] in x's dtype: sum over k, weighted by ``topk_weights`` [M, k] when the
+    router weights were not applied already. Accumulates in float32."""
+    return sum_topk(x, topk_weights)
+
+
+@moe_sum.register_fake
+def _(x, topk_weights=None):
+    return x.new_empty(x.shape[0], x.shape[2])

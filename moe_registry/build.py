@@ -1,0 +1,167 @@
+"""From a model dir to a ready layer: oracle → checked checkpoint tensors → format converter →
+the chosen kernel's Experts class in a FusedMoEKernel. Nothing half-built is returned: every
+check runs before the kernel is constructed."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
+from moe_registry.errors import CheckpointError, ConfigError
+from moe_registry.experts import Experts, ExpertsConfig
+from moe_registry.explain import Flags, situation_for
+from moe_registry.formats import get_converter
+from moe_registry.formats.registry import ConvertContext
+from moe_registry.model_config import ModelConfig, read_model_config
+from moe_registry.modular import FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.oracle import select
+from moe_registry.registry import Registry, load_registry
+from moe_registry.report import Report
+from moe_registry.routing import Routing, grouped_topk, softmax_topk
+from moe_registry.spec_models import KernelSpec
+from moe_registry.weights import ExpertWeights
+
+log = logging.getLogger("moe_registry")
+_LOGGED: set[tuple[str, str, str, str]] = set()
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def experts_class(kernel: KernelSpec) -> type[Experts]:
+    """Import the kernel's implementation (only now: specs never import kernels)."""
+    module_name, _, cls_name = kernel.impl.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Experts)):
+        raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} is not an Experts class")
+    return cls
+
+
+@dataclass(frozen=True)
+class BuiltKernel:
+    """The oracle's report, the converted weights and the ready kernel."""
+
+    report: Report
+    weights: ExpertWeights
+    kernel: FusedMoEKernel
+    tolerance: float
+
+
+def _device_for(report: Report, device: str | torch.device | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if report.situation.runtime.platform.device in ("cuda", "rocm") else "cpu")
+
+
+def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors, *,
+                       device: str | torch.device | None = None, tensor_name: Any = None) -> BuiltKernel:
+    """Convert checked checkpoint tensors with the converter for (format, kernel layout) and wrap
+    the chosen kernel."""
+    assert report.scheme is not None and report.chosen is not None
+    scheme = registry.scheme(report.scheme.scheme)
+    kernel_spec = registry.kernel(report.chosen)
+    runtime = report.situation.runtime
+    convert = get_converter(scheme.checkpoint.format, kernel_spec.layout)
+    ctx = ConvertContext(report.scheme.weight_key, report.scheme.activation_key,  # type: ignore[arg-type]
+                         DTYPES[runtime.dtype], dict(report.scheme.bindings),
+                         **({"tensor_name": tensor_name} if tensor_name else {}))
+    weights = convert(list(tensors.experts), ctx)
+    cls = experts_class(kernel_spec)
+    shape = runtime.shape
+    config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]
+                           apply_router_weight_on_input=runtime.router_weight_on_input)
+    dev = _device_for(report, device)
+    experts = cls(weights.to(dev), config)
+    key = (scheme.scheme, kernel_spec.kernel, str(runtime.platform), runtime.dtype)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("moe-registry: scheme %s runs on kernel %s (%s, %s)", *key)
+    tol = scheme.tolerance.get(runtime.dtype, max(scheme.tolerance.values()))  # type: ignore[call-overload]
+    return BuiltKernel(report, weights, FusedMoEKernel(LocalPrepareFinalize(), experts), tol)
+
+
+@dataclass(frozen=True)
+class LayerBuild:
+    """A built layer with what is needed to route tokens to it."""
+
+    built: BuiltKernel
+    model: ModelConfig
+    tensors: LayerTensors
+
+
+def build(model_dir: str | Path, *, layer: int | None = None, platform: str | None = None,
+          dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
+          device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
+          tp: int | None = None, ep: int | None = None) -> LayerBuild:
+    """Explain, load, convert and build one MoE layer of a checkpoint."""
+    registry = load_registry(spec_dirs)
+    target = Path(model_dir)
+    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep)
+    situation = situation_for(target, registry, flags)
+    model = read_model_config(target, registry)
+    index = open_checkpoint(target if target.is_dir() else target.parent)
+    report = select(registry, situation, prefer=prefer, pin=kernel)
+    assert report.scheme is not None and situation.layer is not None
+    scheme = registry.scheme(report.scheme.scheme)
+    family = registry.families[model.family].spec
+    shape = situation.runtime.shape
+    assert shape is not None
+    tensors = read_layer(index, family, situation.layer, scheme, report.scheme.bindings, shape)
+    if tensors.has_bias and not shape.has_bias:
+        # The checkpoint carries expert biases the config did not announce: decide again with them.
+        runtime = replace(situation.runtime, shape=replace(shape, has_bias=True))
+        report = select(registry, replace(situation, runtime=runtime), prefer=prefer, pin=kernel)
+    names = tensors.names
+
+    def tensor_name(e: int, role: str, t: str) -> str:
+        return f"{names.projection(family, e, role)}.{t}"
+
+    built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensor_name)
+    return LayerBuild(built, model, tensors)
+
+
+class MoELayer(torch.nn.Module):
+    """A model's MoE block: router (as the family's config describes it) + fused experts."""
+
+    def __init__(self, layer: LayerBuild) -> None:
+        super().__init__()
+        if layer.tensors.router is None:
+            raise CheckpointError(f"{layer.tensors.names.router}: missing (the router is needed to route tokens; "
+                                  "pass topk_ids/topk_weights to the kernel instead)")
+        self.build = layer.built
+        self.kernel = layer.built.kernel
+        dev = next(iter(vars(layer.built.weights.w13).values())).device
+        self.register_buffer("router_weight", layer.tensors.router.to(dev, torch.float32))
+        bias = layer.tensors.correction_bias
+        self.register_buffer("correction_bias", None if bias is None else bias.to(dev, torch.float32))
+        self.top_k = layer.model.shape.top_k
+        self.routing_params = dict(layer.model.routing)
+
+    def route(self, hidden: torch.Tensor) -> Routing:
+        logits = hidden.float() @ self.router_weight.t()
+        p = self.routing_params
+        groups = int(p.get("num_expert_group", 1) or 1)
+        scoring = str(p.get("scoring", "softmax"))
+        renormalize = bool(p.get("renormalize", True))
+        if groups > 1 or scoring != "softmax" or self.correction_bias is not None:
+            return grouped_topk(logits, self.top_k, groups, int(p.get("topk_group", 1) or 1), scoring,  # type: ignore[arg-type]
+                                self.correction_bias, renormalize, float(p.get("routed_scaling_factor", 1.0)))
+        return softmax_topk(logits, self.top_k, renormalize)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        r = self.route(hidden)
+        return self.kernel(hidden, r.topk_weights, r.topk_ids)
+
+
+def load_layer(model_dir: str | Path, layer: int | None = None, device: str | torch.device | None = None,
+               **kwargs: Any) -> MoELayer:
+    """One MoE layer of a checkpoint as an nn.Module (router + fused experts), ready to call."""
+    return MoELayer(build(model_dir, layer=layer, device=device, **kwargs))

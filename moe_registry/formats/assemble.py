@@ -1,0 +1,184 @@
+"""From per-expert, per-role projections to :class:`ExpertWeights` in layout ``nk``: gate and up
+fused into w13 (gate rows first), every projection stacked over experts. Formats only say how one
+projection of one expert converts; fusion, stacking, biases and the consistency checks that span
+experts or roles live here once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moe_registry.errors import CheckpointError, MoERegistryError
+from moe_registry.formats.checks import check_finite
+from moe_registry.formats.registry import ROLES, ConvertContext, ExpertTensors
+from moe_registry.keys import PER_CHANNEL, PER_TENSOR, QuantKey
+from moe_registry.weights import ExpertWeights, ProjectionWeights
+
+__all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size",
+           "expect_weight_type"]
+
+Namer = Callable[[str], str]
+"""tensor short name ('qweight') -> full checkpoint name, for one expert's one projection."""
+
+
+@dataclass(frozen=True)
+class ProjectionPart:
+    """One expert's gate, up or down projection in the ``nk`` layout, without the expert dimension.
+
+    ``perm`` (int64 [K]) is the act-order permutation; ``perm_tensor`` names the checkpoint tensor
+    it came from, so a disagreement between gate and up can be reported. ``input_scale`` is a
+    float32 scalar (static activation scale).
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    perm_tensor: str | None = None
+    bias: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+
+
+_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "e8m0": torch.uint8}
+
+
+def layout_scale_dtype(key: QuantKey) -> torch.dtype:
+    """The dtype ``nk`` stores a weight scale in: float32 for per-channel/per-tensor (stored
+    expanded [N, 1], exact), raw uint8 exponents for e8m0, else the key's scale dtype."""
+    if key.scale is None:
+        raise MoERegistryError(f"weight key {key} has no scale; a quantized format needs one")
+    if key.scale.group in (PER_CHANNEL, PER_TENSOR):
+        return torch.float32
+    try:
+        return _SCALE_DTYPES[key.scale.dtype.name]
+    except KeyError:
+        raise MoERegistryError(f"no nk storage for scale dtype {key.scale.dtype.name} in key {key}") from None
+
+
+def group_size(key: QuantKey, k: int) -> int:
+    """Input columns per scale group for a projection with ``k`` inputs (-1 in the key: all)."""
+    g = key.group_size
+    return k if g is None or g <= 0 else g
+
+
+def expect_weight_type(ctx: ConvertContext, fmt: str, *types: str) -> None:
+    """A scheme spec that pairs a format with a key it cannot hold is a spec bug; say so up front
+    rather than write weights the kernel would misread."""
+    if not ctx.weight_key.quantized or ctx.weight_key.dtype.name not in types:
+        raise MoERegistryError(
+            f"checkpoint format {fmt!r} holds {' or '.join(types)} weights, but the scheme bound "
+            f"weight key {ctx.weight_key!s}"
+        )
+
+
+RoleConverter = Callable[[Mapping[str, torch.Tensor], Namer, ConvertContext], ProjectionPart]
+"""Converts one projection's tensors (checked values, new tensors out); bias is handled here."""
+
+
+def assemble(experts: Sequence[ExpertTensors], ctx: ConvertContext, convert_role: RoleConverter) -> ExpertWeights:
+    """Run ``convert_role`` on every (expert, role) and build the fused, stacked weights."""
+    if len(experts) == 0:
+        raise CheckpointError("no experts to convert: the checkpoint layer has zero expert tensors")
+    _check_bias_presence(experts, ctx, ("gate", "up"))
+    _check_bias_presence(experts, ctx, ("down",))
+    w13: list[ProjectionPart] = []
+    w2: list[ProjectionPart] = []
+    for e, tensors in enumerate(experts):
+        parts = {role: _convert_one(tensors, e, role, ctx, convert_role) for role in ROLES}
+        w13.append(_fuse(parts["gate"], parts["up"], _namer(ctx, e, "gate"), _namer(ctx, e, "up")))
+        w2.append(parts["down"])
+    return ExpertWeights(_stack(w13), _stack(w2), ctx.weight_key, ctx.activation_key, "nk")
+
+
+def _namer(ctx: ConvertContext, expert: int, role: str) -> Namer:
+    return lambda tensor: ctx.tensor_name(expert, role, tensor)
+
+
+def _convert_one(tensors: ExpertTensors, e: int, role: str, ctx: ConvertContext,
+                 convert_role: RoleConverter) -> ProjectionPart:
+    name = _namer(ctx, e, role)
+    if role not in tensors:
+        raise CheckpointError(
+            f"expert {e} has no {role} projection (no {name('*')} tensors); "
+            f"expected roles {', '.join(ROLES)}, found {', '.join(sorted(tensors)) or 'none'}"
+        )
+    role_tensors = tensors[role]
+    part = convert_role(role_tensors, name, ctx)
+    if "bias" not in role_tensors:
+        return part
+    bias = role_tensors["bias"]
+    check_finite(bias, name("bias"))
+    return dataclasses.replace(part, bias=bias.to(torch.float32).reshape(-1))
+
+
+def _check_bias_presence(experts: Sequence[ExpertTensors], ctx: ConvertContext, roles: tuple[str, ...]) -> None:
+    """A fused, stacked projection has a bias everywhere or nowhere; half a bias is a broken file."""
+    have = [(e, r) for e, t in enumerate(experts) for r in roles if "bias" in t.get(r, {})]
+    if not have or len(have) == len(experts) * len(roles):
+        return
+    missing = next((e, r) for e, t in enumerate(experts) for r in roles if "bias" not in t.get(r, {}))
+    raise CheckpointError(
+        f"missing checkpoint tensor {ctx.tensor_name(*missing, 'bias')} while "
+        f"{ctx.tensor_name(*have[0], 'bias')} exists; expected a bias on every "
+        f"{'/'.join(roles)} projection of every expert, or on none"
+    )
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return None if a is None or b is None else torch.cat((a, b), dim=0)
+
+
+def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: Namer) -> ProjectionPart:
+    """w13 = gate rows then up rows. Gate and up read the same input, so act-order must agree."""
+    perm = gate.perm
+    if gate.perm is not None or up.perm is not None:
+        k = int((gate.perm if gate.perm is not None else up.perm).numel())
+        g = gate.perm if gate.perm is not None else torch.arange(k)
+        u = up.perm if up.perm is not None else torch.arange(k)
+        if not torch.equal(g, u):
+            j = int((g != u).nonzero()[0, 0])
+            gate_src = gate_name(gate.perm_tensor or up.perm_tensor or "perm")
+            up_src = up_name(up.perm_tensor or gate.perm_tensor or "perm")
+            raise CheckpointError(
+                f"{up_src} orders the input columns differently from {gate_src} (first difference at "
+                f"sorted position {j}: up takes column {int(u[j])}, gate column {int(g[j])}); gate and up "
+                "share their input, so they must have the same act-order permutation"
+            )
+        perm = g
+    scales = [s for s in (gate.input_scale, up.input_scale) if s is not None]
+    return ProjectionPart(
+        weight=torch.cat((gate.weight, up.weight), dim=0),
+        scale=_cat(gate.scale, up.scale),
+        zero=_cat(gate.zero, up.zero),
+        perm=perm,
+        perm_tensor=gate.perm_tensor or up.perm_tensor,
+        bias=_cat(gate.bias, up.bias),
+        input_scale=torch.stack(scales).max() if scales else None,
+    )
+
+
+def _stack(parts: list[ProjectionPart]) -> ProjectionWeights:
+    """Stack over experts; experts without act-order get the identity permutation."""
+
+    def stacked(field: str) -> torch.Tensor | None:
+        values = [getattr(p, field) for p in parts]
+        return None if any(v is None for v in values) else torch.stack(values)
+
+    perm = None
+    if any(p.perm is not None for p in parts):
+        k = next(int(p.perm.numel()) for p in parts if p.perm is not None)
+        perm = torch.stack([torch.arange(k) if p.perm is None else p.perm for p in parts]).to(torch.int32)
+    scales = [p.input_scale for p in parts if p.input_scale is not None]
+    input_scale = torch.stack(scales).max().reshape(1).to(torch.float32) if scales else None
+    return ProjectionWeights(
+        weight=torch.stack([p.weight for p in parts]),
+        scale=stacked("scale"),
+        zero=stacked("zero"),
+        perm=perm,
+        bias=stacked("bias"),
+        input_scale=input_scale,
+    )

@@ -1,0 +1,73 @@
+"""Value checks shared by the converters. A bad scale would not fail loudly at run time (it turns
+whole experts into NaN or zero), so converters reject it at load, naming the tensor, what was
+found and what was wanted."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from moe_registry.errors import CheckpointError
+
+__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_index"]
+
+
+def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) -> torch.Tensor:
+    """``tensors[tensor]``, or a CheckpointError naming the missing checkpoint tensor."""
+    try:
+        return tensors[tensor]
+    except KeyError:
+        have = ", ".join(sorted(tensors)) or "none"
+        raise CheckpointError(f"missing checkpoint tensor {full_name} (this projection has: {have})") from None
+
+
+def describe_index(t: torch.Tensor, mask: torch.Tensor) -> str:
+    """'N of M values, first at [i, j] = v' for the True entries of ``mask``."""
+    bad = mask.nonzero()
+    first = tuple(int(i) for i in bad[0]) if bad.numel() else ()
+    value = t[first].item() if t.dim() else t.item()
+    where = list(first) if first else "[]"
+    return f"{int(mask.sum())} of {t.numel()} values, first at {where} = {value}"
+
+
+def check_finite(t: torch.Tensor, full_name: str) -> None:
+    """Reject NaN or infinite values (biases, unquantized tensors)."""
+    if not t.is_floating_point():
+        return
+    v = t.float()
+    for mask, what in ((torch.isnan(v), "NaN"), (torch.isinf(v), "infinite")):
+        if bool(mask.any()):
+            raise CheckpointError(f"{full_name}: {describe_index(v, mask)} are {what}; expected finite values")
+
+
+def check_scales(t: torch.Tensor, full_name: str) -> None:
+    """Scales must be finite and strictly positive: NaN/inf poison every output, zero silences a
+    group, a negative scale flips its sign — none occurs in a well-formed checkpoint."""
+    v = t.float()
+    for mask, what in (
+        (torch.isnan(v), "NaN"),
+        (torch.isinf(v), "infinite"),
+        (v == 0, "zero"),
+        (v < 0, "negative"),
+    ):
+        if bool(mask.any()):
+            raise CheckpointError(
+                f"{full_name}: {describe_index(v, mask)} are {what}; expected finite scales > 0"
+            )
+
+
+def cast_scales(t: torch.Tensor, dtype: torch.dtype, full_name: str) -> torch.Tensor:
+    """``t`` (already checked) in ``dtype``; a value the cast turns to inf or zero is an error,
+    not a silent change of the model."""
+    out = t.to(dtype)
+    if out.dtype == t.dtype or not out.is_floating_point():
+        return out
+    v = out.float()
+    mask = torch.isinf(v) | (v == 0)
+    if bool(mask.any()):
+        raise CheckpointError(
+            f"{full_name}: {describe_index(t.float(), mask)} not representable in {dtype} "
+            f"(becomes {v[mask][0].item()}); expected scales within {dtype}'s range"
+        )
+    return out

@@ -1,0 +1,52 @@
+"""compressed-tensors 'pack-quantized' int4 checkpoints (W4A16 / W4A8) -> ``nk``.
+
+Per projection: weight_packed int32 [out, in/8], eight 4-bit values along the input per word, low
+nibble first, each a signed int4 stored offset by +8 (so the codes are uint4b8); weight_scale
+[out, in/g] (bf16/fp16); weight_shape [2] (the unpacked shape; redundant, ignored); optional
+weight_zero_point, which must be all zero: only symmetric checkpoints are supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moe_registry.errors import CheckpointError
+from moe_registry.formats.assemble import (
+    Namer,
+    ProjectionPart,
+    assemble,
+    expect_weight_type,
+    layout_scale_dtype,
+)
+from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
+from moe_registry.formats.checks import cast_scales, check_scales, describe_index, require
+from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.weights import ExpertWeights
+
+__all__ = ["convert_compressed_tensors_pack"]
+
+
+def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    packed = require(tensors, "weight_packed", name("weight_packed"))
+    scales = require(tensors, "weight_scale", name("weight_scale"))
+    check_scales(scales, name("weight_scale"))
+    zp = tensors.get("weight_zero_point")
+    if zp is not None and bool((zp != 0).any()):
+        raise CheckpointError(
+            f"{name('weight_zero_point')}: asymmetric zero points: {describe_index(zp, zp != 0)} are "
+            "non-zero; expected all 0 (only symmetric pack-quantized checkpoints are supported)"
+        )
+    codes = unpack_int32(packed, 4, dim=1)  # [N, K] uint4b8 codes
+    return ProjectionPart(
+        weight=pack_nibbles(codes),
+        scale=cast_scales(scales, layout_scale_dtype(ctx.weight_key), name("weight_scale")).contiguous(),
+    )
+
+
+@register_converter("compressed-tensors-pack", "nk")
+def convert_compressed_tensors_pack(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
+    """Symmetric int4 pack-quantized (uint4b8 codes, per-group scales) to ``nk``."""
+    expect_weight_type(ctx, "compressed-tensors-pack", "uint4b8")
+    return assemble(experts, ctx, _projection)

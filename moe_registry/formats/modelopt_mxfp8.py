@@ -1,0 +1,45 @@
+"""ModelOpt MXFP8 checkpoints -> ``nk``.
+
+Per projection: weight float8_e4m3fn [out, in]; weight_scale uint8 [out, in/32], each an E8M0
+exponent (value 2^(e − 127)) shared by 32 input elements. 255 is E8M0's NaN and is rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from moe_registry.errors import CheckpointError, MoERegistryError
+from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
+from moe_registry.formats.checks import describe_index, require
+from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.weights import ExpertWeights
+
+__all__ = ["convert_modelopt_mxfp8", "E8M0_NAN"]
+
+E8M0_NAN = 255
+
+
+def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    weight = require(tensors, "weight", name("weight"))
+    scale = require(tensors, "weight_scale", name("weight_scale"))
+    nan = scale == E8M0_NAN
+    if bool(nan.any()):
+        raise CheckpointError(
+            f"{name('weight_scale')}: {describe_index(scale, nan)} are 255, the E8M0 NaN encoding; "
+            "expected exponents 0..254"
+        )
+    return ProjectionPart(weight=weight, scale=scale.to(torch.uint8))
+
+
+@register_converter("modelopt-mxfp8", "nk")
+def convert_modelopt_mxfp8(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
+    """MXFP8 (fp8e4m3 with an E8M0 scale per 32 inputs) to ``nk``."""
+    expect_weight_type(ctx, "modelopt-mxfp8", "fp8e4m3")
+    if ctx.weight_key.scale.dtype.name != "e8m0":
+        raise MoERegistryError(
+            f"checkpoint format 'modelopt-mxfp8' holds e8m0 scales, but the scheme bound weight key "
+            f"{ctx.weight_key!s}"
+        )
+    return assemble(experts, ctx, _projection)

@@ -1,0 +1,122 @@
+"""Routing: which experts each token goes to and with what weight, as the one value every
+FusedMoEKernel call takes. Scores are computed in float32 whatever the logits' dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["Routing", "softmax_topk", "grouped_topk", "from_given"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """``topk_weights`` float32 [M, k] and ``topk_ids`` int32 [M, k] (checked on construction;
+    values are not read, so building one never synchronises with the device)."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        w, ids = self.topk_weights, self.topk_ids
+        if w.dtype != torch.float32:
+            raise ValueError(f"topk_weights must be float32, got {w.dtype}")
+        if ids.dtype != torch.int32:
+            raise ValueError(f"topk_ids must be int32, got {ids.dtype}")
+        if w.dim() != 2 or w.shape != ids.shape:
+            raise ValueError(
+                f"topk_weights and topk_ids must both be [M, k], got {tuple(w.shape)} and {tuple(ids.shape)}"
+            )
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids.shape[1])
+
+
+def _check_logits(logits: torch.Tensor, top_k: int) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [M, E], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"router logits must be floating point, got {logits.dtype}")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, {logits.shape[1]}] (the number of experts), got {top_k}")
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Softmax over all experts, keep the top k; ``renormalize`` makes the kept weights sum to 1."""
+    _check_logits(logits, top_k)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(weights, ids.to(torch.int32))
+
+
+def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int,
+                 scoring: Literal["softmax", "sigmoid"] = "softmax",
+                 correction_bias: torch.Tensor | None = None, renormalize: bool = True,
+                 routed_scaling_factor: float = 1.0) -> Routing:
+    """Group-limited routing (DeepSeek-V2/V3): pick ``topk_group`` of ``num_expert_group`` expert
+    groups, then the top k experts inside them.
+
+    With ``correction_bias`` (DeepSeek-V3, sigmoid scores) the bias only steers selection: the
+    group score is the sum of the top-2 biased scores in the group, experts are ranked by biased
+    score, but weights are the unbiased scores. Without it the group score is the group's best
+    score. Weights are renormalised to sum 1 (if asked), then multiplied by routed_scaling_factor.
+    """
+    _check_logits(logits, top_k)
+    m, num_experts = logits.shape
+    if scoring not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if num_expert_group < 1 or num_experts % num_expert_group:
+        raise ValueError(f"{num_experts} experts do not split into num_expert_group = {num_expert_group} groups")
+    if not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"topk_group must be in [1, {num_expert_group}], got {topk_group}")
+    per_group = num_experts // num_expert_group
+    if top_k > topk_group * per_group:
+        raise ValueError(
+            f"top_k = {top_k} exceeds the {topk_group * per_group} experts in topk_group = {topk_group} "
+            f"groups of {per_group}"
+        )
+    scores = torch.softmax(logits.float(), -1) if scoring == "softmax" else torch.sigmoid(logits.float())
+    if correction_bias is not None:
+        if correction_bias.shape != (num_experts,):
+            raise ValueError(f"correction_bias must be [{num_experts}], got {tuple(correction_bias.shape)}")
+        if per_group < 2:
+            raise ValueError("correction_bias needs at least 2 experts per group (group score = top-2 sum)")
+        biased = scores + correction_bias.float()
+        group_scores = biased.view(m, num_expert_group, per_group).topk(2, dim=-1).values.sum(-1)
+    else:
+        biased = scores
+        group_scores = scores.view(m, num_expert_group, per_group).amax(-1)
+    group_idx = torch.topk(group_scores, topk_group, dim=-1).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(m, num_expert_group, per_group).reshape(m, num_experts)
+    masked = biased.masked_fill(~expert_mask, float("-inf"))
+    ids = torch.topk(masked, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * routed_scaling_factor
+    return Routing(weights.contiguous(), ids.to(torch.int32))
+
+
+def from_given(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int | None = None) -> Routing:
+    """Routing from precomputed ids and weights: shapes and dtypes checked, cast to int32/float32.
+    With ``num_experts`` the ids are range-checked too (this reads them on the host)."""
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [M, k], got {tuple(topk_ids.shape)} "
+            f"and {tuple(topk_weights.shape)}"
+        )
+    if num_experts is not None and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+    return Routing(topk_weights.to(torch.float32), topk_ids.to(torch.int32))
