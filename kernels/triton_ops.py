@@ -300,13 +300,18 @@ def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                      D, stride_x, stride_out, stride_scale,
+def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
+                      D, stride_x, stride_out, stride_scale, capacity,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
     """One row: optional gated activation ([2D] -> [D]), optional row factor (router weight on
-    the input), then store as the activation dtype or quantise (see QUANT_MODES)."""
+    the input), then store as the activation dtype or quantise (see QUANT_MODES). With counts
+    (batched format), rows past their expert's count are skipped."""
     row = tl.program_id(0).to(tl.int64)
+    if HAS_COUNTS:
+        num_rows = tl.load(counts_ptr + row // capacity)
+        if row % capacity >= num_rows:
+            return
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_out
     row_scale = 1.0
@@ -352,12 +357,14 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
 
 def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: torch.Tensor | None = None,
               row_scale: torch.Tensor | None = None, group: int = 128,
-              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              out_dtype: torch.dtype | None = None, expert_num_tokens: torch.Tensor | None = None,
+              capacity: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
     ACTIVATIONS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
-    [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. Plain implementation
-    behind the custom ops (no dispatcher hop inside the fused layer)."""
+    [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. With
+    ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
+    Plain implementation behind the custom ops (no dispatcher hop inside the fused layer)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, d_in = x.shape
@@ -386,9 +393,10 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
     _act_quant_kernel[(t,)](
         x, out, scale_arg, static_scale if static_scale is not None else dummy,
         row_scale if row_scale is not None else dummy,
-        d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0,
+        expert_num_tokens if expert_num_tokens is not None else dummy,
+        d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0, capacity,
         ACTIVATION=activation, QUANT=quant, GROUP=group, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        HAS_COUNTS=expert_num_tokens is not None, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out, scale
 
 

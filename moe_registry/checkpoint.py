@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moe_registry.errors import CheckpointError
 from moe_registry.expr import ExprError, parse_expr
@@ -82,7 +82,7 @@ def open_checkpoint(model_dir: Path) -> CheckpointIndex:
                     sl = f.get_slice(name)
                     tensors[name] = TensorInfo(path, _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
                                                tuple(sl.get_shape()))
-        except (OSError, ValueError, RuntimeError) as err:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
             raise CheckpointError(f"{path}: cannot read safetensors header: {err}") from None
     return CheckpointIndex(model_dir, tensors)
 

@@ -1,12 +1,22 @@
 """The conformance suite's case generator, driven by the specs (DESIGN rule 5).
 
-Every (scheme × kernel × declared option) the specs claim is turned into cases; an option the
-generator cannot produce a case for is a claim that cannot be tested, and `validate` rejects it.
+Every (scheme × kernel × declared option) the specs claim becomes cases: a base case per binding
+sample, then one case per declared option varied from it (dtype, activation function, bias,
+act-order, activation format, router weight on input), then edge shapes (one token, experts that
+get no tokens, top-k equal to the number of experts, the smallest sizes allowed). An option the
+generator cannot produce a case for is a claim that cannot be tested: ``validate`` rejects it.
 """
 
 from __future__ import annotations
 
-from moe_registry.registry import Registry
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from moe_registry.keys import QuantKey, parse_quant_key
+from moe_registry.predicates import check_keys
+from moe_registry.registry import Registry, binding_samples, fill_template
 
 # What the generator can build a case for. Adding an option to the spec language means adding it here.
 GENERATABLE = {
@@ -17,8 +27,124 @@ GENERATABLE = {
 }
 
 
+@dataclass(frozen=True)
+class Case:
+    """One conformance case: a kernel run against the reference on random data."""
+
+    scheme: str
+    kernel: str
+    weight_key: QuantKey
+    activation_key: QuantKey
+    bindings: tuple[tuple[str, Any], ...]
+    dtype: str
+    activation: str = "silu"
+    bias: bool = False
+    act_order: bool = False
+    activation_format: str = "standard"
+    router_weight_on_input: bool = False
+    num_experts: int = 4
+    top_k: int = 2
+    hidden: int = 128
+    intermediate: int = 128
+    tokens: int = 7
+    skip_experts: int = 0  # route only to experts [skip_experts, E): the first ones get no tokens
+    tolerance: float = 1e-2
+
+    @property
+    def id(self) -> str:
+        opts = [self.dtype, self.activation]
+        opts += [name for name, on in (("bias", self.bias), ("actorder", self.act_order),
+                                       ("rwoi", self.router_weight_on_input)) if on]
+        if self.activation_format != "standard":
+            opts.append(self.activation_format)
+        b = ",".join(f"{k}={v}" for k, v in self.bindings)
+        shape = f"E{self.num_experts}k{self.top_k}H{self.hidden}I{self.intermediate}M{self.tokens}"
+        if self.skip_experts:
+            shape += f"s{self.skip_experts}"
+        return f"{self.scheme}[{b}]-{self.kernel}-{'-'.join(opts)}-{shape}"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Base sizes for a run: small for the interpreter, realistic for a GPU."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+    tokens: tuple[int, ...]
+
+
+SMALL = Sizes(4, 2, 128, 128, (7,))
+REALISTIC = Sizes(8, 2, 2048, 1024, (1, 64, 512))
+
+
+def _min_dim(keys: Iterable[QuantKey]) -> int:
+    """Smallest hidden/intermediate size the keys' groups and blocks allow (a multiple of 32)."""
+    need = 32
+    for key in keys:
+        if key.scale is not None:
+            for extent in (key.scale.group.cols, key.scale.group.rows):
+                if extent > 0:
+                    need = need * extent // math.gcd(need, extent)
+    return need
+
+
+def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
+              sizes: Sizes = SMALL) -> list[Case]:
+    """Every case the specs claim for the given kernels (default: all) and dtypes."""
+    wanted_kernels = set(kernels) if kernels is not None else set(registry.kernels)
+    out: list[Case] = []
+    for sname, loaded in sorted(registry.schemes.items()):
+        scheme = loaded.spec
+        tol = scheme.tolerance
+        for kname in scheme.kernels:
+            if kname not in wanted_kernels or kname not in registry.kernels:
+                continue
+            kernel = registry.kernel(kname)
+            kdtypes = [d for d in kernel.dtypes if dtypes is None or d in set(dtypes)]
+            for n_sample, sample in enumerate(binding_samples(scheme)):
+                weight = parse_quant_key(fill_template(scheme.weight, sample))
+                activation = parse_quant_key(fill_template(scheme.activation, sample))
+                if not all(c.passed for c in check_keys(kernel, weight, activation)):
+                    continue
+                features = {n: (v if isinstance(v, bool) else fill_template(v, sample) == "true")
+                            for n, v in scheme.features.items()}
+                act_order = features.get("act_order", False)
+                if act_order and "act_order" not in kernel.features:
+                    continue
+                dim = max(_min_dim([weight, activation]), 32)
+                hidden = max(sizes.hidden, dim) // dim * dim
+                inter = max(sizes.intermediate, dim) // dim * dim
+                for dtype in kdtypes:
+                    base = Case(sname, kname, weight, activation, tuple(sorted(sample.items())), dtype,
+                                act_order=act_order, num_experts=sizes.num_experts, top_k=sizes.top_k,
+                                hidden=hidden, intermediate=inter, tokens=sizes.tokens[0],
+                                tolerance=tol.get(dtype, max(tol.values())))  # type: ignore[call-overload]
+                    out += [replace(base, tokens=m) for m in sizes.tokens]
+                    if dtype != kdtypes[0] or n_sample:
+                        continue  # vary the other options once: first dtype, first binding sample
+                    out += [replace(base, activation=a) for a in kernel.activations if a != "silu"]
+                    if "bias" in kernel.features:
+                        out.append(replace(base, bias=True))
+                    out += [replace(base, activation_format=f) for f in kernel.activation_formats if f != "standard"]
+                    if "router_weight_on_input" in kernel.features:
+                        out.append(replace(base, router_weight_on_input=True, top_k=1))
+                    out.append(replace(base, tokens=1))
+                    out.append(replace(base, top_k=base.num_experts, tokens=3))
+                    out.append(replace(base, skip_experts=base.num_experts - base.top_k, tokens=5))
+                    out.append(replace(base, hidden=dim, intermediate=dim, tokens=4))
+    seen: set[str] = set()
+    unique = []
+    for case in out:
+        if case.id not in seen:
+            seen.add(case.id)
+            unique.append(case)
+    return unique
+
+
 def undeclarable_options(registry: Registry) -> list[str]:
-    """One line per kernel option the conformance suite cannot generate a case for."""
+    """One line per kernel claim the conformance suite cannot generate a case for."""
     out = []
     for name, loaded in sorted(registry.kernels.items()):
         spec = loaded.spec
@@ -27,4 +153,12 @@ def undeclarable_options(registry: Registry) -> list[str]:
                 if value not in allowed:
                     out.append(f"{loaded.path}:{loaded.line}: {option}: {value!r} is declared by kernel {name} "
                                "but the conformance suite cannot generate a case for it")
+        produced = [(parse_quant_key(fill_template(s.spec.weight, b)),
+                     parse_quant_key(fill_template(s.spec.activation, b)))
+                    for s in registry.schemes.values() if name in s.spec.kernels for b in binding_samples(s.spec)]
+        for i, pattern in enumerate(spec.keys):
+            single = spec.model_copy(update={"keys": [pattern]})
+            if not any(all(c.passed for c in check_keys(single, w, a)) for w, a in produced):
+                out.append(f"{loaded.path}:{loaded.line}: keys[{i}]: no scheme that lists {name} binds a key pair "
+                           f"matching {pattern.weight!r} / {pattern.activation!r}, so no conformance case tests it")
     return out

@@ -50,6 +50,9 @@ def parse_expr(text: str | int) -> Expr:
         raise ExprError(f"expected an integer or expression string, got {type(text).__name__}")
     if len(text) > MAX_EXPR_CHARS:
         raise ExprError(f"expression longer than {MAX_EXPR_CHARS} characters")
+    dunder = re.search(r"(?<![\w$])__\w*", text)  # (__in and __b_x are this module's own spellings)
+    if dunder:
+        raise ExprError(f"name {dunder.group()!r} is not allowed in {text!r}; names may not start with __")
     bindings = frozenset(_BINDING_RE.findall(text))
     source = _BINDING_RE.sub(lambda m: f"__b_{m.group(1)}", text)
     if "$" in source:

@@ -136,7 +136,7 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
         raise ConfigError(f"{name}: num_experts_per_tok: {shape.top_k} is more than the {shape.num_experts} experts")
     routing = {k: resolve_field(roots, ref, k, name) for k, ref in family.routing.items()}
     quant, source = _quant_config(cfg, roots, path)
-    dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""), None)
+    dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
     return ModelConfig(name, family.family, shape, num_layers,
                        _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg)
 

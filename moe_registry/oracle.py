@@ -90,8 +90,9 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
     verdicts_k = []
     for name in candidates:
         if name not in registry.kernels:
+            known = ", ".join(sorted(registry.kernels))
             verdicts_k.append(KernelVerdict(name, False, (failed(
-                Reason.NOT_LISTED, "kernel", f"unknown kernel {name!r}; known: {', '.join(sorted(registry.kernels))}"),)))
+                Reason.NOT_LISTED, "kernel", f"unknown kernel {name!r}; known: {known}"),)))
             continue
         checks = kernel_checks(registry.kernel(name), situation.runtime, scheme_v.weight_key,
                                scheme_v.activation_key, scheme_v.bindings, scheme_v.features,

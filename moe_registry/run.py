@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_registry.build import DTYPES, MoELayer, build
+from moe_registry.builder import DTYPES, MoELayer, build
 from moe_registry.errors import ConfigError
 from moe_registry.experts import ExpertsConfig
 from moe_registry.report import Report
@@ -46,7 +46,7 @@ def read_inputs(path: Path, hidden: int, num_experts: int) -> tuple[torch.Tensor
             x = f.get_tensor("hidden_states")
             ids = f.get_tensor("topk_ids") if "topk_ids" in names else None
             w = f.get_tensor("topk_weights") if "topk_weights" in names else None
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, SafetensorError) as err:
         raise ConfigError(f"{path}: cannot read safetensors: {err}") from None
     if x.dim() != 2 or x.shape[1] != hidden:
         raise ConfigError(f"{path}: hidden_states shape {list(x.shape)}; expected [tokens, {hidden}]")

@@ -320,8 +320,8 @@ def test_gptq_g_idx_out_of_range() -> None:
     g_idx = experts[1]["gate"]["g_idx"].clone()
     g_idx[5] = 9
     experts[1]["gate"] = {**experts[1]["gate"], "g_idx": g_idx}
-    with pytest.raises(CheckpointError, match=r"experts\.1\.w1\.g_idx: 1 of 64 values, first at \[5\] = 9 "
-                                              r"outside 0\.\.3"):
+    with pytest.raises(CheckpointError, match=r"experts\.1\.w1\.g_idx: 1 of 64 values are outside 0\.\.3 "
+                                              r"\(first at \[5\] = 9\)"):
         get_converter("gptq", "nk")(experts, _gptq_ctx())
 
 
@@ -410,32 +410,34 @@ def _set_low_field(words: torch.Tensor, bits: int, value: int) -> torch.Tensor:
 BAD = [
     # (case id, expert, role, tensor, mutate, message fragments)
     ("awq-g32", 1, "gate", "scales", lambda t: _set(t, (1, 5), float("nan")),
-     ["1 of 64 values, first at [1, 5] = nan are NaN", "expected finite scales > 0"]),
+     ["1 of 64 values are NaN (first at [1, 5] = nan)", "expected finite scales > 0"]),
     ("gptq4-g32", 2, "down", "scales", lambda t: _set(t, (0, 3), float("inf")),
-     ["first at [0, 3] = inf are infinite", "expected finite scales > 0"]),
+     ["are infinite (first at [0, 3] = inf)", "expected finite scales > 0"]),
     ("quark-channel", 0, "up", "weight_scale", lambda t: _set(t, 7, 0.0),
-     ["first at [7] = 0.0 are zero", "expected finite scales > 0"]),
+     ["are zero (first at [7] = 0.0)", "expected finite scales > 0"]),
     ("quark-tensor-static", 0, "down", "input_scale", lambda t: torch.tensor(float("nan")),
      ["are NaN", "expected finite scales > 0"]),
     ("fp8-block", 1, "up", "weight_scale_inv", lambda t: _set(t, (0, 1), -0.5),
-     ["first at [0, 1] = -0.5 are negative"]),
+     ["are negative (first at [0, 1] = -0.5)"]),
     ("ct-int8", 2, "gate", "weight_scale", lambda t: _set(t, (3, 0), float("-inf")),
-     ["first at [3, 0] = -inf are infinite"]),
+     ["are infinite (first at [3, 0] = -inf)"]),
     ("gptq4-g32", 0, "gate", "qzeros", lambda t: _set_low_field(t, 4, 15),
-     ["zero point out of range", "stored as 15, meaning 16", "outside 0..15", "expected 7 (zero = 8"]),
+     ["zero point out of range",
+      "1 of 64 stored zero points [group, output column] are stored as 15 (first at [0, 0] = 15), meaning 16",
+      "outside 0..15", "expected 7 (zero = 8"]),
     ("gptq4-g32", 1, "down", "qzeros", lambda t: _set_low_field(t, 4, 3),
-     ["asymmetric zero points", "first at [0, 0] = 3", "expected 7 everywhere (zero = 8)",
+     ["asymmetric zero points", "are not 7 (first at [0, 0] = 3)", "expected 7 everywhere (zero = 8)",
       "only symmetric GPTQ"]),
     ("gptq8-g32", 0, "up", "qzeros", lambda t: _set_low_field(t, 8, 100),
-     ["asymmetric zero points", "= 100", "expected 127 everywhere (zero = 128)"]),
+     ["asymmetric zero points", "are not 127 (first at [0, 0] = 100)", "expected 127 everywhere (zero = 128)"]),
     ("gptq8-g32", 0, "up", "qzeros", lambda t: _set_low_field(t, 8, 255),
-     ["zero point out of range", "stored as 255, meaning 256"]),
+     ["zero point out of range", "are stored as 255 (first at [0, 0] = 255), meaning 256"]),
     ("mxfp8", 2, "down", "weight_scale", lambda t: _set(t, (4, 0), 255),
-     ["1 of 64 values, first at [4, 0] = 255 are 255, the E8M0 NaN encoding", "expected exponents 0..254"]),
+     ["1 of 64 values are 255, the E8M0 NaN encoding (first at [4, 0] = 255)", "expected exponents 0..254"]),
     ("ct-int4-g32", 0, "gate", "weight_zero_point", lambda t: _set(torch.zeros(INTER, 2, dtype=torch.int8), (2, 1), 3),
-     ["asymmetric zero points", "first at [2, 1] = 3", "expected all 0"]),
+     ["asymmetric zero points", "are non-zero (first at [2, 1] = 3)", "expected all 0"]),
     ("unquantized", 1, "up", "bias", lambda t: _set(torch.zeros(INTER), 4, float("nan")),
-     ["first at [4] = nan are NaN", "expected finite values"]),
+     ["are NaN (first at [4] = nan)", "expected finite values"]),
 ]
 
 
@@ -465,8 +467,9 @@ def test_scale_that_does_not_fit_the_key_dtype() -> None:
     experts[0]["down"]["weight_scale"] = _set(experts[0]["down"]["weight_scale"], (2, 0), 2.0**20)
     ctx = ConvertContext(parse_quant_key("uint4b8 scale:float16:group(32):static"),
                          parse_quant_key("unquantized"), torch.float16)  # default naming
-    with pytest.raises(CheckpointError, match=r"^experts\.0\.down\.weight_scale: 1 of 64 values, first at "
-                                              r"\[2, 0\] = 1048576\.0 not representable in torch\.float16"):
+    with pytest.raises(CheckpointError, match=r"^experts\.0\.down\.weight_scale: 1 of 64 values are not "
+                                              r"representable in torch\.float16 \(first at \[2, 0\] = 1048576\.0\), "
+                                              r"which becomes inf"):
         get_converter("compressed-tensors-pack", "nk")(experts, ctx)
 
 

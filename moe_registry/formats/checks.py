@@ -10,7 +10,7 @@ import torch
 
 from moe_registry.errors import CheckpointError
 
-__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_index"]
+__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_bad"]
 
 
 def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) -> torch.Tensor:
@@ -22,13 +22,11 @@ def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) ->
         raise CheckpointError(f"missing checkpoint tensor {full_name} (this projection has: {have})") from None
 
 
-def describe_index(t: torch.Tensor, mask: torch.Tensor) -> str:
-    """'N of M values, first at [i, j] = v' for the True entries of ``mask``."""
-    bad = mask.nonzero()
-    first = tuple(int(i) for i in bad[0]) if bad.numel() else ()
-    value = t[first].item() if t.dim() else t.item()
-    where = list(first) if first else "[]"
-    return f"{int(mask.sum())} of {t.numel()} values, first at {where} = {value}"
+def describe_bad(t: torch.Tensor, mask: torch.Tensor, what: str, of: str = "values") -> str:
+    """'N of M <of> are <what> (first at [i, j] = v)' for the True entries of ``mask``."""
+    first = tuple(int(i) for i in mask.nonzero()[0])
+    value = t[first].item()
+    return f"{int(mask.sum())} of {t.numel()} {of} are {what} (first at {list(first)} = {value})"
 
 
 def check_finite(t: torch.Tensor, full_name: str) -> None:
@@ -38,7 +36,7 @@ def check_finite(t: torch.Tensor, full_name: str) -> None:
     v = t.float()
     for mask, what in ((torch.isnan(v), "NaN"), (torch.isinf(v), "infinite")):
         if bool(mask.any()):
-            raise CheckpointError(f"{full_name}: {describe_index(v, mask)} are {what}; expected finite values")
+            raise CheckpointError(f"{full_name}: {describe_bad(v, mask, what)}; expected finite values")
 
 
 def check_scales(t: torch.Tensor, full_name: str) -> None:
@@ -53,7 +51,7 @@ def check_scales(t: torch.Tensor, full_name: str) -> None:
     ):
         if bool(mask.any()):
             raise CheckpointError(
-                f"{full_name}: {describe_index(v, mask)} are {what}; expected finite scales > 0"
+                f"{full_name}: {describe_bad(v, mask, what)}; expected finite scales > 0"
             )
 
 
@@ -67,7 +65,7 @@ def cast_scales(t: torch.Tensor, dtype: torch.dtype, full_name: str) -> torch.Te
     mask = torch.isinf(v) | (v == 0)
     if bool(mask.any()):
         raise CheckpointError(
-            f"{full_name}: {describe_index(t.float(), mask)} not representable in {dtype} "
-            f"(becomes {v[mask][0].item()}); expected scales within {dtype}'s range"
+            f"{full_name}: {describe_bad(t.float(), mask, f'not representable in {dtype}')}, "
+            f"which becomes {v[mask][0].item()}; expected scales within {dtype}'s range"
         )
     return out

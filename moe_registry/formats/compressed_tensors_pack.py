@@ -21,7 +21,7 @@ from moe_registry.formats.assemble import (
     layout_scale_dtype,
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
-from moe_registry.formats.checks import cast_scales, check_scales, describe_index, require
+from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
 from moe_registry.weights import ExpertWeights
 
@@ -35,8 +35,8 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     zp = tensors.get("weight_zero_point")
     if zp is not None and bool((zp != 0).any()):
         raise CheckpointError(
-            f"{name('weight_zero_point')}: asymmetric zero points: {describe_index(zp, zp != 0)} are "
-            "non-zero; expected all 0 (only symmetric pack-quantized checkpoints are supported)"
+            f"{name('weight_zero_point')}: asymmetric zero points: {describe_bad(zp, zp != 0, 'non-zero')}; "
+            "expected all 0 (only symmetric pack-quantized checkpoints are supported)"
         )
     codes = unpack_int32(packed, 4, dim=1)  # [N, K] uint4b8 codes
     return ProjectionPart(

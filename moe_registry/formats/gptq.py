@@ -26,11 +26,14 @@ from moe_registry.formats.assemble import (
     layout_scale_dtype,
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
-from moe_registry.formats.checks import cast_scales, check_scales, describe_index, require
+from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
 from moe_registry.weights import ExpertWeights
 
 __all__ = ["convert_gptq", "act_order_perm"]
+
+
+_ZEROS = "stored zero points [group, output column]"
 
 
 def _check_symmetric(zeros_minus_one: torch.Tensor, bits: int, bias: int, full_name: str) -> None:
@@ -43,12 +46,13 @@ def _check_symmetric(zeros_minus_one: torch.Tensor, bits: int, bias: int, full_n
     overflow = zeros_minus_one == top
     if bool(overflow.any()):
         raise CheckpointError(
-            f"{full_name}: zero point out of range: {describe_index(zeros_minus_one, overflow)} stored as "
-            f"{top}, meaning {top + 1} (GPTQ v1 stores zero − 1), outside 0..{top}; "
+            f"{full_name}: zero point out of range: "
+            f"{describe_bad(zeros_minus_one, overflow, f'stored as {top}', _ZEROS)}, meaning {top + 1} "
+            f"(GPTQ v1 stores zero − 1), outside 0..{top}; "
             f"expected {expected} (zero = {bias}, symmetric)"
         )
     raise CheckpointError(
-        f"{full_name}: asymmetric zero points: {describe_index(zeros_minus_one, bad)} "
+        f"{full_name}: asymmetric zero points: {describe_bad(zeros_minus_one, bad, f'not {expected}', _ZEROS)} "
         f"(GPTQ v1 stores zero − 1); expected {expected} everywhere (zero = {bias}); "
         "only symmetric GPTQ checkpoints are supported"
     )
@@ -65,7 +69,7 @@ def act_order_perm(g_idx: torch.Tensor, k: int, group: int, full_name: str) -> t
     outside = (g < 0) | (g >= groups)
     if bool(outside.any()):
         raise CheckpointError(
-            f"{full_name}: {describe_index(g, outside)} outside 0..{groups - 1}; "
+            f"{full_name}: {describe_bad(g, outside, f'outside 0..{groups - 1}')}; "
             f"expected group indices of {k} columns in groups of {group}"
         )
     perm = torch.argsort(g, stable=True)
@@ -75,7 +79,7 @@ def act_order_perm(g_idx: torch.Tensor, k: int, group: int, full_name: str) -> t
         wrong = int((counts != torch.bincount(trivial, minlength=groups)).nonzero()[0, 0])
         raise CheckpointError(
             f"{full_name}: group {wrong} has {int(counts[wrong])} columns; expected every group to "
-            f"hold {group} columns (the last ceil-remainder), as act-order g_idx does"
+            f"hold {group} columns (the last one fewer when {k} is not a multiple), as act-order g_idx does"
         )
     return perm
 

@@ -12,7 +12,7 @@ import torch
 
 from moe_registry.errors import CheckpointError, MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
-from moe_registry.formats.checks import describe_index, require
+from moe_registry.formats.checks import describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
 from moe_registry.weights import ExpertWeights
 
@@ -27,7 +27,7 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     nan = scale == E8M0_NAN
     if bool(nan.any()):
         raise CheckpointError(
-            f"{name('weight_scale')}: {describe_index(scale, nan)} are 255, the E8M0 NaN encoding; "
+            f"{name('weight_scale')}: {describe_bad(scale, nan, '255, the E8M0 NaN encoding')}; "
             "expected exponents 0..254"
         )
     return ProjectionPart(weight=weight, scale=scale.to(torch.uint8))

@@ -4,7 +4,8 @@ Per projection: weight int8 [out, in]; weight_scale per-channel ([out] or [out, 
 ([] or [1]) in bf16/fp16/fp32; optional input_scale [] (static per-tensor activation scale).
 Weight scales are stored expanded as float32 [N, 1], so a per-tensor gate and up keep their own
 scales after fusion. Static activation scales are collapsed over gate/up and experts by max, the
-one scale the fused kernel can apply.
+one scale the fused kernel can apply; they are read only when the bound activation key is static
+(a dynamic scheme computes its own per-token scales and ignores any stored ones).
 """
 
 from __future__ import annotations

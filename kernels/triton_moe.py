@@ -1,0 +1,681 @@
+"""Fused MoE in Triton: one GEMM kernel over expert-sorted token blocks, for every weight key of
+the shipped schemes, and the Experts classes built on it.
+
+The layer (standard format) is::
+
+    align(topk_ids) -> quantise(hidden)? -> GEMM1 (w13, + bias) -> act_and_mul (+ quantise)
+                    -> GEMM2 (w2, + bias, × router weight) -> sum over top-k
+
+Weights are in the ``nk`` layout of :mod:`moe_registry.weights` ([E, N, K], K contiguous), which
+is also what fp8 and int8 tensor-core dots want for B. The GEMM kernel is specialised by
+constexprs that say how a weight tile becomes something a ``tl.dot`` takes:
+
+- 16-bit weights: used as they are.
+- integer codes (uint4 with zero points, uint4b8, int4, uint8b128, int8 as W8A16): 4-bit tiles are
+  loaded once as bytes and split into low (even k) and high (odd k) nibbles, each multiplied
+  with the matching even/odd half of the activation tile, so no byte is loaded twice; one scale
+  (and zero) per group and column is loaded per tile and broadcast over the group's rows.
+- W8A8 int8: int8 × int8 dot accumulating in int32; per-token and per-channel scales are applied
+  once after the K loop.
+- fp8 with e8m0 per-32 scales (MXFP8): dequantised to the 16-bit activation dtype in registers
+  (Hopper has no MX dot); MXFP8 activations, when the scheme quantises them, are dequantised the
+  same way, so the numerics are the scheme's.
+- fp8 with 128×128 block scales (W8A8): fp8 dot per K tile, scaled there by the token-group and
+  weight-block scales (they change every 128 columns).
+
+Nothing here reads a device value on the host: buffers are sized by worst cases and kernels
+skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a CUDA graph.
+"""
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+from moe_registry_kernels import triton_ops
+
+from moe_registry.experts import Experts, ExpertsConfig
+from moe_registry.keys import QuantKey, parse_quant_key
+from moe_registry.weights import ExpertWeights, ProjectionWeights
+
+__all__ = [
+    "Scheme",
+    "scheme_from_keys",
+    "get_config",
+    "fused_experts",
+    "fused_experts_batched",
+    "TritonExperts",
+    "TritonBatchedExperts",
+]
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+# ---------------------------------------------------------------------------------------------
+# what the kernel needs to know about the keys
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The weight and activation keys, read as the kernel's constexpr choices."""
+
+    weight_type: str  # float | uint4 | uint4b8 | int4 | uint8 | uint8b128 | int8 | fp8e4m3
+    weight_scale: str  # none | group | channel (also per-tensor, stored [E, N, 1]) | block | mx
+    weight_group: int  # input columns sharing a weight scale (group, block, mx); 0 otherwise
+    weight_group_n: int  # output rows sharing a weight scale (block); 1 otherwise
+    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (triton_ops.QUANT_MODES)
+    act_group: int  # input columns sharing an activation scale (fp8_group, mxfp8); 0 otherwise
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes per byte."""
+        return self.weight_type in ("uint4", "uint4b8", "int4")
+
+    @property
+    def zero_code(self) -> int:
+        """The stored code of 0 for types with a fixed bias (int4 nibbles are xor-ed by 8 first)."""
+        return {"uint4b8": 8, "int4": 8, "uint8b128": 128}.get(self.weight_type, 0)
+
+    @property
+    def dot(self) -> str:
+        """The tensor-core dot: int8, fp8, or float (16-bit, after dequantising in registers)."""
+        if self.act_quant.startswith("int8"):
+            return "int8"
+        return "fp8" if self.act_quant == "fp8_group" else "float"
+
+
+def _weight_scale(key: QuantKey) -> tuple[str, int, int]:
+    if not key.quantized:
+        return "none", 0, 1
+    group = key.scale.group
+    if key.scale.dtype.name == "e8m0":
+        return "mx", group.cols, 1
+    if group.rows not in (1, -1):
+        return "block", group.cols, group.rows
+    if group.cols == -1:
+        return "channel", 0, 1
+    return "group", group.cols, 1
+
+
+def _act_quant(key: QuantKey) -> tuple[str, int]:
+    if not key.quantized:
+        return "none", 0
+    spec, name = key.scale, key.dtype.name
+    if name == "int8" and spec.dynamic and spec.group.cols == -1 and spec.group.rows == 1:
+        return "int8_token", 0
+    if name == "int8" and not spec.dynamic and spec.group.rows == -1:
+        return "int8_static", 0
+    if name == "fp8e4m3" and spec.dtype.name == "e8m0" and spec.dynamic and spec.group.cols == 32:
+        return "mxfp8", 32
+    if name == "fp8e4m3" and spec.dtype.name == "float32" and spec.dynamic and spec.group.rows == 1 \
+            and spec.group.cols > 0:
+        return "fp8_group", spec.group.cols
+    raise ValueError(f"the Triton MoE kernel has no activation quantisation for key {key}")
+
+
+@functools.cache
+def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
+    """Read the keys (string form) as kernel choices; ValueError naming the key it cannot run."""
+    wk, ak = parse_quant_key(weight_key), parse_quant_key(activation_key)
+    wtype = wk.dtype.name if wk.quantized else "float"
+    wscale, wgroup, wgroup_n = _weight_scale(wk)
+    aquant, agroup = _act_quant(ak)
+    scheme = Scheme(wtype, wscale, wgroup, wgroup_n, aquant, agroup)
+    for name, value in (("weight", wgroup), ("activation", agroup)):
+        if value and value & (value - 1):
+            raise ValueError(f"{name} group {value} is not a power of two (keys {weight_key!r}, {activation_key!r})")
+    if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel"):
+        raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales, got {weight_key!r}")
+    if scheme.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
+        raise ValueError(f"fp8 group activations need fp8 weights with block scales, got {weight_key!r}")
+    if wtype == "fp8e4m3" and wscale not in ("mx", "block"):
+        raise ValueError(f"fp8 weights need e8m0 per-32 or 128x128 block scales here, got {weight_key!r}")
+    if wtype in ("uint4", "uint8") and wk.zero_point != "group":
+        raise ValueError(f"{wtype} weights need zero points (zp:group), got {weight_key!r}")
+    return scheme
+
+
+# ---------------------------------------------------------------------------------------------
+# tile configurations
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def config_file(key: QuantKey | str, device_name: str) -> Path:
+    """Where tuned configs for a weight key on a device live: configs/<device>__<key>.json."""
+    return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(key))}.json"
+
+
+@functools.cache
+def _load_config_file(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        return json.load(f)
+
+
+def _default_config(m: int, key: QuantKey) -> dict:
+    """Decode (few rows per expert): BLOCK_M 16 and narrow N tiles for more programs; prefill:
+    64/128 rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes)."""
+    narrow = key.quantized and key.dtype.bits <= 8
+    if m <= 16:
+        bm, gm = 16, 1
+    elif m <= 32:
+        bm, gm = 32, 4
+    elif m <= 96:
+        bm, gm = 64, 8
+    else:
+        bm, gm = 128, 8
+    if bm <= 32:
+        return {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128 if narrow else 64, "GROUP_M": gm,
+                "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128 if narrow else 64, "GROUP_M": gm,
+            "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+
+
+def get_config(m: int, n: int, k: int, key: QuantKey | str, device_name: str) -> dict:
+    """Tile config (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) for one MoE GEMM.
+
+    ``m`` is the rows one expert sees on average (M·top_k / E, or the batched capacity), ``n``×``k``
+    the projection, ``key`` the weight key. A tuned file (:func:`config_file`) maps ``"<n>x<k>"``
+    (or ``"default"``) to ``{"<m>": config}``; the entry with the nearest m wins, and its keys
+    override the defaults below.
+    """
+    qk = parse_quant_key(key) if isinstance(key, str) else key
+    config = _default_config(m, qk)
+    table = _load_config_file(config_file(qk, device_name))
+    if table:
+        by_m = table.get(f"{n}x{k}") or table.get("default")
+        if by_m:
+            nearest = min(by_m, key=lambda s: abs(int(s) - m))
+            config.update(by_m[nearest])
+    return config
+
+
+def _kernel_config(m: int, n: int, k: int, key: str, scheme: Scheme, device_name: str) -> dict:
+    """get_config, with BLOCK_K fitted to the scheme: no wider than a weight block or an fp8
+    activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
+    weights (each nibble half-dot needs K >= 16)."""
+    config = dict(get_config(m, n, k, key, device_name))
+    bk = config["BLOCK_K"]
+    if scheme.weight_scale == "block":
+        bk = min(bk, scheme.weight_group)
+    if scheme.act_quant == "fp8_group":
+        bk = min(bk, scheme.act_group)
+    if scheme.packed:
+        bk = max(bk, 32)
+    config["BLOCK_K"] = bk
+    return config
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering (Triton matmul tutorial): GROUP_M row blocks share the same weight columns
+    while they are hot in L2."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _repeat_rows(x, ROWS: tl.constexpr):
+    """Per-group values [G, BN] -> [ROWS, BN], each repeated over ROWS // G consecutive rows
+    (G == 1 is left to broadcasting)."""
+    if x.shape[0] == 1:
+        out = x
+    else:
+        parts = tl.broadcast_to(x[:, None, :], (x.shape[0], ROWS // x.shape[0], x.shape[1]))
+        out = tl.reshape(parts, (ROWS, x.shape[1]))
+    return out
+
+
+@triton.jit
+def _repeat_cols(x, COLS: tl.constexpr):
+    """Per-group values [BM, G] -> [BM, COLS], each repeated over COLS // G consecutive columns."""
+    if x.shape[1] == 1:
+        out = x
+    else:
+        parts = tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], COLS // x.shape[1]))
+        out = tl.reshape(parts, (x.shape[0], COLS))
+    return out
+
+
+@triton.jit
+def _e8m0(e):
+    """Raw e8m0 exponent bytes -> 2^(e-127) as float32 (byte 0 is the subnormal 2^-127)."""
+    e = e.to(tl.int32)
+    return tl.where(e == 0, 0x400000, e << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b; float32 operands use exact fp32 products (no TF32)."""
+    return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
+
+
+@triton.jit
+def _fused_moe_kernel(
+        # tensors
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
+        topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
+        # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; rows_per_expert is the padded length of
+        # sorted_ids (standard) or the per-expert capacity T (batched)
+        N, K, num_valid, rows_per_expert,
+        # strides (last dimensions are contiguous; zero points share the scales' strides)
+        stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
+        stride_cm,
+        # what the weights and activations are (see Scheme)
+        W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
+        W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUP_N: tl.constexpr, W_GROUPS: tl.constexpr,
+        A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr,
+        # layer options
+        ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+        TOP_K: tl.constexpr, BATCHED: tl.constexpr, WRITE_EMPTY: tl.constexpr,
+        # tiles
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
+    layer: scales, + bias, × router weight (before bias on the input side, after on the output)."""
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                            GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_end = K
+    if BATCHED:  # rows e·T .. e·T + expert_num_tokens[e] of A and C belong to expert e
+        expert = tl.program_id(1).to(tl.int64)
+        num_rows = tl.load(expert_num_tokens_ptr + expert)
+        empty = pid_m * BLOCK_M >= num_rows
+        if WRITE_EMPTY:
+            k_end = tl.where(empty, 0, K)  # an empty block skips the loop and writes zeros
+        elif empty:
+            return
+        row_mask = offs_m < num_rows
+        a_rows = expert * rows_per_expert + offs_m
+        c_rows = a_rows
+        store_rows = offs_m < rows_per_expert
+    else:  # rows come from the aligned (token, k) pairs; padding holds the sentinel num_valid
+        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+            return
+        pairs = tl.load(sorted_ids_ptr + offs_m)
+        row_mask = pairs < num_valid
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        a_rows = pairs // TOP_K
+        c_rows = pairs
+        store_rows = row_mask
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_bn = offs_n % N  # wrapped, so weight loads need no column mask; the store masks
+    a_row_ptrs = a_ptr + a_rows.to(tl.int64) * stride_am
+    b_cols = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn  # [1, BN]
+    scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
+    zero_cols = b_zero_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
+    dtype = c_ptr.dtype.element_ty  # the compute type of the float dot: the activation dtype
+    W_ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K  # K rows of one weight tile
+
+    zero = W_ZERO  # the code of 0: the type's bias, or per-column zero points
+    if HAS_ZERO and W_SCALE == "channel":
+        zero = tl.load(zero_cols).to(dtype)
+
+    if DOT == "int8":
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_end, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a_cols = offs_k
+        if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
+            a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
+        a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if A_QUANT == "mxfp8":
+            a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
+            a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,
+                            mask=row_mask[:, None] & (a_groups[None, :] < tl.cdiv(K, A_GROUP)), other=127)
+            a = (a.to(tl.float32) * _repeat_cols(_e8m0(a_exp), BLOCK_K)).to(dtype)
+
+        # the weight tile's scale (and zero) groups: one load per group and column
+        tile_zero = zero
+        if W_SCALE == "group" or W_SCALE == "mx":
+            w_groups = k_start // W_GROUP + tl.arange(0, W_GROUPS)
+            g_mask = w_groups[:, None] < tl.cdiv(K, W_GROUP)
+            scale = tl.load(scale_cols + w_groups[:, None] * stride_sk, mask=g_mask, other=0)
+            scale = _e8m0(scale) if W_SCALE == "mx" else scale.to(dtype)
+            scale = _repeat_rows(scale, W_ROWS)
+            if HAS_ZERO:
+                tile_zero = _repeat_rows(tl.load(zero_cols + w_groups[:, None] * stride_sk, mask=g_mask,
+                                                 other=0).to(dtype), W_ROWS)
+        elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
+            scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
+                            + (k_start // W_GROUP) * stride_sk)
+        else:
+            scale = 1.0  # none, or per channel: applied after the loop
+
+        if PACKED:
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K // 2, other=0)
+            low = packed & 0xF  # input column 2i
+            high = packed >> 4  # input column 2i + 1
+            if W_TYPE == "int4":  # two's complement nibble -> offset binary around 8
+                low = low ^ 8
+                high = high ^ 8
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            acc = _dot(a_even, ((low.to(dtype) - tile_zero) * scale).to(dtype), acc)
+            acc = _dot(a_odd, ((high.to(dtype) - tile_zero) * scale).to(dtype), acc)
+        else:
+            b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
+            if DOT == "int8":
+                acc = tl.dot(a, b, acc)
+            elif DOT == "fp8":
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                                  mask=row_mask, other=0.0)
+                acc += tl.dot(a, b) * a_scale[:, None] * scale
+            else:
+                if W_TYPE == "fp8e4m3":
+                    b = (b.to(tl.float32) * scale).to(dtype)
+                elif W_TYPE != "float":
+                    b = ((b.to(dtype) - tile_zero) * scale).to(dtype)
+                acc = _dot(a.to(dtype), b.to(dtype), acc)
+
+    # epilogue
+    acc = acc.to(tl.float32)
+    if A_QUANT == "int8":  # per token (or static: stride 0)
+        acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
+    if W_SCALE == "channel":
+        acc *= tl.load(scale_cols).to(tl.float32)
+    if ROUTED_WEIGHT != "none":
+        router = tl.load(topk_weights_ptr + c_rows, mask=row_mask, other=0.0).to(tl.float32)
+    if ROUTED_WEIGHT == "input":  # W (w·x) + b = w·(W x) + b
+        acc *= router[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * N + offs_bn).to(tl.float32)[None, :]
+    if ROUTED_WEIGHT == "output":  # w·(W x + b)
+        acc *= router[:, None]
+    if WRITE_EMPTY:
+        acc = tl.where(row_mask[:, None], acc, 0.0)
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=store_rows[:, None] & (offs_n[None, :] < N))
+
+
+# ---------------------------------------------------------------------------------------------
+# launching
+
+
+@dataclass(frozen=True)
+class _Proj:
+    """One projection's tensors and its logical GEMM shape (N outputs, K inputs)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+    perm: torch.Tensor | None
+    bias: torch.Tensor | None
+    input_scale: torch.Tensor | None
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Which rows of A and C each expert owns: aligned pairs (standard) or per-expert slabs."""
+
+    sorted_ids: torch.Tensor | None = None
+    expert_ids: torch.Tensor | None = None
+    num_post_padded: torch.Tensor | None = None
+    num_valid: int = 0
+    expert_num_tokens: torch.Tensor | None = None
+    capacity: int = 0
+
+    @property
+    def batched(self) -> bool:
+        return self.expert_num_tokens is not None
+
+
+_A_QUANT = {"none": "none", "int8_token": "int8", "int8_static": "int8", "fp8_group": "fp8_group",
+            "mxfp8": "mxfp8"}
+
+
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
+          rows: _Rows, config: dict, *, top_k: int = 1, routed_weight: str = "none",
+          topk_weights: torch.Tensor | None = None, write_empty: bool = False) -> None:
+    """Launch one fused MoE GEMM writing C [rows, N] (see _fused_moe_kernel)."""
+    if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
+        raise ValueError("act-order weights cannot take group-quantised activations (their groups "
+                         "follow the original column order)")
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    dummy = w.weight
+    scale = w.scale if w.scale is not None else dummy
+    s_strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if w.scale is not None else (0, 0, 0)
+    if a_scale is None or a_scale.numel() == 1:
+        as_strides = (0, 0)
+    else:
+        as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
+    if rows.batched:
+        num_experts = w.weight.shape[0]
+        grid = (triton.cdiv(rows.capacity, bm) * triton.cdiv(w.n, bn), num_experts)
+        rows_per_expert = rows.capacity
+    else:
+        rows_per_expert = rows.sorted_ids.numel()
+        grid = (triton.cdiv(rows_per_expert, bm) * triton.cdiv(w.n, bn),)
+    _fused_moe_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, w.weight, scale,
+        w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
+        w.bias if w.bias is not None else dummy, c,
+        topk_weights if topk_weights is not None else dummy,
+        rows.sorted_ids if rows.sorted_ids is not None else dummy,
+        rows.expert_ids if rows.expert_ids is not None else dummy,
+        rows.num_post_padded if rows.num_post_padded is not None else dummy,
+        rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
+        w.n, w.k, rows.num_valid, rows_per_expert,
+        a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(0),
+        W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
+        W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,
+        W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1),
+        A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
+        ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
+        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+
+def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GEMM input as the activation key wants it (x itself when unquantized); kwargs go to
+    triton_ops.act_quant."""
+    if scheme.act_quant == "none":
+        return x, None
+    return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
+                                group=scheme.act_group or 128, **kwargs)
+
+
+def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_perm, w13_bias,
+                 w13_input_scale, w2: torch.Tensor, w2_scale, w2_zero, w2_perm, w2_bias,
+                 w2_input_scale) -> tuple[_Proj, _Proj]:
+    n13 = w13.shape[1]
+    return (_Proj(w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale, n13, hidden_size),
+            _Proj(w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w2.shape[1], n13 // 2))
+
+
+def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   w13: _Proj, w2: _Proj, weight_key: str, activation_key: str, activation: str,
+                   router_weight_on_input: bool) -> torch.Tensor:
+    scheme = scheme_from_keys(weight_key, activation_key)
+    m, top_k = topk_ids.shape
+    out = torch.empty_like(hidden)
+    if m == 0:
+        return out
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    num_experts = w13.weight.shape[0]
+    device_name = _device_name(hidden.device)
+    rows_per_expert = triton.cdiv(m * top_k, num_experts)
+    config1 = _kernel_config(rows_per_expert, w13.n, w13.k, weight_key, scheme, device_name)
+    config2 = _kernel_config(rows_per_expert, w2.n, w2.k, weight_key, scheme, device_name)
+    config2["BLOCK_M"] = config1["BLOCK_M"]  # both GEMMs walk the same aligned blocks
+    sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, config1["BLOCK_M"])
+    rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    on_input = router_weight_on_input
+    if on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got {top_k}")
+
+    # quantised activations take the router weight before quantising (as the reference does);
+    # 16-bit ones take it in GEMM1's epilogue, before the bias
+    a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=weights if on_input else None)
+    gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
+    cache1 = torch.empty(m * top_k, w13.n, dtype=hidden.dtype, device=hidden.device)
+    _gemm(a1, a1_scale, w13, scheme, cache1, rows, config1, top_k=top_k, routed_weight=gemm1_weight,
+          topk_weights=weights)
+
+    a2, a2_scale = triton_ops.act_quant(cache1, activation, scheme.act_quant, static_scale=w2.input_scale,
+                                        group=scheme.act_group or 128)
+    cache3 = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=hidden.dtype, device=hidden.device)
+    _gemm(a2, a2_scale, w2, scheme, cache3, rows, config2, routed_weight="none" if on_input else "output",
+          topk_weights=weights)
+    if top_k > 1:
+        triton_ops.sum_topk(cache3.view(m, top_k, w2.n), out=out)
+    return out
+
+
+def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13: _Proj, w2: _Proj,
+                           weight_key: str, activation_key: str, activation: str) -> torch.Tensor:
+    scheme = scheme_from_keys(weight_key, activation_key)
+    num_experts, capacity, hidden_size = x.shape
+    out = torch.empty_like(x)
+    if capacity == 0:
+        return out
+    device_name = _device_name(x.device)
+    config1 = _kernel_config(capacity, w13.n, w13.k, weight_key, scheme, device_name)
+    config2 = _kernel_config(capacity, w2.n, w2.k, weight_key, scheme, device_name)
+    rows = _Rows(expert_num_tokens=expert_num_tokens, capacity=capacity)
+    # rows past an expert's count are skipped (left unwritten) until GEMM2 writes them as zeros
+    counts = {"expert_num_tokens": expert_num_tokens, "capacity": capacity}
+    a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts)
+    cache1 = torch.empty(num_experts * capacity, w13.n, dtype=x.dtype, device=x.device)
+    _gemm(a1, a1_scale, w13, scheme, cache1, rows, config1)
+    a2, a2_scale = triton_ops.act_quant(cache1, activation, scheme.act_quant, static_scale=w2.input_scale,
+                                        group=scheme.act_group or 128, **counts)
+    _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
+          write_empty=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops: the whole layer is one opaque op for torch.compile
+
+
+@torch.library.custom_op("moe_registry::fused_experts", mutates_args=())
+def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13: torch.Tensor, w13_scale: torch.Tensor | None, w13_zero: torch.Tensor | None,
+                  w13_perm: torch.Tensor | None, w13_bias: torch.Tensor | None,
+                  w13_input_scale: torch.Tensor | None,
+                  w2: torch.Tensor, w2_scale: torch.Tensor | None, w2_zero: torch.Tensor | None,
+                  w2_perm: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                  w2_input_scale: torch.Tensor | None,
+                  weight_key: str, activation_key: str, activation: str,
+                  router_weight_on_input: bool) -> torch.Tensor:
+    """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
+    fields, flattened); the keys are QuantKey strings."""
+    p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale)
+    return _fused_experts(hidden, topk_weights, topk_ids, p13, p2, weight_key, activation_key, activation,
+                          router_weight_on_input)
+
+
+@fused_experts.register_fake
+def _(hidden, *args):
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("moe_registry::fused_experts_batched", mutates_args=())
+def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
+                          w13: torch.Tensor, w13_scale: torch.Tensor | None, w13_zero: torch.Tensor | None,
+                          w13_perm: torch.Tensor | None, w13_bias: torch.Tensor | None,
+                          w13_input_scale: torch.Tensor | None,
+                          w2: torch.Tensor, w2_scale: torch.Tensor | None, w2_zero: torch.Tensor | None,
+                          w2_perm: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                          w2_input_scale: torch.Tensor | None,
+                          weight_key: str, activation_key: str, activation: str) -> torch.Tensor:
+    """The batched-format layer: x [E, T, H] with expert_num_tokens [E] -> [E, T, H] (rows past a
+    count are zero; no router weights)."""
+    p13, p2 = _projections(x.shape[2], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale)
+    return _fused_experts_batched(x, expert_num_tokens, p13, p2, weight_key, activation_key, activation)
+
+
+@fused_experts_batched.register_fake
+def _(x, *args):
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts
+
+
+def _kernel_tensors(p: ProjectionWeights) -> list[torch.Tensor | None]:
+    """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once."""
+    def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = t if dtype is None else t.to(dtype)
+        return t.contiguous()
+
+    return [ready(p.weight), ready(p.scale), ready(p.zero), ready(p.perm, torch.int32),
+            ready(p.bias, torch.float32), ready(p.input_scale, torch.float32)]
+
+
+class _TritonBase(Experts):
+    def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
+        super().__init__(weights, config)
+        if weights.layout != "nk":
+            raise ValueError(f"the Triton MoE kernel reads layout 'nk', got {weights.layout!r}")
+        self.weight_key = str(weights.weight_key)
+        self.activation_key = str(weights.activation_key)
+        self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
+        self._tensors = _kernel_tensors(weights.w13) + _kernel_tensors(weights.w2)
+
+
+class TritonExperts(_TritonBase):
+    """Standard activation format: hidden [M, H] with top-k routing."""
+
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        return torch.ops.moe_registry.fused_experts(
+            hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
+            self.config.activation, self.config.apply_router_weight_on_input)
+
+
+class TritonBatchedExperts(_TritonBase):
+    """Batched activation format (expert parallelism): x [E, T, H] and expert_num_tokens [E]."""
+
+    def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """[E, T, H] -> [E, T, H]: the first expert_num_tokens[e] rows of x[e] through expert e,
+        rows past the count zero. No router weights (finalize applies them)."""
+        return torch.ops.moe_registry.fused_experts_batched(
+            x, expert_num_tokens.to(torch.int32), *self._tensors, self.weight_key, self.activation_key,
+            self.config.activation)
+
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The standard format through the same weights (for callers that hold both formats)."""
+        return torch.ops.moe_registry.fused_experts(
+            hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
+            self.config.activation, self.config.apply_router_weight_on_input)

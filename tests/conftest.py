@@ -1,0 +1,33 @@
+"""Shared fixtures: example checkpoints are generated once per session (they are not committed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+@pytest.fixture(scope="session")
+def example(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """example(name) -> path of that example checkpoint, written on first use."""
+    from make_examples import make_example
+
+    out = tmp_path_factory.mktemp("examples")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = Path(make_example(name, out))
+        return made[name]
+
+    return get

@@ -1,0 +1,157 @@
+"""The broken-checkpoint corpus: each case copies a bundled example, breaks one thing, and expects
+a clear error naming the tensor (full checkpoint name) or config field — never a traceback, never
+a half-built layer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import moe_registry
+from moe_registry.errors import MoERegistryError
+
+Tensors = dict[str, torch.Tensor]
+AWQ = "model.layers.1.block_sparse_moe.experts"
+QWEN = "model.layers.1.mlp.experts"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    example: str
+    expected: tuple[str, ...]
+    tensors: Callable[[Tensors], None] | None = None
+    config: Callable[[dict], None] | None = None
+    layer: int = 1
+    files: Callable[[Path], None] | None = None
+
+
+def _set(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Tensors], None]:
+    def apply(t: Tensors) -> None:
+        t[name] = fn(t[name].clone())
+    return apply
+
+
+def _poke(value: float, index: tuple[int, ...] = (0, 0)) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[index] = value
+        return y
+    return fn
+
+
+def _drop(name: str) -> Callable[[Tensors], None]:
+    def apply(t: Tensors) -> None:
+        del t[name]
+    return apply
+
+
+def _add(name: str, value: torch.Tensor) -> Callable[[Tensors], None]:
+    return lambda t: t.__setitem__(name, value)
+
+
+def _cfg(**changes: object) -> Callable[[dict], None]:
+    return lambda c: c.update(changes)
+
+
+CASES = [
+    Case("missing-tensor", "mixtral-awq", (f"{AWQ}.3.w1.qzeros: missing",), _drop(f"{AWQ}.3.w1.qzeros")),
+    Case("missing-projection", "qwen3-gptq-int4", (f"{QWEN}.5.down_proj.qweight: missing",),
+         lambda t: [t.pop(k) for k in list(t) if k.startswith(f"{QWEN}.5.down_proj.")] and None),
+    Case("extra-tensor", "mixtral-awq", (f"{AWQ}.0.w1.qweight_extra: unexpected tensor",),
+         _add(f"{AWQ}.0.w1.qweight_extra", torch.zeros(2, dtype=torch.int32))),
+    Case("wrong-shape", "mixtral-awq", (f"{AWQ}.2.w3.qweight: shape [256, 8]; expected [256, 16]",),
+         _set(f"{AWQ}.2.w3.qweight", lambda x: x[:, :8].contiguous())),
+    Case("wrong-dtype", "mixtral-awq", (f"{AWQ}.1.w2.scales: dtype float32; expected float16",),
+         _set(f"{AWQ}.1.w2.scales", lambda x: x.float())),
+    Case("nan-scale", "mixtral-awq", (f"{AWQ}.4.w1.scales", "NaN"), _set(f"{AWQ}.4.w1.scales", _poke(float("nan")))),
+    Case("inf-scale", "mixtral-quark-w8a8", (f"{AWQ}.0.w2.weight_scale", "infinite"),
+         _set(f"{AWQ}.0.w2.weight_scale", _poke(float("inf"), (3,)))),
+    Case("zero-scale", "qwen3-gptq-int4", (f"{QWEN}.6.up_proj.scales", "zero"),
+         _set(f"{QWEN}.6.up_proj.scales", _poke(0.0))),
+    Case("negative-scale", "mixtral-quark-w8a8", (f"{AWQ}.7.w1.weight_scale", "negative"),
+         _set(f"{AWQ}.7.w1.weight_scale", _poke(-0.5, (1,)))),
+    Case("gptq-asymmetric-zeros", "qwen3-gptq-int4", (f"{QWEN}.0.gate_proj.qzeros",),
+         _set(f"{QWEN}.0.gate_proj.qzeros", lambda x: x ^ 0x1)),
+    Case("gptq-gidx-out-of-range", "qwen3-gptq-int4-actorder", (f"{QWEN}.2.down_proj.g_idx",),
+         _set(f"{QWEN}.2.down_proj.g_idx", _poke(999, (0,)))),
+    Case("gptq-zeros-dtype", "qwen3-gptq-int4", (f"{QWEN}.1.gate_proj.qzeros: dtype int64; expected int32",),
+         _set(f"{QWEN}.1.gate_proj.qzeros", lambda x: x.long())),
+    Case("mxfp8-nan-exponent", "qwen3-modelopt-mxfp8", (f"{QWEN}.3.gate_proj.weight_scale", "255"),
+         _set(f"{QWEN}.3.gate_proj.weight_scale", _poke(255))),
+    Case("fp8-block-nan-scale", "deepseek-fp8-block", (f"{QWEN}.9.up_proj.weight_scale_inv", "NaN"),
+         _set(f"{QWEN}.9.up_proj.weight_scale_inv", _poke(float("nan")))),
+    Case("quark-input-scale-nan", "mixtral-quark-w8a8-tensor", (f"{AWQ}.2.w1.input_scale", "NaN"),
+         _set(f"{AWQ}.2.w1.input_scale", lambda x: torch.full_like(x, float("nan")))),
+    Case("ct-scale-shape", "qwen3-ct-w8a8", (f"{QWEN}.0.gate_proj.weight_scale: shape [128]; expected [128, 1]",),
+         _set(f"{QWEN}.0.gate_proj.weight_scale", lambda x: x.flatten().contiguous())),
+    Case("router-shape", "mixtral-awq", ("model.layers.1.block_sparse_moe.gate.weight: shape [8, 128]",),
+         _set("model.layers.1.block_sparse_moe.gate.weight", lambda x: x[:, :128].contiguous())),
+    Case("bias-on-some-experts", "mixtral-awq", ("some expert projections have a bias",),
+         _add(f"{AWQ}.0.w1.bias", torch.ones(128, dtype=torch.float16))),
+    Case("fewer-experts-in-config", "mixtral-awq", ("expert 4 exists but config.json says 4 experts",),
+         config=_cfg(num_local_experts=4)),
+    Case("hidden-size-disagrees", "mixtral-awq", (f"{AWQ}.0.w1.qweight: shape [256, 16]; expected [512, 16]",),
+         config=_cfg(hidden_size=512)),
+    Case("intermediate-disagrees", "qwen3-gptq-int4", (f"{QWEN}.0.gate_proj.qweight: shape", "expected [32, 192]"),
+         config=_cfg(moe_intermediate_size=192)),
+    Case("layer-without-moe", "deepseek-fp8-block", ("--layer: layer 7 has no MoE",), layer=7),
+    Case("unknown-scheme", "mixtral-awq", ("no scheme matches",),
+         config=lambda c: c["quantization_config"].update(quant_method="bitsandbytes")),
+    Case("pickle-only", "mixtral-awq", ("no .safetensors files", "pytorch_model.bin"),
+         files=lambda d: [p.unlink() for p in d.glob("*.safetensors")] and (d / "pytorch_model.bin").write_bytes(b"x")
+         and None),
+    Case("corrupt-header", "mixtral-awq", ("cannot read safetensors header",),
+         files=lambda d: (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+         and None),
+    Case("missing-shard", "qwen2-gptq-int8", ("names shard(s) that are not there",),
+         files=lambda d: next(iter(sorted(d.glob("model-0000*.safetensors")))).unlink()),
+]
+
+
+def _break(src: Path, dst: Path, case: Case) -> Path:
+    shutil.copytree(src, dst)
+    if case.tensors is not None:
+        path = dst / "model.safetensors"
+        tensors = load_file(str(path))
+        case.tensors(tensors)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    if case.config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        case.config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if case.files is not None:
+        case.files(dst)
+    return dst
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 20 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_broken_checkpoint_gets_a_clear_error(example, tmp_path: Path, case: Case) -> None:
+    path = _break(example(case.example), tmp_path / case.name, case)
+    with pytest.raises(MoERegistryError) as err:
+        moe_registry.load_layer(path, layer=case.layer, platform="cpu")
+    message = str(err.value)
+    for needle in case.expected:
+        assert needle in message, message
+    assert "\n" not in message.strip() or case.name == "unknown-scheme"
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[c.name for c in CASES[:3]])
+def test_cli_reports_one_line_without_traceback(example, tmp_path: Path, case: Case, capsys) -> None:
+    from moe_registry.cli import main
+
+    path = _break(example(case.example), tmp_path / case.name, case)
+    assert main(["run", str(path), "--platform", "cpu", "--layer", str(case.layer)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and case.expected[0] in err
