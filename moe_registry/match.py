@@ -54,7 +54,7 @@ def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) ->
             return passed(used, f"{used} is {'present' if rule.present else 'absent'}")
         if rule.present:
             return failed(Reason.FIELD_MISSING, used, f"{used} is missing; wanted it present")
-        return failed(Reason.FIELD_PRESENT, used, f"{used} = {value!r} is present; wanted it absent",
+        return failed(Reason.FIELD_PRESENT, used, f"{used} = {_short(value)} is present; wanted it absent",
                       seen=value)
     defaulted = value is _MISSING
     if defaulted:
@@ -76,8 +76,14 @@ def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) ->
               and (rule.range.max is None or seen <= rule.range.max))
     if ok:
         return passed(used, f"{used} = {value!r}{note}", seen=value)
-    return failed(Reason.FIELD_VALUE, used, f"{used} = {value!r}{note}; wanted {_wanted_text(rule)}",
+    return failed(Reason.FIELD_VALUE, used, f"{used} = {_short(value)}{note}; wanted {_wanted_text(rule)}",
                   seen=value, wanted=rule.equals if rule.equals is not None else rule.one_of)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a whole config section must not flood a reason."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + " …" + text[-2:]
 
 
 def _wanted_text(rule: FieldRule) -> str:

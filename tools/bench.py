@@ -1,0 +1,305 @@
+"""Whole-layer MoE benchmark against the roofline (run on a GPU; `--dry-run` checks the tool on CPU).
+
+For each model shape × scheme × token count: build random quantized experts in the kernel
+layout, check the chosen kernel's output against the reference, then time CUDA-graph replays of
+back-to-back layer calls rotating over enough weight copies that the experts a call touches are
+never still in L2 from the previous one. Ceilings (copy bandwidth, bf16 / int8 / fp8 matrix rates)
+are measured in the same run. Roofline time = max(minimum bytes / copy bandwidth, FLOPs / peak
+of the matrix unit the scheme uses), minimum bytes = weights + scales + zero points of the
+experts hit + activations in and out + routing; FLOPs = 6·M·top-k·hidden·intermediate.
+
+    python tools/bench.py                       # all shapes, schemes, M
+    python tools/bench.py --shapes qwen3 --m 1 8 64 --schemes bf16 awq
+    python tools/bench.py --dry-run             # tiny shapes on CPU: checks the tool runs
+Writes bench.json and roofline.png to --out (default: current dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moe_registry.experts import ExpertsConfig
+from moe_registry.keys import QuantKey, parse_quant_key
+from moe_registry.weights import ExpertWeights, ProjectionWeights
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    experts: int
+    top_k: int
+    hidden: int
+    intermediate: int
+
+
+SHAPES = {
+    "mixtral": Shape("Mixtral-8x7B", 8, 2, 4096, 14336),
+    "qwen3": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
+    "dsv2lite": Shape("DeepSeek-V2-Lite", 64, 6, 2048, 1408),
+}
+DRY_SHAPES = {"tiny": Shape("tiny", 8, 2, 128, 128)}
+
+# scheme name -> (weight key, activation key, matrix unit whose peak bounds it)
+SCHEMES = {
+    "bf16": ("unquantized", "unquantized", "bf16"),
+    "awq": ("uint4 scale:float16:group(128):static zp:group", "unquantized", "bf16"),
+    "gptq4": ("uint4b8 scale:float16:group(128):static", "unquantized", "bf16"),
+    "int8wo": ("uint8b128 scale:float16:group(128):static", "unquantized", "bf16"),
+    "w8a8": ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic", "int8"),
+    "mxfp8": ("fp8e4m3 scale:e8m0:block(1x32):static", "fp8e4m3 scale:e8m0:block(1x32):dynamic", "bf16"),
+    "fp8block": ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic", "fp8"),
+}
+L2_BYTES = 50 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    shape: str
+    scheme: str
+    m: int
+    us: float
+    roofline_us: float
+    bytes_moved: float
+    flops: float
+    rel_error: float
+
+    @property
+    def pct(self) -> float:
+        return 100.0 * self.roofline_us / self.us if self.us > 0 else 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / (self.us * 1e-6) / 1e9
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / (self.us * 1e-6) / 1e12
+
+
+def _median_time(fn, min_seconds: float, device: torch.device) -> float:
+    """Median seconds per call over at least ``min_seconds`` (events on GPU)."""
+    fn()
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds or len(times) < 5:
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device, dry: bool) -> dict[str, float]:
+    """Copy bandwidth (bytes read + written per second) and matrix-unit rates, measured here."""
+    n = 1 << (20 if dry else 30)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    t = _median_time(lambda: dst.copy_(src), 0.1 if dry else 0.5, device)
+    out = {"copy_bytes_per_s": 2 * src.numel() * 4 / t}
+    size = 256 if dry else 8192
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16 if not dry else torch.float32)
+    b = torch.randn(size, size, device=device, dtype=a.dtype)
+    out["bf16_flops"] = 2 * size**3 / _median_time(lambda: a @ b, 0.1 if dry else 0.5, device)
+    if device.type == "cuda":
+        ai = torch.randint(-128, 127, (size, size), device=device, dtype=torch.int8)
+        bi = torch.randint(-128, 127, (size, size), device=device, dtype=torch.int8).t()  # column-major B
+        out["int8_ops"] = 2 * size**3 / _median_time(lambda: torch._int_mm(ai, bi), 0.5, device)
+        af = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+        bf = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        out["fp8_flops"] = 2 * size**3 / _median_time(
+            lambda: torch._scaled_mm(af, bf, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 0.5, device)
+    else:
+        out["int8_ops"] = out["fp8_flops"] = out["bf16_flops"]
+    return out
+
+
+def _tensor_bytes(p: ProjectionWeights, experts_hit: float, num_experts: int) -> float:
+    per_expert = sum(t.numel() * t.element_size() for t in (p.weight, p.scale, p.zero, p.bias) if t is not None)
+    return per_expert * experts_hit / num_experts
+
+
+def expected_experts_hit(m: int, top_k: int, experts: int) -> float:
+    """Distinct experts a batch of m tokens routes to, for uniform random routing."""
+    return experts * (1 - (1 - top_k / experts) ** m)
+
+
+def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> ExpertWeights:
+    """Random experts quantized on the device (real codes and scales, never zeros)."""
+    from moe_registry_kernels.quant_ref import _static_input_scale, quantize_weight_to_layout
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    e, h, i = shape.experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device=device) / math.sqrt(h)
+    p13 = quantize_weight_to_layout(w13, wkey, dtype=dtype)
+    del w13
+    w2 = torch.randn(e, h, i, generator=gen, device=device) / math.sqrt(i)
+    p2 = quantize_weight_to_layout(w2, wkey, dtype=dtype)
+    del w2
+    s = _static_input_scale(akey, 6.0)
+    if s is not None:
+        from dataclasses import replace
+
+        p13, p2 = replace(p13, input_scale=s.to(device)), replace(p2, input_scale=s.to(device))
+    return ExpertWeights(p13, p2, wkey, akey)
+
+
+def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, float], device: torch.device,
+              kernel_cls, dry: bool) -> list[Row]:
+    from moe_registry_kernels.reference import ReferenceExperts
+
+    wtext, atext, unit = SCHEMES[scheme]
+    wkey, akey = parse_quant_key(wtext), parse_quant_key(atext)
+    dtype = torch.float16 if dry else torch.bfloat16
+    config = ExpertsConfig()
+    base = make_weights(shape, wkey, akey, dtype, device, seed=0)
+    peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[unit]
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    # correctness first, on the real shape
+    check_m = min(max(ms), 64)
+    x = torch.randn(check_m, shape.hidden, device=device, generator=gen).to(dtype)
+    logits = torch.randn(check_m, shape.experts, device=device, generator=gen)
+    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+    kernel = kernel_cls(base, config)
+    out = kernel.apply(x, tw, ti.to(torch.int32))
+    ref = ReferenceExperts(base, config).apply(x.float(), tw, ti.to(torch.int32)).float()
+    rel = float((out.float() - ref).norm() / ref.norm())
+    del ref
+    for m in ms:
+        x = torch.randn(m, shape.hidden, device=device, generator=gen).to(dtype)
+        logits = torch.randn(m, shape.experts, device=device, generator=gen)
+        tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+        ti = ti.to(torch.int32)
+        hit = expected_experts_hit(m, shape.top_k, shape.experts)
+        wbytes = _tensor_bytes(base.w13, hit, shape.experts) + _tensor_bytes(base.w2, hit, shape.experts)
+        act_bytes = 2 * m * shape.hidden * x.element_size() + m * shape.top_k * 8
+        bytes_moved = wbytes + act_bytes
+        flops = 6.0 * m * shape.top_k * shape.hidden * shape.intermediate
+        roof = max(bytes_moved / ceilings["copy_bytes_per_s"], flops / peak)
+        copies = 1 if dry else max(1, math.ceil(2 * L2_BYTES / max(wbytes, 1)))
+        copies = min(copies, max(1, int(20e9 // max(wbytes * shape.experts / max(hit, 1), 1))))
+        kernels = [kernel] + [kernel_cls(make_weights(shape, wkey, akey, dtype, device, seed=c), config)
+                              for c in range(1, copies)]
+
+        def step() -> None:
+            for k in kernels:
+                k.apply(x, tw, ti)
+
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            t = _median_time(graph.replay, 0.3, device) / len(kernels)
+        else:
+            t = _median_time(step, 0.05, device) / len(kernels)
+        rows.append(Row(shape.name, scheme, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel))
+        del kernels
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    head = f"{'shape':<18}{'scheme':<10}{'M':>6}{'us':>10}{'roof us':>10}{'GB/s':>9}{'TFLOP/s':>9}{'% roof':>8}{'rel err':>10}"
+    print(head)
+    for r in rows:
+        print(f"{r.shape:<18}{r.scheme:<10}{r.m:>6}{r.us:>10.1f}{r.roofline_us:>10.1f}{r.gbps:>9.0f}"
+              f"{r.tflops:>9.1f}{r.pct:>7.0f}%{r.rel_error:>10.2e}")
+
+
+def plot(rows: list[Row], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shapes = sorted({r.shape for r in rows})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        for scheme in SCHEMES:
+            pts = sorted((r.m, r.pct) for r in rows if r.shape == shape and r.scheme == scheme)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=scheme)
+        ax.axhline(100, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(shape)
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel("% of roofline (whole layer)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
+    parser.add_argument("--m", nargs="*", type=int, default=[1, 8, 64, 512, 4096])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference kernel)")
+    args = parser.parse_args(argv)
+    dry = args.dry_run or not torch.cuda.is_available()
+    if not args.dry_run and dry:
+        print("no GPU: running the dry run", file=sys.stderr)
+    device = torch.device("cpu" if dry else "cuda")
+    if dry:
+        from moe_registry_kernels.reference import ReferenceExperts as kernel_cls
+        shapes, ms = list(DRY_SHAPES.values()), [1, 8]
+    else:
+        from moe_registry_kernels.triton_moe import TritonExperts as kernel_cls
+        shapes, ms = [SHAPES[s] for s in args.shapes], args.m
+    ceilings = measure_ceilings(device, dry)
+    rows: list[Row] = []
+    for shape in shapes:
+        for scheme in args.schemes:
+            rows += bench_one(shape, scheme, ms, ceilings, device, kernel_cls, dry)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "python": platform.python_version(), "dry_run": dry}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    result = {"env": env, "ceilings": ceilings,
+              "rows": [{**asdict(r), "pct_roofline": r.pct, "gbps": r.gbps, "tflops": r.tflops} for r in rows]}
+    (args.out / "bench.json").write_text(json.dumps(result, indent=2))
+    plotted = plot(rows, args.out / "roofline.png")
+    print(f"device {env['device']}; copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s, int8 {ceilings['int8_ops'] / 1e12:.0f} TOP/s, "
+          f"fp8 {ceilings['fp8_flops'] / 1e12:.0f} TFLOP/s")
+    print_table(rows)
+    print(f"wrote {args.out / 'bench.json'}" + (f" and {args.out / 'roofline.png'}" if plotted else ""))
+    bad = [r for r in rows if not r.rel_error < 0.1]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
