@@ -79,11 +79,11 @@ def _expert_ranges(counts, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _fill_expert_ids(expert_ids_ptr, ends, total, first_block, last_block,
-                     BLOCK_M: tl.constexpr, FILL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, TILE_B: tl.constexpr):
     """expert_ids[b] for b in [first_block, last_block): the expert whose range holds the block's
     first slot (= number of experts ending at or before it), or -1 past the padded total."""
-    for b in range(first_block, last_block, FILL):
-        blocks = b + tl.arange(0, FILL)
+    for b in range(first_block, last_block, TILE_B):
+        blocks = b + tl.arange(0, TILE_B)
         block_start = blocks * BLOCK_M
         expert = tl.sum((ends[None, :] <= block_start[:, None]).to(tl.int32), axis=1)
         expert = tl.where(block_start < total, expert, -1)
@@ -101,7 +101,7 @@ def _fill_sentinel(sorted_ptr, first, last, sentinel, FILL: tl.constexpr):
 def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                               numel, num_experts, max_padded, num_blocks,
                               BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                              FILL: tl.constexpr):
+                              FILL: tl.constexpr, TILE_B: tl.constexpr):
     """Whole alignment in one program: count, lay out the expert ranges, then scatter each pair to
     start[e] + (pairs of e seen before it). Stable: pairs keep their order within an expert."""
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
@@ -110,7 +110,7 @@ def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
         counts += tl.sum(one_hot, axis=0)
     starts, ends, total = _expert_ranges(counts, BLOCK_M)
     tl.store(num_post_ptr, total)
-    _fill_expert_ids(expert_ids_ptr, ends, total, 0, num_blocks, BLOCK_M, FILL)
+    _fill_expert_ids(expert_ids_ptr, ends, total, 0, num_blocks, BLOCK_M, TILE_B)
     _fill_sentinel(sorted_ptr, 0, max_padded, numel, FILL)
     tl.debug_barrier()  # the scatter below overwrites sentinels other threads just stored
 
@@ -159,7 +159,7 @@ def _align_prefix_kernel(chunk_counts_ptr, counts_ptr, num_chunks,
 def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorted_ptr, expert_ids_ptr,
                           num_post_ptr, numel, num_experts, num_blocks, blocks_per_program,
                           BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                          FILL: tl.constexpr):
+                          TILE_B: tl.constexpr):
     """Chunked path, step 3: every program recomputes the (small) expert ranges, scatters its
     chunk and writes its share of expert_ids."""
     chunk = tl.program_id(0)
@@ -174,7 +174,7 @@ def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorte
     tl.store(sorted_ptr + dest, offs, mask=valid)
     first = chunk * blocks_per_program
     last = tl.minimum(first + blocks_per_program, num_blocks)
-    _fill_expert_ids(expert_ids_ptr, ends, total, first, last, BLOCK_M, FILL)
+    _fill_expert_ids(expert_ids_ptr, ends, total, first, last, BLOCK_M, TILE_B)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -191,11 +191,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     block_e = max(triton.next_power_of_2(num_experts), 16)
     fill = 256
+    tile_b = max(16, min(256, 8192 // block_e))  # [tile_b, block_e] comparisons per step
     if numel <= one_program_max:
         chunk = max(16, min(128, 8192 // block_e))
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks,
-            BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, FILL=fill, num_warps=8)
+            BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, FILL=fill, TILE_B=tile_b, num_warps=8)
         return sorted_ids, expert_ids, num_post
 
     chunk = max(16, min(256, 16384 // block_e))
@@ -212,7 +213,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     _align_scatter_kernel[(num_chunks,)](
         ids, chunk_counts, rank, counts, sorted_ids, expert_ids, num_post, numel, num_experts,
         num_blocks, triton.cdiv(num_blocks, num_chunks),
-        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, FILL=64, num_warps=8)
+        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, TILE_B=tile_b, num_warps=8)
     return sorted_ids, expert_ids, num_post
 
 
@@ -258,13 +259,16 @@ def _pow2(e):
 
 @triton.jit
 def _to_e4m3(v):
-    """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals included).
-    Rounded on the e4m3 grid in float32 first, so the cast itself is exact everywhere."""
-    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-    biased = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal spacing
+    """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals and the sign of
+    zero included). Rounded on the e4m3 grid in float32 first, so the cast itself is exact on
+    every backend (the interpreter's own fp8 cast rounds differently)."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag = tl.minimum(tl.abs(v), FP8_MAX)
+    biased = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal spacing
     quantum = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
     inv_quantum = ((257 - biased) << 23).to(tl.float32, bitcast=True)
-    return (_rint(v * inv_quantum) * quantum).to(tl.float8e4nv)
+    mag = _rint(mag * inv_quantum) * quantum
+    return tl.where(bits < 0, -mag, mag).to(tl.float8e4nv)
 
 
 @triton.jit

@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `moe-registry schema | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from moe_registry.keys import (
     UNQUANTIZED,
     GroupShape,
     KeyError_,
-    QuantKey,
     ScaleSpec,
     canonical_pattern,
     parse_group_shape,

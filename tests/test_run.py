@@ -51,8 +51,9 @@ def test_run_text_shows_report_error_and_time(example, capsys) -> None:
 
 
 def test_inputs_with_routing_and_saved_output_match_reference(example, tmp_path: Path, capsys) -> None:
-    from moe_registry.experts import ExpertsConfig
     from moe_registry_kernels.reference import reference_moe
+
+    from moe_registry.experts import ExpertsConfig
 
     path = example("qwen3-gptq-int4")
     gen = torch.Generator().manual_seed(3)

@@ -11,7 +11,7 @@ import yaml
 
 from moe_registry import cli
 from moe_registry.errors import SpecError
-from moe_registry.registry import load_registry, validate_paths
+from moe_registry.registry import SPEC_PATH_ENV, load_registry, validate_paths
 from moe_registry.yamlio import MAX_SPEC_BYTES, load_yaml_text
 
 CORPUS = Path(__file__).parent / "spec_corpus"
@@ -31,7 +31,7 @@ checkpoint:
   tensors:
     qweight: {dtype: int32, shape: [in / 8, out]}
     scales: {dtype: float16, shape: ["groups(in, $group)", out]}
-kernels: [torch-reference]
+kernels: [corpus-good-kernel, torch-reference]
 """
 
 GOOD_KERNEL = """\
@@ -41,11 +41,16 @@ impl: moe_registry_kernels.reference:ReferenceExperts
 platforms: [{device: cpu}, {device: cuda, capability: ">=8.0,<10.0"}]
 dtypes: [bfloat16]
 keys:
-  - {weight: "int8 scale:float32:channel:static", activation: "int8 scale:float32:token:dynamic"}
+  - {weight: "uint4b8 scale:float16:group(*):static", activation: unquantized}
 activations: [silu]
 shapes:
   hidden: {multiple_of: $group}
 """
+
+
+@pytest.fixture(autouse=True)
+def builtin_specs_only(monkeypatch):
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
 
 
 def relative(problem: SpecError) -> str:
@@ -99,8 +104,22 @@ def test_valid_user_specs_pass(tmp_path: Path, capsys):
     assert cli.main(["validate", str(d)]) == 0
     assert "all specs valid" in capsys.readouterr().out
     registry = load_registry([d])
-    assert registry.scheme("corpus-good").kernels == ["torch-reference"]
+    assert registry.scheme("corpus-good").kernels == ["corpus-good-kernel", "torch-reference"]
     assert not registry.schemes["corpus-good"].builtin
+
+
+def test_validate_rejects_a_kernel_claim_no_scheme_exercises(tmp_path: Path, capsys):
+    """A key pattern that no scheme listing the kernel binds cannot be conformance-tested."""
+    d = tmp_path / "specs"
+    d.mkdir()
+    (d / "good.yaml").write_text(GOOD_SCHEME)
+    extra = '  - {weight: "int8 scale:float32:channel:static", activation: "int8 scale:float32:token:dynamic"}\n'
+    (d / "kernel.yaml").write_text(GOOD_KERNEL.replace("keys:\n", "keys:\n" + extra))
+    assert cli.main(["validate", str(d)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"{d / 'kernel.yaml'}:1: keys[0]: no scheme that lists corpus-good-kernel binds a key pair "
+                   "matching 'int8 scale:float32:channel:static' / 'int8 scale:float32:token:dynamic', "
+                   "so no conformance case tests it"]
 
 
 @pytest.mark.parametrize("name", ["unknown_field_top.yaml", "missing_required.yaml", "duplicate_scheme",

@@ -1,0 +1,124 @@
+"""The generated support matrix is current, and the schema / list commands print what they claim."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_registry import cli
+from moe_registry.matrix import MATRIX_PLATFORMS, matrix_markdown, support_matrix
+from moe_registry.registry import SPEC_PATH_ENV, load_registry
+
+ROOT = Path(__file__).resolve().parent.parent
+MATRIX_DOC = ROOT / "docs" / "support-matrix.md"
+REGENERATE = "regenerate it with: python -m moe_registry matrix > docs/support-matrix.md"
+
+
+@pytest.fixture(autouse=True)
+def builtin_specs_only(monkeypatch):
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
+
+
+def test_support_matrix_doc_is_current():
+    assert MATRIX_DOC.is_file(), f"docs/support-matrix.md is missing; {REGENERATE}"
+    assert MATRIX_DOC.read_text() == matrix_markdown(load_registry()), \
+        f"docs/support-matrix.md is out of date with the specs; {REGENERATE}"
+
+
+def test_matrix_command_prints_the_doc(capsys):
+    assert cli.main(["matrix"]) == 0
+    assert capsys.readouterr().out == MATRIX_DOC.read_text()
+
+
+def test_matrix_rows():
+    registry = load_registry()
+    rows = {r["scheme"]: r for r in support_matrix(registry)}
+    assert set(rows) == set(registry.schemes)
+    awq = rows["awq-w4a16"]
+    assert awq["weight"] == "uint4 scale:float16:group(32):static zp:group"  # first listed group size
+    assert awq["activation"] == "unquantized"
+    assert awq["cells"] == {"cpu": ["torch-reference"], "cuda:8.0": ["triton-fused-moe", "torch-reference"],
+                            "cuda:9.0": ["triton-fused-moe", "torch-reference"],
+                            "cuda:10.0": ["triton-fused-moe", "torch-reference"], "rocm:9.4": ["torch-reference"]}
+    w4a8 = rows["compressed-tensors-w4a8-int"]
+    assert w4a8["activation"] == "int8 scale:float32:token:dynamic"
+    assert all(cell == ["torch-reference"] for cell in w4a8["cells"].values())
+    for row in rows.values():
+        assert list(row["cells"]) == list(MATRIX_PLATFORMS)
+        for cell in row["cells"].values():
+            kernels = registry.scheme(row["scheme"]).kernels
+            assert cell == [k for k in kernels if k in cell], "cells keep the scheme's preference order"
+
+
+def test_matrix_markdown_table():
+    text = matrix_markdown(load_registry())
+    lines = text.splitlines()
+    header = "| scheme | weight | activation | " + " | ".join(MATRIX_PLATFORMS) + " |"
+    assert header in lines
+    table = lines[lines.index(header):]
+    assert table[1] == "|" + " --- |" * (3 + len(MATRIX_PLATFORMS))
+    assert len(table) == 2 + len(load_registry().schemes)
+    assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
+            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-reference | triton-fused-moe, torch-reference | "
+            "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
+
+
+def test_matrix_json_and_user_specs(tmp_path, capsys):
+    d = tmp_path / "schemes"
+    d.mkdir()
+    awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
+    (d / "awq-cpu-only.yaml").write_text(
+        awq.replace("scheme: awq-w4a16", "scheme: awq-cpu-only")
+           .replace("quant_method: {one_of: [awq, awq_marlin], case: insensitive}", "quant_method: {equals: awq-cpu}")
+           .replace("kernels: [triton-fused-moe, torch-reference]", "kernels: [torch-reference]"))
+    assert cli.main(["matrix", "--json", "--spec-dir", str(tmp_path)]) == 0
+    rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["awq-cpu-only"]["cells"]["cuda:9.0"] == ["torch-reference"]
+    assert rows["awq-w4a16"]["cells"]["cuda:9.0"] == ["triton-fused-moe", "torch-reference"]
+
+
+def test_schema_command(capsys):
+    assert cli.main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema) == {"scheme", "kernel", "family"}
+    for kind, body in schema.items():
+        assert body["type"] == "object"
+        assert kind in body["properties"] and kind in body["required"]
+        assert body["additionalProperties"] is False, "unknown fields are errors"
+    assert {"detect", "bind", "weight", "activation", "checkpoint", "kernels"} <= set(schema["scheme"]["properties"])
+    assert {"impl", "platforms", "keys", "dtypes"} <= set(schema["kernel"]["properties"])
+    assert {"match", "fields", "naming"} <= set(schema["family"]["properties"])
+    # aliases, as written in YAML: a binding reads `from`, not `from_`
+    assert "from" in schema["scheme"]["$defs"]["BindRule"]["properties"]
+    assert "from_" not in schema["scheme"]["$defs"]["BindRule"]["properties"]
+
+
+def test_schema_of_one_kind(capsys):
+    assert cli.main(["schema", "kernel"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "KernelSpec"
+    assert schema["properties"]["platforms"]["minItems"] == 1
+
+
+def test_list_schemes_json(capsys):
+    assert cli.main(["list", "schemes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    registry = load_registry()
+    assert [r["scheme"] for r in rows] == sorted(registry.schemes)
+    by_name = {r["scheme"]: r for r in rows}
+    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "torch-reference"]
+    assert by_name["gptq-w4a16"]["summary"] == registry.scheme("gptq-w4a16").summary
+    for r in rows:
+        assert Path(r["path"]).is_file() and Path(r["path"]).name == f"{r['scheme']}.yaml"
+
+
+def test_list_kernels_and_families(capsys):
+    assert cli.main(["list", "kernels", "--json"]) == 0
+    rows = {r["kernel"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["triton-fused-moe"]["platforms"] == ["cuda >=8.0"]
+    assert rows["torch-reference"]["platforms"] == ["cpu", "cuda >=7.0", "rocm"]
+    assert cli.main(["list", "families"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(load_registry().families)

@@ -1,0 +1,291 @@
+"""The Triton MoE kernels and ops on the CPU, through Triton's interpreter (TRITON_INTERPRET=1).
+
+Float16 activations only: the interpreter multiplies bfloat16 dot operands as raw bit patterns
+(bfloat16 is covered by tests/test_triton_gpu.py). Shapes are tiny (E=4, H=128, I=64) because the
+interpreter runs every program of the grid in numpy.
+
+Tolerances (relative error ‖out − ref‖ / ‖ref‖ against the float64 reference, which quantises
+activations the same way):
+
+- 16-bit weights, 5e-3: the kernel rounds GEMM1's output, the activation and GEMM2's output to
+  float16 (2^-11 relative each) and accumulates in float32; measured ~5e-4.
+- integer weights, 1e-2: dequantised weights are also rounded to float16 in registers, and with
+  int8 activations a float16-rounded intermediate lands on the other side of an int8 rounding
+  boundary for a few percent of its codes (one code is ~1% of a typical value); measured <= 3e-3.
+- fp8 schemes, 3e-2: e4m3 keeps 3 mantissa bits, so one flipped activation code moves a value by
+  up to 6%; measured ~1e-3 here, with headroom for the MXFP8 / block-128 rounding of real models.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from moe_registry_kernels import activations, quant_ref, triton_ops  # noqa: E402
+from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
+from moe_registry_kernels.triton_moe import (  # noqa: E402
+    TritonBatchedExperts,
+    TritonExperts,
+    get_config,
+    scheme_from_keys,
+)
+
+from moe_registry.experts import ExpertsConfig  # noqa: E402
+from moe_registry.keys import parse_quant_key  # noqa: E402
+
+E, H, INTER = 4, 128, 64
+UNQ = "unquantized"
+INT8_TOKEN = "int8 scale:float32:token:dynamic"
+INT8_STATIC = "int8 scale:float32:tensor:static"
+MXFP8 = "fp8e4m3 scale:e8m0:block(1x32):static"
+MXFP8_ACT = "fp8e4m3 scale:e8m0:block(1x32):dynamic"
+FP8_BLOCK = "fp8e4m3 scale:float32:block(128x128):static"
+FP8_GROUP_ACT = "fp8e4m3 scale:float32:group(128):dynamic"
+
+# (weight key, activation key, tolerance)
+SCHEMES = {
+    "fp16": (UNQ, UNQ, 5e-3),
+    "awq-g128": ("uint4 scale:float16:group(128):static zp:group", UNQ, 1e-2),
+    "awq-g32": ("uint4 scale:float16:group(32):static zp:group", UNQ, 1e-2),
+    "awq-channel": ("uint4 scale:float16:channel:static zp:group", UNQ, 1e-2),
+    "gptq4-g64": ("uint4b8 scale:float16:group(64):static", UNQ, 1e-2),
+    "gptq4-channel": ("uint4b8 scale:float16:channel:static", UNQ, 1e-2),
+    "gptq8-g128": ("uint8b128 scale:float16:group(128):static", UNQ, 1e-2),
+    "w8a8-int8-token": ("int8 scale:float32:channel:static", INT8_TOKEN, 1e-2),
+    "w8a8-int8-static": ("int8 scale:float32:tensor:static", INT8_STATIC, 1e-2),
+    "mxfp8-w8a16": (MXFP8, UNQ, 3e-2),
+    "mxfp8": (MXFP8, MXFP8_ACT, 3e-2),
+    "fp8-block": (FP8_BLOCK, FP8_GROUP_ACT, 3e-2),
+}
+
+
+def _weights(scheme: str, *, bias: bool = True, act_order: bool = False, seed: int = 0):
+    wk, ak, _ = SCHEMES[scheme]
+    return quant_ref.make_random_expert_weights(
+        parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H, intermediate=INTER,
+        dtype=torch.float16, bias=bias, act_order=act_order, seed=seed)
+
+
+def _routing(m: int, top_k: int, *, seed: int = 0, skip_expert: int | None = None):
+    """Hidden states ~ N(0, 1), distinct experts per token (optionally never ``skip_expert``)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(m, H, generator=g).to(torch.float16)
+    experts = [e for e in range(E) if e != skip_expert]
+    ids = torch.stack([torch.tensor(experts)[torch.randperm(len(experts), generator=g)[:top_k]]
+                       for _ in range(m)])
+    weights = torch.rand(m, top_k, generator=g) + 0.1
+    return hidden, weights, ids.to(torch.int32)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _check_layer(scheme: str, m: int, top_k: int, *, activation: str = "silu", act_order: bool = False,
+                 bias: bool = True, skip_expert: int | None = None, on_input: bool = False, seed: int = 0):
+    weights = _weights(scheme, bias=bias, act_order=act_order, seed=seed)
+    config = ExpertsConfig(activation=activation, apply_router_weight_on_input=on_input)
+    hidden, topk_weights, topk_ids = _routing(m, top_k, seed=seed, skip_expert=skip_expert)
+    before = hidden.clone()
+    out = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, config)
+    assert out.shape == (m, H) and out.dtype == torch.float16
+    assert torch.equal(hidden, before), "apply mutated its input"
+    err = _rel_err(out, ref)
+    assert err < SCHEMES[scheme][2], f"{scheme}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer, every scheme
+
+
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_scheme_matches_reference(scheme, m):
+    _check_layer(scheme, m, top_k=2, seed=m)
+
+
+@pytest.mark.parametrize("scheme,activation", [
+    ("fp16", "gelu"), ("fp16", "swigluoai"), ("awq-g128", "swigluoai"), ("w8a8-int8-token", "gelu"),
+])
+def test_activations(scheme, activation):
+    _check_layer(scheme, 7, top_k=2, activation=activation)
+
+
+@pytest.mark.parametrize("scheme", ["gptq4-g64", "gptq8-g128", "awq-g32", "w8a8-int8-token"])
+def test_act_order(scheme):
+    _check_layer(scheme, 7, top_k=2, act_order=True, seed=3)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "awq-g128", "fp8-block"])
+def test_top_k_equals_num_experts(scheme):
+    _check_layer(scheme, 7, top_k=E)
+
+
+@pytest.mark.parametrize("scheme", ["gptq4-channel", "mxfp8"])
+def test_expert_without_tokens_and_no_bias(scheme):
+    _check_layer(scheme, 7, top_k=2, skip_expert=1, bias=False)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "w8a8-int8-token", "w8a8-int8-static"])
+def test_router_weight_on_input(scheme):
+    _check_layer(scheme, 7, top_k=1, on_input=True)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "w8a8-int8-token",
+                                    "w8a8-int8-static"])
+def test_batched_matches_reference(scheme):
+    weights = _weights(scheme)
+    config = ExpertsConfig(activation="silu", activation_format="batched")
+    g = torch.Generator().manual_seed(5)
+    capacity = 6
+    x = torch.randn(E, capacity, H, generator=g).to(torch.float16)
+    counts = torch.tensor([3, 0, capacity, 1], dtype=torch.int32)
+    out = TritonBatchedExperts(weights, config).apply_batched(x, counts)
+    ref = reference_moe_batched(x, counts, weights, config)
+    assert out.shape == x.shape
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0, 3:]) == 0
+    err = _rel_err(out, ref)
+    assert err < SCHEMES[scheme][2], f"{scheme}: relative error {err:.2e}"
+
+
+def test_compiles_without_graph_break():
+    """torch.compile(fullgraph=True) traces the layer as one custom op (fake kernels only)."""
+    weights = _weights("awq-g128")
+    experts = TritonExperts(weights, ExpertsConfig())
+    hidden, topk_weights, topk_ids = _routing(3, 2)
+    compiled = torch.compile(experts.apply, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(hidden, topk_weights, topk_ids),
+                               experts.apply(hidden, topk_weights, topk_ids))
+
+
+def test_unsupported_keys_are_refused():
+    with pytest.raises(ValueError, match="int8 activations"):
+        scheme_from_keys("uint4b8 scale:float16:group(128):static", INT8_TOKEN)
+
+
+def test_get_config_defaults():
+    decode = get_config(1, 2 * INTER, H, "uint4 scale:float16:group(128):static zp:group", "cpu")
+    prefill = get_config(512, 2 * INTER, H, UNQ, "cpu")
+    assert decode["BLOCK_M"] == 16 and prefill["BLOCK_M"] in (64, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# ops
+
+
+def _check_alignment(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num_post):
+    flat = topk_ids.reshape(-1).long()
+    numel = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    total = int(num_post.item())
+    assert total % block_m == 0
+    max_padded, num_blocks = triton_ops.align_sizes(numel, num_experts, block_m)
+    assert sorted_ids.shape == (max_padded,) and expert_ids.shape == (num_blocks,)
+    head = sorted_ids[:total].long()
+    real = head[head < numel]
+    assert sorted(real.tolist()) == torch.nonzero(valid).flatten().tolist()  # each valid pair once
+    assert torch.all(sorted_ids[total:] == numel) and torch.all(expert_ids[total // block_m:] == -1)
+    counts = torch.bincount(flat[valid], minlength=num_experts)
+    assert total == int(((counts + block_m - 1) // block_m * block_m).sum())
+    for b in range(total // block_m):
+        rows = head[b * block_m:(b + 1) * block_m]
+        pairs = rows[rows < numel]
+        assert pairs.numel() > 0, "a block inside the padded total holds only padding"
+        assert torch.all(flat[pairs] == expert_ids[b]), "block mixes experts"
+        assert torch.equal(pairs, pairs.sort().values), "pairs lost their order within an expert"
+        assert torch.all(rows[:pairs.numel()] == pairs), "padding before real pairs"
+
+
+@pytest.mark.parametrize("m,top_k,num_experts,block_m,one_program_max", [
+    (1, 2, 4, 16, 1024),
+    (7, 2, 4, 16, 1024),
+    (33, 3, 9, 32, 1024),
+    (100, 3, 9, 16, 0),  # chunked path, two chunks
+    (60, 8, 64, 16, 0),  # chunked path, many experts
+])
+def test_align(m, top_k, num_experts, block_m, one_program_max):
+    g = torch.Generator().manual_seed(m)
+    ids = torch.randint(0, num_experts, (m, top_k), generator=g)
+    ids[0, 0] = -1  # expert parallelism: a foreign expert is dropped
+    out = triton_ops.align(ids, num_experts, block_m, one_program_max=one_program_max)
+    _check_alignment(ids, num_experts, block_m, *out)
+
+
+def test_align_custom_op():
+    ids = torch.tensor([[2, 0], [2, 1], [3, 2]], dtype=torch.int32)
+    out = torch.ops.moe_registry.moe_align_block_size(ids, 4, 16)
+    _check_alignment(ids, 4, 16, *out)
+
+
+def _quant_inputs(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 200, generator=g) * 3).to(dtype)
+    x[1] = 0  # amax floor / e8m0 of zero
+    x[2, :32] = 1e-3 * torch.randn(32, generator=g).to(dtype)  # fp8 subnormals
+    x[3, 7] = 40.0  # one outlier
+    return x
+
+
+def _same_codes(a, b):
+    if a.dtype in (torch.float8_e4m3fn, torch.uint8):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("key", [INT8_TOKEN, INT8_STATIC, FP8_GROUP_ACT, MXFP8_ACT])
+def test_quant_ops_bit_match_quant_ref(key, dtype):
+    x = _quant_inputs(dtype)
+    qkey = parse_quant_key(key)
+    static = torch.tensor([0.05]) if key == INT8_STATIC else None
+    ref = quant_ref.quantize_activation(x, qkey, static)
+    if key == INT8_TOKEN:
+        q, s = triton_ops.quant_int8_per_token(x)
+    elif key == INT8_STATIC:
+        q, s = triton_ops.quant_int8_per_token(x, static)
+    elif key == FP8_GROUP_ACT:
+        q, s = triton_ops.quant_fp8_per_group(x, 128)
+    else:
+        q, s = triton_ops.quant_mxfp8(x)
+    assert q.dtype == ref.q.dtype and s.dtype == ref.scale.dtype and s.shape == ref.scale.shape
+    assert _same_codes(q, ref.q)
+    assert _same_codes(s, ref.scale)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
+def test_act_and_mul(activation):
+    h = (torch.randn(5, 2 * 96, generator=torch.Generator().manual_seed(2)) * 4).to(torch.float16)
+    out = triton_ops.act_and_mul(h, activation)
+    ref = activations.act_and_mul(h.double(), activation)
+    assert out.dtype == torch.float16 and out.shape == (5, 96)
+    assert _rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("activation,key", [("silu", INT8_TOKEN), ("swigluoai", MXFP8_ACT),
+                                            ("gelu", FP8_GROUP_ACT)])
+def test_act_and_mul_quant_fused(activation, key):
+    """The fused op quantises the float32 activation exactly as quant_ref does."""
+    h = (torch.randn(5, 2 * 160, generator=torch.Generator().manual_seed(3)) * 4).to(torch.float16)
+    mode = {INT8_TOKEN: "int8_token", MXFP8_ACT: "mxfp8", FP8_GROUP_ACT: "fp8_group"}[key]
+    q, s = triton_ops.act_and_mul_quant(h, activation, mode)
+    a = activations.act_and_mul(h.float(), activation)
+    ref = quant_ref.quantize_activation(a, parse_quant_key(key))
+    # float32 exp/erf differ from torch's in the last ulp, which can move a rare code by one
+    differ = (q.view(torch.uint8).int() - ref.q.view(torch.uint8).int()).abs()
+    assert differ.float().mean() < 1e-2 and torch.allclose(s.float(), ref.scale.float(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_moe_sum(weighted):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 3, 40, generator=g).to(torch.float16)
+    w = torch.rand(5, 3, generator=g) if weighted else None
+    out = triton_ops.moe_sum(x, w)
+    ref = (x.float() * (w[..., None] if weighted else 1)).sum(1)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
