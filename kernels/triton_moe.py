@@ -277,9 +277,10 @@ def _fused_moe_kernel(
         # tensors
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
         topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
-        # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; rows_per_expert is the padded length of
-        # sorted_ids (standard) or the per-expert capacity T (batched)
-        N, K, num_valid, rows_per_expert,
+        # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
+        # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
+        # padded length of sorted_ids (standard) or the per-expert capacity T (batched)
+        N, K, K_PACKED, num_valid, rows_per_expert,
         # strides (last dimensions are contiguous; zero points share the scales' strides)
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
         stride_cm,
@@ -369,7 +370,7 @@ def _fused_moe_kernel(
 
         if PACKED:
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K // 2, other=0)
+            packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
             low = packed & 0xF  # input column 2i
             high = packed >> 4  # input column 2i + 1
             if W_TYPE == "int4":  # two's complement nibble -> offset binary around 8
@@ -381,7 +382,7 @@ def _fused_moe_kernel(
         else:
             b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
             if DOT == "int8":
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             elif DOT == "fp8":
                 a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
                                   mask=row_mask, other=0.0)
@@ -482,7 +483,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         rows.expert_ids if rows.expert_ids is not None else dummy,
         rows.num_post_padded if rows.num_post_padded is not None else dummy,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
-        w.n, w.k, rows.num_valid, rows_per_expert,
+        w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
         a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(0),
         W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
         W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,

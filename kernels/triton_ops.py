@@ -27,6 +27,7 @@ __all__ = [
     "quant_mxfp8",
     "act_quant",
     "align",
+    "sum_topk",
 ]
 
 MX_GROUP = 32  # MXFP8 block size
@@ -259,16 +260,16 @@ def _pow2(e):
 
 @triton.jit
 def _to_e4m3(v):
-    """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals and the sign of
-    zero included). Rounded on the e4m3 grid in float32 first, so the cast itself is exact on
-    every backend (the interpreter's own fp8 cast rounds differently)."""
+    """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals included),
+    keeping the sign of zero. The code is built with integer arithmetic (e4m3 code = 8 per binade
+    plus the rounded steps inside it), so it is exact on every backend: the interpreter's fp8 cast
+    rounds differently, and a float cast on the GPU drops the sign of a rounded-away zero."""
     bits = v.to(tl.int32, bitcast=True)
     mag = tl.minimum(tl.abs(v), FP8_MAX)
-    biased = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 2^-6: subnormal spacing
-    quantum = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
-    inv_quantum = ((257 - biased) << 23).to(tl.float32, bitcast=True)
-    mag = _rint(mag * inv_quantum) * quantum
-    return tl.where(bits < 0, -mag, mag).to(tl.float8e4nv)
+    biased = tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # below 2^-6: subnormal spacing
+    steps = _rint(mag * ((257 - biased) << 23).to(tl.float32, bitcast=True))  # mag / 2^(biased-130): 0..16
+    code = (biased - 121) * 8 + steps.to(tl.int32) + ((bits >> 31) & 1) * 128
+    return code.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit

@@ -118,16 +118,17 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                 inter = max(sizes.intermediate, dim) // dim * dim
                 for dtype in kdtypes:
                     base = Case(sname, kname, weight, activation, tuple(sorted(sample.items())), dtype,
-                                act_order=act_order, num_experts=sizes.num_experts, top_k=sizes.top_k,
+                                act_order=act_order, activation_format=kernel.activation_formats[0], num_experts=sizes.num_experts, top_k=sizes.top_k,
                                 hidden=hidden, intermediate=inter, tokens=sizes.tokens[0],
                                 tolerance=tol.get(dtype, max(tol.values())))  # type: ignore[call-overload]
-                    out += [replace(base, tokens=m) for m in sizes.tokens]
-                    if dtype != kdtypes[0] or n_sample:
+                    first = dtype == kdtypes[0] and n_sample == 0
+                    out += [replace(base, tokens=m) for m in (sizes.tokens if first else sizes.tokens[-1:])]
+                    if not first:
                         continue  # vary the other options once: first dtype, first binding sample
                     out += [replace(base, activation=a) for a in kernel.activations if a != "silu"]
                     if "bias" in kernel.features:
                         out.append(replace(base, bias=True))
-                    out += [replace(base, activation_format=f) for f in kernel.activation_formats if f != "standard"]
+                    out += [replace(base, activation_format=f) for f in kernel.activation_formats[1:]]
                     if "router_weight_on_input" in kernel.features:
                         out.append(replace(base, router_weight_on_input=True, top_k=1))
                     out.append(replace(base, tokens=1))

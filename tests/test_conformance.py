@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_registry.builder import DTYPES, experts_class
-from moe_registry.conformance import REALISTIC, SMALL, Case, cases_for
+from moe_registry.conformance import REALISTIC, SMALL, Case, Sizes, cases_for
 from moe_registry.experts import ExpertsConfig
 from moe_registry.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.registry import load_registry
@@ -22,9 +22,10 @@ from moe_registry.registry import load_registry
 REGISTRY = load_registry()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CPU_CASES = cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["float32", "bfloat16"])
-INTERPRETER_CASES = cases_for(REGISTRY, kernels=["triton-fused-moe"], dtypes=["float16"]) if HAS_TRITON else []
-GPU_CASES = cases_for(REGISTRY, kernels=["triton-fused-moe", "torch-reference"], dtypes=["bfloat16", "float16"],
-                      sizes=REALISTIC)
+TRITON_KERNELS = [k for k in REGISTRY.kernels if REGISTRY.kernel(k).impl.startswith("moe_registry_kernels.triton")]
+INTERPRETER_CASES = cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["float16"]) if HAS_TRITON else []
+GPU_CASES = (cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["bfloat16", "float16"], sizes=REALISTIC)
+             + cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["bfloat16"], sizes=Sizes(8, 2, 512, 256, (16,))))
 
 
 def _routing(case: Case, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

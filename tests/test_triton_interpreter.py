@@ -18,10 +18,15 @@ activations the same way):
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
-
 import pytest
 import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # Setting the variable here would turn every Triton kernel imported later into an interpreted
+    # one, GPU tests included; set TRITON_INTERPRET=1 yourself to run these on a GPU machine.
+    pytest.skip("interpreter tests run on CPU-only machines (GPU: tests/test_triton_gpu.py)",
+                allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftest.py does it too)
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
@@ -55,11 +60,15 @@ SCHEMES = {
     "gptq4-g64": ("uint4b8 scale:float16:group(64):static", UNQ, 1e-2),
     "gptq4-channel": ("uint4b8 scale:float16:channel:static", UNQ, 1e-2),
     "gptq8-g128": ("uint8b128 scale:float16:group(128):static", UNQ, 1e-2),
+    "gptq8-channel": ("uint8b128 scale:float16:channel:static", UNQ, 1e-2),
+    "int4-g128": ("int4 scale:float16:group(128):static", UNQ, 1e-2),
+    "int8-w8a16": ("int8 scale:float32:channel:static", UNQ, 1e-2),
     "w8a8-int8-token": ("int8 scale:float32:channel:static", INT8_TOKEN, 1e-2),
     "w8a8-int8-static": ("int8 scale:float32:tensor:static", INT8_STATIC, 1e-2),
     "mxfp8-w8a16": (MXFP8, UNQ, 3e-2),
     "mxfp8": (MXFP8, MXFP8_ACT, 3e-2),
     "fp8-block": (FP8_BLOCK, FP8_GROUP_ACT, 3e-2),
+    "fp8-block-w8a16": (FP8_BLOCK, UNQ, 3e-2),
 }
 
 
@@ -151,6 +160,27 @@ def test_batched_matches_reference(scheme):
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0, 3:]) == 0
     err = _rel_err(out, ref)
     assert err < SCHEMES[scheme][2], f"{scheme}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "awq-g128"])
+def test_float32_activations(scheme):
+    """float32 hidden states: exact float32 products (no TF32), weights dequantised to float32."""
+    wk, ak, _ = SCHEMES[scheme]
+    weights = quant_ref.make_random_expert_weights(
+        parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H, intermediate=INTER,
+        dtype=torch.float32, bias=True)
+    hidden, topk_weights, topk_ids = _routing(5, 2)
+    hidden = hidden.float()
+    out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert out.dtype == torch.float32 and _rel_err(out, ref) < 1e-5
+
+
+def test_no_tokens():
+    weights = _weights("fp16")
+    hidden = torch.empty(0, H, dtype=torch.float16)
+    topk_weights, topk_ids = torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32)
+    assert TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids).shape == (0, H)
 
 
 def test_compiles_without_graph_break():
