@@ -118,7 +118,8 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                 inter = max(sizes.intermediate, dim) // dim * dim
                 for dtype in kdtypes:
                     base = Case(sname, kname, weight, activation, tuple(sorted(sample.items())), dtype,
-                                act_order=act_order, activation_format=kernel.activation_formats[0], num_experts=sizes.num_experts, top_k=sizes.top_k,
+                                act_order=act_order, activation_format=kernel.activation_formats[0],
+                                num_experts=sizes.num_experts, top_k=sizes.top_k,
                                 hidden=hidden, intermediate=inter, tokens=sizes.tokens[0],
                                 tolerance=tol.get(dtype, max(tol.values())))  # type: ignore[call-overload]
                     first = dtype == kdtypes[0] and n_sample == 0

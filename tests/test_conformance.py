@@ -25,7 +25,8 @@ CPU_CASES = cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["float32", 
 TRITON_KERNELS = [k for k in REGISTRY.kernels if REGISTRY.kernel(k).impl.startswith("moe_registry_kernels.triton")]
 INTERPRETER_CASES = cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["float16"]) if HAS_TRITON else []
 GPU_CASES = (cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["bfloat16", "float16"], sizes=REALISTIC)
-             + cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["bfloat16"], sizes=Sizes(8, 2, 512, 256, (16,))))
+             + cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["bfloat16"],
+                         sizes=Sizes(8, 2, 512, 256, (16,))))
 
 
 def _routing(case: Case, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
