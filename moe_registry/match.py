@@ -149,6 +149,7 @@ class ScopeOutcome:
     config: Mapping[str, Any] | None
     excluded: bool = False
     note: str | None = None
+    claimed: bool = False  # an `only` rule excluded it: the config is this scheme's dialect
 
 
 def _merge(base: Mapping[str, Any], into: str | None, value: Mapping[str, Any]) -> dict[str, Any]:
@@ -170,6 +171,11 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
     for rule in rules:
         source = get_path(config, rule.from_)
         if source is _MISSING or source is None:
+            continue
+        if rule.kind == "only":
+            patterns = list(source) if isinstance(source, list | Mapping) else [source]
+            if not any(isinstance(p, str) and pattern_matches(rule.match, p, module, rule.types) for p in patterns):
+                return ScopeOutcome(None, True, f"{module} is not listed in {rule.from_}", claimed=True)
             continue
         if rule.kind == "exclude":
             patterns = list(source) if isinstance(source, list | Mapping) else [source]
@@ -268,8 +274,8 @@ def detect_scheme(scheme: SchemeSpec, config: Mapping[str, Any] | None,
         checks = _detect(config, scheme)
         note = first.note or "excluded"
         checks.append(failed(Reason.LAYER_EXCLUDED, "scope", f"layer not quantized: {note}"))
-        return SchemeVerdict(scheme.scheme, False, tuple(checks), excluded=all(c.passed for c in checks[:-1]),
-                             scope_note=note)
+        owned = first.claimed or all(c.passed for c in checks[:-1])
+        return SchemeVerdict(scheme.scheme, False, tuple(checks), excluded=owned, scope_note=note)
     checks = _detect(first.config, scheme)
     if first.note:
         checks.insert(0, passed("scope", first.note))

@@ -110,11 +110,12 @@ class ScopeRule(Strict):
 
     ``exclude``: a list (or mapping keys) of module patterns; a match means the layer is not
     quantized. ``override``: a mapping pattern → config; a match replaces the subtree at
-    ``into`` (merged over it; the top level when ``into`` is absent). The first matching rule
-    wins, in the order written.
+    ``into`` (merged over it; the top level when ``into`` is absent). ``only``: when the listed
+    patterns exist and none matches, the layer is not quantized (ModelOpt MIXED_PRECISION lists
+    only its quantized layers). The first rule that applies wins, in the order written.
     """
 
-    kind: Literal["exclude", "override"]
+    kind: Literal["exclude", "override", "only"]
     from_: str = Field(alias="from")
     match: Literal["substring", "component", "glob", "regex", "exact", "type", "gptq-dynamic",
                    "ct-target"]

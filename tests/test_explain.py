@@ -161,7 +161,7 @@ def test_example_config(registry, name: str, platform: str):
     assert rt.shape.activation == case.activation_fn
     assert rt.dtype == case.dtype
     assert str(rt.platform) == platform
-    assert [k.kernel for k in report.kernels] == ["triton-fused-moe", "torch-reference"]
+    assert [k.kernel for k in report.kernels] == load_registry().scheme(case.scheme).kernels
     assert verdict(report, "torch-reference").eligible
     if platform.startswith("cuda"):
         assert report.chosen == "triton-fused-moe"
@@ -224,7 +224,8 @@ def test_no_kernel_at_all(registry):
         select(registry, situation)
     assert str(info.value) == (
         "no kernel of scheme awq-w4a16 can run on cuda:6.1: triton-fused-moe: cuda capability 6.1; kernel wants "
-        "cuda >=8.0; torch-reference: cuda capability 6.1; kernel wants cpu, cuda >=7.0, rocm")
+        "cuda >=8.0; triton-batched-moe: cuda capability 6.1; kernel wants cuda >=8.0; "
+        "torch-reference: cuda capability 6.1; kernel wants cpu, cuda >=7.0, rocm")
     report = info.value.report
     assert isinstance(report, Report) and report.chosen is None
     assert all(reasons(report, k) == {Reason.CAPABILITY} for k in ("triton-fused-moe", "torch-reference"))
@@ -270,7 +271,7 @@ def test_pin_that_runs(registry):
 def test_pin_unknown_kernel(registry):
     situation = situation_for(CONFIGS / "deepseek/deepseek-v3", registry, Flags(platform="cuda:9.0"))
     with pytest.raises(SelectionError, match="pinned kernel marlin cannot run this: unknown kernel 'marlin'; "
-                                             "known: torch-reference, triton-fused-moe"):
+                                             "known: torch-reference, triton-batched-moe, triton-fused-moe"):
         select(registry, situation, pin="marlin")
 
 
@@ -384,8 +385,8 @@ def override_dir(tmp_path: Path) -> Path:
     d = tmp_path / "override" / "schemes"
     d.mkdir(parents=True)
     awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
-    assert "kernels: [triton-fused-moe, torch-reference]" in awq
-    (d / "awq-w4a16.yaml").write_text(awq.replace("kernels: [triton-fused-moe, torch-reference]",
+    assert "kernels: [triton-fused-moe, triton-batched-moe, torch-reference]" in awq
+    (d / "awq-w4a16.yaml").write_text(awq.replace("kernels: [triton-fused-moe, triton-batched-moe, torch-reference]",
                                                   "kernels: [torch-reference]"))
     return d.parent
 
@@ -624,3 +625,27 @@ def test_explain_imports_neither_torch_nor_triton():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
     assert '"chosen_kernel": "triton-fused-moe"' in result.stdout
+
+
+def test_modelopt_mixed_precision_unlisted_layer_is_unquantized(tmp_path) -> None:
+    """MIXED_PRECISION lists only its quantized layers: a MoE layer missing from the list runs
+    unquantized, and the report says why."""
+    import json
+    import shutil
+
+    from moe_registry.explain import Flags, situation_for
+    from moe_registry.oracle import select
+    from moe_registry.registry import load_registry
+
+    src = Path(__file__).resolve().parent.parent / "examples/configs/qwen-moe/qwen3-30b-a3b-modelopt-mixed-precision"
+    dst = tmp_path / "mp"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "hf_quant_config.json").read_text())
+    del cfg["quantization"]["quantized_layers"]["model.layers.2.mlp.experts"]
+    (dst / "hf_quant_config.json").write_text(json.dumps(cfg))
+    registry = load_registry()
+    listed = select(registry, situation_for(dst, registry, Flags(platform="cuda:9.0", layer=1)))
+    unlisted = select(registry, situation_for(dst, registry, Flags(platform="cuda:9.0", layer=2)))
+    assert listed.scheme is not None and listed.scheme.scheme == "modelopt-mxfp8"
+    assert unlisted.scheme is not None and unlisted.scheme.scheme == "unquantized"
+    assert "not listed in quantization.quantized_layers" in (unlisted.excluded_note or "")

@@ -72,7 +72,7 @@ def test_matrix_json_and_user_specs(tmp_path, capsys):
     (d / "awq-cpu-only.yaml").write_text(
         awq.replace("scheme: awq-w4a16", "scheme: awq-cpu-only")
            .replace("quant_method: {one_of: [awq, awq_marlin], case: insensitive}", "quant_method: {equals: awq-cpu}")
-           .replace("kernels: [triton-fused-moe, torch-reference]", "kernels: [torch-reference]"))
+           .replace("kernels: [triton-fused-moe, triton-batched-moe, torch-reference]", "kernels: [torch-reference]"))
     assert cli.main(["matrix", "--json", "--spec-dir", str(tmp_path)]) == 0
     rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["awq-cpu-only"]["cells"]["cuda:9.0"] == ["torch-reference"]
@@ -108,7 +108,7 @@ def test_list_schemes_json(capsys):
     registry = load_registry()
     assert [r["scheme"] for r in rows] == sorted(registry.schemes)
     by_name = {r["scheme"]: r for r in rows}
-    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "torch-reference"]
+    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "triton-batched-moe", "torch-reference"]
     assert by_name["gptq-w4a16"]["summary"] == registry.scheme("gptq-w4a16").summary
     for r in rows:
         assert Path(r["path"]).is_file() and Path(r["path"]).name == f"{r['scheme']}.yaml"
