@@ -79,8 +79,6 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
     platform = parse_platform(flags.platform) if flags.platform else (
         base.platform if base else parse_platform("auto"))
     dtype = check_dtype(flags.dtype or (base.dtype if base else None) or model.dtype or "bfloat16")
-    if dtype == "float32" and not flags.dtype and model.dtype is None:
-        dtype = "bfloat16"
     parallel = ParallelConfig(
         tp=_pick(flags.tp, base.parallel.tp if base else 1), ep=_pick(flags.ep, base.parallel.ep if base else 1),
         dp=_pick(flags.dp, base.parallel.dp if base else 1),

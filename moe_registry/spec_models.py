@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moe_registry.expr import ExprError, parse_expr
-from moe_registry.keys import ACTIVATION_DTYPES, SCALAR_TYPES, KeyError_, parse_group_shape
+from moe_registry.keys import SCALAR_TYPES
 
 Dtype = Literal["float16", "bfloat16", "float32"]
 ActivationFn = Literal["silu", "gelu", "swigluoai"]
@@ -366,12 +366,4 @@ SPEC_KINDS: dict[str, type[Strict]] = {
 }
 
 
-def check_group_shape(text: str) -> None:
-    """Raise ValueError for a bad group-shape string (used by key-template validation)."""
-    try:
-        parse_group_shape(text)
-    except KeyError_ as err:
-        raise ValueError(str(err)) from None
-
-
-__all__ = ["ACTIVATION_DTYPES", "SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec"]
+__all__ = ["SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec"]
