@@ -57,6 +57,8 @@ SCHEMES = {
     "int8wo": ("uint8b128 scale:float16:group(128):static", "unquantized", "bf16"),
     "w8a8": ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic", "int8"),
     "mxfp8": ("fp8e4m3 scale:e8m0:block(1x32):static", "fp8e4m3 scale:e8m0:block(1x32):dynamic", "bf16"),
+    # the same weights with 16-bit activations: what keeping activations unquantized would cost
+    "mxfp8-a16": ("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized", "bf16"),
     "fp8block": ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic", "fp8"),
 }
 L2_BYTES = 50 * 1024 * 1024
