@@ -16,7 +16,7 @@ import torch
 from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
 from moe_registry.errors import CheckpointError, ConfigError
 from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.explain import Flags, situation_for
+from moe_registry.explain import Flags, situation_for_model
 from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext
 from moe_registry.model_config import ModelConfig, read_model_config
@@ -105,8 +105,8 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     registry = load_registry(spec_dirs)
     target = Path(model_dir)
     flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep)
-    situation = situation_for(target, registry, flags)
     model = read_model_config(target, registry)
+    situation = situation_for_model(model, registry, flags)
     index = open_checkpoint(target if target.is_dir() else target.parent)
     report = select(registry, situation, prefer=prefer, pin=kernel)
     assert report.scheme is not None and situation.layer is not None
@@ -138,7 +138,7 @@ class MoELayer(torch.nn.Module):
                                   "pass topk_ids/topk_weights to the kernel instead)")
         self.build = layer.built
         self.kernel = layer.built.kernel
-        dev = next(iter(vars(layer.built.weights.w13).values())).device
+        dev = layer.built.kernel.experts.weights.device
         self.register_buffer("router_weight", layer.tensors.router.to(dev, torch.float32))
         bias = layer.tensors.correction_bias
         self.register_buffer("correction_bias", None if bias is None else bias.to(dev, torch.float32))

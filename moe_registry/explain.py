@@ -70,7 +70,11 @@ def situation_for(target: Path, registry: Registry, flags: Flags) -> Situation:
         raise ConfigError(f"{target}: a model dir needs a config.json")
     if _is_runtime_file(config_path(target)):
         return _from_runtime_file(target, registry, flags)
-    model = read_model_config(target, registry)
+    return situation_for_model(read_model_config(target, registry), registry, flags)
+
+
+def situation_for_model(model: ModelConfig, registry: Registry, flags: Flags) -> Situation:
+    """The Situation for an already-read model config (no runtime file)."""
     return _from_model(model, registry, flags, None)
 
 

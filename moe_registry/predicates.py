@@ -100,13 +100,15 @@ def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> li
     return [passed("keys", f"weight {weight}, activation {activation}")]
 
 
+def _member(reason: Reason, field: str, value: str, allowed: list[str]) -> Check:
+    """``value`` must be one of the kernel's declared ``allowed`` values."""
+    if value in allowed:
+        return passed(field, f"{field} {value}")
+    return failed(reason, field, f"{field} {value}; kernel takes " + ", ".join(allowed), seen=value, wanted=allowed)
+
+
 def check_runtime(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
-    out = []
-    if runtime.dtype in kernel.dtypes:
-        out.append(passed("dtype", f"dtype {runtime.dtype}"))
-    else:
-        out.append(failed(Reason.DTYPE, "dtype", f"dtype {runtime.dtype}; kernel takes "
-                          + ", ".join(kernel.dtypes), seen=runtime.dtype, wanted=kernel.dtypes))
+    out = [_member(Reason.DTYPE, "dtype", runtime.dtype, list(kernel.dtypes))]
     p = runtime.parallel
     fmt = ALL2ALL_FORMATS.get(p.all2all)
     if fmt is None:
@@ -132,12 +134,7 @@ def check_shape(kernel: KernelSpec, runtime: RuntimeConfig, bindings: Mapping[st
     shape = runtime.local_shape()
     if shape is None:
         return [passed("shape", "no model shape given: shape limits not checked")] if kernel.shapes else []
-    out = []
-    if shape.activation in kernel.activations:
-        out.append(passed("activation", f"activation {shape.activation}"))
-    else:
-        out.append(failed(Reason.ACTIVATION_FN, "activation", f"activation {shape.activation}; kernel takes "
-                          + ", ".join(kernel.activations), seen=shape.activation, wanted=kernel.activations))
+    out = [_member(Reason.ACTIVATION_FN, "activation", shape.activation, list(kernel.activations))]
     dims = {"hidden": shape.hidden, "intermediate": shape.intermediate, "experts": shape.num_experts,
             "top_k": shape.top_k, "tokens": runtime.max_tokens}
     values = {f"${k}": v for k, v in bindings.items() if isinstance(v, int) and not isinstance(v, bool)}

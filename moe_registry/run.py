@@ -74,7 +74,7 @@ def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor
     built = layer.built
     runtime = built.report.situation.runtime
     dtype = DTYPES[runtime.dtype]
-    device = next(iter(p for p in vars(built.weights.w13).values() if p is not None)).device
+    device = built.kernel.experts.weights.device
     shape = layer.model.shape
     routing: Routing | None = None
     if args.inputs:

@@ -60,6 +60,10 @@ class ExpertWeights:
     layout: str = "nk"
 
     @property
+    def device(self) -> torch.device:
+        return self.w13.weight.device
+
+    @property
     def num_experts(self) -> int:
         return int(self.w13.weight.shape[0])
 
