@@ -27,8 +27,11 @@ Nothing here reads a device value on the host: buffers are sized by worst cases 
 skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a CUDA graph.
 """
 
+import contextlib
+import contextvars
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,8 +80,9 @@ class Scheme:
 
     @property
     def zero_code(self) -> int:
-        """The stored code of 0 for types with a fixed bias (int4 nibbles are xor-ed by 8 first)."""
-        return {"uint4b8": 8, "int4": 8, "uint8b128": 128}.get(self.weight_type, 0)
+        """The code of 0 for types with a fixed bias (signed int4 nibbles and int8 bytes are read as
+        offset binary: xor-ed with 8 and 0x80 first)."""
+        return {"uint4b8": 8, "int4": 8, "uint8b128": 128, "int8": 128}.get(self.weight_type, 0)
 
     @property
     def dot(self) -> str:
@@ -147,9 +151,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
 
-def config_file(key: QuantKey | str, device_name: str) -> Path:
-    """Where tuned configs for a weight key on a device live: configs/<device>__<key>.json."""
-    return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(key))}.json"
+def config_file(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str) -> Path:
+    """Where tuned configs for a scheme on a device live: configs/<device>__<weight>__<act>.json
+    (the activation key is part of it: int8 and fp8 dots are tuned apart from 16-bit ones)."""
+    return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(weight_key))}__{_slug(str(activation_key))}.json"
+
+
+def shape_key(num_experts: int, top_k: int, n: int, k: int) -> str:
+    """A tuned table's shape class: one GEMM (N outputs, K inputs) of a layer with E experts, top-k."""
+    return f"E{num_experts}_top{top_k}_N{n}_K{k}"
 
 
 @functools.cache
@@ -160,49 +170,80 @@ def _load_config_file(path: Path) -> dict | None:
         return json.load(f)
 
 
-def _default_config(m: int, key: QuantKey) -> dict:
-    """Decode (few rows per expert): BLOCK_M 16 and narrow N tiles for more programs; prefill:
-    64/128 rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes)."""
-    narrow = key.quantized and key.dtype.bits <= 8
-    if m <= 16:
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
+                   num_sms: int = 132) -> dict:
+    """Untuned tile config. Decode (few rows per expert): BLOCK_M 16 and 64-wide N tiles for more
+    programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
+    rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes)."""
+    qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
+    narrow = qk.quantized and qk.dtype.bits <= 8
+    pairs = max(tokens * top_k, 1)
+    rows = triton.cdiv(pairs, num_experts)
+    if rows <= 16:
         bm, gm = 16, 1
-    elif m <= 32:
+    elif rows <= 32:
         bm, gm = 32, 4
-    elif m <= 96:
+    elif rows <= 96:
         bm, gm = 64, 8
     else:
         bm, gm = 128, 8
+    bk = 128 if narrow else 64
     if bm <= 32:
-        return {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128 if narrow else 64, "GROUP_M": gm,
-                "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 128 if narrow else 64, "GROUP_M": gm,
-            "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
-
-
-def get_config(m: int, n: int, k: int, key: QuantKey | str, device_name: str) -> dict:
-    """Tile config (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) for one MoE GEMM.
-
-    ``m`` is the rows one expert sees on average (M·top_k / E, or the batched capacity), ``n``×``k``
-    the projection, ``key`` the weight key. A tuned file (:func:`config_file`) maps ``"<n>x<k>"``
-    (or ``"default"``) to ``{"<m>": config}``; the entry with the nearest m wins, and its keys
-    override the defaults below.
-    """
-    qk = parse_quant_key(key) if isinstance(key, str) else key
-    config = _default_config(m, qk)
-    table = _load_config_file(config_file(qk, device_name))
-    if table:
-        by_m = table.get(f"{n}x{k}") or table.get("default")
-        if by_m:
-            nearest = min(by_m, key=lambda s: abs(int(s) - m))
-            config.update(by_m[nearest])
+        config = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": 4, "num_stages": 4}
+    else:
+        config = {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": gm,
+                  "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+    blocks = min(pairs, num_experts) + pairs // bm  # row blocks: about one per expert hit, + full ones
+    tiles = blocks * triton.cdiv(n, config["BLOCK_N"])
+    split = 1
+    if tiles < num_sms:  # too few programs to keep every SM streaming weights: cut K into pieces
+        split = min(_pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * bk)), 8)
+    config["SPLIT_K"] = max(split, 1)
     return config
 
 
-def _kernel_config(m: int, n: int, k: int, key: str, scheme: Scheme, device_name: str) -> dict:
-    """get_config, with BLOCK_K fitted to the scheme: no wider than a weight block or an fp8
+def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
+               activation_key: QuantKey | str, device_name: str, num_sms: int = 132) -> dict:
+    """Tile config (BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages) for one MoE GEMM of
+    ``tokens`` tokens, top-k routing over ``num_experts``, projection ``n``×``k``.
+
+    A tuned file (:func:`config_file`) maps :func:`shape_key` to ``{"<tokens>": config}``; the
+    entry with the nearest token count (by ratio) wins and its keys override
+    :func:`default_config`. Shapes nobody tuned get the defaults.
+    """
+    config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
+    table = _load_config_file(config_file(weight_key, activation_key, device_name))
+    by_tokens = (table or {}).get(shape_key(num_experts, top_k, n, k))
+    if by_tokens:
+        nearest = min(by_tokens, key=lambda t: abs(math.log(int(t) / max(tokens, 1))))
+        config.update(by_tokens[nearest])
+    return config
+
+
+_OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)
+
+
+@contextlib.contextmanager
+def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
+    """Run the layers called inside with these tile configs (keys as in :func:`get_config`; GEMM2
+    takes GEMM1's BLOCK_M, since both walk the same aligned blocks). For the tuner and for tests
+    that run tuned configs through the conformance cases."""
+    token = _OVERRIDE.set({"gemm1": gemm1, "gemm2": gemm2})
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def _fit_config(config: dict, scheme: Scheme, *, can_split: bool) -> dict:
+    """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
-    weights (each nibble half-dot needs K >= 16)."""
-    config = dict(get_config(m, n, k, key, device_name))
+    weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split."""
+    config = dict(config)
     bk = config["BLOCK_K"]
     if scheme.weight_scale == "block":
         bk = min(bk, scheme.weight_group)
@@ -211,7 +252,26 @@ def _kernel_config(m: int, n: int, k: int, key: str, scheme: Scheme, device_name
     if scheme.packed:
         bk = max(bk, 32)
     config["BLOCK_K"] = bk
+    config["BLOCK_N"] = max(config["BLOCK_N"], 32)
+    if not can_split:
+        config["SPLIT_K"] = 1
+    config.setdefault("SPLIT_K", 1)
     return config
+
+
+def _layer_configs(tokens: int, top_k: int, num_experts: int, w13: "_Proj", w2: "_Proj", weight_key: str,
+                   activation_key: str, scheme: Scheme, device: torch.device, *,
+                   split_gemm2: bool) -> tuple[dict, dict]:
+    """GEMM1 and GEMM2 configs (overridden, tuned or default), fitted; GEMM2 shares BLOCK_M."""
+    name, sms = _device_name(device), _num_sms(device)
+    override = _OVERRIDE.get() or {}
+    config1 = override.get("gemm1") or get_config(tokens, top_k, num_experts, w13.n, w13.k, weight_key,
+                                                  activation_key, name, sms)
+    config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
+                                                  activation_key, name, sms)
+    config1 = _fit_config(config1, scheme, can_split=False)  # GEMM1 applies the activation: no split
+    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2)
+    return config1, config2
 
 
 @functools.cache
@@ -219,6 +279,13 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: behave as an H100 would, so CPU tests cover split-K
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +340,34 @@ def _dot(a, b, acc):
 
 
 @triton.jit
+def _offset_codes(codes, dtype, NARROW: tl.constexpr):
+    """Unsigned integer codes as floats OFFSET + code, without an integer-to-float conversion: the
+    code is OR-ed into the mantissa of a power of two whose unit in the last place is 1 (fp16
+    1024 and bf16 128 for 4-bit codes when NARROW, else float32 2^23). Subtracting
+    :func:`_offset_zero` then gives code - zero exactly."""
+    if NARROW and dtype == tl.float16:
+        v = (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    elif NARROW and dtype == tl.bfloat16:
+        v = (codes.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    else:
+        v = (codes.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def _offset_zero(zero, dtype, NARROW: tl.constexpr):
+    """float32 zero codes + the OFFSET of :func:`_offset_codes`, in the type it returns (exact)."""
+    if NARROW and dtype == tl.float16:
+        z = (zero + 1024.0).to(tl.float16)
+    elif NARROW and dtype == tl.bfloat16:
+        z = (zero + 128.0).to(tl.bfloat16)
+    else:
+        z = zero + 8388608.0
+    return z
+
+
+# token counts vary per call: not specialising on them keeps one compiled kernel for every M
+@triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
 def _fused_moe_kernel(
         # tensors
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
@@ -281,22 +376,28 @@ def _fused_moe_kernel(
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
         # padded length of sorted_ids (standard) or the per-expert capacity T (batched)
         N, K, K_PACKED, num_valid, rows_per_expert,
-        # strides (last dimensions are contiguous; zero points share the scales' strides)
+        # strides (last dimensions are contiguous; zero points share the scales' strides);
+        # stride_cs steps between split-K partial outputs
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
-        stride_cm,
-        # what the weights and activations are (see Scheme)
+        stride_cm, stride_cs,
+        # what the weights and activations are (see Scheme); COMPUTE is the 16-bit (or float32)
+        # activation dtype the float dot runs in
         W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUP_N: tl.constexpr, W_GROUPS: tl.constexpr,
-        A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr,
-        # layer options
+        A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr, COMPUTE: tl.constexpr,
+        # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
+        # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, WRITE_EMPTY: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
-    layer: scales, + bias, × router weight (before bias on the input side, after on the output)."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), tl.cdiv(N, BLOCK_N),
-                            GROUP_M)
+    layer: scales, + bias, × router weight (before bias on the input side, after on the output),
+    and the gated activation when fused."""
+    # with FUSE_ACT a tile holds BLOCK_N / 2 gate rows interleaved with their up rows
+    num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_end = K
     if BATCHED:  # rows e·T .. e·T + expert_num_tokens[e] of A and C belong to expert e
@@ -321,24 +422,35 @@ def _fused_moe_kernel(
         c_rows = pairs
         store_rows = row_mask
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_bn = offs_n % N  # wrapped, so weight loads need no column mask; the store masks
+    split = tl.program_id(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_end, k_lo + k_per_split)
+
+    if FUSE_ACT != "none":  # tile column 2i: gate row c_i, column 2i + 1: up row N/2 + c_i
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_bn = cols % (N // 2) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_bn = offs_n % N  # wrapped, so weight loads need no column mask; the store masks
     a_row_ptrs = a_ptr + a_rows.to(tl.int64) * stride_am
     b_cols = b_ptr + expert * stride_be + offs_bn[None, :] * stride_bn  # [1, BN]
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     zero_cols = b_zero_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
-    dtype = c_ptr.dtype.element_ty  # the compute type of the float dot: the activation dtype
+    dtype = COMPUTE
     W_ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K  # K rows of one weight tile
 
-    zero = W_ZERO  # the code of 0: the type's bias, or per-column zero points
+    # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
+    NARROW: tl.constexpr = PACKED  # 4-bit codes: the offset trick works in 16 bits
+    zero = _offset_zero(tl.full((1, BLOCK_N), W_ZERO, tl.float32), dtype, NARROW)
     if HAS_ZERO and W_SCALE == "channel":
-        zero = tl.load(zero_cols).to(dtype)
+        zero = _offset_zero(tl.load(zero_cols).to(tl.float32), dtype, NARROW)
 
     if DOT == "int8":
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, k_end, BLOCK_K):
+    for k_start in range(k_lo, k_hi, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a_cols = offs_k
@@ -360,25 +472,24 @@ def _fused_moe_kernel(
             scale = _e8m0(scale) if W_SCALE == "mx" else scale.to(dtype)
             scale = _repeat_rows(scale, W_ROWS)
             if HAS_ZERO:
-                tile_zero = _repeat_rows(tl.load(zero_cols + w_groups[:, None] * stride_sk, mask=g_mask,
-                                                 other=0).to(dtype), W_ROWS)
+                group_zero = tl.load(zero_cols + w_groups[:, None] * stride_sk, mask=g_mask, other=0)
+                tile_zero = _repeat_rows(_offset_zero(group_zero.to(tl.float32), dtype, NARROW), W_ROWS)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 
-        if PACKED:
+        if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            low = packed & 0xF  # input column 2i
-            high = packed >> 4  # input column 2i + 1
             if W_TYPE == "int4":  # two's complement nibble -> offset binary around 8
-                low = low ^ 8
-                high = high ^ 8
+                packed = packed ^ 0x88
+            low = ((_offset_codes(packed & 0xF, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            high = ((_offset_codes(packed >> 4, dtype, NARROW) - tile_zero) * scale).to(dtype)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            acc = _dot(a_even, ((low.to(dtype) - tile_zero) * scale).to(dtype), acc)
-            acc = _dot(a_odd, ((high.to(dtype) - tile_zero) * scale).to(dtype), acc)
+            acc = _dot(a_even, low, acc)
+            acc = _dot(a_odd, high, acc)
         else:
             b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
             if DOT == "int8":
@@ -390,8 +501,9 @@ def _fused_moe_kernel(
             else:
                 if W_TYPE == "fp8e4m3":
                     b = (b.to(tl.float32) * scale).to(dtype)
-                elif W_TYPE != "float":
-                    b = ((b.to(dtype) - tile_zero) * scale).to(dtype)
+                elif W_TYPE != "float":  # 8-bit codes (signed ones shifted to offset binary)
+                    codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
+                    b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
                 acc = _dot(a.to(dtype), b.to(dtype), acc)
 
     # epilogue
@@ -404,14 +516,23 @@ def _fused_moe_kernel(
         router = tl.load(topk_weights_ptr + c_rows, mask=row_mask, other=0.0).to(tl.float32)
     if ROUTED_WEIGHT == "input":  # W (w·x) + b = w·(W x) + b
         acc *= router[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * N + offs_bn).to(tl.float32)[None, :]
+    if HAS_BIAS:  # added by the first split only
+        bias = tl.load(bias_ptr + expert * N + offs_bn).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
     if ROUTED_WEIGHT == "output":  # w·(W x + b)
         acc *= router[:, None]
     if WRITE_EMPTY:
         acc = tl.where(row_mask[:, None], acc, 0.0)
-    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=store_rows[:, None] & (offs_n[None, :] < N))
+    c_row_ptrs = c_ptr + split * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm
+    if FUSE_ACT != "none":
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        out = triton_ops.gated_act(gate, up, FUSE_ACT)
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_row_ptrs + offs_out[None, :], out.to(c_ptr.dtype.element_ty),
+                 mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
+    else:
+        tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=store_rows[:, None] & (offs_n[None, :] < N))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,14 +573,19 @@ _A_QUANT = {"none": "none", "int8_token": "int8", "int8_static": "int8", "fp8_gr
             "mxfp8": "mxfp8"}
 
 
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
-          rows: _Rows, config: dict, *, top_k: int = 1, routed_weight: str = "none",
-          topk_weights: torch.Tensor | None = None, write_empty: bool = False) -> None:
-    """Launch one fused MoE GEMM writing C [rows, N] (see _fused_moe_kernel)."""
+          rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
+          routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
+          fuse_act: str = "none") -> None:
+    """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
+    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    bm, bn, split_k = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
     dummy = w.weight
     scale = w.scale if w.scale is not None else dummy
     s_strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if w.scale is not None else (0, 0, 0)
@@ -467,13 +593,12 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         as_strides = (0, 0)
     else:
         as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
+    n_tiles = triton.cdiv(w.n // 2, bn // 2) if fuse_act != "none" else triton.cdiv(w.n, bn)
     if rows.batched:
-        num_experts = w.weight.shape[0]
-        grid = (triton.cdiv(rows.capacity, bm) * triton.cdiv(w.n, bn), num_experts)
-        rows_per_expert = rows.capacity
+        rows_per_expert, num_experts = rows.capacity, w.weight.shape[0]
     else:
-        rows_per_expert = rows.sorted_ids.numel()
-        grid = (triton.cdiv(rows_per_expert, bm) * triton.cdiv(w.n, bn),)
+        rows_per_expert, num_experts = rows.sorted_ids.numel(), 1
+    grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, num_experts, split_k)
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
         w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
@@ -484,13 +609,15 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         rows.num_post_padded if rows.num_post_padded is not None else dummy,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
         w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
-        a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(0),
+        a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
+        c.stride(0) if split_k > 1 else 0,
         W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
         W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,
         W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1),
         A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
+        COMPUTE=_TL_DTYPE[compute_dtype],
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
-        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty,
+        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"])
 
@@ -516,6 +643,7 @@ def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_p
 def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13: _Proj, w2: _Proj, weight_key: str, activation_key: str, activation: str,
                    router_weight_on_input: bool) -> torch.Tensor:
+    """align -> quantise(hidden)? -> GEMM1 + act -> quantise? -> GEMM2 (split-K) -> sum (top-k, splits)."""
     scheme = scheme_from_keys(weight_key, activation_key)
     m, top_k = topk_ids.shape
     out = torch.empty_like(hidden)
@@ -524,35 +652,37 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     num_experts = w13.weight.shape[0]
-    device_name = _device_name(hidden.device)
-    rows_per_expert = triton.cdiv(m * top_k, num_experts)
-    config1 = _kernel_config(rows_per_expert, w13.n, w13.k, weight_key, scheme, device_name)
-    config2 = _kernel_config(rows_per_expert, w2.n, w2.k, weight_key, scheme, device_name)
-    config2["BLOCK_M"] = config1["BLOCK_M"]  # both GEMMs walk the same aligned blocks
+    on_input = router_weight_on_input
+    if on_input and top_k != 1:
+        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got {top_k}")
+    config1, config2 = _layer_configs(m, top_k, num_experts, w13, w2, weight_key, activation_key, scheme,
+                                      hidden.device, split_gemm2=True)
     sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, config1["BLOCK_M"])
     rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     weights = topk_weights.reshape(-1).to(torch.float32)
     if not weights.is_contiguous():
         weights = weights.contiguous()
-    on_input = router_weight_on_input
-    if on_input and top_k != 1:
-        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got {top_k}")
+    dev, dt = hidden.device, hidden.dtype
 
     # quantised activations take the router weight before quantising (as the reference does);
     # 16-bit ones take it in GEMM1's epilogue, before the bias
-    a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=weights if on_input else None)
+    row_scale = {"row_scale": weights} if on_input and scheme.act_quant != "none" else {}
+    a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, **row_scale)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
-    cache1 = torch.empty(m * top_k, w13.n, dtype=hidden.dtype, device=hidden.device)
-    _gemm(a1, a1_scale, w13, scheme, cache1, rows, config1, top_k=top_k, routed_weight=gemm1_weight,
-          topk_weights=weights)
+    inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
+    _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation)
 
-    a2, a2_scale = triton_ops.act_quant(cache1, activation, scheme.act_quant, static_scale=w2.input_scale,
-                                        group=scheme.act_group or 128)
-    cache3 = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=hidden.dtype, device=hidden.device)
-    _gemm(a2, a2_scale, w2, scheme, cache3, rows, config2, routed_weight="none" if on_input else "output",
-          topk_weights=weights)
-    if top_k > 1:
-        triton_ops.sum_topk(cache3.view(m, top_k, w2.n), out=out)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale)
+    split = config2["SPLIT_K"]
+    if split > 1:
+        partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
+    else:
+        partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
+    _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
+          routed_weight="none" if on_input else "output", topk_weights=weights)
+    if partial is not out:
+        triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out)
     return out
 
 
@@ -563,19 +693,18 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     out = torch.empty_like(x)
     if capacity == 0:
         return out
-    device_name = _device_name(x.device)
-    config1 = _kernel_config(capacity, w13.n, w13.k, weight_key, scheme, device_name)
-    config2 = _kernel_config(capacity, w2.n, w2.k, weight_key, scheme, device_name)
+    # the capacity as rows per expert: tokens = capacity, top-k 1 over one expert's slab
+    config1, config2 = _layer_configs(capacity, 1, 1, w13, w2, weight_key, activation_key, scheme, x.device,
+                                      split_gemm2=False)
     rows = _Rows(expert_num_tokens=expert_num_tokens, capacity=capacity)
     # rows past an expert's count are skipped (left unwritten) until GEMM2 writes them as zeros
     counts = {"expert_num_tokens": expert_num_tokens, "capacity": capacity}
     a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts)
-    cache1 = torch.empty(num_experts * capacity, w13.n, dtype=x.dtype, device=x.device)
-    _gemm(a1, a1_scale, w13, scheme, cache1, rows, config1)
-    a2, a2_scale = triton_ops.act_quant(cache1, activation, scheme.act_quant, static_scale=w2.input_scale,
-                                        group=scheme.act_group or 128, **counts)
+    inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
+    _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts)
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
-          write_empty=True)
+          compute_dtype=x.dtype, write_empty=True)
     return out
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "act_quant",
     "align",
     "sum_topk",
+    "gated_act",
 ]
 
 MX_GROUP = 32  # MXFP8 block size
@@ -286,21 +287,31 @@ def _mx_exponent(amax):
 
 
 @triton.jit
+def gated_act(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in float32 (silu, gelu with erf, or gpt-oss's clamped swigluoai); shared by
+    this module's row kernel and the GEMM1 epilogue of the fused MoE kernel."""
+    gate = gate.to(tl.float32)
+    up = up.to(tl.float32)
+    if ACTIVATION == "silu":
+        out = gate / (1.0 + tl.exp(-gate)) * up
+    elif ACTIVATION == "gelu":
+        out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    else:  # swigluoai (gpt-oss)
+        gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
+        out = (up + 1.0) * gate / (1.0 + tl.exp(gate * -SWIGLUOAI_ALPHA))
+    return out
+
+
+@triton.jit
 def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
     """float32 values of one row chunk: act(gate) * up over a fused [gate | up] row, or x itself."""
     if ACTIVATION == "none":
         out = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     else:
-        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_row + half + cols, mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION == "silu":
-            out = gate / (1.0 + tl.exp(-gate)) * up
-        elif ACTIVATION == "gelu":
-            out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
-        else:  # swigluoai (gpt-oss)
-            gate = tl.minimum(gate, SWIGLUOAI_LIMIT)
-            up = tl.minimum(tl.maximum(up, -SWIGLUOAI_LIMIT), SWIGLUOAI_LIMIT)
-            out = (up + 1.0) * gate / (1.0 + tl.exp(gate * -SWIGLUOAI_ALPHA))
+        gate = tl.load(x_row + cols, mask=mask, other=0.0)
+        up = tl.load(x_row + half + cols, mask=mask, other=0.0)
+        out = gated_act(gate, up, ACTIVATION)
     return out * row_scale
 
 
@@ -490,14 +501,19 @@ def _(x):
 
 
 @triton.jit
-def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_xk, stride_om,
-                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xs, stride_xm, stride_xk, stride_om,
+                    SPLITS: tl.constexpr, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[row] = sum over splits s and top-k j of x[s, row, j] (× w[row, j]), in float32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        v = tl.load(x_ptr + row * stride_xm + j * stride_xk + cols, mask=mask, other=0.0).to(tl.float32)
+        v = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            v += tl.load(x_ptr + s * stride_xs + row * stride_xm + j * stride_xk + cols, mask=mask,
+                         other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
             v *= tl.load(w_ptr + row * TOP_K + j).to(tl.float32)
         acc += v
@@ -506,10 +522,12 @@ def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xm, stride_xk, stride_om,
 
 def sum_topk(x: torch.Tensor, topk_weights: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain implementation of :func:`moe_sum` (optionally into ``out``)."""
-    m, top_k, h = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    """Plain implementation of :func:`moe_sum` (optionally into ``out``). ``x`` may also be
+    [S, M, k, H]: S split-K partial sums of the same pairs, added here in the same pass."""
+    x4 = x if x.dim() == 4 else x.unsqueeze(0)
+    splits, m, top_k, h = x4.shape
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
     if out is None:
         out = torch.empty(m, h, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -518,8 +536,9 @@ def sum_topk(x: torch.Tensor, topk_weights: torch.Tensor | None = None,
         topk_weights = topk_weights.contiguous()
     block_h = min(triton.next_power_of_2(h), 1024)
     _moe_sum_kernel[(m, triton.cdiv(h, block_h))](
-        x, topk_weights if topk_weights is not None else x, out, h, x.stride(0), x.stride(1), out.stride(0),
-        TOP_K=top_k, HAS_WEIGHTS=topk_weights is not None, BLOCK_H=block_h, num_warps=4)
+        x4, topk_weights if topk_weights is not None else x4, out, h, x4.stride(0), x4.stride(1),
+        x4.stride(2), out.stride(0), SPLITS=splits, TOP_K=top_k, HAS_WEIGHTS=topk_weights is not None,
+        BLOCK_H=block_h, num_warps=4)
     return out
 
 

@@ -92,3 +92,69 @@ def test_every_scheme_has_cases() -> None:
     schemes = {c.scheme for c in CPU_CASES}
     assert schemes == set(REGISTRY.schemes)
     assert len(SMALL.tokens) >= 1 and len(CPU_CASES) > 3 * len(REGISTRY.schemes)
+
+
+# ---------------------------------------------------------------------------------------------
+# tuned configs: every config shipped in kernels/configs runs the conformance cases of its keys
+
+
+def _tuned_config_cases(cases: list[Case]) -> list[tuple[str, Case, dict, dict]]:
+    """(id, case, GEMM1 config, GEMM2 config) for each distinct tuned pair of each shipped file,
+    run on the standard-format cases whose keys the file is for."""
+    import json
+    from pathlib import Path
+
+    from moe_registry.keys import parse_quant_key
+
+    config_dir = Path(__file__).resolve().parents[1] / "kernels" / "configs"
+    out = []
+    for path in sorted(config_dir.glob("*.json")):
+        table = json.loads(path.read_text())
+        meta = table.pop("meta")
+        wkey, akey = parse_quant_key(meta["weight_key"]), parse_quant_key(meta["activation_key"])
+        mine = [c for c in cases if c.weight_key == wkey and c.activation_key == akey
+                and c.kernel == "triton-fused-moe" and not c.act_order]
+        assert mine, f"{path.name}: no spec claims keys {wkey} / {akey} for triton-fused-moe"
+        gemm1 = {k: v for k, v in table.items() if int(k.split("_N")[1].split("_K")[0]) > int(k.split("_K")[1])}
+        pairs = set()
+        for key1, by_tokens in gemm1.items():
+            e_top, rest = key1.split("_N")
+            n1, k1 = rest.split("_K")
+            key2 = f"{e_top}_N{k1}_K{int(n1) // 2}"
+            for tokens, config1 in by_tokens.items():
+                pairs.add((json.dumps(config1, sort_keys=True), json.dumps(table[key2][tokens], sort_keys=True)))
+        for n, (c1, c2) in enumerate(sorted(pairs)):
+            case = mine[n % len(mine)]
+            out.append((f"{path.stem}-{n}", case, json.loads(c1), json.loads(c2)))
+    return out
+
+
+TUNED_CPU = _tuned_config_cases(INTERPRETER_CASES) if HAS_TRITON else []
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("tuned", TUNED_CPU, ids=[t[0] for t in TUNED_CPU])
+def test_tuned_configs_conform_in_interpreter(tuned) -> None:
+    from moe_registry_kernels.triton_moe import config_override
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter run is for machines without a GPU; use -m gpu")
+    _, case, config1, config2 = tuned
+    with config_override(config1, config2):
+        err = run_case(case, torch.device("cpu"))
+    assert err <= case.tolerance, f"{case.id} with {config1} / {config2}: relative error {err:.3e}"
+
+
+TUNED_GPU = _tuned_config_cases([c for c in GPU_CASES if c.dtype == "bfloat16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuned", TUNED_GPU, ids=[t[0] for t in TUNED_GPU])
+def test_tuned_configs_conform_on_gpu(tuned) -> None:
+    from moe_registry_kernels.triton_moe import config_override
+
+    _, case, config1, config2 = tuned
+    with config_override(config1, config2):
+        err = run_case(case, torch.device("cuda"))
+    print(f"CONFORMANCE-TUNED {case.scheme} {case.kernel} {case.dtype} {err:.3e}")
+    assert err <= case.tolerance, f"{case.id} with {config1} / {config2}: relative error {err:.3e}"

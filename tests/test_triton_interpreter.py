@@ -16,6 +16,7 @@ activations the same way):
   up to 6%; measured ~1e-3 here, with headroom for the MXFP8 / block-128 rounding of real models.
 """
 
+import json
 import os
 
 import pytest
@@ -30,13 +31,21 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from moe_registry_kernels import activations, quant_ref, triton_ops  # noqa: E402
+from moe_registry_kernels import (  # noqa: E402
+    activations,
+    quant_ref,
+    triton_moe,
+    triton_ops,
+)
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
 from moe_registry_kernels.triton_moe import (  # noqa: E402
     TritonBatchedExperts,
     TritonExperts,
+    config_file,
+    default_config,
     get_config,
     scheme_from_keys,
+    shape_key,
 )
 
 from moe_registry.experts import ExpertsConfig  # noqa: E402
@@ -145,6 +154,54 @@ def test_router_weight_on_input(scheme):
     _check_layer(scheme, 7, top_k=1, on_input=True)
 
 
+# GEMM2 cut into 2 pieces of K (INTER = 64 = 2 x BLOCK_K 32), summed by the top-k reduction
+SPLIT_GEMM2 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 2, "num_warps": 4,
+               "num_stages": 2}
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_split_k(scheme):
+    """Bias added once, router weight and every scale applied per piece: the pieces sum to the layer."""
+    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+        _check_layer(scheme, 7, top_k=2, seed=11)
+
+
+def test_split_k_with_top_1_and_router_weight_on_input():
+    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+        _check_layer("w8a8-int8-token", 7, top_k=1, on_input=True)
+        _check_layer("awq-g128", 7, top_k=1)
+
+
+def test_split_k_partial_sums_are_summed(monkeypatch):
+    """The override reaches the launch: GEMM2 runs with SPLIT_K 2 and writes float32 partials."""
+    seen = []
+    real_gemm = triton_moe._gemm
+
+    def spy(a, a_scale, w, scheme, c, rows, config, **kwargs):
+        seen.append((config["SPLIT_K"], c.dtype, tuple(c.shape)))
+        return real_gemm(a, a_scale, w, scheme, c, rows, config, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "_gemm", spy)
+    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+        _check_layer("fp16", 3, top_k=2)
+    assert seen[0][0] == 1 and seen[0][2] == (6, INTER)  # GEMM1 + activation: [pairs, I]
+    assert seen[1] == (2, torch.float32, (2, 6, H))
+
+
+def test_gemm1_applies_the_activation():
+    """GEMM1's epilogue computes act(gate) * up itself: no separate activation kernel runs."""
+    weights = _weights("gptq4-g64")
+    hidden, topk_weights, topk_ids = _routing(5, 2)
+    calls = []
+    real = triton_ops.act_quant
+    try:
+        triton_ops.act_quant = lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
+        TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    finally:
+        triton_ops.act_quant = real
+    assert calls == []
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "w8a8-int8-token",
                                     "w8a8-int8-static"])
 def test_batched_matches_reference(scheme):
@@ -198,10 +255,41 @@ def test_unsupported_keys_are_refused():
         scheme_from_keys("uint4b8 scale:float16:group(128):static", INT8_TOKEN)
 
 
+AWQ = "uint4 scale:float16:group(128):static zp:group"
+
+
 def test_get_config_defaults():
-    decode = get_config(1, 2 * INTER, H, "uint4 scale:float16:group(128):static zp:group", "cpu")
-    prefill = get_config(512, 2 * INTER, H, UNQ, "cpu")
+    decode = get_config(1, 2, 8, 2 * INTER, H, AWQ, UNQ, "cpu")
+    prefill = get_config(512, 2, 8, 2 * INTER, H, UNQ, UNQ, "cpu")
     assert decode["BLOCK_M"] == 16 and prefill["BLOCK_M"] in (64, 128)
+    assert prefill["SPLIT_K"] == 1
+
+
+def test_default_config_splits_k_when_tiles_leave_sms_idle():
+    # Mixtral GEMM2 at one token: 2 experts x 64 column tiles = 128 programs for 132 SMs
+    few = default_config(1, 2, 8, 4096, 14336, AWQ, num_sms=132)
+    assert few["SPLIT_K"] > 1
+    assert 14336 // few["SPLIT_K"] >= 4 * few["BLOCK_K"]
+    # GEMM1 of the same layer has 2 x 448 tiles: enough programs already
+    assert default_config(1, 2, 8, 28672, 4096, AWQ, num_sms=132)["SPLIT_K"] == 1
+
+
+def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    table = {shape_key(8, 2, 2 * INTER, H): {"1": {"BLOCK_N": 32, "SPLIT_K": 1},
+                                               "64": {"BLOCK_N": 128, "num_stages": 2}}}
+    config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
+    try:
+        assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 32
+        near_64 = get_config(40, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU")
+        assert near_64["BLOCK_N"] == 128 and near_64["num_stages"] == 2
+        # another activation key, device or shape: defaults
+        assert get_config(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU")["BLOCK_N"] == 64
+        assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")["BLOCK_N"] == 64
+        assert get_config(2, 2, 16, 2 * INTER, H, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 64
+    finally:
+        triton_moe._load_config_file.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +396,13 @@ def test_act_and_mul_quant_fused(activation, key):
     # float32 exp/erf differ from torch's in the last ulp, which can move a rare code by one
     differ = (q.view(torch.uint8).int() - ref.q.view(torch.uint8).int()).abs()
     assert differ.float().mean() < 1e-2 and torch.allclose(s.float(), ref.scale.float(), rtol=1e-5)
+
+
+def test_moe_sum_adds_split_k_pieces():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 2, 40, generator=g)
+    out = triton_ops.sum_topk(x, out=torch.empty(5, 40, dtype=torch.float16))
+    torch.testing.assert_close(out.float(), x.sum((0, 2)), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -6,7 +6,10 @@ back-to-back layer calls rotating over enough weight copies that the experts a c
 never still in L2 from the previous one. Ceilings (copy bandwidth, bf16 / int8 / fp8 matrix rates)
 are measured in the same run. Roofline time = max(minimum bytes / copy bandwidth, FLOPs / peak
 of the matrix unit the scheme uses), minimum bytes = weights + scales + zero points of the
-experts hit + activations in and out + routing; FLOPs = 6·M·top-k·hidden·intermediate.
+experts hit + activations in and out + routing; FLOPs = 6·M·top-k·hidden·intermediate. The
+two GEMMs are also reported alone (their kernel times from the profiler, against a roofline
+of the weights, the hidden rows in and the top-k rows out), and the rest of the layer's kernels
+as glue.
 
     python tools/bench.py                       # all shapes, schemes, M
     python tools/bench.py --shapes qwen3 --m 1 8 64 --schemes bf16 awq
@@ -74,10 +77,17 @@ class Row:
     bytes_moved: float
     flops: float
     rel_error: float
+    gemm_us: float  # the two GEMM kernels alone (profiler kernel times, per layer call)
+    gemm_roofline_us: float
+    glue_us: float  # every other kernel of the layer: alignment, quantisation, reduction
 
     @property
     def pct(self) -> float:
         return 100.0 * self.roofline_us / self.us if self.us > 0 else 0.0
+
+    @property
+    def gemm_pct(self) -> float:
+        return 100.0 * self.gemm_roofline_us / self.gemm_us if self.gemm_us > 0 else 0.0
 
     @property
     def gbps(self) -> float:
@@ -218,8 +228,44 @@ def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, floa
             t = _median_time(graph.replay, 0.3, device) / len(kernels)
         else:
             t = _median_time(step, 0.05, device) / len(kernels)
-        rows.append(Row(shape.name, scheme, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel))
+        gemm_s, glue_s = kernel_times(step, len(kernels), device)
+        # the GEMMs alone move the weights, the hidden rows in and the top-k rows out (the
+        # activation's round trip belongs to the layer); same FLOPs
+        gemm_bytes = wbytes + m * shape.hidden * x.element_size() * (1 + shape.top_k)
+        gemm_roof = max(gemm_bytes / ceilings["copy_bytes_per_s"], flops / peak)
+        rows.append(Row(shape.name, scheme, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel,
+                        gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6))
     return rows
+
+
+# what the GEMM kernels are called in a profile: the Triton kernel on GPU, the reference's matmuls on CPU
+GEMM_KERNELS = {"cuda": ("_fused_moe_kernel",), "cpu": ("aten::mm",)}
+
+
+def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int = 3) -> tuple[float, float]:
+    """Seconds per layer call spent in GEMM kernels and in all other kernels (device time from the
+    profiler, eager steps: kernel durations do not depend on how they were launched)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    gemm = glue = 0.0
+    for event in prof.key_averages():
+        if device.type == "cuda":
+            us = getattr(event, "self_device_time_total", 0.0)
+        else:
+            us = event.self_cpu_time_total if event.key in GEMM_KERNELS["cpu"] else 0.0
+        if any(name in event.key for name in GEMM_KERNELS[device.type]):
+            gemm += us
+        else:
+            glue += us
+    per_call = 1e-6 / (repeats * calls_per_step)
+    return gemm * per_call, glue * per_call
 
 
 def _calls(kernels: list, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor):  # type: ignore[no-untyped-def]
@@ -233,11 +279,12 @@ def _calls(kernels: list, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor): 
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'shape':<18}{'scheme':<10}{'M':>6}{'us':>10}{'roof us':>10}{'GB/s':>9}{'TFLOP/s':>9}"
-          f"{'% roof':>8}{'rel err':>10}")
+    print(f"{'shape':<18}{'scheme':<10}{'M':>6}{'us':>9}{'roof us':>9}{'GB/s':>7}{'TFLOP/s':>9}"
+          f"{'% roof':>8}{'gemm us':>9}{'% gemm':>8}{'glue us':>9}{'rel err':>10}")
     for r in rows:
-        print(f"{r.shape:<18}{r.scheme:<10}{r.m:>6}{r.us:>10.1f}{r.roofline_us:>10.1f}{r.gbps:>9.0f}"
-              f"{r.tflops:>9.1f}{r.pct:>7.0f}%{r.rel_error:>10.2e}")
+        print(f"{r.shape:<18}{r.scheme:<10}{r.m:>6}{r.us:>9.1f}{r.roofline_us:>9.1f}{r.gbps:>7.0f}"
+              f"{r.tflops:>9.1f}{r.pct:>7.0f}%{r.gemm_us:>9.1f}{r.gemm_pct:>7.0f}%{r.glue_us:>9.1f}"
+              f"{r.rel_error:>10.2e}")
 
 
 def plot(rows: list[Row], path: Path) -> bool:
@@ -300,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     result = {"env": env, "ceilings": ceilings,
-              "rows": [{**asdict(r), "pct_roofline": r.pct, "gbps": r.gbps, "tflops": r.tflops} for r in rows]}
+              "rows": [{**asdict(r), "pct_roofline": r.pct, "gemm_pct_roofline": r.gemm_pct, "gbps": r.gbps,
+                        "tflops": r.tflops} for r in rows]}
     (args.out / "bench.json").write_text(json.dumps(result, indent=2))
     plotted = plot(rows, args.out / "roofline.png")
     print(f"device {env['device']}; copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

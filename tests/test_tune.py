@@ -1,0 +1,54 @@
+"""tools/tune.py end to end through the interpreter: configs written where the kernel reads them,
+picked up by get_config, and an interrupted run resumes instead of starting over."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+AWQ = "uint4 scale:float16:group(128):static zp:group"
+
+
+def _tune(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "tune.py"), "--dry-run", "--schemes", "awq",
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=900)
+
+
+def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch):
+    first = _tune(tmp_path, "--m", "1")
+    assert first.returncode == 0, first.stderr
+    files = list(tmp_path.glob("*.json"))
+    assert [f.name for f in files] == ["dry_run__uint4_scale_float16_group_128_static_zp_group__unquantized.json"]
+    table = json.loads(files[0].read_text())
+    # tiny shape: E=8, top-2, hidden 128, intermediate 128; one entry per GEMM for M=1
+    assert table.pop("meta") == {"device": "dry-run", "weight_key": AWQ, "activation_key": "unquantized"}
+    assert set(table) == {"E8_top2_N256_K128", "E8_top2_N128_K128"}
+    for by_tokens in table.values():
+        assert set(by_tokens) == {"1"}
+        config = by_tokens["1"]
+        assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"} <= set(config)
+    assert "tiny      awq             1" in first.stdout
+
+    # the kernel reads the file for that device name
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    try:
+        got = triton_moe.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "dry-run")
+        assert {k: got[k] for k in table["E8_top2_N128_K128"]["1"]} == table["E8_top2_N128_K128"]["1"]
+    finally:
+        triton_moe._load_config_file.cache_clear()
+
+    # done entries are skipped; a new M is added next to them
+    again = _tune(tmp_path, "--m", "1", "8")
+    assert again.returncode == 0, again.stderr
+    assert "tiny      awq             1" not in again.stdout and "tiny      awq             8" in again.stdout
+    table = json.loads(files[0].read_text())
+    table.pop("meta")
+    assert all(set(by_tokens) == {"1", "8"} for by_tokens in table.values())

@@ -1,0 +1,366 @@
+"""Tune the fused MoE kernel's tile configs for this GPU and write them where the kernel reads them.
+
+For each model shape × scheme × token count, time the whole layer (CUDA graphs, weight copies
+rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
+BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best. A candidate
+counts only if its output is within the scheme spec's conformance tolerance of the reference, so
+speed never buys accuracy. Candidates are compiled first by parallel worker processes (Triton's
+disk cache is shared), then timed in this one.
+
+    python tools/tune.py                                  # every shape, scheme and M (resumes)
+    python tools/tune.py --shapes qwen3 --schemes awq --m 1 8 64
+    python tools/tune.py --dry-run                        # tiny shapes through the interpreter
+
+Results go to kernels/configs/<device>__<weight key>__<activation key>.json (``--out`` to put
+them elsewhere), one entry per GEMM shape and token count, written after every entry: an
+interrupted run picks up where it stopped (``--redo`` to tune entries again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench  # noqa: E402  (tools/bench.py: shapes, schemes, weights, timing)
+import torch  # noqa: E402
+
+from moe_registry.experts import ExpertsConfig  # noqa: E402
+from moe_registry.keys import parse_quant_key  # noqa: E402
+
+# bench scheme -> the spec whose conformance tolerance a tuned config must meet
+SPEC_OF = {"bf16": "unquantized", "awq": "awq-w4a16", "gptq4": "gptq-w4a16", "int8wo": "gptq-w8a16",
+           "w8a8": "quark-w8a8-int8", "mxfp8": "modelopt-mxfp8", "mxfp8-a16": "modelopt-mxfp8",
+           "fp8block": "fp8-block128"}
+
+
+@dataclass(frozen=True)
+class Target:
+    shape: str
+    scheme: str
+    m: int
+
+
+def block_ms(m: int, shape: bench.Shape) -> list[int]:
+    """BLOCK_M worth trying: about the rows one expert sees, and its neighbours."""
+    rows = math.ceil(m * shape.top_k / shape.experts)
+    if rows <= 16:
+        return [16]
+    if rows <= 48:
+        return [16, 32, 64]
+    if rows <= 192:
+        return [32, 64, 128]
+    return [64, 128]
+
+
+def tile_candidates(bm: int, narrow: bool, limit: int | None = None) -> list[dict]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) worth trying at one BLOCK_M (the first ``limit``)."""
+    bks = (128, 256) if narrow else (64, 128)
+    if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
+        tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4)), (128, bks[0], 8, 4), (256, bks[0], 8, 3)]
+    else:  # prefill: matrix-unit bound
+        tiles = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3),
+                 (256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 3)]
+    out = []
+    for bn, bk, warps, stages in tiles:
+        if bm * bk + bk * bn > 256 * 256 + 128 * 256:  # operand tiles past shared memory at 3+ stages
+            continue
+        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1 if bm <= 32 else 8,
+                    "num_warps": warps, "num_stages": stages, "SPLIT_K": 1})
+    return out[:limit]
+
+
+SPLITS = (1, 2, 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layer under a config
+
+
+class Layer:
+    """One shape × scheme: weight copies enough to rotate out of L2, inputs per M, the reference."""
+
+    def __init__(self, shape: bench.Shape, scheme: str, device: torch.device, dry: bool) -> None:
+        from moe_registry_kernels.triton_moe import TritonExperts
+
+        wtext, atext, _ = bench.SCHEMES[scheme]
+        self.wkey, self.akey = parse_quant_key(wtext), parse_quant_key(atext)
+        self.shape, self.scheme, self.device, self.dry = shape, scheme, device, dry
+        self.dtype = torch.float16 if dry else torch.bfloat16
+        base = bench.make_weights(shape, self.wkey, self.akey, self.dtype, device, seed=0)
+        self.base = base
+        self.kernels = [TritonExperts(base, ExpertsConfig())]
+        self.weight_bytes = sum(
+            t.numel() * t.element_size() for p in (base.w13, base.w2)
+            for t in (p.weight, p.scale, p.zero) if t is not None)
+
+    def inputs(self, m: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        x = torch.randn(m, self.shape.hidden, device=self.device, generator=gen).to(self.dtype)
+        logits = torch.randn(m, self.shape.experts, device=self.device, generator=gen)
+        tw, ti = torch.topk(torch.softmax(logits, -1), self.shape.top_k, -1)
+        return x, tw, ti.to(torch.int32)
+
+    def copies_for(self, m: int) -> list:
+        """Kernels over enough weight copies that the experts one call hits are out of L2 next time."""
+        from moe_registry_kernels.triton_moe import TritonExperts
+
+        if self.dry:
+            return self.kernels[:1]
+        hit = bench.expected_experts_hit(m, self.shape.top_k, self.shape.experts) / self.shape.experts
+        want = max(1, math.ceil(2 * bench.L2_BYTES / max(self.weight_bytes * hit, 1)))
+        want = min(want, max(1, int(20e9 // self.weight_bytes)))
+        while len(self.kernels) < want:
+            weights = bench.make_weights(self.shape, self.wkey, self.akey, self.dtype, self.device,
+                                         seed=len(self.kernels))
+            self.kernels.append(TritonExperts(weights, ExpertsConfig()))
+        return self.kernels[:want]
+
+    def reference(self, x, tw, ti) -> torch.Tensor:
+        from moe_registry_kernels.reference import ReferenceExperts
+
+        return ReferenceExperts(self.base, ExpertsConfig()).apply(x.float(), tw, ti).float()
+
+    def error(self, configs: tuple[dict | None, dict | None], x, tw, ti, ref: torch.Tensor) -> float:
+        from moe_registry_kernels.triton_moe import config_override
+
+        with config_override(*configs):
+            out = self.kernels[0].apply(x, tw, ti).float()
+        return float((out - ref).norm() / ref.norm())
+
+    def time(self, configs: tuple[dict | None, dict | None], m: int, x, tw, ti) -> float:
+        """Seconds per layer call (CUDA graph of one call per weight copy; CPU: plain calls)."""
+        from moe_registry_kernels.triton_moe import config_override
+
+        kernels = self.copies_for(m)
+
+        def step() -> None:
+            for k in kernels:
+                k.apply(x, tw, ti)
+
+        with config_override(*configs):
+            if self.device.type != "cuda":
+                return bench._median_time(step, 0.0, self.device) / len(kernels)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(15):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        del graph
+        return sorted(times)[len(times) // 2] / len(kernels)
+
+
+# ---------------------------------------------------------------------------------------------
+# compiling ahead, in parallel
+
+
+def _compile_worker(job: tuple[str, str, list[tuple[dict, dict]], bool]) -> int:
+    """Run a small layer call under each config pair (the kernel does not specialise on the token
+    count, so this compiles what the real calls will use)."""
+    shape_name, scheme, pairs, dry = job
+    shape = (bench.DRY_SHAPES if dry else bench.SHAPES)[shape_name]
+    device = torch.device("cpu" if dry else "cuda")
+    # as few experts as top-k allows: the GEMM kernel's compiled form depends on N, K, strides and
+    # top-k, not on the number of experts
+    small = bench.Shape(shape.name, max(shape.top_k, 2), shape.top_k, shape.hidden, shape.intermediate)
+    layer = Layer(small, scheme, device, dry)
+    x, tw, ti = layer.inputs(4)
+    done = 0
+    for pair in pairs:
+        try:
+            layer.error(pair, x, tw, ti, torch.ones(1, device=device))
+            done += 1
+        except Exception:  # noqa: BLE001 (a config that cannot compile is dropped when timed)
+            pass
+    return done
+
+
+def precompile(shape_name: str, scheme: str, pairs: list[tuple[dict, dict]], dry: bool, workers: int) -> None:
+    if workers <= 1 or dry or len(pairs) < 4:
+        return
+    chunks = [pairs[i::workers] for i in range(workers)]
+    ctx = __import__("multiprocessing").get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        list(pool.map(_compile_worker, [(shape_name, scheme, c, dry) for c in chunks if c]))
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+
+
+def _progress(done: int, total: int, label: str, started: float) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    elapsed = time.monotonic() - started
+    eta = elapsed / done * (total - done) if done else 0.0
+    line = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<36} {elapsed:5.0f}s eta {eta:4.0f}s"
+    end = "\r" if sys.stderr.isatty() else "\n"
+    print(line, end=end, file=sys.stderr, flush=True)
+
+
+def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit: int | None = None,
+                splits: tuple[int, ...] = SPLITS) -> tuple[dict, dict, float, float]:
+    """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
+    kernel picks today (defaults, or an earlier tuning)."""
+    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton_moe import _fit_config, default_config, scheme_from_keys
+
+    shape = layer.shape
+    kscheme = scheme_from_keys(str(layer.wkey), str(layer.akey))
+    x, tw, ti = layer.inputs(m)
+    ref = layer.reference(x, tw, ti)
+    narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
+    h, i = shape.hidden, shape.intermediate
+    sms = triton_moe._num_sms(layer.device)
+    d1 = default_config(m, shape.top_k, shape.experts, 2 * i, h, layer.wkey, sms)
+    d2 = default_config(m, shape.top_k, shape.experts, h, i, layer.wkey, sms)
+    base_t = layer.time((None, None), m, x, tw, ti)
+
+    def measure(c1: dict, c2: dict) -> float:
+        try:
+            err = layer.error((c1, c2), x, tw, ti, ref)
+        except Exception as exc:  # noqa: BLE001 (out of resources and the like: not a candidate)
+            log.append(f"  skip {c1} {c2}: {type(exc).__name__}")
+            return math.inf
+        if not err <= tolerance:
+            log.append(f"  reject {c1} {c2}: relative error {err:.2e} > {tolerance:.0e}")
+            return math.inf
+        return layer.time((c1, c2), m, x, tw, ti)
+
+    best = (d1, d2, base_t)
+    for bm in block_ms(m, shape):
+        g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
+        best1, t1 = None, math.inf
+        for c1 in tile_candidates(bm, narrow, limit):
+            t = measure(c1, g2)
+            if t < t1:
+                best1, t1 = c1, t
+        if best1 is None:
+            continue
+        best2, t2 = g2, t1
+        for c2 in tile_candidates(bm, narrow, limit):  # tiles at the default split, then splits
+            cand = {**c2, "SPLIT_K": g2["SPLIT_K"]}
+            t = measure(best1, cand)
+            if t < t2:
+                best2, t2 = cand, t
+        for split in splits if bm <= 32 else ():
+            if split == best2["SPLIT_K"] or i // split < 2 * best2["BLOCK_K"]:
+                continue
+            cand = {**best2, "SPLIT_K": split}
+            t = measure(best1, cand)
+            if t < t2:
+                best2, t2 = cand, t
+        if t2 < best[2]:
+            best = (best1, best2, t2)
+    return best[0], best[1], best[2], base_t
+
+
+def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict, dict]]:
+    """Every config pair tune_target may try (for compiling ahead)."""
+    wkey = parse_quant_key(bench.SCHEMES[scheme][0])
+    narrow = wkey.quantized and wkey.dtype.bits <= 8
+    pairs = []
+    for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
+        tiles = tile_candidates(bm, narrow)
+        pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
+        pairs += [(tiles[0], {**c, "SPLIT_K": s}) for c in tiles for s in (SPLITS if bm <= 32 else (1,))]
+        # GEMM1 compiles once per tile whatever GEMM2 does; GEMM2 once per tile and split
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=list(bench.SHAPES), choices=list(bench.SHAPES))
+    parser.add_argument("--schemes", nargs="*", default=[s for s in bench.SCHEMES if s != "mxfp8"],
+                        choices=list(bench.SCHEMES))
+    parser.add_argument("--m", nargs="*", type=int, default=None, help="token counts (default 1 8 64 512 4096)")
+    parser.add_argument("--out", type=Path, default=None, help="config directory (default: the kernel's)")
+    parser.add_argument("--redo", action="store_true", help="tune entries that already have a config")
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
+    args = parser.parse_args(argv)
+
+    dry = args.dry_run or not torch.cuda.is_available()
+    if dry:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from moe_registry_kernels import triton_moe
+
+    from moe_registry.registry import load_registry
+
+    device = torch.device("cpu" if dry else "cuda")
+    out_dir = args.out or triton_moe.CONFIG_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if not dry else "dry-run"
+    shapes = bench.DRY_SHAPES if dry else {k: bench.SHAPES[k] for k in args.shapes}
+    ms = args.m or ([1, 8] if dry else [1, 8, 64, 512, 4096])
+    registry = load_registry()
+    # the interpreter is slow: two tile candidates per BLOCK_M, splits 1 and 2
+    search = {"limit": 2, "splits": (1, 2)} if dry else {}
+
+    targets = [Target(sn, sc, m) for sn in shapes for sc in args.schemes for m in ms]
+    started, done = time.monotonic(), 0
+    summary = []
+    for (shape_name, scheme), group in itertools.groupby(targets, key=lambda t: (t.shape, t.scheme)):
+        group = list(group)
+        shape = shapes[shape_name]
+        wtext, atext, _ = bench.SCHEMES[scheme]
+        path = out_dir / triton_moe.config_file(wtext, atext, device_name).name
+        table = json.loads(path.read_text()) if path.is_file() else {}
+        table["meta"] = {"device": device_name, "weight_key": wtext, "activation_key": atext}
+        key1 = triton_moe.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden)
+        key2 = triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate)
+        todo = [t for t in group if args.redo or str(t.m) not in table.get(key1, {})
+                or str(t.m) not in table.get(key2, {})]
+        done += len(group) - len(todo)
+        if not todo:
+            continue
+        _progress(done, len(targets), f"{shape_name} {scheme}: compiling", started)
+        precompile(shape_name, scheme, all_pairs(shape, scheme, [t.m for t in todo]), dry, args.workers)
+        layer = Layer(shape, scheme, device, dry)
+        tol = registry.scheme(SPEC_OF[scheme]).tolerance
+        tolerance = tol.get("bfloat16" if not dry else "float16", max(tol.values()))
+        for target in todo:
+            _progress(done, len(targets), f"{shape_name} {scheme} M={target.m}", started)
+            log: list[str] = []
+            c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, **search)
+            table.setdefault(key1, {})[str(target.m)] = c1
+            table.setdefault(key2, {})[str(target.m)] = c2
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            done += 1
+            summary.append((shape_name, scheme, target.m, base_t * 1e6, t * 1e6, len(log)))
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _progress(done, len(targets), "done", started)
+    print(file=sys.stderr)
+    print(f"{'shape':<10}{'scheme':<11}{'M':>6}{'before us':>11}{'tuned us':>10}{'speed-up':>10}{'refused':>9}")
+    for shape_name, scheme, m, base_us, us, refused in summary:
+        print(f"{shape_name:<10}{scheme:<11}{m:>6}{base_us:>11.1f}{us:>10.1f}{base_us / us:>9.2f}x{refused:>9}")
+    print(f"configs in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
