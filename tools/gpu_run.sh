@@ -2,6 +2,7 @@
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
 #   bash tools/gpu_run.sh tests          # conformance + CUDA-graph tests
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
+#   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import pydantic" 2>/dev/null; then
@@ -32,5 +33,9 @@ for key in sorted(count):
 PY
          exit $rc ;;
   bench) python3 tools/bench.py --out "$out" "$@" ;;
-  *) echo "usage: $0 tests|bench" >&2; exit 2 ;;
+  tune) python3 tools/tune.py "$@"
+        rc=$?
+        mkdir -p "$out/configs" && cp kernels/configs/*.json "$out/configs/" 2>/dev/null
+        exit $rc ;;
+  *) echo "usage: $0 tests|bench|tune" >&2; exit 2 ;;
 esac
