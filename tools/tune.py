@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="config directory (default: the kernel's)")
     parser.add_argument("--redo", action="store_true", help="tune entries that already have a config")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--budget-s", type=float, default=math.inf,
+                        help="start no new entry after this many seconds (run again to go on)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     args = parser.parse_args(argv)
 
@@ -336,12 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         done += len(group) - len(todo)
         if not todo:
             continue
+        if time.monotonic() - started > args.budget_s:
+            break
         _progress(done, len(targets), f"{shape_name} {scheme}: compiling", started)
         precompile(shape_name, scheme, all_pairs(shape, scheme, [t.m for t in todo]), dry, args.workers)
         layer = Layer(shape, scheme, device, dry)
         tol = registry.scheme(SPEC_OF[scheme]).tolerance
         tolerance = tol.get("bfloat16" if not dry else "float16", max(tol.values()))
         for target in todo:
+            if time.monotonic() - started > args.budget_s:
+                print(f"\nbudget of {args.budget_s:.0f}s spent: stopping; run again to resume", file=sys.stderr)
+                break
             _progress(done, len(targets), f"{shape_name} {scheme} M={target.m}", started)
             log: list[str] = []
             c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, **search)
