@@ -239,11 +239,19 @@ def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
         _OVERRIDE.reset(token)
 
 
-def _fit_config(config: dict, scheme: Scheme, *, can_split: bool) -> dict:
+def swappable(scheme: Scheme) -> bool:
+    """Whether the swapped-operand kernel runs the scheme: weights dequantised to the 16-bit
+    activation dtype in registers (no int8/fp8 dot, no 128x128 blocks, activations unquantized)."""
+    return scheme.dot == "float" and scheme.act_quant == "none" and scheme.weight_scale != "block"
+
+
+def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
     """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
-    weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split."""
+    weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
+    SWAP_AB (the swapped-operand kernel) only where it runs the scheme."""
     config = dict(config)
+    config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
     bk = config["BLOCK_K"]
     if scheme.weight_scale == "block":
         bk = min(bk, scheme.weight_group)
@@ -269,8 +277,10 @@ def _layer_configs(tokens: int, top_k: int, num_experts: int, w13: "_Proj", w2: 
                                                   activation_key, name, sms)
     config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
                                                   activation_key, name, sms)
-    config1 = _fit_config(config1, scheme, can_split=False)  # GEMM1 applies the activation: no split
-    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2)
+    # GEMM1 applies the activation: no split; the batched format has no swapped kernel
+    config1 = _fit_config(config1, scheme, can_split=False, can_swap=split_gemm2)
+    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2,
+                          can_swap=split_gemm2)
     return config1, config2
 
 
@@ -510,6 +520,18 @@ def _fused_moe_kernel(
     acc = acc.to(tl.float32)
     if A_QUANT == "int8":  # per token (or static: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
+    _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
+                 FUSE_ACT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
+    router weight, bias (first split only), the gated activation when fused, and the store."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -531,8 +553,111 @@ def _fused_moe_kernel(
         tl.store(c_row_ptrs + offs_out[None, :], out.to(c_ptr.dtype.element_ty),
                  mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
     else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
                  mask=store_rows[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
+def _fused_moe_swap_kernel(
+        a_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, topk_weights_ptr,
+        sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+        N, K, K_PACKED, num_valid, rows_per_expert,
+        stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
+        W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
+        W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, COMPUTE: tl.constexpr,
+        ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """_fused_moe_kernel with the operands swapped, for decode with weights dequantised in
+    registers (16-bit activations, standard format): each step computes
+    dequant(W tile) [BLOCK_N, K] @ A^T [K, BLOCK_M], so the dequantised weights are the left
+    operand of the dot, which the matrix unit reads from registers, instead of the right one it
+    reads through shared memory; the few token rows become the narrow side. Same arguments and
+    results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
+    num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_mask = pairs < num_valid
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    a_rows = pairs // TOP_K
+
+    split = tl.program_id(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+
+    if FUSE_ACT != "none":
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_bn = cols % (N // 2) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+    else:
+        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    a_col_ptrs = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am  # [1, BM]: A^T's columns
+    w_rows = b_ptr + expert * stride_be + offs_bn[:, None] * stride_bn  # [BN, 1]
+    scale_rows = b_scale_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
+    zero_rows = b_zero_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
+    dtype = COMPUTE
+    W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+    NARROW: tl.constexpr = PACKED
+    zero = _offset_zero(tl.full((BLOCK_N, 1), W_ZERO, tl.float32), dtype, NARROW)
+    if HAS_ZERO and W_SCALE == "channel":
+        zero = _offset_zero(tl.load(zero_rows).to(tl.float32), dtype, NARROW)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k_start in range(k_lo, k_hi, BLOCK_K):
+        tile_zero = zero
+        if W_SCALE == "group" or W_SCALE == "mx":
+            w_groups = k_start // W_GROUP + tl.arange(0, W_GROUPS)
+            g_mask = w_groups[None, :] < tl.cdiv(K, W_GROUP)
+            scale = tl.load(scale_rows + w_groups[None, :] * stride_sk, mask=g_mask, other=0)
+            scale = _e8m0(scale) if W_SCALE == "mx" else scale.to(dtype)
+            scale = _repeat_cols(scale, W_COLS)
+            if HAS_ZERO:
+                group_zero = tl.load(zero_rows + w_groups[None, :] * stride_sk, mask=g_mask, other=0)
+                tile_zero = _repeat_cols(_offset_zero(group_zero.to(tl.float32), dtype, NARROW), W_COLS)
+        else:
+            scale = 1.0  # none, or per channel: applied after the loop
+
+        if PACKED:  # low nibbles hold even input columns, high nibbles odd ones
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
+            if W_TYPE == "int4":
+                packed = packed ^ 0x88
+            low = ((_offset_codes(packed & 0xF, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            high = ((_offset_codes(packed >> 4, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            k_even = 2 * offs_kp
+            cols_even, cols_odd = k_even, k_even + 1
+            if ACT_ORDER:
+                cols_even = tl.load(perm_ptr + expert * K + k_even, mask=k_even < K, other=0)
+                cols_odd = tl.load(perm_ptr + expert * K + k_even + 1, mask=k_even + 1 < K, other=0)
+            a_even = tl.load(a_col_ptrs + cols_even[:, None], mask=row_mask[None, :] & (k_even[:, None] < K),
+                             other=0.0)
+            a_odd = tl.load(a_col_ptrs + cols_odd[:, None], mask=row_mask[None, :] & (k_even[:, None] + 1 < K),
+                            other=0.0)
+            acc = _dot(low, a_even.to(dtype), acc)
+            acc = _dot(high, a_odd.to(dtype), acc)
+        else:
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < K
+            b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            if W_TYPE == "fp8e4m3":
+                b = (b.to(tl.float32) * scale).to(dtype)
+            elif W_TYPE != "float":
+                codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
+                b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            a_cols = offs_k
+            if ACT_ORDER:
+                a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
+            a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = _dot(b.to(dtype), a_t.to(dtype), acc)
+
+    scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
+    _finish_tile(tl.trans(acc), expert, pairs, row_mask, row_mask, offs_bn, pid_n, split, N, scale_cols,
+                 bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,6 +724,21 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     else:
         rows_per_expert, num_experts = rows.sorted_ids.numel(), 1
     grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, num_experts, split_k)
+    if config["SWAP_AB"]:
+        _fused_moe_swap_kernel[grid](
+            a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
+            w.bias if w.bias is not None else dummy, c, topk_weights if topk_weights is not None else dummy,
+            rows.sorted_ids, rows.expert_ids, rows.num_post_padded,
+            w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
+            a.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
+            c.stride(0) if split_k > 1 else 0,
+            W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
+            W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group,
+            W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1), COMPUTE=_TL_DTYPE[compute_dtype],
+            ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
+            FUSE_ACT=fuse_act, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
+            GROUP_M=config["GROUP_M"], num_warps=config["num_warps"], num_stages=config["num_stages"])
+        return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
         w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,

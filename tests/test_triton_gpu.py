@@ -116,6 +116,25 @@ def test_layer_matches_reference(scheme, shape, m, dtype):
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_swapped_operands_match_reference(scheme, split_k, dtype):
+    """The swapped-operand decode kernel (where the scheme allows it) at a realistic shape."""
+    from moe_registry_kernels import triton_moe
+
+    e, h, i, top_k = SHAPES[next(iter(SHAPES))]
+    weights = _weights(scheme, e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(8, e, h, top_k, dtype, seed=3)
+    swapped = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+               "SWAP_AB": True}
+    with triton_moe.config_override({**swapped, "SPLIT_K": 1}, {**swapped, "SPLIT_K": split_k}):
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(out, ref)
+    assert err < _tolerance(scheme, dtype), f"{scheme} swapped split {split_k} {dtype}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq8-g128", "awq-g32"])
 def test_act_order(scheme):
     e, h, i, top_k = 8, 2048, 512, 2

@@ -166,6 +166,55 @@ def test_split_k(scheme):
         _check_layer(scheme, 7, top_k=2, seed=11)
 
 
+SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 2, "SWAP_AB": True}
+SWAPPABLE = [name for name, (wk, ak, _) in SCHEMES.items() if triton_moe.swappable(scheme_from_keys(wk, ak))]
+
+
+def test_swappable_schemes_are_the_16_bit_dot_ones():
+    assert {"fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "int8-w8a16", "mxfp8-w8a16"} <= set(SWAPPABLE)
+    assert not {"w8a8-int8-token", "mxfp8", "fp8-block", "fp8-block-w8a16"} & set(SWAPPABLE)
+
+
+@pytest.mark.parametrize("scheme", SWAPPABLE)
+def test_swapped_operands(scheme, monkeypatch):
+    """The swapped-operand kernel (weights on the left of the dot) gives the layer, split or not."""
+    launched = []
+    real = triton_moe._fused_moe_swap_kernel
+    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", _Spy(real, launched))
+    with triton_moe.config_override(SWAPPED, {**SWAPPED, "SPLIT_K": 2, "BLOCK_K": 32}):
+        _check_layer(scheme, 7, top_k=2, seed=5)
+    assert len(launched) == 2
+
+
+@pytest.mark.parametrize("scheme,options", [
+    ("gptq4-g64", {"act_order": True}), ("gptq8-g128", {"act_order": True}), ("awq-g32", {"activation": "gelu"}),
+    ("fp16", {"on_input": True, "top_k": 1}), ("awq-channel", {"bias": False, "skip_expert": 2}),
+])
+def test_swapped_operands_with_options(scheme, options):
+    with triton_moe.config_override(SWAPPED, SWAPPED):
+        _check_layer(scheme, 7, **{"top_k": 2, **options})
+
+
+def test_swap_is_dropped_where_it_cannot_run(monkeypatch):
+    launched = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", _Spy(triton_moe._fused_moe_swap_kernel, launched))
+    with triton_moe.config_override(SWAPPED, SWAPPED):
+        _check_layer("w8a8-int8-token", 7, top_k=2)
+    assert launched == []
+
+
+class _Spy:
+    """Stands in for a Triton kernel: records launches, then runs the real one."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
 def test_split_k_with_top_1_and_router_weight_on_input():
     with triton_moe.config_override(gemm2=SPLIT_GEMM2):
         _check_layer("w8a8-int8-token", 7, top_k=1, on_input=True)

@@ -62,20 +62,24 @@ def block_ms(m: int, shape: bench.Shape) -> list[int]:
     return [64, 128]
 
 
-def tile_candidates(bm: int, narrow: bool, limit: int | None = None) -> list[dict]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) worth trying at one BLOCK_M (the first ``limit``)."""
+def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False) -> list[dict]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) worth trying at one BLOCK_M (the first
+    ``limit``); ``swap``: also the swapped-operand kernel at decode (schemes it runs)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
-        tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4)), (128, bks[0], 8, 4), (256, bks[0], 8, 3)]
+        tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
+                 (128, bks[0], 8, 4, False), (256, bks[0], 8, 3, False)]
+        if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
+            tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
     else:  # prefill: matrix-unit bound
-        tiles = [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3),
-                 (256, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 3)]
+        tiles = [(128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 8, 4, False), (128, 128, 4, 3, False),
+                 (128, 128, 8, 3, False), (256, 64, 8, 3, False), (256, 64, 8, 4, False), (256, 128, 8, 3, False)]
     out = []
-    for bn, bk, warps, stages in tiles:
+    for bn, bk, warps, stages, swapped in tiles:
         if bm * bk + bk * bn > 256 * 256 + 128 * 256:  # operand tiles past shared memory at 3+ stages
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1 if bm <= 32 else 8,
-                    "num_warps": warps, "num_stages": stages, "SPLIT_K": 1})
+                    "num_warps": warps, "num_stages": stages, "SPLIT_K": 1, "SWAP_AB": swapped})
     return out[:limit]
 
 
@@ -232,6 +236,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     x, tw, ti = layer.inputs(m)
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
+    swap = triton_moe.swappable(kscheme)
     h, i = shape.hidden, shape.intermediate
     sms = triton_moe._num_sms(layer.device)
     d1 = default_config(m, shape.top_k, shape.experts, 2 * i, h, layer.wkey, sms)
@@ -253,14 +258,14 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     for bm in block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
-        for c1 in tile_candidates(bm, narrow, limit):
+        for c1 in tile_candidates(bm, narrow, limit, swap):
             t = measure(c1, g2)
             if t < t1:
                 best1, t1 = c1, t
         if best1 is None:
             continue
         best2, t2 = g2, t1
-        for c2 in tile_candidates(bm, narrow, limit):  # tiles at the default split, then splits
+        for c2 in tile_candidates(bm, narrow, limit, swap):  # tiles at the default split, then splits
             cand = {**c2, "SPLIT_K": g2["SPLIT_K"]}
             t = measure(best1, cand)
             if t < t2:
@@ -279,11 +284,14 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
 
 def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict, dict]]:
     """Every config pair tune_target may try (for compiling ahead)."""
+    from moe_registry_kernels.triton_moe import scheme_from_keys, swappable
+
     wkey = parse_quant_key(bench.SCHEMES[scheme][0])
     narrow = wkey.quantized and wkey.dtype.bits <= 8
+    swap = swappable(scheme_from_keys(*bench.SCHEMES[scheme][:2]))
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
-        tiles = tile_candidates(bm, narrow)
+        tiles = tile_candidates(bm, narrow, swap=swap)
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
         pairs += [(tiles[0], {**c, "SPLIT_K": s}) for c in tiles for s in (SPLITS if bm <= 32 else (1,))]
         # GEMM1 compiles once per tile whatever GEMM2 does; GEMM2 once per tile and split
