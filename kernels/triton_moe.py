@@ -32,6 +32,7 @@ import contextvars
 import functools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,6 +293,17 @@ def _device_name(device: torch.device) -> str:
 
 
 @functools.cache
+def _paired_halves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the PTX nibble dequantisation runs: compiled for a GPU (not the interpreter), with
+    paired fp16 arithmetic, or paired bf16 subtract/multiply (sm_90 and later)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+        return False
+    if dtype == torch.float16:
+        return True
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -349,6 +361,71 @@ def _dot(a, b, acc):
     return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
 
 
+def _nibble_asm(half: str, signed: bool) -> str:
+    """PTX turning 4 packed bytes (8 4-bit codes) into (code - zero) * scale for the low and the
+    high nibbles, two at a time in 16-bit pairs: bytes are spread into the halves of a word
+    (prmt), each nibble OR-ed into the mantissa of the pair's magic number (lop3; 128 + code in
+    bf16, 1024 + code in fp16), then one paired subtract of the offset zero and one paired
+    multiply by the scale. Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 offset
+    zeros, $7 $8 scales (Triton's pack=4 register order)."""
+    magic = "0x43004300" if half == "bf16" else "0x64006400"
+    flip = "xor.b32 w, $4, 0x88888888;" if signed else "mov.b32 w, $4;"
+    lines = ["{", ".reg .b32 w, z, t0, t1, u0, u1;", flip, "mov.b32 z, 0;",
+             "prmt.b32 t0, w, z, 0x4140;", "prmt.b32 t1, w, z, 0x4342;"]
+    for out, shift in ((0, False), (2, True)):
+        if shift:
+            lines += ["shr.b32 t0, t0, 4;", "shr.b32 t1, t1, 4;"]
+        lines += [f"lop3.b32 u0, t0, 0x000F000F, {magic}, 0xEA;", f"lop3.b32 u1, t1, 0x000F000F, {magic}, 0xEA;",
+                  f"sub.rn.{half}x2 u0, u0, $5;", f"sub.rn.{half}x2 u1, u1, $6;",
+                  f"mul.rn.{half}x2 ${out}, u0, $7;", f"mul.rn.{half}x2 ${out + 1}, u1, $8;"]
+    return "\n".join([*lines, "}"])
+
+
+NIBBLE_ASM_BF16 = tl.constexpr(_nibble_asm("bf16", False))
+NIBBLE_ASM_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True))
+NIBBLE_ASM_F16 = tl.constexpr(_nibble_asm("f16", False))
+NIBBLE_ASM_F16_SIGNED = tl.constexpr(_nibble_asm("f16", True))
+
+
+@triton.jit
+def _nibbles_asm_bf16(packed, zero_t, scale_t, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _nibbles_asm_f16(packed, zero_t, scale_t, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
+                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """(low, high): the dequantised even- and odd-column weights of a packed 4-bit tile, in the
+    16-bit ``dtype``. ``tile_zero`` (zero code + offset, as _offset_zero gives it) and ``scale``
+    broadcast to the tile. ASM: the paired PTX of NIBBLE_ASM (GPU); else plain Triton (the same
+    values: every step is exact but the final multiply, which both round once)."""
+    if ASM:
+        zero_t = tl.broadcast_to(tile_zero, packed.shape)
+        scale_t = tl.broadcast_to(scale, packed.shape).to(dtype)
+        if dtype == tl.bfloat16:
+            if SIGNED:
+                low, high = _nibbles_asm_bf16(packed, zero_t, scale_t, NIBBLE_ASM_BF16_SIGNED)
+            else:
+                low, high = _nibbles_asm_bf16(packed, zero_t, scale_t, NIBBLE_ASM_BF16)
+        else:
+            if SIGNED:
+                low, high = _nibbles_asm_f16(packed, zero_t, scale_t, NIBBLE_ASM_F16_SIGNED)
+            else:
+                low, high = _nibbles_asm_f16(packed, zero_t, scale_t, NIBBLE_ASM_F16)
+    else:
+        if SIGNED:  # two's complement nibbles -> offset binary around 8
+            packed = packed ^ 0x88
+        low = ((_offset_codes(packed & 0xF, dtype, True) - tile_zero) * scale).to(dtype)
+        high = ((_offset_codes(packed >> 4, dtype, True) - tile_zero) * scale).to(dtype)
+    return low, high
+
+
 @triton.jit
 def _offset_codes(codes, dtype, NARROW: tl.constexpr):
     """Unsigned integer codes as floats OFFSET + code, without an integer-to-float conversion: the
@@ -395,6 +472,7 @@ def _fused_moe_kernel(
         W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUP_N: tl.constexpr, W_GROUPS: tl.constexpr,
         A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr, COMPUTE: tl.constexpr,
+        ASM_DEQUANT: tl.constexpr,
         # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
         # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
@@ -493,10 +571,7 @@ def _fused_moe_kernel(
         if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            if W_TYPE == "int4":  # two's complement nibble -> offset binary around 8
-                packed = packed ^ 0x88
-            low = ((_offset_codes(packed & 0xF, dtype, NARROW) - tile_zero) * scale).to(dtype)
-            high = ((_offset_codes(packed >> 4, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             acc = _dot(a_even, low, acc)
             acc = _dot(a_odd, high, acc)
@@ -566,7 +641,8 @@ def _fused_moe_swap_kernel(
         stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
         W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, COMPUTE: tl.constexpr,
-        ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
+        ASM_DEQUANT: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """_fused_moe_kernel with the operands swapped, for decode with weights dequantised in
@@ -624,10 +700,7 @@ def _fused_moe_swap_kernel(
         if PACKED:  # low nibbles hold even input columns, high nibbles odd ones
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
-            if W_TYPE == "int4":
-                packed = packed ^ 0x88
-            low = ((_offset_codes(packed & 0xF, dtype, NARROW) - tile_zero) * scale).to(dtype)
-            high = ((_offset_codes(packed >> 4, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             k_even = 2 * offs_kp
             cols_even, cols_odd = k_even, k_even + 1
             if ACT_ORDER:
@@ -724,6 +797,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     else:
         rows_per_expert, num_experts = rows.sorted_ids.numel(), 1
     grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, num_experts, split_k)
+    asm = scheme.packed and _paired_halves(a.device, compute_dtype)
     if config["SWAP_AB"]:
         _fused_moe_swap_kernel[grid](
             a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
@@ -735,7 +809,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
             W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group,
             W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1), COMPUTE=_TL_DTYPE[compute_dtype],
-            ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
+            ASM_DEQUANT=asm, ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None,
+            ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
             FUSE_ACT=fuse_act, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], num_warps=config["num_warps"], num_stages=config["num_stages"])
         return
@@ -755,7 +830,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,
         W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1),
         A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
-        COMPUTE=_TL_DTYPE[compute_dtype],
+        COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
         TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],

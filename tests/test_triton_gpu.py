@@ -320,3 +320,43 @@ def test_decode_timing_report(m, capsys):
         rows.append(f"{name:>18} M={m:<4} {_graph_time_us(fn):8.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# the PTX nibble dequantisation against the plain Triton one, bit for bit
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["offset", "signed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_nibble_asm_matches_plain_dequant(dtype, signed):
+    import triton
+    import triton.language as tl
+    from moe_registry_kernels import triton_moe
+
+    @triton.jit
+    def dequant(p_ptr, z_ptr, s_ptr, lo_ptr, hi_ptr, SIGNED: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+        offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        zero = triton_moe._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, True)
+        scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
+        low, high = triton_moe._dequant_nibbles(tl.load(p_ptr + offs), zero, scale, DT, SIGNED, ASM)
+        tl.store(lo_ptr + offs, low)
+        tl.store(hi_ptr + offs, high)
+
+    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+        pytest.skip("paired 16-bit arithmetic unavailable here")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    packed = torch.randint(0, 256, (64, 32), generator=gen, device=DEVICE, dtype=torch.uint8)
+    zero = torch.randint(0, 16, (64,), generator=gen, device=DEVICE).float() if not signed else torch.full(
+        (64,), 8.0, device=DEVICE)
+    scale = (torch.rand(64, generator=gen, device=DEVICE) * 0.02 + 1e-3).to(dtype)
+    outs = {}
+    for asm in (False, True):
+        low, high = torch.empty(64, 32, dtype=dtype, device=DEVICE), torch.empty(64, 32, dtype=dtype, device=DEVICE)
+        dequant[(1,)](packed, zero, scale, low, high, SIGNED=signed, DT=tl.bfloat16 if dtype == torch.bfloat16
+                      else tl.float16, ASM=asm)
+        outs[asm] = (low, high)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    # and the plain path is the textbook (code - zero) * scale
+    codes_low = (packed & 0xF).float() if not signed else ((packed & 0xF) ^ 8).float()
+    expect = ((codes_low - zero[:, None]) * scale.float()[:, None]).to(dtype)
+    assert torch.equal(outs[False][0], expect)
