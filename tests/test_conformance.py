@@ -115,14 +115,16 @@ def _tuned_config_cases(cases: list[Case]) -> list[tuple[str, Case, dict, dict]]
         mine = [c for c in cases if c.weight_key == wkey and c.activation_key == akey
                 and c.kernel == "triton-fused-moe" and not c.act_order]
         assert mine, f"{path.name}: no spec claims keys {wkey} / {akey} for triton-fused-moe"
-        gemm1 = {k: v for k, v in table.items() if int(k.split("_N")[1].split("_K")[0]) > int(k.split("_K")[1])}
         pairs = set()
-        for key1, by_tokens in gemm1.items():
+        for key1, by_tokens in table.items():  # GEMM1 (N = 2I, K = H) is the key whose GEMM2 (H, I) is there
             e_top, rest = key1.split("_N")
             n1, k1 = rest.split("_K")
             key2 = f"{e_top}_N{k1}_K{int(n1) // 2}"
+            if key2 not in table:
+                continue
             for tokens, config1 in by_tokens.items():
                 pairs.add((json.dumps(config1, sort_keys=True), json.dumps(table[key2][tokens], sort_keys=True)))
+        assert pairs, f"{path.name}: no GEMM1/GEMM2 pair of tables"
         for n, (c1, c2) in enumerate(sorted(pairs)):
             case = mine[n % len(mine)]
             out.append((f"{path.stem}-{n}", case, json.loads(c1), json.loads(c2)))
