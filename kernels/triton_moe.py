@@ -57,6 +57,9 @@ __all__ = [
 ]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# a tuned entry stands for token counts up to this factor away from its own (tables are tuned at
+# 1, 8, 64, 512, 4096: every count lands on one); farther counts take the defaults
+TUNED_REACH = 4.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,15 +216,17 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     ``tokens`` tokens, top-k routing over ``num_experts``, projection ``n``×``k``.
 
     A tuned file (:func:`config_file`) maps :func:`shape_key` to ``{"<tokens>": config}``; the
-    entry with the nearest token count (by ratio) wins and its keys override
-    :func:`default_config`. Shapes nobody tuned get the defaults.
+    entry with the nearest token count (by ratio, within TUNED_REACH) wins and its keys override
+    :func:`default_config`. Shapes and token counts nobody tuned get the defaults.
     """
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
     table = _load_config_file(config_file(weight_key, activation_key, device_name))
     by_tokens = (table or {}).get(shape_key(num_experts, top_k, n, k))
     if by_tokens:
-        nearest = min(by_tokens, key=lambda t: abs(math.log(int(t) / max(tokens, 1))))
-        config.update(by_tokens[nearest])
+        distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
+        nearest = min(distance, key=distance.__getitem__)
+        if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
+            config.update(by_tokens[nearest])
     return config
 
 
