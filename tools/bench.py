@@ -208,8 +208,7 @@ def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, floa
         bytes_moved = wbytes + act_bytes
         flops = 6.0 * m * shape.top_k * shape.hidden * shape.intermediate
         roof = max(bytes_moved / ceilings["copy_bytes_per_s"], flops / peak)
-        copies = 1 if dry else max(1, math.ceil(2 * L2_BYTES / max(wbytes, 1)))
-        copies = min(copies, max(1, int(20e9 // max(wbytes * shape.experts / max(hit, 1), 1))))
+        copies = 1 if dry else weight_copies(wbytes, wbytes * shape.experts / max(hit, 1))
         while len(pool) < copies:  # weight copies are made once per scheme and reused across M
             pool.append(kernel_cls(make_weights(shape, wkey, akey, dtype, device, seed=len(pool)), config))
         kernels = pool[:copies]
@@ -217,15 +216,7 @@ def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, floa
         step = _calls(kernels, x, tw, ti)
 
         if device.type == "cuda":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            t = _median_time(graph.replay, 0.3, device) / len(kernels)
+            t = _median_time(capture_graph(step).replay, 0.3, device) / len(kernels)
         else:
             t = _median_time(step, 0.05, device) / len(kernels)
         gemm_s, glue_s = kernel_times(step, len(kernels), device)
@@ -266,6 +257,26 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
             glue += us
     per_call = 1e-6 / (repeats * calls_per_step)
     return gemm * per_call, glue * per_call
+
+
+def weight_copies(bytes_hit: float, bytes_all: float) -> int:
+    """Weight copies to rotate so the experts one call reads (``bytes_hit``) are out of L2 by the
+    time the same copy comes round again, capped at 20 GB of copies in all."""
+    copies = max(1, math.ceil(2 * L2_BYTES / max(bytes_hit, 1)))
+    return min(copies, max(1, int(20e9 // max(bytes_all, 1))))
+
+
+def capture_graph(step) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
+    """``step`` captured in a CUDA graph (run once on a side stream first, as capture wants)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
 
 
 def _calls(kernels: list, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -121,8 +121,7 @@ class Layer:
         if self.dry:
             return self.kernels[:1]
         hit = bench.expected_experts_hit(m, self.shape.top_k, self.shape.experts) / self.shape.experts
-        want = max(1, math.ceil(2 * bench.L2_BYTES / max(self.weight_bytes * hit, 1)))
-        want = min(want, max(1, int(20e9 // self.weight_bytes)))
+        want = bench.weight_copies(self.weight_bytes * hit, self.weight_bytes)
         while len(self.kernels) < want:
             weights = bench.make_weights(self.shape, self.wkey, self.akey, self.dtype, self.device,
                                          seed=len(self.kernels))
@@ -146,34 +145,12 @@ class Layer:
         from moe_registry_kernels.triton_moe import config_override
 
         kernels = self.copies_for(m)
-
-        def step() -> None:
-            for k in kernels:
-                k.apply(x, tw, ti)
-
+        step = bench._calls(kernels, x, tw, ti)
         with config_override(*configs):
             if self.device.type != "cuda":
                 return bench._median_time(step, 0.0, self.device) / len(kernels)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(15):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        del graph
-        return sorted(times)[len(times) // 2] / len(kernels)
+            graph = bench.capture_graph(step)
+        return bench._median_time(graph.replay, 0.02, self.device) / len(kernels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +271,6 @@ def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict
         tiles = tile_candidates(bm, narrow, swap=swap)
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
         pairs += [(tiles[0], {**c, "SPLIT_K": s}) for c in tiles for s in (SPLITS if bm <= 32 else (1,))]
-        # GEMM1 compiles once per tile whatever GEMM2 does; GEMM2 once per tile and split
     return pairs
 
 
