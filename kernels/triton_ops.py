@@ -244,7 +244,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 @triton.jit
 def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
-                        num_blocks, zero_ptr, zero_numel, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
+                        num_blocks, zero_ptr, zero_numel, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
+                        row_scale_ptr, counts_ptr,
                         D, stride_x, stride_out, stride_scale, capacity,
                         BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,

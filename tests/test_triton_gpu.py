@@ -298,7 +298,7 @@ def test_align_paths_timing_report(capsys):
         chunked = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_program_max=0))
         a = triton_ops.align(ids, 128, 64, one_program_max=1 << 20)
         b = triton_ops.align(ids, 128, 64, one_program_max=0)
-        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"the two paths differ at {pairs} pairs"
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"the two paths differ at {pairs} pairs"
         rows.append(f"align {pairs:>5} pairs  one program {one:6.1f} us   chunked {chunked:6.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
