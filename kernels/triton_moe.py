@@ -231,6 +231,11 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     return config
 
 
+# Up to this many (token, k) pairs GEMM2 quantises its 16-bit input itself instead of a quantise
+# launch (and never past the one-program prologue, which zeroes the row amax it needs): a launch
+# saved against a division per input element per N tile, which only pays while inputs are few.
+QUANT_ON_LOAD_MAX_PAIRS = 1024
+
 _OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)
 
 
@@ -920,7 +925,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # at decode GEMM2 quantises its 16-bit input tiles itself (no quantise launch): int8 per token
     # against the row amax GEMM1 folds in (the prologue zeroes it), fp8 per group when one K tile
     # is one group
-    quant_a = m * top_k <= triton_ops.ALIGN_ONE_PROGRAM_MAX and (
+    quant_a = m * top_k <= min(QUANT_ON_LOAD_MAX_PAIRS, triton_ops.ALIGN_ONE_PROGRAM_MAX) and (
         scheme.act_quant == "int8_token"
         or (scheme.act_quant == "fp8_group" and config2["BLOCK_K"] == scheme.act_group))
     amax = torch.empty(m * top_k, dtype=torch.float32, device=dev) if quant_a and scheme.dot == "int8" else None

@@ -243,7 +243,7 @@ def test_split_k_partial_sums_are_summed(monkeypatch):
 def test_gemm2_quantises_its_input_as_the_quantise_kernel_would(scheme, on_input, gemm2, monkeypatch):
     """At decode GEMM2 quantises GEMM1's 16-bit output itself (int8 against the row amax GEMM1
     folded in, fp8 per group from the tile): the layer is bit for bit the one with a quantise
-    launch in between (what runs once the pairs outgrow the one-program prologue)."""
+    launch in between (what runs once the pairs outgrow QUANT_ON_LOAD_MAX_PAIRS)."""
     weights = _weights(scheme, seed=4)
     config = ExpertsConfig(apply_router_weight_on_input=on_input)
     hidden, topk_weights, topk_ids = _routing(5, 1 if on_input else 2, seed=4)
@@ -259,7 +259,7 @@ def test_gemm2_quantises_its_input_as_the_quantise_kernel_would(scheme, on_input
         fused = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
         amax_kept = scheme.startswith("w8a8")
         assert seen == [(False, amax_kept), (True, False)], "GEMM2 did not quantise its input"
-        monkeypatch.setattr(triton_ops, "ALIGN_ONE_PROGRAM_MAX", 0)
+        monkeypatch.setattr(triton_moe, "QUANT_ON_LOAD_MAX_PAIRS", 0)
         seen.clear()
         separate = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
         assert seen == [(False, False), (False, False)]
