@@ -288,6 +288,22 @@ def _graph_time_us(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
+def test_align_paths_timing_report(capsys):
+    """Prints µs of the one-program (sorted keys) and the chunked (three launches) alignment for
+    128 experts, to place ALIGN_ONE_PROGRAM_MAX; both must give valid alignments."""
+    rows = []
+    for pairs in (64, 512, 1024, 2048, 4096):
+        ids = torch.rand(pairs // 8, 128, device=DEVICE).topk(8, dim=-1).indices.to(torch.int32)
+        one = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_program_max=1 << 20))
+        chunked = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_program_max=0))
+        a = triton_ops.align(ids, 128, 64, one_program_max=1 << 20)
+        b = triton_ops.align(ids, 128, 64, one_program_max=0)
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"the two paths differ at {pairs} pairs"
+        rows.append(f"align {pairs:>5} pairs  one program {one:6.1f} us   chunked {chunked:6.1f} us")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+
+
 @pytest.mark.parametrize("m", [1, 64])
 def test_decode_timing_report(m, capsys):
     """Prints µs per layer and the weight bandwidth it implies (unique experts touched x bytes
@@ -311,6 +327,7 @@ def test_decode_timing_report(m, capsys):
     cache1 = torch.randn(m * top_k, 2 * i, device=DEVICE, dtype=dtype)
     glue = {
         "align": lambda: triton_ops.align(inputs[2], e, 16),
+        "align+quant int8": lambda: triton_ops.align_quant(inputs[2], e, 16, inputs[0], "int8_token"),
         "act_and_mul": lambda: triton_ops.act_quant(cache1, "silu", "none"),
         "act_and_mul+int8": lambda: triton_ops.act_quant(cache1, "silu", "int8_token"),
         "quant hidden mxfp8": lambda: triton_ops.act_quant(inputs[0], "none", "mxfp8"),

@@ -237,6 +237,37 @@ def test_split_k_partial_sums_are_summed(monkeypatch):
     assert seen[1] == (2, torch.float32, (2, 6, H))
 
 
+@pytest.mark.parametrize("scheme,on_input,gemm2", [
+    ("w8a8-int8-token", False, None), ("w8a8-int8-token", True, None), ("fp8-block", False, None),
+    ("w8a8-int8-token", False, SPLIT_GEMM2)])
+def test_gemm2_quantises_its_input_as_the_quantise_kernel_would(scheme, on_input, gemm2, monkeypatch):
+    """At decode GEMM2 quantises GEMM1's 16-bit output itself (int8 against the row amax GEMM1
+    folded in, fp8 per group from the tile): the layer is bit for bit the one with a quantise
+    launch in between (what runs once the pairs outgrow QUANT_ON_LOAD_MAX_PAIRS)."""
+    weights = _weights(scheme, seed=4)
+    config = ExpertsConfig(apply_router_weight_on_input=on_input)
+    hidden, topk_weights, topk_ids = _routing(5, 1 if on_input else 2, seed=4)
+    seen = []
+    real_gemm = triton_moe._gemm
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("quant_a", False), kwargs.get("amax_out") is not None))
+        return real_gemm(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "_gemm", spy)
+    with triton_moe.config_override(gemm2=gemm2):
+        fused = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
+        amax_kept = scheme.startswith("w8a8")
+        assert seen == [(False, amax_kept), (True, False)], "GEMM2 did not quantise its input"
+        monkeypatch.setattr(triton_moe, "QUANT_ON_LOAD_MAX_PAIRS", 0)
+        seen.clear()
+        separate = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
+        assert seen == [(False, False), (False, False)]
+    assert torch.equal(fused, separate)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, config)
+    assert _rel_err(fused, ref) < SCHEMES[scheme][2]
+
+
 def test_gemm1_applies_the_activation():
     """GEMM1's epilogue computes act(gate) * up itself: no separate activation kernel runs."""
     weights = _weights("gptq4-g64")
@@ -375,6 +406,8 @@ def _check_alignment(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num
     (1, 2, 4, 16, 1024),
     (7, 2, 4, 16, 1024),
     (33, 3, 9, 32, 1024),
+    (64, 8, 128, 16, 1024),  # one program, many experts (sorted keys, 256 bins)
+    (100, 8, 256, 32, 1024),  # 800 pairs in one program
     (100, 3, 9, 16, 0),  # chunked path, two chunks
     (60, 8, 64, 16, 0),  # chunked path, many experts
 ])
@@ -390,6 +423,24 @@ def test_align_custom_op():
     ids = torch.tensor([[2, 0], [2, 1], [3, 2]], dtype=torch.int32)
     out = torch.ops.moe_registry.moe_align_block_size(ids, 4, 16)
     _check_alignment(ids, 4, 16, *out)
+
+
+@pytest.mark.parametrize("quant", ["int8_token", "int8_static", "fp8_group", "mxfp8"])
+def test_align_quant_one_launch_matches_the_two_ops(quant):
+    """The decode prologue (alignment and input quantisation in one launch) gives exactly what the
+    separate alignment and quantisation give."""
+    x = _quant_inputs(torch.float16)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 9, (x.shape[0], 3), generator=g, dtype=torch.int32)
+    ids[2, 1] = -1
+    row_scale = torch.rand(x.shape[0], generator=g) + 0.5 if quant == "int8_static" else None
+    static = torch.tensor([0.07]) if quant == "int8_static" else None
+    sorted_ids, expert_ids, num_post, q, s = triton_ops.align_quant(
+        ids, 9, 16, x, quant, static_scale=static, row_scale=row_scale, group=32)
+    _check_alignment(ids, 9, 16, sorted_ids, expert_ids, num_post)
+    want_q, want_s = triton_ops.act_quant(x, "none", quant, static_scale=static, row_scale=row_scale, group=32)
+    assert _same_codes(q, want_q) and torch.equal(s, want_s)
+    assert torch.equal(sorted_ids, triton_ops.align(ids, 9, 16)[0])
 
 
 def _quant_inputs(dtype):
