@@ -231,11 +231,6 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     return config
 
 
-# Up to this many (token, k) pairs GEMM2 quantises its 16-bit input itself instead of a quantise
-# launch (and never past the one-program prologue, which zeroes the row amax it needs): a launch
-# saved against a division per input element per N tile, which only pays while inputs are few.
-QUANT_ON_LOAD_MAX_PAIRS = 1024
-
 _OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)
 
 
@@ -468,7 +463,7 @@ def _offset_zero(zero, dtype, NARROW: tl.constexpr):
 @triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
 def _fused_moe_kernel(
         # tensors
-        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, amax_ptr,
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
         topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
         # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
@@ -484,17 +479,11 @@ def _fused_moe_kernel(
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUP_N: tl.constexpr, W_GROUPS: tl.constexpr,
         A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr, COMPUTE: tl.constexpr,
         ASM_DEQUANT: tl.constexpr,
-        # QUANT_A: A arrives in 16 bits and each tile is quantised as it is loaded, exactly as
-        # triton_ops.act_quant would (int8 per token against the row amax GEMM1 left in a_scale;
-        # fp8 per group of A_GROUP == BLOCK_K from the tile itself), so no quantise launch is needed
-        QUANT_A: tl.constexpr,
         # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
-        # columns); AMAX_OUT: also fold each row's amax (of the stored values) into amax_ptr, for
-        # the next GEMM's QUANT_A; SPLIT_K: program_id(2) sums its share of K into partial output
-        # number pid 2
+        # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, WRITE_EMPTY: tl.constexpr,
-        FUSE_ACT: tl.constexpr, AMAX_OUT: tl.constexpr, SPLIT_K: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
@@ -551,10 +540,6 @@ def _fused_moe_kernel(
     if HAS_ZERO and W_SCALE == "channel":
         zero = _offset_zero(tl.load(zero_cols).to(tl.float32), dtype, NARROW)
 
-    if QUANT_A and A_QUANT == "int8":  # the per-token scale act_quant would have stored
-        row_amax = tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)
-        a_row_scale = tl.math.div_rn(tl.maximum(row_amax, triton_ops.AMAX_FLOOR), triton_ops.INT8_MAX)
-
     if DOT == "int8":
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -566,14 +551,6 @@ def _fused_moe_kernel(
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
         a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if QUANT_A:
-            a_float = a.to(tl.float32)
-            if A_QUANT == "int8":
-                a = triton_ops.to_int8(tl.math.div_rn(a_float, a_row_scale[:, None]))
-            else:  # fp8_group: this tile is one group per row
-                a_amax = tl.maximum(tl.max(tl.abs(a_float), axis=1), triton_ops.AMAX_FLOOR)
-                a_group_scale = tl.math.div_rn(a_amax, triton_ops.FP8_MAX)
-                a = triton_ops.to_e4m3(tl.math.div_rn(a_float, a_group_scale[:, None]))
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
             a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,
@@ -609,11 +586,8 @@ def _fused_moe_kernel(
             if DOT == "int8":
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             elif DOT == "fp8":
-                if QUANT_A:
-                    a_scale = a_group_scale
-                else:
-                    a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
-                                      mask=row_mask, other=0.0)
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                                  mask=row_mask, other=0.0)
                 acc += tl.dot(a, b) * a_scale[:, None] * scale
             else:
                 if W_TYPE == "fp8e4m3":
@@ -625,23 +599,20 @@ def _fused_moe_kernel(
 
     # epilogue
     acc = acc.to(tl.float32)
-    if A_QUANT == "int8" and QUANT_A:
-        acc *= a_row_scale[:, None]
-    elif A_QUANT == "int8":  # per token (or static: stride 0)
+    if A_QUANT == "int8":  # per token (or static: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
-                 topk_weights_ptr, c_ptr, amax_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
-                 WRITE_EMPTY, FUSE_ACT, AMAX_OUT, BLOCK_M, BLOCK_N)
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
+                 FUSE_ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
-                 topk_weights_ptr, c_ptr, amax_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr,
-                 ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
-                 FUSE_ACT: tl.constexpr, AMAX_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
-    router weight, bias (first split only), the gated activation when fused, the store, and the
-    rows' amax of what was stored (AMAX_OUT, with the activation only)."""
+    router weight, bias (first split only), the gated activation when fused, and the store."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -660,11 +631,8 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         out = triton_ops.gated_act(gate, up, FUSE_ACT)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        stored = out.to(c_ptr.dtype.element_ty)
-        tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
-        if AMAX_OUT:  # amax over the stored (rounded) values, as a quantise kernel would read them
-            magnitude = tl.where(offs_out[None, :] < N // 2, tl.abs(stored.to(tl.float32)), 0.0)
-            tl.atomic_max(amax_ptr + c_rows, tl.max(magnitude, axis=1), mask=store_rows)
+        tl.store(c_row_ptrs + offs_out[None, :], out.to(c_ptr.dtype.element_ty),
+                 mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -767,8 +735,8 @@ def _fused_moe_swap_kernel(
 
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     _finish_tile(tl.trans(acc), expert, pairs, row_mask, row_mask, offs_bn, pid_n, split, N, scale_cols,
-                 bias_ptr, topk_weights_ptr, c_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT,
-                 HAS_BIAS, False, FUSE_ACT, False, BLOCK_M, BLOCK_N)
+                 bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -815,11 +783,9 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
-          fuse_act: str = "none", quant_a: bool = False, amax_out: torch.Tensor | None = None) -> None:
+          fuse_act: str = "none") -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
-    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
-    ``quant_a``: ``a`` is 16-bit and quantised per tile (``a_scale``: the row amax for int8);
-    ``amax_out``: zeroed float32 [rows] that takes each row's amax of C."""
+    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -857,7 +823,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
         w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
-        w.bias if w.bias is not None else dummy, c, amax_out if amax_out is not None else c,
+        w.bias if w.bias is not None else dummy, c,
         topk_weights if topk_weights is not None else dummy,
         rows.sorted_ids if rows.sorted_ids is not None else dummy,
         rows.expert_ids if rows.expert_ids is not None else dummy,
@@ -870,10 +836,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,
         W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1),
         A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
-        COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm, QUANT_A=quant_a,
+        COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
-        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act,
-        AMAX_OUT=amax_out is not None, SPLIT_K=split_k,
+        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"])
 
@@ -922,33 +887,23 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # 16-bit ones take it in GEMM1's epilogue, before the bias. Alignment and the input's
     # quantisation share one launch at decode.
     row_scale = weights if on_input and scheme.act_quant != "none" else None
-    # at decode GEMM2 quantises its 16-bit input tiles itself (no quantise launch): int8 per token
-    # against the row amax GEMM1 folds in (the prologue zeroes it), fp8 per group when one K tile
-    # is one group
-    quant_a = m * top_k <= min(QUANT_ON_LOAD_MAX_PAIRS, triton_ops.ALIGN_ONE_PROGRAM_MAX) and (
-        scheme.act_quant == "int8_token"
-        or (scheme.act_quant == "fp8_group" and config2["BLOCK_K"] == scheme.act_group))
-    amax = torch.empty(m * top_k, dtype=torch.float32, device=dev) if quant_a and scheme.dot == "int8" else None
     sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
         topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
-        row_scale=row_scale, group=scheme.act_group or 128, zero=amax)
+        row_scale=row_scale, group=scheme.act_group or 128)
     rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_out=amax)
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation)
 
-    if quant_a:
-        a2, a2_scale = inter, amax
-    else:
-        a2, a2_scale = _quantize(inter, scheme, w2.input_scale)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale)
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
-          routed_weight="none" if on_input else "output", topk_weights=weights, quant_a=quant_a)
+          routed_weight="none" if on_input else "output", topk_weights=weights)
     if partial is not out:
         triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out)
     return out

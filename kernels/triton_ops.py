@@ -30,8 +30,6 @@ __all__ = [
     "align_quant",
     "sum_topk",
     "gated_act",
-    "to_int8",
-    "to_e4m3",
 ]
 
 MX_GROUP = 32  # MXFP8 block size
@@ -244,23 +242,19 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 @triton.jit
 def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
-                        num_blocks, zero_ptr, zero_numel, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
+                        num_blocks, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
                         row_scale_ptr, counts_ptr,
                         D, stride_x, stride_out, stride_scale, capacity,
                         BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
                         GROUP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr,
                         BLOCK: tl.constexpr):
-    """Decode prologue in one launch: program 0 aligns the pairs (and zeroes zero_ptr[:zero_numel],
-    float32), program r + 1 quantises input row r. One launch instead of two or three is a few
-    microseconds of a layer that takes tens."""
+    """Decode prologue in one launch: program 0 aligns the pairs, program r + 1 quantises input
+    row r. One launch instead of two is a few microseconds of a layer that takes tens."""
     pid = tl.program_id(0)
     if pid == 0:
         _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
                       num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
-        for z in range(0, zero_numel, FILL):
-            offs = z + tl.arange(0, FILL)
-            tl.store(zero_ptr + offs, tl.zeros([FILL], dtype=tl.float32), mask=offs < zero_numel)
     else:
         _act_quant_row((pid - 1).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
                        counts_ptr, D, stride_x, stride_out, stride_scale, capacity, ACTIVATION, QUANT, GROUP,
@@ -269,20 +263,18 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
                 static_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-                group: int = 128, zero: torch.Tensor | None = None, one_program_max: int | None = None
+                group: int = 128, one_program_max: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`align` and ``act_quant(x, "none", quant, ...)`` together: (sorted_token_ids,
     expert_ids, num_tokens_post_padded, codes, scale); x itself and None when ``quant`` is "none".
-    With few pairs (decode) both run in one launch, which also zeroes ``zero`` (float32, e.g. a row
-    amax the next GEMM folds into); otherwise they are the launches they always were."""
+    With few pairs (decode) both run in one launch; otherwise they are the two launches they
+    always were."""
     if one_program_max is None:
         one_program_max = ALIGN_ONE_PROGRAM_MAX
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     numel = ids.numel()
-    if zero is not None and (numel > one_program_max or quant == "none"):
-        zero.zero_()
     if quant == "none":
         return (*align(ids, num_experts, block_m, one_program_max), x, None)
     if numel > one_program_max:
@@ -296,8 +288,7 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
     num_post = torch.empty(1, dtype=torch.int32, device=dev)
     out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1)
     _align_quant_kernel[(1 + x.shape[0],)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks,
-        zero if zero is not None else x, zero.numel() if zero is not None else 0, *args,
+        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args,
         **_one_program_meta(numel, num_experts, block_m), **meta, num_warps=8)
     return sorted_ids, expert_ids, num_post, out, scale
 
@@ -343,7 +334,7 @@ def _pow2(e):
 
 
 @triton.jit
-def to_e4m3(v):
+def _to_e4m3(v):
     """float32 -> float8e4m3fn, saturating at ±448, round half to even (subnormals included),
     keeping the sign of zero. The code is built with integer arithmetic (e4m3 code = 8 per binade
     plus the rounded steps inside it), so it is exact on every backend: the interpreter's fp8 cast
@@ -357,7 +348,7 @@ def to_e4m3(v):
 
 
 @triton.jit
-def to_int8(v):
+def _to_int8(v):
     return tl.minimum(tl.maximum(_rint(v), -128.0), 127.0).to(tl.int8)
 
 
@@ -444,9 +435,9 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
         if QUANT == "none":
             tl.store(out_row + cols, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_row + cols, to_int8(tl.math.div_rn(v, scale)), mask=mask)
+            tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
         elif QUANT == "fp8_static":
-            tl.store(out_row + cols, to_e4m3(tl.math.div_rn(v, scale)), mask=mask)
+            tl.store(out_row + cols, _to_e4m3(tl.math.div_rn(v, scale)), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (BLOCK // GROUP, GROUP))
             amax = tl.max(tl.abs(v), axis=1)
@@ -457,7 +448,7 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
                 e = _mx_exponent(amax)
                 scale = _pow2(e)
                 stored = (e + 127).to(tl.uint8)
-            q = to_e4m3(tl.math.div_rn(v, scale[:, None]))
+            q = _to_e4m3(tl.math.div_rn(v, scale[:, None]))
             tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + row * stride_scale + groups, stored, mask=groups < tl.cdiv(D, GROUP))

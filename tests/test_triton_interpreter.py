@@ -237,37 +237,6 @@ def test_split_k_partial_sums_are_summed(monkeypatch):
     assert seen[1] == (2, torch.float32, (2, 6, H))
 
 
-@pytest.mark.parametrize("scheme,on_input,gemm2", [
-    ("w8a8-int8-token", False, None), ("w8a8-int8-token", True, None), ("fp8-block", False, None),
-    ("w8a8-int8-token", False, SPLIT_GEMM2)])
-def test_gemm2_quantises_its_input_as_the_quantise_kernel_would(scheme, on_input, gemm2, monkeypatch):
-    """At decode GEMM2 quantises GEMM1's 16-bit output itself (int8 against the row amax GEMM1
-    folded in, fp8 per group from the tile): the layer is bit for bit the one with a quantise
-    launch in between (what runs once the pairs outgrow QUANT_ON_LOAD_MAX_PAIRS)."""
-    weights = _weights(scheme, seed=4)
-    config = ExpertsConfig(apply_router_weight_on_input=on_input)
-    hidden, topk_weights, topk_ids = _routing(5, 1 if on_input else 2, seed=4)
-    seen = []
-    real_gemm = triton_moe._gemm
-
-    def spy(*args, **kwargs):
-        seen.append((kwargs.get("quant_a", False), kwargs.get("amax_out") is not None))
-        return real_gemm(*args, **kwargs)
-
-    monkeypatch.setattr(triton_moe, "_gemm", spy)
-    with triton_moe.config_override(gemm2=gemm2):
-        fused = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
-        amax_kept = scheme.startswith("w8a8")
-        assert seen == [(False, amax_kept), (True, False)], "GEMM2 did not quantise its input"
-        monkeypatch.setattr(triton_moe, "QUANT_ON_LOAD_MAX_PAIRS", 0)
-        seen.clear()
-        separate = TritonExperts(weights, config).apply(hidden, topk_weights, topk_ids)
-        assert seen == [(False, False), (False, False)]
-    assert torch.equal(fused, separate)
-    ref = reference_moe(hidden, topk_weights, topk_ids, weights, config)
-    assert _rel_err(fused, ref) < SCHEMES[scheme][2]
-
-
 def test_gemm1_applies_the_activation():
     """GEMM1's epilogue computes act(gate) * up itself: no separate activation kernel runs."""
     weights = _weights("gptq4-g64")
