@@ -485,10 +485,12 @@ def _fused_moe_kernel(
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, WRITE_EMPTY: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         # tiles
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PDL: tl.constexpr):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
+    triton_ops.grid_dependency(PDL)
     # with FUSE_ACT a tile holds BLOCK_N / 2 gate rows interleaved with their up rows
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
@@ -650,13 +652,15 @@ def _fused_moe_swap_kernel(
         ASM_DEQUANT: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PDL: tl.constexpr):
     """_fused_moe_kernel with the operands swapped, for decode with weights dequantised in
     registers (16-bit activations, standard format): each step computes
     dequant(W tile) [BLOCK_N, K] @ A^T [K, BLOCK_M], so the dequantised weights are the left
     operand of the dot, which the matrix unit reads from registers, instead of the right one it
     reads through shared memory; the few token rows become the narrow side. Same arguments and
     results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
+    triton_ops.grid_dependency(PDL)
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -783,9 +787,10 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
-          fuse_act: str = "none") -> None:
+          fuse_act: str = "none", pdl: bool = False) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
-    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K."""
+    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K; ``pdl``: as
+    part of a programmatic-dependent-launch chain."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -818,7 +823,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ASM_DEQUANT=asm, ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None,
             ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
             FUSE_ACT=fuse_act, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-            GROUP_M=config["GROUP_M"], num_warps=config["num_warps"], num_stages=config["num_stages"])
+            GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -839,8 +845,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
         TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -887,25 +893,28 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # 16-bit ones take it in GEMM1's epilogue, before the bias. Alignment and the input's
     # quantisation share one launch at decode.
     row_scale = weights if on_input and scheme.act_quant != "none" else None
+    # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
+    # kernel is scheduled while the one before drains, and waits for its writes before starting
+    pdl = triton_ops.pdl_supported(hidden.device)
     sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
         topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
-        row_scale=row_scale, group=scheme.act_group or 128)
+        row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl)
     rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation)
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, pdl=pdl)
 
-    a2, a2_scale = _quantize(inter, scheme, w2.input_scale)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, pdl=pdl)
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
-          routed_weight="none" if on_input else "output", topk_weights=weights)
+          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl)
     if partial is not out:
-        triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out)
+        triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl)
     return out
 
 

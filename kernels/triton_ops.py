@@ -11,10 +11,16 @@ Quantisation reproduces :mod:`moe_registry_kernels.quant_ref` bit for bit: a tru
 """
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # grid dependency control (programmatic dependent launch), Triton builds that have it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover (then pdl_supported() is False and the names are never compiled)
+    gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
     "align_sizes",
@@ -30,6 +36,9 @@ __all__ = [
     "align_quant",
     "sum_topk",
     "gated_act",
+    "grid_dependency",
+    "pdl_supported",
+    "pdl_launch",
 ]
 
 MX_GROUP = 32  # MXFP8 block size
@@ -47,6 +56,42 @@ ALIGN_ONE_PROGRAM_MAX = 1024
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 # act_quant modes: how the rows are quantised after the (optional) activation.
 QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# programmatic dependent launch
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the layer's kernels launch with programmatic dependent launch: a CUDA GPU of
+    compute capability 9.0 or later, a Triton that has grid dependency control, not the
+    interpreter; MOE_REGISTRY_PDL=0 turns it off (to measure what it buys)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+        return False
+    if os.environ.get("MOE_REGISTRY_PDL", "1") == "0" or gdc_wait is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """Launch options of a kernel in the layer's chain (each one passes PDL=pdl too)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """First statement of every kernel in the layer's chain. Under programmatic dependent launch a
+    kernel's programs may be scheduled while the previous kernel drains: each waits here until the
+    previous kernel's writes are visible (before reading or writing anything), then lets the next
+    kernel be scheduled in turn. So the chain loses its launch gaps and nothing else changes."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +177,8 @@ def _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_
 def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                               numel, num_experts, max_padded, num_blocks,
                               BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
-                              FILL: tl.constexpr, TILE_B: tl.constexpr):
+                              FILL: tl.constexpr, TILE_B: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
                   num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
 
@@ -140,9 +186,10 @@ def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
 @triton.jit
 def _align_count_kernel(ids_ptr, chunk_counts_ptr, rank_ptr, sorted_ptr,
                         numel, num_experts, max_padded, fill_per_program,
-                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr):
     """Chunked path, step 1: per-chunk expert counts, each pair's rank inside its chunk, and this
     program's share of the sentinel fill."""
+    grid_dependency(PDL)
     chunk = tl.program_id(0)
     offs, one_hot = _one_hot_chunk(ids_ptr, chunk * CHUNK, numel, num_experts, CHUNK, BLOCK_E)
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.sum(one_hot, axis=0))
@@ -154,9 +201,10 @@ def _align_count_kernel(ids_ptr, chunk_counts_ptr, rank_ptr, sorted_ptr,
 
 @triton.jit
 def _align_prefix_kernel(chunk_counts_ptr, counts_ptr, num_chunks,
-                         BLOCK_E: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr):
+                         BLOCK_E: tl.constexpr, E_TILE: tl.constexpr, C_TILE: tl.constexpr, PDL: tl.constexpr):
     """Chunked path, step 2: turn per-chunk counts into the exclusive prefix over chunks (in
     place), one program per E_TILE experts, and store each expert's total."""
+    grid_dependency(PDL)
     experts = tl.program_id(0) * E_TILE + tl.arange(0, E_TILE)
     running = tl.zeros([E_TILE], dtype=tl.int32)
     for c in range(0, num_chunks, C_TILE):
@@ -173,9 +221,10 @@ def _align_prefix_kernel(chunk_counts_ptr, counts_ptr, num_chunks,
 def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorted_ptr, expert_ids_ptr,
                           num_post_ptr, numel, num_experts, num_blocks, blocks_per_program,
                           BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                          TILE_B: tl.constexpr):
+                          TILE_B: tl.constexpr, PDL: tl.constexpr):
     """Chunked path, step 3: every program recomputes the (small) expert ranges, scatters its
     chunk and writes its share of expert_ids."""
+    grid_dependency(PDL)
     chunk = tl.program_id(0)
     counts = tl.load(counts_ptr + tl.arange(0, BLOCK_E))
     starts, ends, total = _expert_ranges(counts, BLOCK_M)
@@ -197,10 +246,10 @@ def _one_program_meta(numel: int, num_experts: int, block_m: int) -> dict:
             "TILE_B": max(16, min(256, 8192 // bins))}
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-          one_program_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program_max: int | None = None,
+          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`moe_align_block_size`; ``one_program_max`` (default ALIGN_ONE_PROGRAM_MAX) picks
-    the path (tests use it)."""
+    the path (tests use it); ``pdl``: launch as part of a programmatic-dependent-launch chain."""
     if one_program_max is None:
         one_program_max = ALIGN_ONE_PROGRAM_MAX
     ids = topk_ids.reshape(-1)
@@ -219,7 +268,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         meta = _one_program_meta(numel, num_experts, block_m)
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, **meta,
-            num_warps=8)
+            PDL=pdl, num_warps=8, **pdl_launch(pdl))
         return sorted_ids, expert_ids, num_post
 
     chunk = max(16, min(256, 16384 // block_e))
@@ -229,14 +278,15 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     counts = torch.empty(block_e, dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](
         ids, chunk_counts, rank, sorted_ids, numel, num_experts, max_padded,
-        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, BLOCK_E=block_e, FILL=fill, num_warps=8)
+        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, BLOCK_E=block_e, FILL=fill, PDL=pdl, num_warps=8,
+        **pdl_launch(pdl))
     e_tile = 16
     _align_prefix_kernel[(block_e // e_tile,)](
-        chunk_counts, counts, num_chunks, BLOCK_E=block_e, E_TILE=e_tile, C_TILE=64)
+        chunk_counts, counts, num_chunks, BLOCK_E=block_e, E_TILE=e_tile, C_TILE=64, PDL=pdl, **pdl_launch(pdl))
     _align_scatter_kernel[(num_chunks,)](
         ids, chunk_counts, rank, counts, sorted_ids, expert_ids, num_post, numel, num_experts,
         num_blocks, triton.cdiv(num_blocks, num_chunks),
-        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, TILE_B=tile_b, num_warps=8)
+        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, TILE_B=tile_b, PDL=pdl, num_warps=8, **pdl_launch(pdl))
     return sorted_ids, expert_ids, num_post
 
 
@@ -248,9 +298,10 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
                         BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
                         GROUP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Decode prologue in one launch: program 0 aligns the pairs, program r + 1 quantises input
     row r. One launch instead of two is a few microseconds of a layer that takes tens."""
+    grid_dependency(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
@@ -263,7 +314,7 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
                 static_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-                group: int = 128, one_program_max: int | None = None
+                group: int = 128, one_program_max: int | None = None, pdl: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`align` and ``act_quant(x, "none", quant, ...)`` together: (sorted_token_ids,
     expert_ids, num_tokens_post_padded, codes, scale); x itself and None when ``quant`` is "none".
@@ -276,11 +327,11 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
         ids = ids.contiguous()
     numel = ids.numel()
     if quant == "none":
-        return (*align(ids, num_experts, block_m, one_program_max), x, None)
+        return (*align(ids, num_experts, block_m, one_program_max, pdl), x, None)
     if numel > one_program_max:
-        aligned = align(ids, num_experts, block_m, one_program_max)
+        aligned = align(ids, num_experts, block_m, one_program_max, pdl)
         return (*aligned, *act_quant(x, "none", quant, static_scale=static_scale, row_scale=row_scale,
-                                     group=group))
+                                     group=group, pdl=pdl))
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     dev = ids.device
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
@@ -289,7 +340,7 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
     out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1)
     _align_quant_kernel[(1 + x.shape[0],)](
         ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args,
-        **_one_program_meta(numel, num_experts, block_m), **meta, num_warps=8)
+        **_one_program_meta(numel, num_experts, block_m), **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
     return sorted_ids, expert_ids, num_post, out, scale
 
 
@@ -393,7 +444,8 @@ def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
 def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
                       D, stride_x, stride_out, stride_scale, capacity,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                      HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    grid_dependency(PDL)
     _act_quant_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
                    counts_ptr, D, stride_x, stride_out, stride_scale, capacity, ACTIVATION, QUANT, GROUP,
                    HAS_ROW_SCALE, HAS_COUNTS, BLOCK)
@@ -457,17 +509,19 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
 def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: torch.Tensor | None = None,
               row_scale: torch.Tensor | None = None, group: int = 128,
               out_dtype: torch.dtype | None = None, expert_num_tokens: torch.Tensor | None = None,
-              capacity: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+              capacity: int = 1, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
     ACTIVATIONS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
     [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. With
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
-    Plain implementation behind the custom ops (no dispatcher hop inside the fused layer)."""
+    ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain implementation behind
+    the custom ops (no dispatcher hop inside the fused layer)."""
     out, scale, args, meta = _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype,
                                                expert_num_tokens, capacity)
     if x.shape[0]:
-        _act_quant_kernel[(x.shape[0],)](*args, **meta, num_warps=4 if meta["BLOCK"] <= 1024 else 8)
+        _act_quant_kernel[(x.shape[0],)](*args, **meta, PDL=pdl, num_warps=4 if meta["BLOCK"] <= 1024 else 8,
+                                         **pdl_launch(pdl))
     return out, scale
 
 
@@ -594,8 +648,9 @@ def _(x):
 @triton.jit
 def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xs, stride_xm, stride_xk, stride_om,
                     SPLITS: tl.constexpr, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[row] = sum over splits s and top-k j of x[s, row, j] (× w[row, j]), in float32."""
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -612,9 +667,10 @@ def _moe_sum_kernel(x_ptr, w_ptr, out_ptr, H, stride_xs, stride_xm, stride_xk, s
 
 
 def sum_topk(x: torch.Tensor, topk_weights: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Plain implementation of :func:`moe_sum` (optionally into ``out``). ``x`` may also be
-    [S, M, k, H]: S split-K partial sums of the same pairs, added here in the same pass."""
+    [S, M, k, H]: S split-K partial sums of the same pairs, added here in the same pass. ``pdl``:
+    launch as part of a programmatic-dependent-launch chain."""
     x4 = x if x.dim() == 4 else x.unsqueeze(0)
     splits, m, top_k, h = x4.shape
     if x4.stride(-1) != 1:
@@ -629,7 +685,7 @@ def sum_topk(x: torch.Tensor, topk_weights: torch.Tensor | None = None,
     _moe_sum_kernel[(m, triton.cdiv(h, block_h))](
         x4, topk_weights if topk_weights is not None else x4, out, h, x4.stride(0), x4.stride(1),
         x4.stride(2), out.stride(0), SPLITS=splits, TOP_K=top_k, HAS_WEIGHTS=topk_weights is not None,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out
 
 

@@ -388,6 +388,20 @@ def test_align(m, top_k, num_experts, block_m, one_program_max):
     _check_alignment(ids, num_experts, block_m, *out)
 
 
+def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
+    """Programmatic dependent launch needs a Hopper-class CUDA GPU: never on the CPU (interpreter),
+    and MOE_REGISTRY_PDL=0 turns it off."""
+    assert not triton_ops.pdl_supported(torch.device("cpu"))
+    assert triton_ops.pdl_launch(False) == {} and triton_ops.pdl_launch(True) == {"launch_pdl": True}
+    triton_ops.pdl_supported.cache_clear()
+    monkeypatch.setenv("MOE_REGISTRY_PDL", "0")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        assert not triton_ops.pdl_supported(torch.device("cuda", 0))
+    finally:
+        triton_ops.pdl_supported.cache_clear()
+
+
 def test_align_custom_op():
     ids = torch.tensor([[2, 0], [2, 1], [3, 2]], dtype=torch.int32)
     out = torch.ops.moe_registry.moe_align_block_size(ids, 4, 16)
