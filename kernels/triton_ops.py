@@ -10,6 +10,8 @@ Quantisation reproduces :mod:`moe_registry_kernels.quant_ref` bit for bit: a tru
 (then exact) cast, because the Triton interpreter's own float8 cast rounds differently.
 """
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -39,6 +41,7 @@ __all__ = [
     "grid_dependency",
     "pdl_supported",
     "pdl_launch",
+    "plain_launches",
 ]
 
 MX_GROUP = 32  # MXFP8 block size
@@ -62,11 +65,30 @@ QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "
 # programmatic dependent launch
 
 
-@functools.cache
+_PLAIN_LAUNCHES: contextvars.ContextVar[bool] = contextvars.ContextVar("moe_plain_launches", default=False)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether the layer's kernels launch with programmatic dependent launch: a CUDA GPU of
     compute capability 9.0 or later, a Triton that has grid dependency control, not the
-    interpreter; MOE_REGISTRY_PDL=0 turns it off (to measure what it buys)."""
+    interpreter, not inside :func:`plain_launches`; MOE_REGISTRY_PDL=0 turns it off."""
+    return not _PLAIN_LAUNCHES.get() and _pdl_capable(device)
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Layers called inside launch their kernels one after another, without programmatic
+    dependent launch: for profiles, where a chained kernel's duration would include its wait
+    for the previous one."""
+    token = _PLAIN_LAUNCHES.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_LAUNCHES.reset(token)
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
         return False
     if os.environ.get("MOE_REGISTRY_PDL", "1") == "0" or gdc_wait is None:

@@ -393,13 +393,23 @@ def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     and MOE_REGISTRY_PDL=0 turns it off."""
     assert not triton_ops.pdl_supported(torch.device("cpu"))
     assert triton_ops.pdl_launch(False) == {} and triton_ops.pdl_launch(True) == {"launch_pdl": True}
-    triton_ops.pdl_supported.cache_clear()
+    triton_ops._pdl_capable.cache_clear()
     monkeypatch.setenv("MOE_REGISTRY_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     try:
         assert not triton_ops.pdl_supported(torch.device("cuda", 0))
     finally:
-        triton_ops.pdl_supported.cache_clear()
+        triton_ops._pdl_capable.cache_clear()
+
+
+def test_plain_launches_turn_dependent_launch_off(monkeypatch):
+    """Profiles (tools/bench.py) run the layer with plain launches even where PDL is available."""
+    monkeypatch.setattr(triton_ops, "_pdl_capable", lambda device: True)
+    gpu = torch.device("cuda", 0)
+    assert triton_ops.pdl_supported(gpu)
+    with triton_ops.plain_launches():
+        assert not triton_ops.pdl_supported(gpu)
+    assert triton_ops.pdl_supported(gpu)
 
 
 def test_align_custom_op():

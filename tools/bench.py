@@ -235,16 +235,19 @@ GEMM_KERNELS = {"cuda": ("_fused_moe_kernel", "_fused_moe_swap_kernel"), "cpu": 
 
 def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int = 3) -> tuple[float, float]:
     """Seconds per layer call spent in GEMM kernels and in all other kernels (device time from the
-    profiler, eager steps: kernel durations do not depend on how they were launched)."""
+    profiler, eager steps, plain launches: a kernel chained by programmatic dependent launch
+    starts early and waits, so its duration would count the previous kernel's time too)."""
+    from moe_registry_kernels.triton_ops import plain_launches
     from torch.profiler import ProfilerActivity, profile
 
-    step()
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(repeats):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    with plain_launches():
+        step()
+        with profile(activities=[activity]) as prof:
+            for _ in range(repeats):
+                step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
     gemm = glue = 0.0
     for event in prof.key_averages():
         if device.type == "cuda":
