@@ -1,6 +1,10 @@
 """Triton ops around the fused MoE GEMMs: token alignment, gated activations (fused with activation
 quantisation), the top-k sum, and the activation quantisers.
 
+Inside the fused layer the kernels run as one chain: on Hopper each is launched with programmatic
+dependent launch and starts with :func:`grid_dependency`, so the next kernel is scheduled while
+the previous one drains (see :func:`pdl_supported`).
+
 Each op is a torch custom op (``torch.ops.moe_registry.<name>``) with a fake implementation, so
 torch.compile traces through it without a graph break and CUDA graphs can capture it. None of
 them reads a device value on the host: every output is sized from shapes alone.
