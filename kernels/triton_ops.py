@@ -272,21 +272,30 @@ def _one_program_meta(numel: int, num_experts: int, block_m: int) -> dict:
             "TILE_B": max(16, min(256, 8192 // bins))}
 
 
+def _alignment_outputs(ids: torch.Tensor, num_experts: int,
+                       block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (sorted_token_ids, expert_ids, num_tokens_post_padded) sized for the worst case."""
+    max_padded, num_blocks = align_sizes(ids.numel(), num_experts, block_m)
+    new = functools.partial(torch.empty, dtype=torch.int32, device=ids.device)
+    return new(max_padded), new(num_blocks), new(1)
+
+
+def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
+    ids = topk_ids.reshape(-1)
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program_max: int | None = None,
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`moe_align_block_size`; ``one_program_max`` (default ALIGN_ONE_PROGRAM_MAX) picks
     the path (tests use it); ``pdl``: launch as part of a programmatic-dependent-launch chain."""
     if one_program_max is None:
         one_program_max = ALIGN_ONE_PROGRAM_MAX
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = _flat_ids(topk_ids)
     numel = ids.numel()
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     dev = ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
     block_e = max(triton.next_power_of_2(num_experts), 16)
     fill = 256
     tile_b = max(16, min(256, 8192 // block_e))  # [tile_b, block_e] comparisons per step
@@ -348,9 +357,7 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
     always were."""
     if one_program_max is None:
         one_program_max = ALIGN_ONE_PROGRAM_MAX
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = _flat_ids(topk_ids)
     numel = ids.numel()
     if quant == "none":
         return (*align(ids, num_experts, block_m, one_program_max, pdl), x, None)
@@ -359,10 +366,7 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
         return (*aligned, *act_quant(x, "none", quant, static_scale=static_scale, row_scale=row_scale,
                                      group=group, pdl=pdl))
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
-    dev = ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
     out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1)
     _align_quant_kernel[(1 + x.shape[0],)](
         ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args,
