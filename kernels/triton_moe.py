@@ -490,7 +490,7 @@ def _fused_moe_kernel(
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
-    triton_ops.grid_dependency(PDL)
+    triton_ops.grid_wait(PDL)
     # with FUSE_ACT a tile holds BLOCK_N / 2 gate rows interleaved with their up rows
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
@@ -599,6 +599,7 @@ def _fused_moe_kernel(
                     b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
                 acc = _dot(a.to(dtype), b.to(dtype), acc)
 
+    triton_ops.grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
     if A_QUANT == "int8":  # per token (or static: stride 0)
@@ -660,7 +661,7 @@ def _fused_moe_swap_kernel(
     operand of the dot, which the matrix unit reads from registers, instead of the right one it
     reads through shared memory; the few token rows become the narrow side. Same arguments and
     results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
-    triton_ops.grid_dependency(PDL)
+    triton_ops.grid_wait(PDL)
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -737,6 +738,7 @@ def _fused_moe_swap_kernel(
             a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
             acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
+    triton_ops.grid_release(PDL)
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     _finish_tile(tl.trans(acc), expert, pairs, row_mask, row_mask, offs_bn, pid_n, split, N, scale_cols,
                  bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,

@@ -2,8 +2,9 @@
 quantisation), the top-k sum, and the activation quantisers.
 
 Inside the fused layer the kernels run as one chain: on Hopper each is launched with programmatic
-dependent launch and starts with :func:`grid_dependency`, so the next kernel is scheduled while
-the previous one drains (see :func:`pdl_supported`).
+dependent launch and starts with :func:`grid_dependency` (the GEMMs with :func:`grid_wait`, and
+:func:`grid_release` after their main loop), so the next kernel is scheduled while the previous
+one drains (see :func:`pdl_supported`).
 
 Each op is a torch custom op (``torch.ops.moe_registry.<name>``) with a fake implementation, so
 torch.compile traces through it without a graph break and CUDA graphs can capture it. None of
@@ -43,6 +44,8 @@ __all__ = [
     "sum_topk",
     "gated_act",
     "grid_dependency",
+    "grid_release",
+    "grid_wait",
     "pdl_supported",
     "pdl_launch",
     "plain_launches",
@@ -111,12 +114,31 @@ def pdl_launch(pdl: bool) -> dict:
 
 @triton.jit
 def grid_dependency(PDL: tl.constexpr):
-    """First statement of every kernel in the layer's chain. Under programmatic dependent launch a
-    kernel's programs may be scheduled while the previous kernel drains: each waits here until the
-    previous kernel's writes are visible (before reading or writing anything), then lets the next
-    kernel be scheduled in turn. So the chain loses its launch gaps and nothing else changes."""
+    """First statement of every small kernel in the layer's chain. Under programmatic dependent
+    launch a kernel's programs may be scheduled while the previous kernel drains: each waits here
+    until the previous kernel's writes are visible (before reading or writing anything), then lets
+    the next kernel be scheduled in turn. So the chain loses its launch gaps and nothing else
+    changes."""
     if PDL:
         gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def grid_wait(PDL: tl.constexpr):
+    """First statement of a GEMM in the chain: wait for the previous kernel's writes. The GEMM
+    lets the next kernel be scheduled only after its main loop (:func:`grid_release`): released
+    at the start, the next GEMM's programs would take the slots of whichever multiprocessors free
+    up first and pile onto a few of them, and a small weight-streaming grid then reads memory
+    from too few multiprocessors."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def grid_release(PDL: tl.constexpr):
+    """Let the next kernel of the chain be scheduled (see :func:`grid_wait`)."""
+    if PDL:
         gdc_launch_dependents()
 
 
