@@ -367,13 +367,14 @@ def _dot(a, b, acc):
     return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
 
 
-def _nibble_asm(half: str, signed: bool) -> str:
+def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
     """PTX turning 4 packed bytes (8 4-bit codes) into (code - zero) * scale for the low and the
     high nibbles, two at a time in 16-bit pairs: bytes are spread into the halves of a word
     (prmt), each nibble OR-ed into the mantissa of the pair's magic number (lop3; 128 + code in
     bf16, 1024 + code in fp16), then one paired subtract of the offset zero and one paired
     multiply by the scale. Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 offset
-    zeros, $7 $8 scales (Triton's pack=4 register order)."""
+    zeros, $7 $8 scales (Triton's pack=4 register order). Not ``scaled``: code - zero only (no
+    scale operands), for kernels that apply the scale to the dot's result."""
     magic = "0x43004300" if half == "bf16" else "0x64006400"
     flip = "xor.b32 w, $4, 0x88888888;" if signed else "mov.b32 w, $4;"
     lines = ["{", ".reg .b32 w, z, t0, t1, u0, u1;", flip, "mov.b32 z, 0;",
@@ -381,9 +382,12 @@ def _nibble_asm(half: str, signed: bool) -> str:
     for out, shift in ((0, False), (2, True)):
         if shift:
             lines += ["shr.b32 t0, t0, 4;", "shr.b32 t1, t1, 4;"]
-        lines += [f"lop3.b32 u0, t0, 0x000F000F, {magic}, 0xEA;", f"lop3.b32 u1, t1, 0x000F000F, {magic}, 0xEA;",
-                  f"sub.rn.{half}x2 u0, u0, $5;", f"sub.rn.{half}x2 u1, u1, $6;",
-                  f"mul.rn.{half}x2 ${out}, u0, $7;", f"mul.rn.{half}x2 ${out + 1}, u1, $8;"]
+        lines += [f"lop3.b32 u0, t0, 0x000F000F, {magic}, 0xEA;", f"lop3.b32 u1, t1, 0x000F000F, {magic}, 0xEA;"]
+        if scaled:
+            lines += [f"sub.rn.{half}x2 u0, u0, $5;", f"sub.rn.{half}x2 u1, u1, $6;",
+                      f"mul.rn.{half}x2 ${out}, u0, $7;", f"mul.rn.{half}x2 ${out + 1}, u1, $8;"]
+        else:
+            lines += [f"sub.rn.{half}x2 ${out}, u0, $5;", f"sub.rn.{half}x2 ${out + 1}, u1, $6;"]
     return "\n".join([*lines, "}"])
 
 
@@ -391,6 +395,10 @@ NIBBLE_ASM_BF16 = tl.constexpr(_nibble_asm("bf16", False))
 NIBBLE_ASM_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True))
 NIBBLE_ASM_F16 = tl.constexpr(_nibble_asm("f16", False))
 NIBBLE_ASM_F16_SIGNED = tl.constexpr(_nibble_asm("f16", True))
+NIBBLE_CODES_ASM_BF16 = tl.constexpr(_nibble_asm("bf16", False, scaled=False))
+NIBBLE_CODES_ASM_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True, scaled=False))
+NIBBLE_CODES_ASM_F16 = tl.constexpr(_nibble_asm("f16", False, scaled=False))
+NIBBLE_CODES_ASM_F16_SIGNED = tl.constexpr(_nibble_asm("f16", True, scaled=False))
 
 
 @triton.jit
@@ -403,6 +411,43 @@ def _nibbles_asm_bf16(packed, zero_t, scale_t, ASM: tl.constexpr):
 def _nibbles_asm_f16(packed, zero_t, scale_t, ASM: tl.constexpr):
     return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
                                      dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _nibble_codes_asm(packed, zero_t, dtype, ASM: tl.constexpr):
+    if dtype == tl.bfloat16:
+        out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
+                                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
+                                        dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _nibble_codes(packed, zero, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """(low, high): code - zero of the even- and odd-column 4-bit codes of a packed tile, exact in
+    the 16-bit ``dtype``; ``zero`` is one offset zero (as _offset_zero gives it) for the whole
+    tile. The unscaled half of :func:`_dequant_nibbles`, for tiles whose scale is applied to the
+    dot's result."""
+    if ASM:
+        zero_t = tl.broadcast_to(zero, packed.shape)
+        if dtype == tl.bfloat16:
+            if SIGNED:
+                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_BF16_SIGNED)
+            else:
+                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_BF16)
+        else:
+            if SIGNED:
+                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_F16_SIGNED)
+            else:
+                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_F16)
+    else:
+        if SIGNED:
+            packed = packed ^ 0x88
+        low = (_offset_codes(packed & 0xF, dtype, True) - zero).to(dtype)
+        high = (_offset_codes(packed >> 4, dtype, True) - zero).to(dtype)
+    return low, high
 
 
 @triton.jit
@@ -542,6 +587,14 @@ def _fused_moe_kernel(
     if HAS_ZERO and W_SCALE == "channel":
         zero = _offset_zero(tl.load(zero_cols).to(tl.float32), dtype, NARROW)
 
+    # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
+    # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
+    # so no weight is multiplied by a scale and each column's scale is loaded once per tile, not
+    # once per weight. (Measured on an H100: faster at M <= 64 for GPTQ int4 and int8; slower
+    # with zero points, whose correction needs the input's row sums, and on 64+ row tiles, whose
+    # wgmma chain it breaks every step.)
+    FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
+                              and not HAS_ZERO and BLOCK_M <= 32)
     if DOT == "int8":
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -561,7 +614,10 @@ def _fused_moe_kernel(
 
         # the weight tile's scale (and zero) groups: one load per group and column
         tile_zero = zero
-        if W_SCALE == "group" or W_SCALE == "mx":
+        if FACTORED:
+            group = k_start // W_GROUP
+            scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
+        elif W_SCALE == "group" or W_SCALE == "mx":
             w_groups = k_start // W_GROUP + tl.arange(0, W_GROUPS)
             g_mask = w_groups[:, None] < tl.cdiv(K, W_GROUP)
             scale = tl.load(scale_cols + w_groups[:, None] * stride_sk, mask=g_mask, other=0)
@@ -579,10 +635,15 @@ def _fused_moe_kernel(
         if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            acc = _dot(a_even, low, acc)
-            acc = _dot(a_odd, high, acc)
+            if FACTORED:
+                low, high = _nibble_codes(packed, zero, dtype, W_TYPE == "int4", ASM_DEQUANT)
+                part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+                part = _dot(a_odd, high, part)
+            else:
+                low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
+                acc = _dot(a_even, low, acc)
+                acc = _dot(a_odd, high, acc)
         else:
             b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
             if DOT == "int8":
@@ -596,8 +657,16 @@ def _fused_moe_kernel(
                     b = (b.to(tl.float32) * scale).to(dtype)
                 elif W_TYPE != "float":  # 8-bit codes (signed ones shifted to offset binary)
                     codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
-                    b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
-                acc = _dot(a.to(dtype), b.to(dtype), acc)
+                    if FACTORED:
+                        b = (_offset_codes(codes, dtype, NARROW) - zero).to(dtype)
+                    else:
+                        b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
+                if FACTORED:
+                    part = _dot(a.to(dtype), b.to(dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+                else:
+                    acc = _dot(a.to(dtype), b.to(dtype), acc)
+        if FACTORED:
+            acc += part * scale
 
     triton_ops.grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
