@@ -367,6 +367,7 @@ def _dot(a, b, acc):
     return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
 
 
+@triton.constexpr_function
 def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
     """PTX turning 4 packed bytes (8 4-bit codes) into (code - zero) * scale for the low and the
     high nibbles, two at a time in 16-bit pairs: bytes are spread into the halves of a word
@@ -391,89 +392,32 @@ def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
     return "\n".join([*lines, "}"])
 
 
-NIBBLE_ASM_BF16 = tl.constexpr(_nibble_asm("bf16", False))
-NIBBLE_ASM_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True))
-NIBBLE_ASM_F16 = tl.constexpr(_nibble_asm("f16", False))
-NIBBLE_ASM_F16_SIGNED = tl.constexpr(_nibble_asm("f16", True))
-NIBBLE_CODES_ASM_BF16 = tl.constexpr(_nibble_asm("bf16", False, scaled=False))
-NIBBLE_CODES_ASM_BF16_SIGNED = tl.constexpr(_nibble_asm("bf16", True, scaled=False))
-NIBBLE_CODES_ASM_F16 = tl.constexpr(_nibble_asm("f16", False, scaled=False))
-NIBBLE_CODES_ASM_F16_SIGNED = tl.constexpr(_nibble_asm("f16", True, scaled=False))
-
-
 @triton.jit
-def _nibbles_asm_bf16(packed, zero_t, scale_t, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _nibbles_asm_f16(packed, zero_t, scale_t, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
-                                     dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-
-
-@triton.jit
-def _nibble_codes_asm(packed, zero_t, dtype, ASM: tl.constexpr):
-    if dtype == tl.bfloat16:
-        out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
-                                        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-    else:
-        out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
-                                        dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    return out
-
-
-@triton.jit
-def _nibble_codes(packed, zero, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr):
-    """(low, high): code - zero of the even- and odd-column 4-bit codes of a packed tile, exact in
-    the 16-bit ``dtype``; ``zero`` is one offset zero (as _offset_zero gives it) for the whole
-    tile. The unscaled half of :func:`_dequant_nibbles`, for tiles whose scale is applied to the
-    dot's result."""
-    if ASM:
-        zero_t = tl.broadcast_to(zero, packed.shape)
-        if dtype == tl.bfloat16:
-            if SIGNED:
-                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_BF16_SIGNED)
-            else:
-                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_BF16)
-        else:
-            if SIGNED:
-                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_F16_SIGNED)
-            else:
-                low, high = _nibble_codes_asm(packed, zero_t, dtype, NIBBLE_CODES_ASM_F16)
-    else:
-        if SIGNED:
-            packed = packed ^ 0x88
-        low = (_offset_codes(packed & 0xF, dtype, True) - zero).to(dtype)
-        high = (_offset_codes(packed >> 4, dtype, True) - zero).to(dtype)
-    return low, high
-
-
-@triton.jit
-def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr):
+def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr,
+                     SCALED: tl.constexpr = True):
     """(low, high): the dequantised even- and odd-column weights of a packed 4-bit tile, in the
     16-bit ``dtype``. ``tile_zero`` (zero code + offset, as _offset_zero gives it) and ``scale``
-    broadcast to the tile. ASM: the paired PTX of NIBBLE_ASM (GPU); else plain Triton (the same
-    values: every step is exact but the final multiply, which both round once)."""
+    broadcast to the tile; not SCALED: code - zero only (exact; ``scale`` unused), for tiles
+    whose scale multiplies the dot's result. ASM: the paired PTX of _nibble_asm (GPU); else plain
+    Triton (the same values: every step is exact but the multiply, which both round once)."""
     if ASM:
-        zero_t = tl.broadcast_to(tile_zero, packed.shape)
-        scale_t = tl.broadcast_to(scale, packed.shape).to(dtype)
-        if dtype == tl.bfloat16:
-            if SIGNED:
-                low, high = _nibbles_asm_bf16(packed, zero_t, scale_t, NIBBLE_ASM_BF16_SIGNED)
-            else:
-                low, high = _nibbles_asm_bf16(packed, zero_t, scale_t, NIBBLE_ASM_BF16)
+        program: tl.constexpr = _nibble_asm("bf16" if dtype == tl.bfloat16 else "f16", SIGNED, SCALED)
+        zero_t = tl.broadcast_to(tile_zero, packed.shape)  # in ``dtype``, as are the results
+        if SCALED:
+            scale_t = tl.broadcast_to(scale, packed.shape).to(dtype)
+            low, high = tl.inline_asm_elementwise(program, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
+                                                  dtype=(zero_t.dtype, zero_t.dtype), is_pure=True, pack=4)
         else:
-            if SIGNED:
-                low, high = _nibbles_asm_f16(packed, zero_t, scale_t, NIBBLE_ASM_F16_SIGNED)
-            else:
-                low, high = _nibbles_asm_f16(packed, zero_t, scale_t, NIBBLE_ASM_F16)
+            low, high = tl.inline_asm_elementwise(program, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
+                                                  dtype=(zero_t.dtype, zero_t.dtype), is_pure=True, pack=4)
     else:
         if SIGNED:  # two's complement nibbles -> offset binary around 8
             packed = packed ^ 0x88
-        low = ((_offset_codes(packed & 0xF, dtype, True) - tile_zero) * scale).to(dtype)
-        high = ((_offset_codes(packed >> 4, dtype, True) - tile_zero) * scale).to(dtype)
+        low = _offset_codes(packed & 0xF, dtype, True) - tile_zero
+        high = _offset_codes(packed >> 4, dtype, True) - tile_zero
+        if SCALED:
+            low, high = low * scale, high * scale
+        low, high = low.to(dtype), high.to(dtype)
     return low, high
 
 
@@ -637,7 +581,7 @@ def _fused_moe_kernel(
             packed = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             if FACTORED:
-                low, high = _nibble_codes(packed, zero, dtype, W_TYPE == "int4", ASM_DEQUANT)
+                low, high = _dequant_nibbles(packed, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)
             else:

@@ -366,19 +366,21 @@ def test_decode_timing_report(m, capsys):
 # the PTX nibble dequantisation against the plain Triton one, bit for bit
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "codes"])
 @pytest.mark.parametrize("signed", [False, True], ids=["offset", "signed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_nibble_asm_matches_plain_dequant(dtype, signed):
+def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     import triton
     import triton.language as tl
     from moe_registry_kernels import triton_moe
 
     @triton.jit
-    def dequant(p_ptr, z_ptr, s_ptr, lo_ptr, hi_ptr, SIGNED: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr):
+    def dequant(p_ptr, z_ptr, s_ptr, lo_ptr, hi_ptr, SIGNED: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,
+                SCALED: tl.constexpr):
         offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
         zero = triton_moe._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, True)
         scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
-        low, high = triton_moe._dequant_nibbles(tl.load(p_ptr + offs), zero, scale, DT, SIGNED, ASM)
+        low, high = triton_moe._dequant_nibbles(tl.load(p_ptr + offs), zero, scale, DT, SIGNED, ASM, SCALED)
         tl.store(lo_ptr + offs, low)
         tl.store(hi_ptr + offs, high)
 
@@ -393,10 +395,10 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed):
     for asm in (False, True):
         low, high = torch.empty(64, 32, dtype=dtype, device=DEVICE), torch.empty(64, 32, dtype=dtype, device=DEVICE)
         dequant[(1,)](packed, zero, scale, low, high, SIGNED=signed, DT=tl.bfloat16 if dtype == torch.bfloat16
-                      else tl.float16, ASM=asm)
+                      else tl.float16, ASM=asm, SCALED=scaled)
         outs[asm] = (low, high)
     assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    # and the plain path is the textbook (code - zero) * scale
+    # and the plain path is the textbook (code - zero) * scale, or code - zero unscaled
     codes_low = (packed & 0xF).float() if not signed else ((packed & 0xF) ^ 8).float()
-    expect = ((codes_low - zero[:, None]) * scale.float()[:, None]).to(dtype)
+    expect = ((codes_low - zero[:, None]) * (scale.float()[:, None] if scaled else 1.0)).to(dtype)
     assert torch.equal(outs[False][0], expect)
