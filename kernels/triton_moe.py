@@ -534,9 +534,9 @@ def _fused_moe_kernel(
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
     # so no weight is multiplied by a scale and each column's scale is loaded once per tile, not
-    # once per weight. (Measured on an H100: faster at M <= 64 for GPTQ int4 and int8; slower
-    # with zero points, whose correction needs the input's row sums, and on 64+ row tiles, whose
-    # wgmma chain it breaks every step.)
+    # once per weight. (Measured on an H100: faster at M <= 64 for GPTQ int4 and int8. With zero
+    # points it was no faster (zeros subtracted per weight) or slower (corrected with the input's
+    # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
                               and not HAS_ZERO and BLOCK_M <= 32)
     if DOT == "int8":
