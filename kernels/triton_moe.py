@@ -668,12 +668,14 @@ def _fused_moe_swap_kernel(
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr):
-    """_fused_moe_kernel with the operands swapped, for decode with weights dequantised in
-    registers (16-bit activations, standard format): each step computes
-    dequant(W tile) [BLOCK_N, K] @ A^T [K, BLOCK_M], so the dequantised weights are the left
-    operand of the dot, which the matrix unit reads from registers, instead of the right one it
-    reads through shared memory; the few token rows become the narrow side. Same arguments and
-    results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
+    """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
+    activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
+    BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
+    reads from registers, instead of the right one it reads through shared memory (on Hopper the
+    dot then runs asynchronously while the next tile is dequantised, where the right operand
+    would wait for it); the token rows become the dot's N side. 4-bit tiles are interleaved back
+    into K order after unpacking, so the activations load as one contiguous, pipelined tile. Same
+    arguments and results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
     triton_ops.grid_wait(PDL)
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
@@ -721,35 +723,25 @@ def _fused_moe_swap_kernel(
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 
-        if PACKED:  # low nibbles hold even input columns, high nibbles odd ones
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if PACKED:  # low nibbles hold even input columns, high nibbles odd ones: interleaved back
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
             low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
-            k_even = 2 * offs_kp
-            cols_even, cols_odd = k_even, k_even + 1
-            if ACT_ORDER:
-                cols_even = tl.load(perm_ptr + expert * K + k_even, mask=k_even < K, other=0)
-                cols_odd = tl.load(perm_ptr + expert * K + k_even + 1, mask=k_even + 1 < K, other=0)
-            a_even = tl.load(a_col_ptrs + cols_even[:, None], mask=row_mask[None, :] & (k_even[:, None] < K),
-                             other=0.0)
-            a_odd = tl.load(a_col_ptrs + cols_odd[:, None], mask=row_mask[None, :] & (k_even[:, None] + 1 < K),
-                            other=0.0)
-            acc = _dot(low, a_even.to(dtype), acc)
-            acc = _dot(high, a_odd.to(dtype), acc)
+            b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
         else:
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
             b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             if W_TYPE == "fp8e4m3":
                 b = (b.to(tl.float32) * scale).to(dtype)
             elif W_TYPE != "float":
                 codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
                 b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
-            a_cols = offs_k
-            if ACT_ORDER:
-                a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-            a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
-            acc = _dot(b.to(dtype), a_t.to(dtype), acc)
+        a_cols = offs_k
+        if ACT_ORDER:
+            a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
+        a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
     triton_ops.grid_release(PDL)
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn

@@ -53,7 +53,7 @@ class Target:
 def block_ms(m: int, shape: bench.Shape) -> list[int]:
     """BLOCK_M worth trying: about the rows one expert sees, and its neighbours. Routing is random,
     so many experts get more than the mean: past a mean of 8 rows a 16-row block would read some
-    experts' weights twice, and 32 is worth trying."""
+    experts' weights twice, and 32 is worth trying. 256 is for the swapped kernel only."""
     rows = math.ceil(m * shape.top_k / shape.experts)
     if rows <= 8:
         return [16]
@@ -63,21 +63,25 @@ def block_ms(m: int, shape: bench.Shape) -> list[int]:
         return [32, 64]
     if rows <= 192:
         return [32, 64, 128]
-    return [64, 128]
+    return [64, 128, 256]
 
 
 def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False) -> list[dict]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) worth trying at one BLOCK_M (the first
-    ``limit``); ``swap``: also the swapped-operand kernel at decode (schemes it runs)."""
+    ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
                  (128, bks[0], 8, 4, False), (256, bks[0], 8, 3, False)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
             tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
+    elif bm > 128:  # only the swapped kernel takes 256 token rows (its dot's wide side)
+        tiles = [(128, 64, 8, 3, True), (128, 128, 8, 3, True)] if swap else []
     else:  # prefill: matrix-unit bound
         tiles = [(128, 64, 4, 3, False), (128, 64, 4, 4, False), (128, 64, 8, 4, False), (128, 128, 4, 3, False),
                  (128, 128, 8, 3, False), (256, 64, 8, 3, False), (256, 64, 8, 4, False), (256, 128, 8, 3, False)]
+        if swap:  # weights dequantised straight into the matrix unit's register operand
+            tiles += [(64, 64, 4, 4, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True)]
     out = []
     for bn, bk, warps, stages, swapped in tiles:
         if bm * bk + bk * bn > 256 * 256 + 128 * 256:  # operand tiles past shared memory at 3+ stages
@@ -273,6 +277,8 @@ def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
         tiles = tile_candidates(bm, narrow, swap=swap)
+        if not tiles:
+            continue
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
         pairs += [(tiles[0], {**c, "SPLIT_K": s}) for c in tiles for s in (SPLITS if bm <= 32 else (1,))]
     return pairs
