@@ -402,27 +402,3 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     codes_low = (packed & 0xF).float() if not signed else ((packed & 0xF) ^ 8).float()
     expect = ((codes_low - zero[:, None]) * (scale.float()[:, None] if scaled else 1.0)).to(dtype)
     assert torch.equal(outs[False][0], expect)
-
-
-@pytest.mark.parametrize("m", [1, 8, 64])
-@pytest.mark.parametrize("scheme", ["w8a8-int8-token", "w8a8-int8-static", "fp8-block"])
-def test_gemm2_tile_quantisation_matches_the_launched_one(scheme, m, monkeypatch):
-    """Compiled for the GPU, GEMM2's own tile quantisation (decode configs, tuned or default) gives
-    the very output of the separate quantisation launch, and stays within tolerance."""
-    from moe_registry_kernels import triton_moe
-
-    e, h, i, top_k = SHAPES["e64"]
-    weights = _weights(scheme, e, h, i, torch.bfloat16)
-    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=4)
-    quantised = []
-    real = triton_ops.act_quant
-    monkeypatch.setattr(triton_ops, "act_quant", lambda x, *a, **k: quantised.append(x.shape) or real(x, *a, **k))
-    experts = TritonExperts(weights, ExpertsConfig())
-    fused = experts.apply(hidden, topk_weights, topk_ids)
-    assert quantised == []  # the intermediate was not quantised by a launch of its own
-    monkeypatch.setattr(triton_moe, "TILE_QUANT_MODES", ())
-    launched = experts.apply(hidden, topk_weights, topk_ids)
-    assert quantised == [(m * top_k, i)]
-    assert torch.equal(fused, launched)
-    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
-    assert _rel_err(fused, ref) < _tolerance(scheme, torch.bfloat16)
