@@ -58,8 +58,6 @@ __all__ = [
 ]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-# partial row amaxes (one per GEMM1 column tile) read per step when GEMM2 quantises its own input
-AMAX_CHUNK = tl.constexpr(64)
 # a tuned entry stands for token counts up to this factor away from its own (tables are tuned at
 # 1, 8, 64, 512, 4096: every count lands on one); farther counts take the defaults
 TUNED_REACH = 4.0
@@ -456,12 +454,10 @@ def _fused_moe_kernel(
         # tensors
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
         topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
-        amax_ptr,
         # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
-        # padded length of sorted_ids (standard) or the per-expert capacity T (batched);
-        # amax_parts: the column tiles of GEMM1's output, one partial row amax each (AMAX_*)
-        N, K, K_PACKED, num_valid, rows_per_expert, amax_parts,
+        # padded length of sorted_ids (standard) or the per-expert capacity T (batched)
+        N, K, K_PACKED, num_valid, rows_per_expert,
         # strides (last dimensions are contiguous; zero points share the scales' strides);
         # stride_cs steps between split-K partial outputs
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
@@ -472,10 +468,6 @@ def _fused_moe_kernel(
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUP_N: tl.constexpr, W_GROUPS: tl.constexpr,
         A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr, COMPUTE: tl.constexpr,
         ASM_DEQUANT: tl.constexpr,
-        # TILE_QUANT: A is 16-bit and each tile is quantised here as the activation key says
-        # (int8_token: per row, from the partial amaxes GEMM1 wrote with AMAX_OUT; int8_static;
-        # fp8_group: BLOCK_K is the group), instead of by a launch of its own; "none" otherwise
-        TILE_QUANT: tl.constexpr, AMAX_OUT: tl.constexpr,
         # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
         # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
@@ -547,17 +539,6 @@ def _fused_moe_kernel(
     # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
                               and not HAS_ZERO and BLOCK_M <= 32)
-    if TILE_QUANT == "int8_token":  # a row's amax is the largest of GEMM1's partial ones
-        row_amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        amax_rows = amax_ptr + a_rows.to(tl.int64)[:, None] * amax_parts
-        for p in range(0, amax_parts, AMAX_CHUNK):
-            parts = p + tl.arange(0, AMAX_CHUNK)
-            part = tl.load(amax_rows + parts[None, :], mask=row_mask[:, None] & (parts[None, :] < amax_parts),
-                           other=0.0)
-            row_amax = tl.maximum(row_amax, tl.max(part, axis=1))
-        a_row_scale = triton_ops.int8_scale(row_amax)
-    elif TILE_QUANT == "int8_static":
-        a_row_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(a_scale_ptr)
     if DOT == "int8":
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -569,12 +550,6 @@ def _fused_moe_kernel(
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
         a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if TILE_QUANT == "int8_token" or TILE_QUANT == "int8_static":
-            a = triton_ops.quantize_int8(a.to(tl.float32), a_row_scale[:, None])
-        elif TILE_QUANT == "fp8_group":  # the tile is one group of each row
-            a_values = a.to(tl.float32)
-            a_group_scale = triton_ops.fp8_scale(tl.max(tl.abs(a_values), axis=1))
-            a = triton_ops.quantize_fp8(a_values, a_group_scale[:, None])
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
             a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,
@@ -618,11 +593,8 @@ def _fused_moe_kernel(
             if DOT == "int8":
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             elif DOT == "fp8":
-                if TILE_QUANT == "fp8_group":
-                    a_scale = a_group_scale
-                else:
-                    a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
-                                      mask=row_mask, other=0.0)
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                                  mask=row_mask, other=0.0)
                 acc += tl.dot(a, b) * a_scale[:, None] * scale
             else:
                 if W_TYPE == "fp8e4m3":
@@ -643,24 +615,20 @@ def _fused_moe_kernel(
     triton_ops.grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if TILE_QUANT == "int8_token" or TILE_QUANT == "int8_static":
-        acc *= a_row_scale[:, None]
-    elif A_QUANT == "int8":  # per token (or static: stride 0)
+    if A_QUANT == "int8":  # per token (or static: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
-                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, amax_ptr, amax_parts, W_SCALE, ROUTED_WEIGHT,
-                 HAS_BIAS, WRITE_EMPTY, FUSE_ACT, AMAX_OUT, BLOCK_M, BLOCK_N)
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
+                 FUSE_ACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
 def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
-                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, amax_ptr, amax_parts, W_SCALE: tl.constexpr,
-                 ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
-                 FUSE_ACT: tl.constexpr, AMAX_OUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
-    router weight, bias (first split only), the gated activation when fused, and the store;
-    AMAX_OUT (with the activation): each row's amax over the tile's stored outputs, in partial
-    slot pid_n of the row, for GEMM2 to quantise its input with (TILE_QUANT int8_token)."""
+    router weight, bias (first split only), the gated activation when fused, and the store."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -677,13 +645,10 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
     c_row_ptrs = c_ptr + split * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm
     if FUSE_ACT != "none":
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        out = triton_ops.gated_act(gate, up, FUSE_ACT).to(c_ptr.dtype.element_ty)
+        out = triton_ops.gated_act(gate, up, FUSE_ACT)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        cols_ok = offs_out[None, :] < N // 2
-        tl.store(c_row_ptrs + offs_out[None, :], out, mask=store_rows[:, None] & cols_ok)
-        if AMAX_OUT:
-            part = tl.max(tl.where(cols_ok, tl.abs(out.to(tl.float32)), 0.0), axis=1)
-            tl.store(amax_ptr + c_rows.to(tl.int64) * amax_parts + pid_n, part, mask=store_rows)
+        tl.store(c_row_ptrs + offs_out[None, :], out.to(c_ptr.dtype.element_ty),
+                 mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -781,8 +746,8 @@ def _fused_moe_swap_kernel(
     triton_ops.grid_release(PDL)
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     _finish_tile(tl.trans(acc), expert, pairs, row_mask, row_mask, offs_bn, pid_n, split, N, scale_cols,
-                 bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, c_ptr, 0, W_SCALE, ROUTED_WEIGHT,
-                 HAS_BIAS, False, FUSE_ACT, False, BLOCK_M, BLOCK_N)
+                 bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -829,12 +794,9 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
-          fuse_act: str = "none", tile_quant: str = "none", amax: torch.Tensor | None = None,
-          amax_out: bool = False, pdl: bool = False) -> None:
+          fuse_act: str = "none", pdl: bool = False) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
-    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K;
-    ``tile_quant``: A is 16-bit and the kernel quantises it (a_scale: the static scale, if any);
-    ``amax`` [rows, parts]: the partial row amaxes, written (``amax_out``) or read; ``pdl``: as
+    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K; ``pdl``: as
     part of a programmatic-dependent-launch chain."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
@@ -880,36 +842,18 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         rows.expert_ids if rows.expert_ids is not None else dummy,
         rows.num_post_padded if rows.num_post_padded is not None else dummy,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
-        amax if amax is not None else dummy,
-        w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, amax.shape[1] if amax is not None else 0,
+        w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
         a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
         c.stride(0) if split_k > 1 else 0,
         W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
         W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, W_GROUP_N=scheme.weight_group_n,
         W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1),
         A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
-        COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm, TILE_QUANT=tile_quant, AMAX_OUT=amax_out,
+        COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
         TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
-
-
-# activation quantisations GEMM2 can apply to its own 16-bit input tiles
-TILE_QUANT_MODES = ("int8_token", "int8_static", "fp8_group")
-
-
-def _tile_quant(scheme: Scheme, config2: dict) -> str:
-    """How GEMM2's input gets quantised: in GEMM2's own tiles (the scheme's mode) when its row
-    blocks are decode-sized (BLOCK_M <= 32), so the layer saves the quantisation launch for a
-    little repeated work per tile; "none" (its own launch) for larger blocks, where the tiles'
-    repeated quantisation would cost more than the launch, and for an fp8 tile that is not one
-    activation group."""
-    if scheme.act_quant not in TILE_QUANT_MODES or config2["BLOCK_M"] > 32:
-        return "none"
-    if scheme.act_quant == "fp8_group" and config2["BLOCK_K"] != scheme.act_group:
-        return "none"
-    return scheme.act_quant
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -965,27 +909,17 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
-    tile_quant = _tile_quant(scheme, config2)
-    amax = None
-    if tile_quant == "int8_token":  # GEMM1 leaves each row's amax in parts, one per column tile
-        parts = triton.cdiv(w13.n // 2, config1["BLOCK_N"] // 2)
-        amax = torch.empty(m * top_k, parts, dtype=torch.float32, device=dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax=amax,
-          amax_out=amax is not None, pdl=pdl)
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, pdl=pdl)
 
-    if tile_quant == "none":
-        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, pdl=pdl)
-    else:
-        a2, a2_scale = inter, w2.input_scale
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, pdl=pdl)
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
-          routed_weight="none" if on_input else "output", topk_weights=weights, tile_quant=tile_quant,
-          amax=amax, pdl=pdl)
+          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl)
     if partial is not out:
         triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl)
     return out

@@ -43,10 +43,6 @@ __all__ = [
     "align_quant",
     "sum_topk",
     "gated_act",
-    "int8_scale",
-    "fp8_scale",
-    "quantize_int8",
-    "quantize_fp8",
     "grid_dependency",
     "grid_release",
     "grid_wait",
@@ -460,31 +456,6 @@ def _to_int8(v):
 
 
 @triton.jit
-def int8_scale(amax):
-    """The scale of int8 values whose absolute maximum is ``amax`` (per token, or per tile row in
-    the GEMM that quantises its own input)."""
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX)
-
-
-@triton.jit
-def fp8_scale(amax):
-    """The scale of an fp8 e4m3 group whose absolute maximum is ``amax``."""
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-
-
-@triton.jit
-def quantize_int8(v, scale):
-    """float32 values -> int8 codes at ``scale`` (broadcast)."""
-    return _to_int8(tl.math.div_rn(v, scale))
-
-
-@triton.jit
-def quantize_fp8(v, scale):
-    """float32 values -> fp8 e4m3 codes at ``scale`` (broadcast)."""
-    return _to_e4m3(tl.math.div_rn(v, scale))
-
-
-@triton.jit
 def _mx_exponent(amax):
     """floor(log2(amax)) - 8 from the float32 exponent bits, clamped to [-127, 127]; zero and
     subnormal amax land on -127, as in quant_ref."""
@@ -556,7 +527,7 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
             cols = d + tl.arange(0, BLOCK)
             v = _row_values(x_row, cols, cols < D, D, row_scale, ACTIVATION)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = int8_scale(tl.max(amax, axis=0))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), INT8_MAX)
         tl.store(scale_ptr + row * stride_scale, scale)
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -568,20 +539,20 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
         if QUANT == "none":
             tl.store(out_row + cols, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_row + cols, quantize_int8(v, scale), mask=mask)
+            tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
         elif QUANT == "fp8_static":
-            tl.store(out_row + cols, quantize_fp8(v, scale), mask=mask)
+            tl.store(out_row + cols, _to_e4m3(tl.math.div_rn(v, scale)), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (BLOCK // GROUP, GROUP))
             amax = tl.max(tl.abs(v), axis=1)
             if QUANT == "fp8_group":
-                scale = fp8_scale(amax)
+                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
                 stored = scale
             else:
                 e = _mx_exponent(amax)
                 scale = _pow2(e)
                 stored = (e + 127).to(tl.uint8)
-            q = quantize_fp8(v, scale[:, None])
+            q = _to_e4m3(tl.math.div_rn(v, scale[:, None]))
             tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + row * stride_scale + groups, stored, mask=groups < tl.cdiv(D, GROUP))

@@ -215,51 +215,6 @@ class _Spy:
         return self.kernel[grid]
 
 
-# GEMM1 in 4 column tiles (4 partial row amaxes for int8 per-token quantisation); GEMM2 tiles
-# are one fp8 activation group (128) or, for int8, split in two
-QUANT_GEMM1 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
-               "num_stages": 2}
-
-
-@pytest.mark.parametrize("scheme,gemm2", [
-    ("w8a8-int8-token", {"BLOCK_K": 32, "SPLIT_K": 1}), ("w8a8-int8-token", {"BLOCK_K": 32, "SPLIT_K": 2}),
-    ("w8a8-int8-static", {"BLOCK_K": 32, "SPLIT_K": 2}), ("fp8-block", {"BLOCK_K": 128, "SPLIT_K": 1}),
-])
-def test_gemm2_quantises_its_own_tiles_at_decode(scheme, gemm2, monkeypatch):
-    """At decode GEMM2 quantises the intermediate in its own tiles (int8 per token from the row
-    amaxes GEMM1 left in parts, read in chunks of 2 here): no quantisation launch, and the very
-    output the launched quantisation gives."""
-    monkeypatch.setattr(triton_moe, "AMAX_CHUNK", triton.language.constexpr(2))
-    quantised = []
-    real = triton_ops.act_quant
-    monkeypatch.setattr(triton_ops, "act_quant", lambda x, *a, **k: quantised.append(x.shape) or real(x, *a, **k))
-    experts = TritonExperts(_weights(scheme), ExpertsConfig())
-    hidden, topk_weights, topk_ids = _routing(7, 2, seed=3)
-    config2 = {**QUANT_GEMM1, "BLOCK_N": 64, **gemm2}
-    with triton_moe.config_override(QUANT_GEMM1, config2):
-        fused = experts.apply(hidden, topk_weights, topk_ids)
-    assert quantised == []
-    monkeypatch.setattr(triton_moe, "TILE_QUANT_MODES", ())
-    with triton_moe.config_override(QUANT_GEMM1, config2):
-        launched = experts.apply(hidden, topk_weights, topk_ids)
-    assert quantised == [(7 * 2, INTER)]
-    assert torch.equal(fused, launched)
-    ref = reference_moe(hidden, topk_weights, topk_ids, _weights(scheme), ExpertsConfig(),
-                        compute_dtype=torch.float32)
-    assert _rel_err(fused, ref) < SCHEMES[scheme][2]
-
-
-def test_gemm2_quantises_its_own_tiles_only_at_decode():
-    """Prefill-sized blocks, and fp8 tiles narrower than an activation group, keep the launch."""
-    int8 = scheme_from_keys(*SCHEMES["w8a8-int8-token"][:2])
-    fp8 = scheme_from_keys(*SCHEMES["fp8-block"][:2])
-    assert triton_moe._tile_quant(int8, {"BLOCK_M": 32, "BLOCK_K": 64}) == "int8_token"
-    assert triton_moe._tile_quant(int8, {"BLOCK_M": 64, "BLOCK_K": 64}) == "none"
-    assert triton_moe._tile_quant(fp8, {"BLOCK_M": 16, "BLOCK_K": 128}) == "fp8_group"
-    assert triton_moe._tile_quant(fp8, {"BLOCK_M": 16, "BLOCK_K": 64}) == "none"
-    assert triton_moe._tile_quant(scheme_from_keys(*SCHEMES["mxfp8"][:2]), {"BLOCK_M": 16, "BLOCK_K": 64}) == "none"
-
-
 def test_split_k_with_top_1_and_router_weight_on_input():
     with triton_moe.config_override(gemm2=SPLIT_GEMM2):
         _check_layer("w8a8-int8-token", 7, top_k=1, on_input=True)
