@@ -214,7 +214,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
     kernel picks today (defaults, or an earlier tuning)."""
     from moe_registry_kernels import triton_moe
-    from moe_registry_kernels.triton_moe import _fit_config, default_config, scheme_from_keys
+    from moe_registry_kernels.triton_moe import _fit_config, get_config, scheme_from_keys
 
     shape = layer.shape
     kscheme = scheme_from_keys(str(layer.wkey), str(layer.akey))
@@ -224,8 +224,10 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     swap = triton_moe.swappable(kscheme)
     h, i = shape.hidden, shape.intermediate
     sms = triton_moe._num_sms(layer.device)
-    d1 = default_config(m, shape.top_k, shape.experts, 2 * i, h, layer.wkey, sms)
-    d2 = default_config(m, shape.top_k, shape.experts, h, i, layer.wkey, sms)
+    # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
+    name = triton_moe._device_name(layer.device)
+    d1 = get_config(m, shape.top_k, shape.experts, 2 * i, h, layer.wkey, layer.akey, name, sms)
+    d2 = get_config(m, shape.top_k, shape.experts, h, i, layer.wkey, layer.akey, name, sms)
     base_t = layer.time((None, None), m, x, tw, ti)
 
     def measure(c1: dict, c2: dict) -> float:
