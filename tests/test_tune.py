@@ -52,3 +52,22 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch):
     table = json.loads(files[0].read_text())
     table.pop("meta")
     assert all(set(by_tokens) == {"1", "8"} for by_tokens in table.values())
+
+
+def test_prefill_candidates_include_the_swapped_kernel_only_where_it_runs():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tune
+
+    for bm in (64, 128):
+        plain = tune.tile_candidates(bm, narrow=True)
+        both = tune.tile_candidates(bm, narrow=True, swap=True)
+        assert not any(c["SWAP_AB"] for c in plain)
+        assert plain == [c for c in both if not c["SWAP_AB"]] and any(c["SWAP_AB"] for c in both)
+    # 256 token rows only as the swapped kernel's wide side
+    assert tune.tile_candidates(256, narrow=True) == []
+    assert {c["SWAP_AB"] for c in tune.tile_candidates(256, narrow=True, swap=True)} == {True}
+    mixtral = tune.bench.SHAPES["mixtral"]
+    assert 256 in tune.block_ms(4096, mixtral)
+    # compiling ahead skips block sizes without candidates (int8 dots never swap)
+    pairs = tune.all_pairs(mixtral, "w8a8", [4096])
+    assert pairs and all(c1["BLOCK_M"] != 256 for c1, _ in pairs)
