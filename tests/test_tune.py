@@ -54,8 +54,8 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch):
     assert all(set(by_tokens) == {"1", "8"} for by_tokens in table.values())
 
 
-def test_prefill_candidates_include_the_swapped_kernel_only_where_it_runs():
-    sys.path.insert(0, str(ROOT / "tools"))
+def test_prefill_candidates_include_the_swapped_kernel_only_where_it_runs(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
 
     for bm in (64, 128):
