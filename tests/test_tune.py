@@ -71,3 +71,45 @@ def test_prefill_candidates_include_the_swapped_kernel_only_where_it_runs(monkey
     # compiling ahead skips block sizes without candidates (int8 dots never swap)
     pairs = tune.all_pairs(mixtral, "w8a8", [4096])
     assert pairs and all(c1["BLOCK_M"] != 256 for c1, _ in pairs)
+
+
+class _SlowCandidates:
+    """A stand-in layer on which today's configs take 1 s and every candidate 2 s."""
+
+    def __init__(self, tune) -> None:
+        from moe_registry.keys import parse_quant_key
+
+        self.shape = tune.bench.DRY_SHAPES["tiny"]
+        self.wkey, self.akey = parse_quant_key(AWQ), parse_quant_key("unquantized")
+        self.device = __import__("torch").device("cpu")
+
+    def inputs(self, m):
+        return None, None, None
+
+    def reference(self, *args):
+        return None
+
+    def error(self, configs, *args):
+        return 0.0
+
+    def time(self, configs, *args):
+        return 1.0 if configs == (None, None) else 2.0
+
+
+def test_tuner_keeps_todays_configs_unless_beaten(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    today = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 8,
+             "num_stages": 2}
+    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    table = {"E8_top2_N256_K128": {"1": today}, "E8_top2_N128_K128": {"1": today}}
+    (tmp_path / triton_moe.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
+    try:
+        c1, c2, t, base = tune.tune_target(_SlowCandidates(tune), 1, 1e-2, [], limit=2, splits=(1,))
+    finally:
+        triton_moe._load_config_file.cache_clear()
+    assert (t, base) == (1.0, 1.0)
+    assert {k: c1[k] for k in today} == today and {k: c2[k] for k in today} == today
