@@ -422,6 +422,19 @@ def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM:
 
 
 @triton.jit
+def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr):
+    """8-bit weight codes (uint8 bits) -> (code - zero) * scale, or the e4m3 value * scale,
+    rounded once to ``dtype``."""
+    if W_TYPE == "fp8e4m3":
+        out = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    else:
+        if W_TYPE == "int8":  # two's complement -> offset binary around 128
+            codes = codes ^ 0x80
+        out = (_offset_codes(codes, dtype, False) - tile_zero) * scale
+    return out.to(dtype)
+
+
+@triton.jit
 def _offset_codes(codes, dtype, NARROW: tl.constexpr):
     """Unsigned integer codes as floats OFFSET + code, without an integer-to-float conversion: the
     code is OR-ed into the mantissa of a power of two whose unit in the last place is 1 (fp16
@@ -663,8 +676,8 @@ def _fused_moe_swap_kernel(
         stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
         W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, COMPUTE: tl.constexpr,
-        ASM_DEQUANT: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
+        ASM_DEQUANT: tl.constexpr, BYTE_PAIRS: tl.constexpr, ACT_ORDER: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr):
@@ -674,7 +687,9 @@ def _fused_moe_swap_kernel(
     reads from registers, instead of the right one it reads through shared memory (on Hopper the
     dot then runs asynchronously while the next tile is dequantised, where the right operand
     would wait for it); the token rows become the dot's N side. 4-bit tiles are interleaved back
-    into K order after unpacking, so the activations load as one contiguous, pipelined tile. Same
+    into K order after unpacking, so the activations load as one contiguous, pipelined tile.
+    BYTE_PAIRS: 8-bit weights take the same route, two columns per 16-bit word (loaded whole
+    into the dot's operand layout, ptxas serialises the matrix unit on sm_90: warning C7515). Same
     arguments and results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
     triton_ops.grid_wait(PDL)
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
@@ -702,7 +717,7 @@ def _fused_moe_swap_kernel(
     scale_rows = b_scale_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
     zero_rows = b_zero_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
     dtype = COMPUTE
-    W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+    W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED or BYTE_PAIRS else BLOCK_K  # weight columns per load
     NARROW: tl.constexpr = PACKED
     zero = _offset_zero(tl.full((BLOCK_N, 1), W_ZERO, tl.float32), dtype, NARROW)
     if HAS_ZERO and W_SCALE == "channel":
@@ -730,13 +745,17 @@ def _fused_moe_swap_kernel(
             packed = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
             low, high = _dequant_nibbles(packed, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+        elif BYTE_PAIRS:  # 8-bit weights read as 16-bit words of two columns, split like nibbles
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            words = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + offs_kp[None, :],
+                            mask=offs_kp[None, :] < K // 2, other=0)
+            even = _dequant_byte((words & 0xFF).to(tl.uint8), tile_zero, scale, dtype, W_TYPE)
+            odd = _dequant_byte((words >> 8).to(tl.uint8), tile_zero, scale, dtype, W_TYPE)
+            b = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
         else:
             b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            if W_TYPE == "fp8e4m3":
-                b = (b.to(tl.float32) * scale).to(dtype)
-            elif W_TYPE != "float":
-                codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
-                b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
+            if W_TYPE != "float":
+                b = _dequant_byte(b.to(tl.uint8, bitcast=True), tile_zero, scale, dtype, W_TYPE)
         a_cols = offs_k
         if ACT_ORDER:
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
@@ -791,6 +810,13 @@ _A_QUANT = {"none": "none", "int8_token": "int8", "int8_static": "int8", "fp8_gr
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def _byte_pairs(weight: torch.Tensor) -> bool:
+    """Whether 8-bit weights [E, N, K] can be read as 16-bit words of two columns (even K and
+    row strides, 2-byte aligned): the swapped kernel's route for them."""
+    return (weight.element_size() == 1 and weight.shape[-1] % 2 == 0 and weight.data_ptr() % 2 == 0
+            and weight.stride(-1) == 1 and all(s % 2 == 0 for s in weight.stride()[:-1]))
+
+
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
@@ -827,8 +853,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
             W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group,
             W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1), COMPUTE=_TL_DTYPE[compute_dtype],
-            ASM_DEQUANT=asm, ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None,
-            ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
+            ASM_DEQUANT=asm, BYTE_PAIRS=_byte_pairs(w.weight), ACT_ORDER=w.perm is not None,
+            HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
             FUSE_ACT=fuse_act, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
             **triton_ops.pdl_launch(pdl))

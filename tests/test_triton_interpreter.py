@@ -187,6 +187,23 @@ def test_swapped_operands(scheme, monkeypatch):
     assert len(launched) == 2
 
 
+@pytest.mark.parametrize("scheme", ["gptq8-g128", "int8-w8a16", "mxfp8-w8a16"])
+def test_swapped_operands_byte_at_a_time(scheme, monkeypatch):
+    """8-bit weights whose rows cannot be read as 16-bit words take the byte-wide load."""
+    monkeypatch.setattr(triton_moe, "_byte_pairs", lambda weight: False)
+    with triton_moe.config_override(SWAPPED, SWAPPED):
+        _check_layer(scheme, 7, top_k=2, seed=3)
+
+
+def test_byte_pairs_need_even_rows_and_alignment():
+    w = torch.zeros(2, 8, 64, dtype=torch.int8)
+    assert triton_moe._byte_pairs(w)
+    assert not triton_moe._byte_pairs(w[:, :, :63])  # odd K
+    assert not triton_moe._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 63].view(2, 8, 63))  # odd rows
+    assert not triton_moe._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 62].view(2, 8, 62))  # odd address
+    assert not triton_moe._byte_pairs(torch.zeros(2, 8, 64, dtype=torch.float16))  # not 8-bit
+
+
 @pytest.mark.parametrize("scheme,options", [
     ("gptq4-g64", {"act_order": True}), ("gptq8-g128", {"act_order": True}), ("awq-g32", {"activation": "gelu"}),
     ("fp16", {"on_input": True, "top_k": 1}), ("awq-channel", {"bias": False, "skip_expert": 2}),
