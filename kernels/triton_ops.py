@@ -63,6 +63,11 @@ AMAX_FLOOR = tl.constexpr(1e-10)
 # three launches that split the pairs into chunks (prefill).
 ALIGN_ONE_PROGRAM_MAX = 1024
 
+# act_quant: columns per program (rows are cut into chunks that run side by side), and the widest
+# int8_token row read once (its amax and its codes from the same registers; wider rows are read twice)
+ROW_CHUNK = 2048
+ROW_BLOCK_MAX = 16384
+
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 # act_quant modes: how the rows are quantised after the (optional) activation.
 QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
@@ -355,7 +360,7 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
                         BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
                         GROUP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK: tl.constexpr, ONE_READ: tl.constexpr, PDL: tl.constexpr):
     """Decode prologue in one launch: program 0 aligns the pairs, program r + 1 quantises input
     row r. One launch instead of two is a few microseconds of a layer that takes tens."""
     grid_dependency(PDL)
@@ -365,8 +370,8 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
                       num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
     else:
         _act_quant_row((pid - 1).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                       counts_ptr, D, stride_x, stride_out, stride_scale, capacity, ACTIVATION, QUANT, GROUP,
-                       HAS_ROW_SCALE, HAS_COUNTS, BLOCK)
+                       counts_ptr, D, stride_x, stride_out, stride_scale, capacity, 0, D, ACTIVATION, QUANT,
+                       GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ)
 
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
@@ -496,21 +501,29 @@ def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
 def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
                       D, stride_x, stride_out, stride_scale, capacity,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                      HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                      HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+                      ONE_READ: tl.constexpr, PDL: tl.constexpr):
+    """Program (r, c): row r, columns [c * BLOCK, (c + 1) * BLOCK) (the whole row for int8_token,
+    whose scale needs it)."""
     grid_dependency(PDL)
+    col_lo = tl.program_id(1) * BLOCK
+    col_hi = D if QUANT == "int8_token" else tl.minimum(D, col_lo + BLOCK)
     _act_quant_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                   counts_ptr, D, stride_x, stride_out, stride_scale, capacity, ACTIVATION, QUANT, GROUP,
-                   HAS_ROW_SCALE, HAS_COUNTS, BLOCK)
+                   counts_ptr, D, stride_x, stride_out, stride_scale, capacity, col_lo, col_hi, ACTIVATION, QUANT,
+                   GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ)
 
 
 @triton.jit
 def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
-                   D, stride_x, stride_out, stride_scale, capacity,
+                   D, stride_x, stride_out, stride_scale, capacity, col_lo, col_hi,
                    ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                   HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: optional gated activation ([2D] -> [D]), optional row factor (router weight on
-    the input), then store as the activation dtype or quantise (see QUANT_MODES). With counts
-    (batched format), rows past their expert's count are skipped."""
+                   HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
+                   ONE_READ: tl.constexpr):
+    """Columns [col_lo, col_hi) of one row (the whole row for int8_token), BLOCK at a time:
+    optional gated activation ([2D] -> [D]), optional row factor (router weight on the input),
+    then store as the activation dtype or quantise (see QUANT_MODES). A row of int8_token within
+    one BLOCK is read once (its values stay in registers between the amax and the codes). With
+    counts (batched format), rows past their expert's count are skipped."""
     if HAS_COUNTS:
         num_rows = tl.load(counts_ptr + row // capacity)
         if row % capacity >= num_rows:
@@ -521,7 +534,15 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
     if HAS_ROW_SCALE:
         row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
 
-    if QUANT == "int8_token":  # first pass: the row's amax
+    if QUANT == "int8_token" and ONE_READ:  # the whole row in one block
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR), INT8_MAX)
+        tl.store(scale_ptr + row * stride_scale, scale)
+        tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
+        col_hi = 0  # done: the loop below runs no step
+    elif QUANT == "int8_token":  # first pass: the row's amax
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for d in range(0, D, BLOCK):
             cols = d + tl.arange(0, BLOCK)
@@ -532,7 +553,7 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
 
-    for d in range(0, D, BLOCK):
+    for d in range(col_lo, col_hi, BLOCK):
         cols = d + tl.arange(0, BLOCK)
         mask = cols < D
         v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
@@ -572,8 +593,9 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
     out, scale, args, meta = _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype,
                                                expert_num_tokens, capacity)
     if x.shape[0]:
-        _act_quant_kernel[(x.shape[0],)](*args, **meta, PDL=pdl, num_warps=4 if meta["BLOCK"] <= 1024 else 8,
-                                         **pdl_launch(pdl))
+        chunks = 1 if quant == "int8_token" else triton.cdiv(out.shape[1], meta["BLOCK"])
+        warps = 4 if meta["BLOCK"] <= 1024 else 8 if meta["BLOCK"] <= 4096 else 16
+        _act_quant_kernel[(x.shape[0], chunks)](*args, **meta, PDL=pdl, num_warps=warps, **pdl_launch(pdl))
     return out, scale
 
 
@@ -601,7 +623,8 @@ def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_
         else:
             sdt = torch.uint8 if quant == "mxfp8" else torch.float32
             scale = torch.empty(t, triton.cdiv(d, group), dtype=sdt, device=dev)
-    block = max(min(triton.next_power_of_2(d), 2048), group if quant in ("fp8_group", "mxfp8") else 16)
+    widest = ROW_BLOCK_MAX if quant == "int8_token" else ROW_CHUNK
+    block = max(min(triton.next_power_of_2(d), widest), group if quant in ("fp8_group", "mxfp8") else 16)
     dummy = out
     scale_arg = scale if scale is not None else dummy
     args = (x, out, scale_arg, static_scale if static_scale is not None else dummy,
@@ -609,7 +632,7 @@ def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_
             expert_num_tokens if expert_num_tokens is not None else dummy,
             d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0, capacity)
     meta = {"ACTIVATION": activation, "QUANT": quant, "GROUP": group, "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_COUNTS": expert_num_tokens is not None, "BLOCK": block}
+            "HAS_COUNTS": expert_num_tokens is not None, "BLOCK": block, "ONE_READ": block >= d}
     return out, scale, args, meta
 
 

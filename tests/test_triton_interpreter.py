@@ -468,9 +468,15 @@ def _same_codes(a, b):
     return torch.equal(a, b)
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("key", [INT8_TOKEN, INT8_STATIC, FP8_GROUP_ACT, MXFP8_ACT])
-def test_quant_ops_bit_match_quant_ref(key, dtype):
+def test_quant_ops_bit_match_quant_ref(key, dtype, narrow, monkeypatch):
+    """Rows of 200 columns: read once as one block, or (narrow) cut into 64-column programs
+    (128 for fp8 groups of 128) and read twice for int8_token (amax pass, then codes)."""
+    if narrow:
+        monkeypatch.setattr(triton_ops, "ROW_CHUNK", 64)
+        monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 64)
     x = _quant_inputs(dtype)
     qkey = parse_quant_key(key)
     static = torch.tensor([0.05]) if key == INT8_STATIC else None
@@ -497,10 +503,15 @@ def test_act_and_mul(activation):
     assert _rel_err(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize("activation,key", [("silu", INT8_TOKEN), ("swigluoai", MXFP8_ACT),
                                             ("gelu", FP8_GROUP_ACT)])
-def test_act_and_mul_quant_fused(activation, key):
-    """The fused op quantises the float32 activation exactly as quant_ref does."""
+def test_act_and_mul_quant_fused(activation, key, narrow, monkeypatch):
+    """The fused op quantises the float32 activation exactly as quant_ref does, whole rows or
+    (narrow) rows cut into programs."""
+    if narrow:
+        monkeypatch.setattr(triton_ops, "ROW_CHUNK", 32)
+        monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 64)
     h = (torch.randn(5, 2 * 160, generator=torch.Generator().manual_seed(3)) * 4).to(torch.float16)
     mode = {INT8_TOKEN: "int8_token", MXFP8_ACT: "mxfp8", FP8_GROUP_ACT: "fp8_group"}[key]
     q, s = triton_ops.act_and_mul_quant(h, activation, mode)
