@@ -461,6 +461,24 @@ def _offset_zero(zero, dtype, NARROW: tl.constexpr):
     return z
 
 
+@triton.jit
+def _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, num_valid, num_experts,
+                 BLOCK_M: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr):
+    """(pairs [BLOCK_M], expert) of row block pid_m; expert -1: the block has no rows (past the
+    aligned pairs, or a foreign expert). Aligned: the block's slice of sorted_ids (padding holds
+    the sentinel num_valid). ONE_PAIR_BLOCKS: block b holds pair b alone and expert_ids are the
+    router's ids (one token: its top-k experts are distinct, so no alignment is needed)."""
+    if ONE_PAIR_BLOCKS:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_valid)
+    else:
+        num_post_padded = tl.load(num_post_padded_ptr)  # a multiple of BLOCK_M
+        pairs = tl.load(sorted_ids_ptr + offs_m, mask=offs_m < num_post_padded, other=num_valid)
+        expert = tl.where(pid_m * BLOCK_M < num_post_padded, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
+    return pairs, expert
+
+
 # token counts vary per call: not specialising on them keeps one compiled kernel for every M
 @triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
 def _fused_moe_kernel(
@@ -470,7 +488,7 @@ def _fused_moe_kernel(
         # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
         # padded length of sorted_ids (standard) or the per-expert capacity T (batched)
-        N, K, K_PACKED, num_valid, rows_per_expert,
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts,
         # strides (last dimensions are contiguous; zero points share the scales' strides);
         # stride_cs steps between split-K partial outputs
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
@@ -484,7 +502,7 @@ def _fused_moe_kernel(
         # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
         # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
-        TOP_K: tl.constexpr, BATCHED: tl.constexpr, WRITE_EMPTY: tl.constexpr,
+        TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -511,11 +529,11 @@ def _fused_moe_kernel(
         c_rows = a_rows
         store_rows = offs_m < rows_per_expert
     else:  # rows come from the aligned (token, k) pairs; padding holds the sentinel num_valid
-        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        pairs, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                                     num_valid, num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
+        if expert < 0:
             return
-        pairs = tl.load(sorted_ids_ptr + offs_m)
         row_mask = pairs < num_valid
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         a_rows = pairs // TOP_K
         c_rows = pairs
         store_rows = row_mask
@@ -672,12 +690,12 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
 def _fused_moe_swap_kernel(
         a_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, topk_weights_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-        N, K, K_PACKED, num_valid, rows_per_expert,
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts,
         stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
         W_TYPE: tl.constexpr, PACKED: tl.constexpr, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr,
         W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, COMPUTE: tl.constexpr,
         ASM_DEQUANT: tl.constexpr, BYTE_PAIRS: tl.constexpr, ACT_ORDER: tl.constexpr,
-        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr):
@@ -694,12 +712,12 @@ def _fused_moe_swap_kernel(
     triton_ops.grid_wait(PDL)
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
+    pairs, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                                 num_valid, num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
+    if expert < 0:
+        return
     row_mask = pairs < num_valid
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     a_rows = pairs // TOP_K
 
     split = tl.program_id(2)
@@ -797,6 +815,7 @@ class _Rows:
     num_valid: int = 0
     expert_num_tokens: torch.Tensor | None = None
     capacity: int = 0
+    one_pair_blocks: bool = False  # expert_ids are the router's ids, a block per pair (one token)
 
     @property
     def batched(self) -> bool:
@@ -837,17 +856,21 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
     n_tiles = triton.cdiv(w.n // 2, bn // 2) if fuse_act != "none" else triton.cdiv(w.n, bn)
     if rows.batched:
-        rows_per_expert, num_experts = rows.capacity, w.weight.shape[0]
+        rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
+    elif rows.one_pair_blocks:
+        rows_per_expert, expert_grid = rows.expert_ids.numel() * bm, 1
     else:
-        rows_per_expert, num_experts = rows.sorted_ids.numel(), 1
-    grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, num_experts, split_k)
+        rows_per_expert, expert_grid = rows.sorted_ids.numel(), 1
+    grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, expert_grid, split_k)
+    sorted_ids = rows.sorted_ids if rows.sorted_ids is not None else dummy
+    num_post_padded = rows.num_post_padded if rows.num_post_padded is not None else dummy
     asm = scheme.packed and _paired_halves(a.device, compute_dtype)
     if config["SWAP_AB"]:
         _fused_moe_swap_kernel[grid](
             a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
             w.bias if w.bias is not None else dummy, c, topk_weights if topk_weights is not None else dummy,
-            rows.sorted_ids, rows.expert_ids, rows.num_post_padded,
-            w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
+            sorted_ids, rows.expert_ids, num_post_padded,
+            w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, w.weight.shape[0],
             a.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
             c.stride(0) if split_k > 1 else 0,
             W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
@@ -855,7 +878,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             W_GROUPS=max(config["BLOCK_K"] // max(scheme.weight_group, 1), 1), COMPUTE=_TL_DTYPE[compute_dtype],
             ASM_DEQUANT=asm, BYTE_PAIRS=_byte_pairs(w.weight), ACT_ORDER=w.perm is not None,
             HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
-            FUSE_ACT=fuse_act, SPLIT_K=split_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
+            ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
             **triton_ops.pdl_launch(pdl))
         return
@@ -864,11 +888,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
         w.bias if w.bias is not None else dummy, c,
         topk_weights if topk_weights is not None else dummy,
-        rows.sorted_ids if rows.sorted_ids is not None else dummy,
-        rows.expert_ids if rows.expert_ids is not None else dummy,
-        rows.num_post_padded if rows.num_post_padded is not None else dummy,
+        sorted_ids, rows.expert_ids if rows.expert_ids is not None else dummy, num_post_padded,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
-        w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert,
+        w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, w.weight.shape[0],
         a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
         c.stride(0) if split_k > 1 else 0,
         W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
@@ -877,7 +899,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         A_QUANT=_A_QUANT[scheme.act_quant], A_GROUP=max(scheme.act_group, 1), DOT=scheme.dot,
         COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
-        TOP_K=top_k, BATCHED=rows.batched, WRITE_EMPTY=write_empty, FUSE_ACT=fuse_act, SPLIT_K=split_k,
+        TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
+        FUSE_ACT=fuse_act, SPLIT_K=split_k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
 
@@ -929,10 +952,14 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
-    sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
-        topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
-        row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl)
-    rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
+    if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
+        a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl)
+        rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
+    else:
+        sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
+            topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
+            row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl)
+        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,

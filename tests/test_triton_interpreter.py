@@ -16,6 +16,7 @@ activations the same way):
   up to 6%; measured ~1e-3 here, with headroom for the MXFP8 / block-128 rounding of real models.
 """
 
+import contextlib
 import json
 import os
 
@@ -125,6 +126,21 @@ def _check_layer(scheme: str, m: int, top_k: int, *, activation: str = "silu", a
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_scheme_matches_reference(scheme, m):
     _check_layer(scheme, m, top_k=2, seed=m)
+
+
+@pytest.mark.parametrize("scheme,swapped", [("fp16", False), ("fp16", True), ("gptq8-g128", True),
+                                            ("w8a8-int8-token", False), ("fp8-block", False)])
+def test_one_token_takes_no_alignment_launch(scheme, swapped, monkeypatch):
+    """One token: each row block is one of its top-k pairs, read straight from the router's ids;
+    more tokens go through the alignment."""
+    aligned = []
+    real = triton_ops.align_quant
+    monkeypatch.setattr(triton_ops, "align_quant", lambda *a, **k: aligned.append(a[0].shape) or real(*a, **k))
+    with triton_moe.config_override(SWAPPED, SWAPPED) if swapped else contextlib.nullcontext():
+        _check_layer(scheme, 1, top_k=3, seed=4)
+        assert aligned == []
+        _check_layer(scheme, 2, top_k=3, seed=4)
+        assert aligned == [(2, 3)]
 
 
 @pytest.mark.parametrize("scheme,activation", [
