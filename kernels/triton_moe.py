@@ -926,7 +926,8 @@ def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_p
 def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13: _Proj, w2: _Proj, weight_key: str, activation_key: str, activation: str,
                    router_weight_on_input: bool) -> torch.Tensor:
-    """align (+ quantise(hidden)) -> GEMM1 + act -> quantise? -> GEMM2 (split-K) -> sum (top-k, splits)."""
+    """align (+ quantise(hidden); one token: quantise only) -> GEMM1 + act -> quantise? -> GEMM2
+    (split-K) -> sum (top-k, splits)."""
     scheme = scheme_from_keys(weight_key, activation_key)
     m, top_k = topk_ids.shape
     out = torch.empty_like(hidden)
