@@ -628,14 +628,12 @@ def _fused_moe_kernel(
                                   mask=row_mask, other=0.0)
                 acc += tl.dot(a, b) * a_scale[:, None] * scale
             else:
-                if W_TYPE == "fp8e4m3":
-                    b = (b.to(tl.float32) * scale).to(dtype)
-                elif W_TYPE != "float":  # 8-bit codes (signed ones shifted to offset binary)
-                    codes = b.to(tl.uint8, bitcast=True) ^ 0x80 if W_TYPE == "int8" else b
+                if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
+                    codes = b.to(tl.uint8, bitcast=True)
                     if FACTORED:
-                        b = (_offset_codes(codes, dtype, NARROW) - zero).to(dtype)
+                        b = _dequant_byte(codes, zero, 1.0, dtype, W_TYPE)
                     else:
-                        b = ((_offset_codes(codes, dtype, NARROW) - tile_zero) * scale).to(dtype)
+                        b = _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE)
                 if FACTORED:
                     part = _dot(a.to(dtype), b.to(dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 else:
