@@ -29,6 +29,9 @@ from moe_registry.experts import Experts, ExpertsConfig
 from moe_registry.keys import QuantKey
 from moe_registry.weights import ExpertWeights
 
+# expert parallelism marks a pair routed to another rank's expert with this id: it adds nothing here
+FOREIGN_EXPERT = -1
+
 __all__ = ["DenseExperts", "dense_experts", "ReferenceExperts", "reference_moe", "reference_moe_batched"]
 
 
@@ -86,7 +89,7 @@ def _expert_mlp(dense: DenseExperts, e: int, x: torch.Tensor, activation: str,
 
 def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
          config: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
-    """Standard-format layer [M, H] -> [M, H] in ``dtype``."""
+    """Standard-format layer [M, H] -> [M, H] in ``dtype``; pairs with id FOREIGN_EXPERT add zero."""
     m, top_k = topk_ids.shape
     num_experts = dense.num_experts
     if config.apply_router_weight_on_input and top_k != 1:
@@ -96,13 +99,16 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
         return out
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     lo, hi = int(flat_ids.min()), int(flat_ids.max())
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
+    if lo < FOREIGN_EXPERT or hi >= num_experts:
+        raise ValueError(f"topk_ids must be in [0, {num_experts}) or {FOREIGN_EXPERT} (a foreign expert), "
+                         f"got values in [{lo}, {hi}]")
+    # foreign pairs (expert parallelism: another rank's expert) contribute nothing: sorted first, skipped
     order = torch.argsort(flat_ids, stable=True)
+    num_foreign = int((flat_ids == FOREIGN_EXPERT).sum())
     tokens = order // top_k
     router = topk_weights.reshape(-1)[order].to(dtype)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    start = 0
+    counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=num_experts).tolist()
+    start = num_foreign
     for e, n in enumerate(counts):
         if n == 0:
             continue

@@ -928,7 +928,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     (split-K) -> sum (top-k, splits)."""
     scheme = scheme_from_keys(weight_key, activation_key)
     m, top_k = topk_ids.shape
-    out = torch.empty_like(hidden)
+    # top-1 layers may write GEMM2 straight into out, where the row of a foreign pair (expert
+    # parallelism: id outside [0, E), never computed) must read zero; the top-k sum skips them.
+    # Zeroed here, ahead of the launch chain, not between its kernels.
+    out = torch.zeros_like(hidden) if top_k == 1 else torch.empty_like(hidden)
     if m == 0:
         return out
     if hidden.stride(-1) != 1:
@@ -973,7 +976,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl)
     if partial is not out:
-        triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl)
+        triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids,
+                            num_experts=num_experts)
     return out
 
 

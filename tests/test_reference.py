@@ -385,8 +385,29 @@ def test_reference_rejects_ids_out_of_range():
                                          dtype=torch.float32, bias=False, act_order=False, seed=23)
     hidden = torch.randn(2, H)
     ids = torch.tensor([[0, E]], dtype=torch.int32).expand(2, 2)
-    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\), got values in \[0, 4\]"):
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\) or -1 \(a foreign expert\), "
+                                         r"got values in \[0, 4\]"):
         ReferenceExperts(weights, ExpertsConfig()).apply(hidden, torch.full((2, 2), 0.5), ids)
+    with pytest.raises(ValueError, match=r"got values in \[-2, 2\]"):
+        ReferenceExperts(weights, ExpertsConfig()).apply(hidden, torch.full((2, 2), 0.5), ids - 2)
+
+
+def test_reference_foreign_experts_add_nothing():
+    """Id -1 (expert parallelism: another rank's expert) gives what a zero router weight gives."""
+    weights = make_random_expert_weights(K(UNQ), K(UNQ), num_experts=E, hidden=H, intermediate=INTER,
+                                         dtype=torch.float32, bias=True, act_order=False, seed=24)
+    hidden = torch.randn(3, H, generator=torch.Generator().manual_seed(24))
+    tw, ti = routing(3, 2, 24)
+    foreign = ti.clone()
+    foreign[0, 1] = -1
+    foreign[2] = -1  # a token with no local expert: its row is zero
+    zeroed = tw.clone()
+    zeroed[0, 1] = 0
+    zeroed[2] = 0
+    experts = ReferenceExperts(weights, ExpertsConfig())
+    out = experts.apply(hidden, tw, foreign)
+    torch.testing.assert_close(out, experts.apply(hidden, zeroed, ti), rtol=0, atol=1e-6)
+    assert torch.equal(out[2], torch.zeros(H)) and out[0].abs().min() > 0
 
 
 def test_random_weights_static_input_scale():

@@ -254,6 +254,37 @@ def test_split_k_with_top_1_and_router_weight_on_input():
         _check_layer("awq-g128", 7, top_k=1)
 
 
+@pytest.mark.parametrize("scheme,m,top_k,split", [
+    ("fp16", 1, 3, False), ("fp16", 1, 1, False), ("fp16", 7, 2, False), ("w8a8-int8-token", 7, 2, True),
+    ("awq-g128", 7, 1, False), ("fp8-block", 7, 3, False), ("mxfp8", 1, 2, False),
+])
+def test_foreign_experts_add_nothing(scheme, m, top_k, split, monkeypatch):
+    """Expert parallelism marks pairs routed to another rank's expert -1: the layer computes none of
+    them and adds nothing for them, as the reference does. Fresh buffers are filled with NaN here,
+    so a row that is never written but still read shows up."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    weights = _weights(scheme, seed=6)
+    hidden, topk_weights, topk_ids = _routing(m, top_k, seed=6)
+    topk_ids[0, -1] = -1
+    topk_ids[m - 1, 1:] = -1
+    if m > 1:
+        topk_ids[m - 1, 0] = -1  # a token with no local expert
+    local = (topk_ids >= 0).any(1)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    with triton_moe.config_override(gemm2=SPLIT_GEMM2) if split else contextlib.nullcontext():
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert not out.isnan().any()
+    assert torch.equal(out[~local], torch.zeros_like(out[~local]))
+    if local.any():
+        assert _rel_err(out[local], ref[local]) < SCHEMES[scheme][2]
+
+
 def test_split_k_partial_sums_are_summed(monkeypatch):
     """The override reaches the launch: GEMM2 runs with SPLIT_K 2 and writes float32 partials."""
     seen = []
