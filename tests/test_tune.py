@@ -113,3 +113,40 @@ def test_tuner_keeps_todays_configs_unless_beaten(tmp_path, monkeypatch):
         triton_moe._load_config_file.cache_clear()
     assert (t, base) == (1.0, 1.0)
     assert {k: c1[k] for k in today} == today and {k: c2[k] for k in today} == today
+
+
+class _LuckyCandidates(_SlowCandidates):
+    """Every candidate times at ``search_s`` during the search (today's configs at 1 s), and at
+    ``side_by_side_s`` once today's configs are timed again (the confirmation)."""
+
+    def __init__(self, tune, search_s: float, side_by_side_s: float) -> None:
+        super().__init__(tune)
+        self.search_s, self.side_by_side_s, self.today_timings = search_s, side_by_side_s, 0
+
+    def time(self, configs, *args):
+        if configs == (None, None):
+            self.today_timings += 1
+            return 1.0
+        return self.search_s if self.today_timings == 1 else self.side_by_side_s
+
+
+@pytest.mark.parametrize("side_by_side_s,keeps_today", [(0.99, True), (0.5, False)])
+def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_path, monkeypatch):
+    """A candidate that won the search by luck (clocks, timing) loses to today's configs when the
+    two are timed alternately, and today's stay; a real winner is kept, with its confirmed time."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    layer = _LuckyCandidates(tune, search_s=0.5, side_by_side_s=side_by_side_s)
+    log: list[str] = []
+    c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, log, limit=2, splits=(1,))
+    assert layer.today_timings == 1 + tune.CONFIRM_ROUNDS
+    today = triton_moe.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
+    if keeps_today:
+        assert (c1, t, base) == (today, 1.0, 1.0)
+        assert "kept today's configs: 1000000.0 us against 990000.0 us" in log[-1]
+    else:
+        assert c1 != today and (t, base) == (0.5, 1.0)

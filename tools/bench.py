@@ -98,9 +98,15 @@ class Row:
         return self.flops / (self.us * 1e-6) / 1e12
 
 
-def _median_time(fn, min_seconds: float, device: torch.device) -> float:
-    """Median seconds per call over at least ``min_seconds`` (events on GPU)."""
+def _median_time(fn, min_seconds: float, device: torch.device, warmup_seconds: float = 0.0) -> float:
+    """Median seconds per call over at least ``min_seconds`` (events on GPU), after untimed calls
+    for ``warmup_seconds`` (a GPU left idle, e.g. while Triton compiled, clocks down at first)."""
     fn()
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_seconds:
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     times = []
     start = time.perf_counter()
     while time.perf_counter() - start < min_seconds or len(times) < 5:
