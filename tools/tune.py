@@ -378,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             table.setdefault(key2, {})[str(target.m)] = c2
             path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
             done += 1
-            summary.append((shape_name, scheme, target.m, base_t * 1e6, t * 1e6, len(log)))
+            refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
+            summary.append((shape_name, scheme, target.m, base_t * 1e6, t * 1e6, refused))
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
