@@ -76,6 +76,9 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
                  (128, bks[0], 8, 4, False), (256, bks[0], 8, 3, False)]
+        if narrow:  # a packed tile is small: deeper pipelines and longer K keep more bytes in flight
+            tiles += [(64, 256, 4, 5, False), (128, 256, 4, 5, False), (64, 512, 4, 3, False),
+                      (128, 512, 4, 3, False), (64, 512, 4, 4, False)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
             tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
     elif bm > 128:  # only the swapped kernel takes 256 token rows (its dot's wide side)
