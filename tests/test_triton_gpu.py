@@ -217,6 +217,33 @@ def test_quant_ops_bit_match_quant_ref(key, dtype):
 # CUDA graphs and torch.compile
 
 
+@pytest.mark.parametrize("top_k_and_m", [(6, 1), (6, 64), (6, 700), (1, 64)], ids=lambda v: f"top{v[0]}-M{v[1]}")
+@pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token", "fp8-block"])
+def test_foreign_experts_add_nothing(scheme, top_k_and_m, monkeypatch):
+    """Pairs routed to -1 (another rank's expert) add nothing, on the one-token, one-program and
+    chunked alignment paths; fresh buffers are NaN-filled so a row never written but read shows."""
+    top_k, m = top_k_and_m
+    e, h, i, _ = SHAPES["e64"]
+    weights = _weights(scheme, e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=7)
+    foreign = torch.rand(topk_ids.shape, generator=torch.Generator().manual_seed(7)) < 0.3
+    topk_ids[foreign.to(DEVICE)] = -1
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    local = (topk_ids >= 0).any(1)
+    assert not out.isnan().any()
+    assert torch.equal(out[~local], torch.zeros_like(out[~local]))
+    err = _rel_err(out[local], ref[local])
+    assert err < _tolerance(scheme, torch.bfloat16), f"{scheme} top-{top_k} M={m}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_cuda_graph_replay(scheme):
     """Capture apply once, then replay with new inputs copied into the captured buffers."""
