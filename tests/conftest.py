@@ -1,4 +1,5 @@
-"""Shared fixtures: example checkpoints are generated once per session (they are not committed)."""
+"""Shared fixtures: example checkpoints are generated once per session (they are not committed);
+NaN-filled fresh buffers for tests of rows a kernel must never read unwritten."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def example(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         return made[name]
 
     return get
+
+
+@pytest.fixture
+def nan_filled_empty(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Call it to make every later floating-point ``torch.empty`` come back filled with NaN, so a
+    buffer row that is read before anything wrote it shows up in the output."""
+    real_empty = torch.empty
+
+    def nan_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    return lambda: monkeypatch.setattr(torch, "empty", nan_empty)

@@ -219,7 +219,7 @@ def test_quant_ops_bit_match_quant_ref(key, dtype):
 
 @pytest.mark.parametrize("top_k_and_m", [(6, 1), (6, 64), (6, 700), (1, 64)], ids=lambda v: f"top{v[0]}-M{v[1]}")
 @pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token", "fp8-block"])
-def test_foreign_experts_add_nothing(scheme, top_k_and_m, monkeypatch):
+def test_foreign_experts_add_nothing(scheme, top_k_and_m, nan_filled_empty):
     """Pairs routed to -1 (another rank's expert) add nothing, on the one-token, one-program and
     chunked alignment paths; fresh buffers are NaN-filled so a row never written but read shows."""
     top_k, m = top_k_and_m
@@ -229,13 +229,7 @@ def test_foreign_experts_add_nothing(scheme, top_k_and_m, monkeypatch):
     foreign = torch.rand(topk_ids.shape, generator=torch.Generator().manual_seed(7)) < 0.3
     topk_ids[foreign.to(DEVICE)] = -1
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    nan_filled_empty()
     out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     local = (topk_ids >= 0).any(1)
     assert not out.isnan().any()

@@ -258,16 +258,10 @@ def test_split_k_with_top_1_and_router_weight_on_input():
     ("fp16", 1, 3, False), ("fp16", 1, 1, False), ("fp16", 7, 2, False), ("w8a8-int8-token", 7, 2, True),
     ("awq-g128", 7, 1, False), ("fp8-block", 7, 3, False), ("mxfp8", 1, 2, False),
 ])
-def test_foreign_experts_add_nothing(scheme, m, top_k, split, monkeypatch):
+def test_foreign_experts_add_nothing(scheme, m, top_k, split, nan_filled_empty):
     """Expert parallelism marks pairs routed to another rank's expert -1: the layer computes none of
     them and adds nothing for them, as the reference does. Fresh buffers are filled with NaN here,
     so a row that is never written but still read shows up."""
-    real_empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
     weights = _weights(scheme, seed=6)
     hidden, topk_weights, topk_ids = _routing(m, top_k, seed=6)
     topk_ids[0, -1] = -1
@@ -276,7 +270,7 @@ def test_foreign_experts_add_nothing(scheme, m, top_k, split, monkeypatch):
         topk_ids[m - 1, 0] = -1  # a token with no local expert
     local = (topk_ids >= 0).any(1)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
-    monkeypatch.setattr(torch, "empty", nan_empty)
+    nan_filled_empty()
     with triton_moe.config_override(gemm2=SPLIT_GEMM2) if split else contextlib.nullcontext():
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert not out.isnan().any()
