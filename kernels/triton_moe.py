@@ -58,6 +58,9 @@ __all__ = [
 ]
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# up to this many tokens (decode) GEMM1 leaves per-token int8 intermediates their amax in pieces
+# (see _amax_pieces_shape)
+AMAX_PIECES_MAX_TOKENS = 64
 # a tuned entry stands for token counts up to this factor away from its own (tables are tuned at
 # 1, 8, 64, 512, 4096: every count lands on one); farther counts take the defaults
 TUNED_REACH = 4.0
@@ -485,10 +488,12 @@ def _fused_moe_kernel(
         # tensors
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
         topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
+        amax_ptr,
         # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
-        # padded length of sorted_ids (standard) or the per-expert capacity T (batched)
-        N, K, K_PACKED, num_valid, rows_per_expert, num_experts,
+        # padded length of sorted_ids (standard) or the per-expert capacity T (batched);
+        # amax_parts: columns of the row-amax pieces [rows, amax_parts] (see AMAX_OUT)
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts, amax_parts,
         # strides (last dimensions are contiguous; zero points share the scales' strides);
         # stride_cs steps between split-K partial outputs
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
@@ -500,10 +505,12 @@ def _fused_moe_kernel(
         A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, DOT: tl.constexpr, COMPUTE: tl.constexpr,
         ASM_DEQUANT: tl.constexpr,
         # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
-        # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2
+        # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2;
+        # AMAX_OUT (with FUSE_ACT): also each stored row's max |C| over this tile, into
+        # amax_ptr[row, pid_n]
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
-        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr):
@@ -648,16 +655,18 @@ def _fused_moe_kernel(
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
-                 FUSE_ACT, BLOCK_M, BLOCK_N)
+                 FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts, AMAX_OUT)
 
 
 @triton.jit
 def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, amax_ptr, amax_parts, AMAX_OUT: tl.constexpr):
     """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
-    router weight, bias (first split only), the gated activation when fused, and the store."""
+    router weight, bias (first split only), the gated activation when fused, and the store; with
+    AMAX_OUT (fused activation only) also each stored row's max |value| over the tile, as stored:
+    a piece of the row's amax, so the per-token quantisation after this GEMM need not find it."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -676,8 +685,12 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         out = triton_ops.gated_act(gate, up, FUSE_ACT)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(c_row_ptrs + offs_out[None, :], out.to(c_ptr.dtype.element_ty),
-                 mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
+        stored = out.to(c_ptr.dtype.element_ty)
+        tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
+        if AMAX_OUT:
+            magnitude = tl.where(offs_out[None, :] < N // 2, tl.abs(stored.to(tl.float32)), 0.0)
+            tl.store(amax_ptr + c_rows.to(tl.int64) * amax_parts + pid_n, tl.max(magnitude, axis=1),
+                     mask=store_rows)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -782,7 +795,7 @@ def _fused_moe_swap_kernel(
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     _finish_tile(tl.trans(acc), expert, pairs, row_mask, row_mask, offs_bn, pid_n, split, N, scale_cols,
                  bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
-                 False, FUSE_ACT, BLOCK_M, BLOCK_N)
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N, c_ptr, 0, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -837,10 +850,12 @@ def _byte_pairs(weight: torch.Tensor) -> bool:
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
-          fuse_act: str = "none", pdl: bool = False) -> None:
+          fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
-    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K; ``pdl``: as
-    part of a programmatic-dependent-launch chain."""
+    ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
+    ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
+    per column tile there (see _amax_pieces_shape); ``pdl``: as part of a
+    programmatic-dependent-launch chain."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -853,6 +868,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     else:
         as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
     n_tiles = triton.cdiv(w.n // 2, bn // 2) if fuse_act != "none" else triton.cdiv(w.n, bn)
+    if amax_pieces is not None and (fuse_act == "none" or config["SWAP_AB"] or amax_pieces.shape[1] != n_tiles):
+        raise ValueError("row-amax pieces come from the fused-activation kernel, one per column tile")
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
     elif rows.one_pair_blocks:
@@ -888,7 +905,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, rows.expert_ids if rows.expert_ids is not None else dummy, num_post_padded,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
+        amax_pieces if amax_pieces is not None else dummy,
         w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, w.weight.shape[0],
+        amax_pieces.shape[1] if amax_pieces is not None else 0,
         a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
         c.stride(0) if split_k > 1 else 0,
         W_TYPE=scheme.weight_type, PACKED=scheme.packed, W_ZERO=scheme.zero_code, HAS_ZERO=w.zero is not None,
@@ -898,9 +917,20 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
-        FUSE_ACT=fuse_act, SPLIT_K=split_k,
+        FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
+
+
+def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict,
+                       w13: "_Proj") -> tuple[int, int] | None:
+    """The shape [rows, column tiles] of the amax pieces GEMM1 leaves, or None: per-token int8
+    intermediates at decode (tokens <= AMAX_PIECES_MAX_TOKENS). Their quantisation then splits
+    each row among programs like the group modes, instead of one program reading a whole row
+    (14336 columns on Mixtral). Larger batches have rows enough to fill the GPU."""
+    if scheme.act_quant != "int8_token" or tokens > AMAX_PIECES_MAX_TOKENS:
+        return None
+    return tokens * top_k, triton.cdiv(w13.n // 2, config1["BLOCK_N"] // 2)
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -964,10 +994,12 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
+    pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13)
+    amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, pdl=pdl)
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl)
 
-    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, pdl=pdl)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)

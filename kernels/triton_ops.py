@@ -67,6 +67,8 @@ ALIGN_ONE_PROGRAM_MAX = 1024
 # int8_token row read once (its amax and its codes from the same registers; wider rows are read twice)
 ROW_CHUNK = 2048
 ROW_BLOCK_MAX = 16384
+# amax pieces of an int8_token row read per step (a GEMM epilogue leaves one per column tile)
+PIECES_STEP = 128
 
 ACTIVATIONS = ("silu", "gelu", "swigluoai")
 # act_quant modes: how the rows are quantised after the (optional) activation.
@@ -365,12 +367,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program_ma
 @triton.jit
 def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
                         num_blocks, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
-                        row_scale_ptr, counts_ptr,
-                        D, stride_x, stride_out, stride_scale, capacity,
+                        row_scale_ptr, counts_ptr, pieces_ptr,
+                        D, stride_x, stride_out, stride_scale, capacity, num_pieces,
                         BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
                         GROUP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                        BLOCK: tl.constexpr, ONE_READ: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK: tl.constexpr, ONE_READ: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr):
     """Decode prologue in one launch: program 0 aligns the pairs, program r + 1 quantises input
     row r. One launch instead of two is a few microseconds of a layer that takes tens."""
     grid_dependency(PDL)
@@ -380,8 +382,8 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
                       num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
     else:
         _act_quant_row((pid - 1).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                       counts_ptr, D, stride_x, stride_out, stride_scale, capacity, 0, D, ACTIVATION, QUANT,
-                       GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ)
+                       counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, 0, D,
+                       ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES)
 
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
@@ -404,7 +406,8 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
                                      group=group, pdl=pdl))
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
-    out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1)
+    out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1,
+                                               None)
     _align_quant_kernel[(1 + x.shape[0],)](
         ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args,
         **_one_program_meta(numel, num_experts, block_m), **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
@@ -479,6 +482,39 @@ def _mx_exponent(amax):
 
 
 @triton.jit
+def _int8_codes(v, scale):
+    """float32 values -> int8 codes at this scale, as quant_ref rounds them (correctly rounded
+    division, then round half to even and saturate)."""
+    return _to_int8(tl.math.div_rn(v, scale))
+
+
+@triton.jit
+def _fp8_codes(v, scale):
+    """float32 values -> e4m3 codes at this scale, as quant_ref rounds them."""
+    return _to_e4m3(tl.math.div_rn(v, scale))
+
+
+@triton.jit
+def _int8_token_scale(amax):
+    """A row's int8 scale from its amax (floored so an all-zero row divides by a positive)."""
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX)
+
+
+@triton.jit
+def _group_scale(amax, QUANT: tl.constexpr):
+    """(float32 scale, stored scale) of activation groups with these amax: fp8_group amax / 448
+    (floored), stored as is; mxfp8 2^(floor(log2 amax) - 8), stored as its biased e8m0 exponent."""
+    if QUANT == "fp8_group":
+        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+        stored = scale
+    else:
+        e = _mx_exponent(amax)
+        scale = _pow2(e)
+        stored = (e + 127).to(tl.uint8)
+    return scale, stored
+
+
+@triton.jit
 def gated_act(gate, up, ACTIVATION: tl.constexpr):
     """act(gate) * up in float32 (silu, gelu with erf, or gpt-oss's clamped swigluoai); shared by
     this module's row kernel and the GEMM1 epilogue of the fused MoE kernel."""
@@ -508,32 +544,34 @@ def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
-                      D, stride_x, stride_out, stride_scale, capacity,
+def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
+                      D, stride_x, stride_out, stride_scale, capacity, num_pieces,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                       HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                      ONE_READ: tl.constexpr, PDL: tl.constexpr):
+                      ONE_READ: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr):
     """Program (r, c): row r, columns [c * BLOCK, (c + 1) * BLOCK) (the whole row for int8_token,
-    whose scale needs it)."""
+    whose scale needs it, unless its amax comes in pieces)."""
     grid_dependency(PDL)
     col_lo = tl.program_id(1) * BLOCK
-    col_hi = D if QUANT == "int8_token" else tl.minimum(D, col_lo + BLOCK)
+    col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
     _act_quant_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                   counts_ptr, D, stride_x, stride_out, stride_scale, capacity, col_lo, col_hi, ACTIVATION, QUANT,
-                   GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ)
+                   counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, col_lo,
+                   col_hi, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES)
 
 
 @triton.jit
-def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
-                   D, stride_x, stride_out, stride_scale, capacity, col_lo, col_hi,
+def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
+                   D, stride_x, stride_out, stride_scale, capacity, num_pieces, col_lo, col_hi,
                    ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                    HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                   ONE_READ: tl.constexpr):
+                   ONE_READ: tl.constexpr, PIECES: tl.constexpr):
     """Columns [col_lo, col_hi) of one row (the whole row for int8_token), BLOCK at a time:
     optional gated activation ([2D] -> [D]), optional row factor (router weight on the input),
     then store as the activation dtype or quantise (see QUANT_MODES). A row of int8_token within
-    one BLOCK is read once (its values stay in registers between the amax and the codes). With
-    counts (batched format), rows past their expert's count are skipped."""
+    one BLOCK is read once (its values stay in registers between the amax and the codes); with
+    PIECES > 0 its amax is the largest of its num_pieces pieces (read PIECES at a time), so any
+    column range can be quantised alone. With counts (batched format), rows past their expert's
+    count are skipped."""
     if HAS_COUNTS:
         num_rows = tl.load(counts_ptr + row // capacity)
         if row % capacity >= num_rows:
@@ -544,13 +582,23 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
     if HAS_ROW_SCALE:
         row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
 
-    if QUANT == "int8_token" and ONE_READ:  # the whole row in one block
+    if QUANT == "int8_token" and PIECES > 0:  # the row's amax from its pieces
+        parts = tl.arange(0, PIECES)
+        amax = tl.zeros([PIECES], dtype=tl.float32)
+        for first in range(0, num_pieces, PIECES):
+            piece = tl.load(pieces_ptr + row * num_pieces + first + parts, mask=first + parts < num_pieces,
+                            other=0.0)
+            amax = tl.maximum(amax, piece)
+        scale = _int8_token_scale(tl.max(amax, axis=0))
+        if col_lo == 0:
+            tl.store(scale_ptr + row * stride_scale, scale)
+    elif QUANT == "int8_token" and ONE_READ:  # the whole row in one block
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR), INT8_MAX)
+        scale = _int8_token_scale(tl.max(tl.abs(v), axis=0))
         tl.store(scale_ptr + row * stride_scale, scale)
-        tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
+        tl.store(out_row + cols, _int8_codes(v, scale), mask=mask)
         col_hi = 0  # done: the loop below runs no step
     elif QUANT == "int8_token":  # first pass: the row's amax
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -558,7 +606,7 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
             cols = d + tl.arange(0, BLOCK)
             v = _row_values(x_row, cols, cols < D, D, row_scale, ACTIVATION)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), INT8_MAX)
+        scale = _int8_token_scale(tl.max(amax, axis=0))
         tl.store(scale_ptr + row * stride_scale, scale)
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -570,20 +618,13 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
         if QUANT == "none":
             tl.store(out_row + cols, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_row + cols, _to_int8(tl.math.div_rn(v, scale)), mask=mask)
+            tl.store(out_row + cols, _int8_codes(v, scale), mask=mask)
         elif QUANT == "fp8_static":
-            tl.store(out_row + cols, _to_e4m3(tl.math.div_rn(v, scale)), mask=mask)
+            tl.store(out_row + cols, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (BLOCK // GROUP, GROUP))
-            amax = tl.max(tl.abs(v), axis=1)
-            if QUANT == "fp8_group":
-                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-                stored = scale
-            else:
-                e = _mx_exponent(amax)
-                scale = _pow2(e)
-                stored = (e + 127).to(tl.uint8)
-            q = _to_e4m3(tl.math.div_rn(v, scale[:, None]))
+            scale, stored = _group_scale(tl.max(tl.abs(v), axis=1), QUANT)
+            q = _fp8_codes(v, scale[:, None])
             tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + row * stride_scale + groups, stored, mask=groups < tl.cdiv(D, GROUP))
@@ -592,18 +633,22 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
 def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: torch.Tensor | None = None,
               row_scale: torch.Tensor | None = None, group: int = 128,
               out_dtype: torch.dtype | None = None, expert_num_tokens: torch.Tensor | None = None,
-              capacity: int = 1, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              capacity: int = 1, amax_pieces: torch.Tensor | None = None,
+              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
     ACTIVATIONS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
     [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. With
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
-    ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain implementation behind
+    ``amax_pieces`` [T, P] (int8_token, no activation or row factor): each row's amax is the
+    largest of its P pieces (a GEMM epilogue left them), so rows are cut into chunks like the
+    group modes. ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain implementation behind
     the custom ops (no dispatcher hop inside the fused layer)."""
     out, scale, args, meta = _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype,
-                                               expert_num_tokens, capacity)
+                                               expert_num_tokens, capacity, amax_pieces)
     if x.shape[0]:
-        chunks = 1 if quant == "int8_token" else triton.cdiv(out.shape[1], meta["BLOCK"])
+        whole_rows = quant == "int8_token" and amax_pieces is None
+        chunks = 1 if whole_rows else triton.cdiv(out.shape[1], meta["BLOCK"])
         # measured on an H100 at decode: 16 warps beat 8 by 0.1-0.7 us from 2048-column blocks up
         warps = 4 if meta["BLOCK"] <= 512 else 8 if meta["BLOCK"] <= 1024 else 16
         _act_quant_kernel[(x.shape[0], chunks)](*args, **meta, PDL=pdl, num_warps=warps, **pdl_launch(pdl))
@@ -611,9 +656,13 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
 
 
 def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype, expert_num_tokens,
-                      capacity):
+                      capacity, amax_pieces):
     """Outputs, kernel arguments and constexprs of one act_quant launch (shared with the launch
     that fuses it with alignment)."""
+    if amax_pieces is not None and (quant != "int8_token" or activation != "none" or row_scale is not None
+                                    or amax_pieces.shape[0] != x.shape[0] or not amax_pieces.is_contiguous()):
+        raise ValueError("amax pieces are a contiguous [rows, P] amax of the rows as given (int8_token, no "
+                         "activation or row factor)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, d_in = x.shape
@@ -634,16 +683,19 @@ def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_
         else:
             sdt = torch.uint8 if quant == "mxfp8" else torch.float32
             scale = torch.empty(t, triton.cdiv(d, group), dtype=sdt, device=dev)
-    widest = ROW_BLOCK_MAX if quant == "int8_token" else ROW_CHUNK
+    widest = ROW_BLOCK_MAX if quant == "int8_token" and amax_pieces is None else ROW_CHUNK
     block = max(min(triton.next_power_of_2(d), widest), group if quant in ("fp8_group", "mxfp8") else 16)
     dummy = out
     scale_arg = scale if scale is not None else dummy
     args = (x, out, scale_arg, static_scale if static_scale is not None else dummy,
             row_scale if row_scale is not None else dummy,
             expert_num_tokens if expert_num_tokens is not None else dummy,
-            d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0, capacity)
+            amax_pieces if amax_pieces is not None else dummy,
+            d, x.stride(0), out.stride(0), scale_arg.stride(0) if scale_arg.dim() == 2 else 0, capacity,
+            amax_pieces.shape[1] if amax_pieces is not None else 0)
+    pieces = min(triton.next_power_of_2(amax_pieces.shape[1]), PIECES_STEP) if amax_pieces is not None else 0
     meta = {"ACTIVATION": activation, "QUANT": quant, "GROUP": group, "HAS_ROW_SCALE": row_scale is not None,
-            "HAS_COUNTS": expert_num_tokens is not None, "BLOCK": block, "ONE_READ": block >= d}
+            "HAS_COUNTS": expert_num_tokens is not None, "BLOCK": block, "ONE_READ": block >= d, "PIECES": pieces}
     return out, scale, args, meta
 
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from moe_registry_kernels import quant_ref, triton_ops
+from moe_registry_kernels import quant_ref, triton_moe, triton_ops
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
 
@@ -121,8 +121,6 @@ def test_layer_matches_reference(scheme, shape, m, dtype):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_swapped_operands_match_reference(scheme, split_k, dtype):
     """The swapped-operand decode kernel (where the scheme allows it) at a realistic shape."""
-    from moe_registry_kernels import triton_moe
-
     e, h, i, top_k = SHAPES[next(iter(SHAPES))]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(8, e, h, top_k, dtype, seed=3)
@@ -269,8 +267,6 @@ def test_cuda_graph_replay(scheme):
 def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
     """On Hopper the layer's kernels run as one programmatic-dependent-launch chain; eagerly and
     replayed in a CUDA graph it gives bit for bit what plain launches give."""
-    from moe_registry_kernels import triton_ops
-
     assert triton_ops.pdl_supported(torch.device(DEVICE)), "this GPU should run the chain with PDL"
     e, h, i, top_k = SHAPES["e64"]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
@@ -285,6 +281,32 @@ def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
     monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: False)
     plain = experts.apply(*inputs)
     assert torch.equal(chained, plain) and torch.equal(captured, plain)
+
+
+@pytest.mark.parametrize("shape,m", [("e8", 1), ("e8", 64), ("e64", 1), ("e64", 8), ("e64", 64)])
+def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monkeypatch):
+    """At decode GEMM1 leaves each per-token int8 intermediate row its amax in pieces and the
+    quantisation runs in row chunks: eagerly and replayed in a CUDA graph, bit for bit what one
+    program per whole row gives."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights("w8a8-int8-token", e, h, i, torch.bfloat16)
+    experts = TritonExperts(weights, ExpertsConfig())
+    inputs = _routing(m, e, h, top_k, torch.bfloat16, seed=7)
+    pieces = []
+    real = triton_ops.act_quant
+    monkeypatch.setattr(triton_ops, "act_quant",
+                        lambda *a, **k: pieces.append(k.get("amax_pieces") is not None) or real(*a, **k))
+    chunked = experts.apply(*inputs)
+    assert pieces[-1], "GEMM2's input was not quantised from amax pieces"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts.apply(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setattr(triton_moe, "AMAX_PIECES_MAX_TOKENS", 0)
+    whole = experts.apply(*inputs)
+    assert not pieces[-1]
+    assert torch.equal(chunked, whole) and torch.equal(captured, whole)
 
 
 @pytest.mark.parametrize("scheme", ["awq-g128", "w8a8-int8-token", "fp8-block"])
@@ -393,7 +415,6 @@ def test_decode_timing_report(m, capsys):
 def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     import triton
     import triton.language as tl
-    from moe_registry_kernels import triton_moe
 
     @triton.jit
     def dequant(p_ptr, z_ptr, s_ptr, lo_ptr, hi_ptr, SIGNED: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,

@@ -309,6 +309,45 @@ def test_gemm1_applies_the_activation():
     assert calls == []
 
 
+# GEMM1 in four column tiles: each intermediate row's amax comes in four pieces
+NARROW_GEMM1 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+                "num_stages": 2}
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, monkeypatch):
+    """At decode GEMM1 leaves each per-token int8 intermediate row its amax in pieces, one per
+    column tile, and the quantisation cuts rows into chunks: the same codes and scales as one
+    program reading each whole row, so the same layer output to the bit."""
+    weights = _weights("w8a8-int8-token", seed=8)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
+    monkeypatch.setattr(triton_ops, "PIECES_STEP", 2)  # the four pieces in two steps
+    monkeypatch.setattr(triton_ops, "ROW_CHUNK", 16)  # four chunks per 64-column row
+    pieces = []
+    real = triton_ops.act_quant
+
+    def spy(*args, **kwargs):
+        amax = kwargs.get("amax_pieces")
+        pieces.append(None if amax is None else tuple(amax.shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "act_quant", spy)
+
+    def run() -> torch.Tensor:
+        pieces.clear()
+        with triton_moe.config_override(NARROW_GEMM1, NARROW_GEMM1):
+            return TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+
+    chunked = run()
+    assert pieces[-1] == (2 * m, 4)  # GEMM2's input: 2m pairs, 4 column tiles of GEMM1
+    monkeypatch.setattr(triton_moe, "AMAX_PIECES_MAX_TOKENS", 0)
+    whole = run()
+    assert pieces[-1] is None
+    assert torch.equal(chunked, whole)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(chunked, ref) < SCHEMES["w8a8-int8-token"][2]
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "w8a8-int8-token",
                                     "w8a8-int8-static"])
 def test_batched_matches_reference(scheme):
@@ -533,6 +572,21 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, narrow, monkeypatch):
     assert q.dtype == ref.q.dtype and s.dtype == ref.scale.dtype and s.shape == ref.scale.shape
     assert _same_codes(q, ref.q)
     assert _same_codes(s, ref.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_int8_token_rows_in_chunks_from_amax_pieces(dtype, monkeypatch):
+    """With each row's amax given in pieces (a GEMM epilogue's), rows are cut into chunks, each
+    scaled by the largest piece: quant_ref's codes and scales, zero row and outlier included."""
+    monkeypatch.setattr(triton_ops, "ROW_CHUNK", 32)
+    monkeypatch.setattr(triton_ops, "PIECES_STEP", 4)  # the 8 pieces in two steps
+    x = _quant_inputs(dtype)
+    pieces = x.float().abs().reshape(x.shape[0], 8, 25).amax(-1)  # 8 pieces of 25 columns
+    q, s = triton_ops.act_quant(x, "none", "int8_token", amax_pieces=pieces)
+    ref = quant_ref.quantize_activation(x, parse_quant_key(INT8_TOKEN))
+    assert _same_codes(q, ref.q) and _same_codes(s, ref.scale)
+    with pytest.raises(ValueError, match=r"amax pieces are a contiguous \[rows, P\] amax"):
+        triton_ops.act_quant(x, "none", "fp8_group", amax_pieces=pieces)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
