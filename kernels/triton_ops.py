@@ -501,20 +501,6 @@ def _int8_token_scale(amax):
 
 
 @triton.jit
-def _group_scale(amax, QUANT: tl.constexpr):
-    """(float32 scale, stored scale) of activation groups with these amax: fp8_group amax / 448
-    (floored), stored as is; mxfp8 2^(floor(log2 amax) - 8), stored as its biased e8m0 exponent."""
-    if QUANT == "fp8_group":
-        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-        stored = scale
-    else:
-        e = _mx_exponent(amax)
-        scale = _pow2(e)
-        stored = (e + 127).to(tl.uint8)
-    return scale, stored
-
-
-@triton.jit
 def gated_act(gate, up, ACTIVATION: tl.constexpr):
     """act(gate) * up in float32 (silu, gelu with erf, or gpt-oss's clamped swigluoai); shared by
     this module's row kernel and the GEMM1 epilogue of the fused MoE kernel."""
@@ -623,7 +609,14 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
             tl.store(out_row + cols, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (BLOCK // GROUP, GROUP))
-            scale, stored = _group_scale(tl.max(tl.abs(v), axis=1), QUANT)
+            amax = tl.max(tl.abs(v), axis=1)
+            if QUANT == "fp8_group":
+                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+                stored = scale
+            else:
+                e = _mx_exponent(amax)
+                scale = _pow2(e)
+                stored = (e + 127).to(tl.uint8)
             q = _fp8_codes(v, scale[:, None])
             tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
@@ -642,8 +635,8 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
     ``amax_pieces`` [T, P] (int8_token, no activation or row factor): each row's amax is the
     largest of its P pieces (a GEMM epilogue left them), so rows are cut into chunks like the
-    group modes. ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain implementation behind
-    the custom ops (no dispatcher hop inside the fused layer)."""
+    group modes. ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain
+    implementation behind the custom ops (no dispatcher hop inside the fused layer)."""
     out, scale, args, meta = _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype,
                                                expert_num_tokens, capacity, amax_pieces)
     if x.shape[0]:
