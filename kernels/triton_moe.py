@@ -847,6 +847,12 @@ def _byte_pairs(weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1 and all(s % 2 == 0 for s in weight.stride()[:-1]))
 
 
+def _column_tiles(n: int, block_n: int, fuse_act: str) -> int:
+    """Column tiles of a GEMM with N outputs (with a fused activation a tile holds BLOCK_N / 2
+    gate rows and their up rows, so N / 2 columns come out)."""
+    return triton.cdiv(n // 2, block_n // 2) if fuse_act != "none" else triton.cdiv(n, block_n)
+
+
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
@@ -867,7 +873,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         as_strides = (0, 0)
     else:
         as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
-    n_tiles = triton.cdiv(w.n // 2, bn // 2) if fuse_act != "none" else triton.cdiv(w.n, bn)
+    n_tiles = _column_tiles(w.n, bn, fuse_act)
     if amax_pieces is not None and (fuse_act == "none" or config["SWAP_AB"] or amax_pieces.shape[1] != n_tiles):
         raise ValueError("row-amax pieces come from the fused-activation kernel, one per column tile")
     if rows.batched:
@@ -922,15 +928,15 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
 
 
-def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict,
-                       w13: "_Proj") -> tuple[int, int] | None:
+def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj,
+                       activation: str) -> tuple[int, int] | None:
     """The shape [rows, column tiles] of the amax pieces GEMM1 leaves, or None: per-token int8
     intermediates at decode (tokens <= AMAX_PIECES_MAX_TOKENS). Their quantisation then splits
     each row among programs like the group modes, instead of one program reading a whole row
     (14336 columns on Mixtral). Larger batches have rows enough to fill the GPU."""
     if scheme.act_quant != "int8_token" or tokens > AMAX_PIECES_MAX_TOKENS:
         return None
-    return tokens * top_k, triton.cdiv(w13.n // 2, config1["BLOCK_N"] // 2)
+    return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -994,7 +1000,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
-    pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13)
+    pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl)

@@ -551,9 +551,9 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
                    ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                    HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
                    ONE_READ: tl.constexpr, PIECES: tl.constexpr):
-    """Columns [col_lo, col_hi) of one row (the whole row for int8_token), BLOCK at a time:
-    optional gated activation ([2D] -> [D]), optional row factor (router weight on the input),
-    then store as the activation dtype or quantise (see QUANT_MODES). A row of int8_token within
+    """Columns [col_lo, col_hi) of one row (int8_token without pieces: the whole row), BLOCK at a
+    time: optional gated activation ([2D] -> [D]), optional row factor (router weight on the
+    input), then store as the activation dtype or quantise (see QUANT_MODES). A row of int8_token within
     one BLOCK is read once (its values stay in registers between the amax and the codes); with
     PIECES > 0 its amax is the largest of its num_pieces pieces (read PIECES at a time), so any
     column range can be quantised alone. With counts (batched format), rows past their expert's
