@@ -59,9 +59,12 @@ FP8_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
 AMAX_FLOOR = tl.constexpr(1e-10)
 
-# Up to this many (token, k) pairs, alignment runs as one program (one launch: decode); above it,
-# three launches that split the pairs into chunks (prefill).
-ALIGN_ONE_PROGRAM_MAX = 1024
+# Up to this many (token, k) pairs, alignment is one launch of one program per ALIGN_PART_PAIRS
+# pairs, each recounting all of them (decode); above it, three launches that count chunks once
+# (prefill). ALIGN_WARPS: warps of the one-launch alignment.
+ALIGN_ONE_LAUNCH_MAX = 1024
+ALIGN_PART_PAIRS = 32
+ALIGN_WARPS = 4
 
 # act_quant: columns per program (rows are cut into chunks that run side by side), and the widest
 # int8_token row read once (its amax and its codes from the same registers; wider rows are read twice)
@@ -201,41 +204,69 @@ def _fill_sentinel(sorted_ptr, first, last, sentinel, FILL: tl.constexpr):
 
 
 @triton.jit
-def _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
-                  num_blocks, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
-                  FILL: tl.constexpr, TILE_B: tl.constexpr):
-    """Whole alignment in one program (decode): count the pairs per expert, lay out the padded
-    expert ranges, then sort the (expert, pair) keys; the i-th sorted pair goes to slot i plus the
-    padding of the experts before its own. Stable: pairs keep their order within an expert. Work
-    is O(PAIRS log^2 PAIRS + BINS), not pairs x experts."""
-    offs = tl.arange(0, PAIRS)
+def _expert_of(ids_ptr, offs, numel, num_experts):
+    """Expert ids of pairs ``offs``; ids outside [0, E) (expert parallelism marks foreign experts
+    -1) and offsets past numel read E, which holds no range."""
     ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1).to(tl.int32)
-    # ids outside [0, E) (expert parallelism marks foreign experts -1) and the tail past numel go
-    # to bin E, which holds no range and sorts last
-    experts = tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
-    counts = tl.histogram(experts, BINS)
-    counts = tl.where(tl.arange(0, BINS) < num_experts, counts, 0)
-    starts, ends, total = _expert_ranges(counts, BLOCK_M)
-    padding_before = starts - (tl.cumsum(counts, 0) - counts)
-    tl.store(num_post_ptr, total)
-    _fill_expert_ids(expert_ids_ptr, ends, total, 0, num_blocks, BLOCK_M, TILE_B)
-    _fill_sentinel(sorted_ptr, 0, max_padded, numel, FILL)
-
-    keys = tl.sort(experts * PAIRS + offs)
-    expert_of = keys // PAIRS
-    dest = offs + tl.gather(padding_before, tl.minimum(expert_of, BINS - 1), 0)
-    tl.debug_barrier()  # the scatter below overwrites sentinels other threads just stored
-    tl.store(sorted_ptr + dest, keys % PAIRS, mask=expert_of < num_experts)
+    return tl.where((ids >= 0) & (ids < num_experts), ids, num_experts)
 
 
 @triton.jit
-def _align_one_program_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                              numel, num_experts, max_padded, num_blocks,
-                              BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
-                              FILL: tl.constexpr, TILE_B: tl.constexpr, PDL: tl.constexpr):
+def _align_part(part, parts, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                num_blocks, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                EXPERT_TILE: tl.constexpr, FILL: tl.constexpr, TILE_B: tl.constexpr):
+    """Program ``part`` of the ``parts`` that align the pairs together in one launch (decode).
+    Each counts all pairs per expert and lays out the padded expert ranges (a few hundred pairs:
+    cheaper to repeat than to wait for), then writes its own share: the slots of pairs part·CHUNK
+    .. +CHUNK (a pair's slot is its expert's start plus the pairs of that expert before it, so an
+    expert's pairs keep their order), the padding of its share of the experts, its share of the
+    slots past the padded total, and its share of expert_ids. The shares are disjoint: no program
+    waits for another, and nothing is written twice."""
+    offs = tl.arange(0, PAIRS)
+    experts = _expert_of(ids_ptr, offs, numel, num_experts)
+    counts = tl.histogram(experts, BINS)
+    counts = tl.where(tl.arange(0, BINS) < num_experts, counts, 0)  # bin E held the dropped pairs
+    starts, ends, total = _expert_ranges(counts, BLOCK_M)
+    if part == 0:
+        tl.store(num_post_ptr, total)
+
+    # this part's pairs: slot = expert start + that expert's pairs in earlier parts + in this one
+    lo = part * CHUNK
+    before = tl.histogram(tl.where(offs < lo, experts, num_experts), BINS)
+    mine = tl.arange(0, CHUNK)
+    mine_expert = _expert_of(ids_ptr, lo + mine, numel, num_experts)
+    same = (mine_expert[None, :] == mine_expert[:, None]) & (mine[None, :] < mine[:, None])
+    expert_index = tl.minimum(mine_expert, BINS - 1)
+    slot = tl.gather(starts + before, expert_index, 0) + tl.sum(same.to(tl.int32), axis=1)
+    tl.store(sorted_ptr + slot, lo + mine, mask=mine_expert < num_experts)
+
+    experts_per_part = tl.cdiv(num_experts, parts)  # padding: an expert's slots after its pairs
+    last_expert = tl.minimum(part * experts_per_part + experts_per_part, num_experts)
+    for e0 in range(part * experts_per_part, last_expert, EXPERT_TILE):
+        e = tl.minimum(e0 + tl.arange(0, EXPERT_TILE), BINS - 1)
+        slots = (tl.gather(starts, e, 0) + tl.gather(counts, e, 0))[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + slots, tl.zeros([EXPERT_TILE, BLOCK_M], dtype=tl.int32) + numel,
+                 mask=((e0 + tl.arange(0, EXPERT_TILE)) < last_expert)[:, None]
+                 & (slots < tl.gather(ends, e, 0)[:, None]))
+
+    tail_per_part = tl.cdiv(max_padded - total, parts)  # slots past the padded total
+    tail = total + part * tail_per_part
+    _fill_sentinel(sorted_ptr, tail, tl.minimum(tail + tail_per_part, max_padded), numel, FILL)
+    blocks_per_part = tl.cdiv(num_blocks, parts)
+    first_block = part * blocks_per_part
+    _fill_expert_ids(expert_ids_ptr, ends, total, first_block, tl.minimum(first_block + blocks_per_part, num_blocks),
+                     BLOCK_M, TILE_B)
+
+
+@triton.jit
+def _align_one_launch_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                             numel, num_experts, max_padded, num_blocks,
+                             BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr,
+                             EXPERT_TILE: tl.constexpr, FILL: tl.constexpr, TILE_B: tl.constexpr,
+                             PDL: tl.constexpr):
     grid_dependency(PDL)
-    _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
-                  num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
+    _align_part(tl.program_id(0), tl.num_programs(0), ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel,
+                num_experts, max_padded, num_blocks, BLOCK_M, PAIRS, BINS, CHUNK, EXPERT_TILE, FILL, TILE_B)
 
 
 @triton.jit
@@ -295,20 +326,13 @@ def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorte
     _fill_expert_ids(expert_ids_ptr, ends, total, first, last, BLOCK_M, TILE_B)
 
 
-def _one_program_meta(numel: int, num_experts: int, block_m: int) -> dict:
+def _one_launch_grid(numel: int, num_experts: int, block_m: int) -> tuple[int, dict]:
+    """(programs, meta) of the one-launch alignment: one program per ALIGN_PART_PAIRS pairs."""
     bins = max(triton.next_power_of_2(num_experts + 1), 16)  # bin E collects the dropped pairs
-    return {"BLOCK_M": block_m, "PAIRS": max(triton.next_power_of_2(numel), 16), "BINS": bins, "FILL": 256,
+    meta = {"BLOCK_M": block_m, "PAIRS": max(triton.next_power_of_2(numel), 16), "BINS": bins,
+            "CHUNK": ALIGN_PART_PAIRS, "EXPERT_TILE": min(bins, max(1, 4096 // block_m)), "FILL": 256,
             "TILE_B": max(16, min(256, 8192 // bins))}
-
-
-def _one_program_warps(numel: int, bins: int) -> int:
-    """Warps of the one-program alignment. Measured on an H100: with many experts the sort and the
-    [TILE_B, BINS] comparisons of a few pairs run faster on fewer warps (48 pairs over 64 experts:
-    2.9 us on one warp, 3.6 on eight; 512 over 128: 7.9 on four, 8.9 on eight); few experts want
-    eight (16 pairs over 8 experts: 2.1 us on eight, 3.4 on one)."""
-    if bins >= 128 and numel <= 64:
-        return 1
-    return 4 if bins >= 256 else 8
+    return triton.cdiv(numel, ALIGN_PART_PAIRS), meta
 
 
 def _alignment_outputs(ids: torch.Tensor, num_experts: int,
@@ -324,12 +348,12 @@ def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     return ids if ids.is_contiguous() else ids.contiguous()
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program_max: int | None = None,
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max: int | None = None,
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`moe_align_block_size`; ``one_program_max`` (default ALIGN_ONE_PROGRAM_MAX) picks
+    """See :func:`moe_align_block_size`; ``one_launch_max`` (default ALIGN_ONE_LAUNCH_MAX) picks
     the path (tests use it); ``pdl``: launch as part of a programmatic-dependent-launch chain."""
-    if one_program_max is None:
-        one_program_max = ALIGN_ONE_PROGRAM_MAX
+    if one_launch_max is None:
+        one_launch_max = ALIGN_ONE_LAUNCH_MAX
     ids = _flat_ids(topk_ids)
     numel = ids.numel()
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
@@ -338,11 +362,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program_ma
     block_e = max(triton.next_power_of_2(num_experts), 16)
     fill = 256
     tile_b = max(16, min(256, 8192 // block_e))  # [tile_b, block_e] comparisons per step
-    if numel <= one_program_max:
-        meta = _one_program_meta(numel, num_experts, block_m)
-        _align_one_program_kernel[(1,)](
+    if numel <= one_launch_max:
+        parts, meta = _one_launch_grid(numel, num_experts, block_m)
+        _align_one_launch_kernel[(parts,)](
             ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, **meta,
-            PDL=pdl, num_warps=_one_program_warps(numel, meta["BINS"]), **pdl_launch(pdl))
+            PDL=pdl, num_warps=ALIGN_WARPS, **pdl_launch(pdl))
         return sorted_ids, expert_ids, num_post
 
     chunk = max(16, min(256, 16384 // block_e))
@@ -369,48 +393,51 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
                         num_blocks, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
                         row_scale_ptr, counts_ptr, pieces_ptr,
                         D, stride_x, stride_out, stride_scale, capacity, num_pieces,
-                        BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr, FILL: tl.constexpr,
+                        parts, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
+                        CHUNK: tl.constexpr, EXPERT_TILE: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
                         GROUP: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr,
                         BLOCK: tl.constexpr, ONE_READ: tl.constexpr, PIECES: tl.constexpr, PDL: tl.constexpr):
-    """Decode prologue in one launch: program 0 aligns the pairs, program r + 1 quantises input
-    row r. One launch instead of two is a few microseconds of a layer that takes tens."""
+    """Decode prologue in one launch: programs 0 .. parts - 1 align the pairs, program parts + r
+    quantises input row r. One launch instead of two is a few microseconds of a layer that takes
+    tens."""
     grid_dependency(PDL)
     pid = tl.program_id(0)
-    if pid == 0:
-        _align_sorted(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
-                      num_blocks, BLOCK_M, PAIRS, BINS, FILL, TILE_B)
+    if pid < parts:
+        _align_part(pid, parts, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                    num_blocks, BLOCK_M, PAIRS, BINS, CHUNK, EXPERT_TILE, FILL, TILE_B)
     else:
-        _act_quant_row((pid - 1).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
+        _act_quant_row((pid - parts).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
                        counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, 0, D,
                        ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES)
 
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
                 static_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-                group: int = 128, one_program_max: int | None = None, pdl: bool = False
+                group: int = 128, one_launch_max: int | None = None, pdl: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`align` and ``act_quant(x, "none", quant, ...)`` together: (sorted_token_ids,
     expert_ids, num_tokens_post_padded, codes, scale); x itself and None when ``quant`` is "none".
     With few pairs (decode) both run in one launch; otherwise they are the two launches they
     always were."""
-    if one_program_max is None:
-        one_program_max = ALIGN_ONE_PROGRAM_MAX
+    if one_launch_max is None:
+        one_launch_max = ALIGN_ONE_LAUNCH_MAX
     ids = _flat_ids(topk_ids)
     numel = ids.numel()
     if quant == "none":
-        return (*align(ids, num_experts, block_m, one_program_max, pdl), x, None)
-    if numel > one_program_max:
-        aligned = align(ids, num_experts, block_m, one_program_max, pdl)
+        return (*align(ids, num_experts, block_m, one_launch_max, pdl), x, None)
+    if numel > one_launch_max:
+        aligned = align(ids, num_experts, block_m, one_launch_max, pdl)
         return (*aligned, *act_quant(x, "none", quant, static_scale=static_scale, row_scale=row_scale,
                                      group=group, pdl=pdl))
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
     out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1,
                                                None)
-    _align_quant_kernel[(1 + x.shape[0],)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args,
-        **_one_program_meta(numel, num_experts, block_m), **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
+    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
+    _align_quant_kernel[(parts + x.shape[0],)](
+        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args, parts,
+        **align_meta, **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
     return sorted_ids, expert_ids, num_post, out, scale
 
 

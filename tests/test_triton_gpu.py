@@ -218,7 +218,7 @@ def test_quant_ops_bit_match_quant_ref(key, dtype):
 @pytest.mark.parametrize("top_k_and_m", [(6, 1), (6, 64), (6, 700), (1, 64)], ids=lambda v: f"top{v[0]}-M{v[1]}")
 @pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token", "fp8-block"])
 def test_foreign_experts_add_nothing(scheme, top_k_and_m, nan_filled_empty):
-    """Pairs routed to -1 (another rank's expert) add nothing, on the one-token, one-program and
+    """Pairs routed to -1 (another rank's expert) add nothing, on the one-token, one-launch and
     chunked alignment paths; fresh buffers are NaN-filled so a row never written but read shows."""
     top_k, m = top_k_and_m
     e, h, i, _ = SHAPES["e64"]
@@ -263,7 +263,7 @@ def test_cuda_graph_replay(scheme):
 
 
 @pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token", "fp8-block"])
-@pytest.mark.parametrize("m", [4, 700])  # one-program prologue; chunked alignment + quantise kernels
+@pytest.mark.parametrize("m", [4, 700])  # one-launch prologue; chunked alignment + quantise kernels
 def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
     """On Hopper the layer's kernels run as one programmatic-dependent-launch chain; eagerly and
     replayed in a CUDA graph it gives bit for bit what plain launches give."""
@@ -307,6 +307,39 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
     whole = experts.apply(*inputs)
     assert not pieces[-1]
     assert torch.equal(chunked, whole) and torch.equal(captured, whole)
+
+
+@pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", ["e8", "e64"])
+def test_top_k_sum_in_gemm2_gives_the_sum_kernel_bit_for_bit(shape, m, scheme, monkeypatch):
+    """At decode GEMM2's epilogue sums the top-k pairs and split-K pieces (the last program to store
+    a token's column tile adds them up): eagerly and replayed in a CUDA graph (twice: GEMM1 zeroes
+    the counters on every replay), bit for bit what the sum kernel gives."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, torch.bfloat16)
+    experts = TritonExperts(weights, ExpertsConfig())
+    inputs = _routing(m, e, h, top_k, torch.bfloat16, seed=9)
+    sums = []
+    real = triton_ops.sum_topk
+    monkeypatch.setattr(triton_ops, "sum_topk", lambda *a, **k: sums.append(1) or real(*a, **k))
+    fused = experts.apply(*inputs)
+    assert sums == [], "the sum kernel ran at decode"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = experts.apply(*inputs)
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(captured.clone())
+    monkeypatch.setattr(triton_moe, "REDUCE_IN_GEMM_MAX_TOKENS", 0)
+    plain = experts.apply(*inputs)
+    assert sums == [1]
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(r, plain) for r in replays)
+    ref = reference_moe(*inputs, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    assert _rel_err(fused, ref) < _tolerance(scheme, torch.bfloat16)
 
 
 @pytest.mark.parametrize("scheme", ["awq-g128", "w8a8-int8-token", "fp8-block"])
@@ -355,17 +388,17 @@ def _graph_time_us(fn, reps: int = 20) -> float:
 
 
 def test_align_paths_timing_report(capsys):
-    """Prints µs of the one-program (sorted keys) and the chunked (three launches) alignment for
-    128 experts, to place ALIGN_ONE_PROGRAM_MAX; both must give valid alignments."""
+    """Prints µs of the one-launch (one program per 32 pairs) and the chunked (three launches)
+    alignment for 128 experts, to place ALIGN_ONE_LAUNCH_MAX; both must give the same arrays."""
     rows = []
     for pairs in (64, 512, 1024, 2048, 4096):
         ids = torch.rand(pairs // 8, 128, device=DEVICE).topk(8, dim=-1).indices.to(torch.int32)
-        one = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_program_max=1 << 20))
-        chunked = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_program_max=0))
-        a = triton_ops.align(ids, 128, 64, one_program_max=1 << 20)
-        b = triton_ops.align(ids, 128, 64, one_program_max=0)
+        one = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_launch_max=1 << 20))
+        chunked = _graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_launch_max=0))
+        a = triton_ops.align(ids, 128, 64, one_launch_max=1 << 20)
+        b = triton_ops.align(ids, 128, 64, one_launch_max=0)
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"the two paths differ at {pairs} pairs"
-        rows.append(f"align {pairs:>5} pairs  one program {one:6.1f} us   chunked {chunked:6.1f} us")
+        rows.append(f"align {pairs:>5} pairs  one launch {one:6.1f} us   chunked {chunked:6.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
 

@@ -468,21 +468,34 @@ def _check_alignment(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num
         assert torch.all(rows[:pairs.numel()] == pairs), "padding before real pairs"
 
 
-@pytest.mark.parametrize("m,top_k,num_experts,block_m,one_program_max", [
+@pytest.mark.parametrize("m,top_k,num_experts,block_m,one_launch_max", [
     (1, 2, 4, 16, 1024),
     (7, 2, 4, 16, 1024),
-    (33, 3, 9, 32, 1024),
-    (64, 8, 128, 16, 1024),  # one program, many experts (sorted keys, 256 bins)
-    (100, 8, 256, 32, 1024),  # 800 pairs in one program
+    (33, 3, 9, 32, 1024),  # one launch, two programs
+    (100, 3, 9, 16, 1024),  # five programs over nine experts: shares of one or two experts, or none
+    (64, 8, 128, 16, 1024),  # eight programs, many experts (256 bins)
+    (100, 8, 256, 32, 1024),  # 800 pairs in thirteen programs
     (100, 3, 9, 16, 0),  # chunked path, two chunks
     (60, 8, 64, 16, 0),  # chunked path, many experts
 ])
-def test_align(m, top_k, num_experts, block_m, one_program_max):
+def test_align(m, top_k, num_experts, block_m, one_launch_max):
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, num_experts, (m, top_k), generator=g)
     ids[0, 0] = -1  # expert parallelism: a foreign expert is dropped
-    out = triton_ops.align(ids, num_experts, block_m, one_program_max=one_program_max)
+    out = triton_ops.align(ids, num_experts, block_m, one_launch_max=one_launch_max)
     _check_alignment(ids, num_experts, block_m, *out)
+
+
+def test_align_one_launch_equals_the_chunked_path():
+    """Both paths give the same arrays, and every slot is written: outputs start as garbage."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(-1, 9, (150, 3), generator=g)
+    real_empty = torch.empty
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-77))
+        one = triton_ops.align(ids, 9, 16, one_launch_max=1024)
+        chunked = triton_ops.align(ids, 9, 16, one_launch_max=0)
+    assert all(torch.equal(a, b) for a, b in zip(one, chunked, strict=True))
 
 
 def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
