@@ -309,39 +309,6 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
     assert torch.equal(chunked, whole) and torch.equal(captured, whole)
 
 
-@pytest.mark.parametrize("scheme", ["16bit", "awq-g128", "w8a8-int8-token"])
-@pytest.mark.parametrize("m", [1, 8, 64])
-@pytest.mark.parametrize("shape", ["e8", "e64"])
-def test_top_k_sum_in_gemm2_gives_the_sum_kernel_bit_for_bit(shape, m, scheme, monkeypatch):
-    """At decode GEMM2's epilogue sums the top-k pairs and split-K pieces (the last program to store
-    a token's column tile adds them up): eagerly and replayed in a CUDA graph (twice: GEMM1 zeroes
-    the counters on every replay), bit for bit what the sum kernel gives."""
-    e, h, i, top_k = SHAPES[shape]
-    weights = _weights(scheme, e, h, i, torch.bfloat16)
-    experts = TritonExperts(weights, ExpertsConfig())
-    inputs = _routing(m, e, h, top_k, torch.bfloat16, seed=9)
-    sums = []
-    real = triton_ops.sum_topk
-    monkeypatch.setattr(triton_ops, "sum_topk", lambda *a, **k: sums.append(1) or real(*a, **k))
-    fused = experts.apply(*inputs)
-    assert sums == [], "the sum kernel ran at decode"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = experts.apply(*inputs)
-    replays = []
-    for _ in range(2):
-        graph.replay()
-        torch.cuda.synchronize()
-        replays.append(captured.clone())
-    monkeypatch.setattr(triton_moe, "REDUCE_IN_GEMM_MAX_TOKENS", 0)
-    plain = experts.apply(*inputs)
-    assert sums == [1]
-    assert torch.equal(fused, plain)
-    assert all(torch.equal(r, plain) for r in replays)
-    ref = reference_moe(*inputs, weights, ExpertsConfig(), compute_dtype=torch.float32)
-    assert _rel_err(fused, ref) < _tolerance(scheme, torch.bfloat16)
-
-
 @pytest.mark.parametrize("scheme", ["awq-g128", "w8a8-int8-token", "fp8-block"])
 def test_torch_compile_fullgraph(scheme):
     e, h, i, top_k = SHAPES["e8"]
