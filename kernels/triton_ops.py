@@ -327,12 +327,13 @@ def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorte
 
 
 def _one_launch_grid(numel: int, num_experts: int, block_m: int) -> tuple[int, dict]:
-    """(programs, meta) of the one-launch alignment: one program per ALIGN_PART_PAIRS pairs."""
+    """(programs, meta) of the one-launch alignment: one program per ALIGN_PART_PAIRS pairs, at
+    least one (no pairs still writes num_tokens_post_padded = 0)."""
     bins = max(triton.next_power_of_2(num_experts + 1), 16)  # bin E collects the dropped pairs
     meta = {"BLOCK_M": block_m, "PAIRS": max(triton.next_power_of_2(numel), 16), "BINS": bins,
             "CHUNK": ALIGN_PART_PAIRS, "EXPERT_TILE": min(bins, max(1, 4096 // block_m)), "FILL": 256,
             "TILE_B": max(16, min(256, 8192 // bins))}
-    return triton.cdiv(numel, ALIGN_PART_PAIRS), meta
+    return max(1, triton.cdiv(numel, ALIGN_PART_PAIRS)), meta
 
 
 def _alignment_outputs(ids: torch.Tensor, num_experts: int,

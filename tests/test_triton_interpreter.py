@@ -498,6 +498,20 @@ def test_align_one_launch_equals_the_chunked_path():
     assert all(torch.equal(a, b) for a, b in zip(one, chunked, strict=True))
 
 
+def test_align_of_no_pairs_writes_an_empty_total():
+    """An empty batch (a data-parallel rank with no tokens) still gets num_tokens_post_padded = 0,
+    also from the prologue that quantises; outputs start as garbage."""
+    ids = torch.empty(0, 2, dtype=torch.int32)
+    x = torch.randn(0, 128, dtype=torch.float16)
+    real_empty = torch.empty
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-77))
+        aligned = triton_ops.align(ids, 4, 16)
+        with_quant = triton_ops.align_quant(ids, 4, 16, x, "int8_token")
+    for sorted_ids, expert_ids, num_post in (aligned, with_quant[:3]):
+        assert num_post.tolist() == [0] and sorted_ids.numel() == 0 and expert_ids.numel() == 0
+
+
 def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     """Programmatic dependent launch needs a Hopper-class CUDA GPU: never on the CPU (interpreter),
     and MOE_REGISTRY_PDL=0 turns it off."""
