@@ -542,13 +542,14 @@ def test_align_custom_op():
     _check_alignment(ids, 4, 16, *out)
 
 
+@pytest.mark.parametrize("top_k", [3, 8])  # 18 pairs: one aligning program; 48: two
 @pytest.mark.parametrize("quant", ["int8_token", "int8_static", "fp8_group", "mxfp8"])
-def test_align_quant_one_launch_matches_the_two_ops(quant):
+def test_align_quant_one_launch_matches_the_two_ops(quant, top_k):
     """The decode prologue (alignment and input quantisation in one launch) gives exactly what the
     separate alignment and quantisation give."""
     x = _quant_inputs(torch.float16)
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 9, (x.shape[0], 3), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, 9, (x.shape[0], top_k), generator=g, dtype=torch.int32)
     ids[2, 1] = -1
     row_scale = torch.rand(x.shape[0], generator=g) + 0.5 if quant == "int8_static" else None
     static = torch.tensor([0.07]) if quant == "int8_static" else None
