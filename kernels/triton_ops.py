@@ -65,6 +65,8 @@ AMAX_FLOOR = tl.constexpr(1e-10)
 ALIGN_ONE_LAUNCH_MAX = 1024
 ALIGN_PART_PAIRS = 32
 ALIGN_WARPS = 4
+# sentinel slots stored per step by the alignment kernels
+SENTINEL_FILL = 256
 
 # act_quant: columns per program (rows are cut into chunks that run side by side), and the widest
 # int8_token row read once (its amax and its codes from the same registers; wider rows are read twice)
@@ -326,13 +328,18 @@ def _align_scatter_kernel(ids_ptr, chunk_prefix_ptr, rank_ptr, counts_ptr, sorte
     _fill_expert_ids(expert_ids_ptr, ends, total, first, last, BLOCK_M, TILE_B)
 
 
+def _expert_id_tile(bins: int) -> int:
+    """Blocks per step of _fill_expert_ids: [TILE_B, bins] comparisons, at most 8192 at a time."""
+    return max(16, min(256, 8192 // bins))
+
+
 def _one_launch_grid(numel: int, num_experts: int, block_m: int) -> tuple[int, dict]:
     """(programs, meta) of the one-launch alignment: one program per ALIGN_PART_PAIRS pairs, at
     least one (no pairs still writes num_tokens_post_padded = 0)."""
     bins = max(triton.next_power_of_2(num_experts + 1), 16)  # bin E collects the dropped pairs
     meta = {"BLOCK_M": block_m, "PAIRS": max(triton.next_power_of_2(numel), 16), "BINS": bins,
-            "CHUNK": ALIGN_PART_PAIRS, "EXPERT_TILE": min(bins, max(1, 4096 // block_m)), "FILL": 256,
-            "TILE_B": max(16, min(256, 8192 // bins))}
+            "CHUNK": ALIGN_PART_PAIRS, "EXPERT_TILE": min(bins, max(1, 4096 // block_m)), "FILL": SENTINEL_FILL,
+            "TILE_B": _expert_id_tile(bins)}
     return max(1, triton.cdiv(numel, ALIGN_PART_PAIRS)), meta
 
 
@@ -360,9 +367,6 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     dev = ids.device
     sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
-    block_e = max(triton.next_power_of_2(num_experts), 16)
-    fill = 256
-    tile_b = max(16, min(256, 8192 // block_e))  # [tile_b, block_e] comparisons per step
     if numel <= one_launch_max:
         parts, meta = _one_launch_grid(numel, num_experts, block_m)
         _align_one_launch_kernel[(parts,)](
@@ -370,6 +374,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
             PDL=pdl, num_warps=ALIGN_WARPS, **pdl_launch(pdl))
         return sorted_ids, expert_ids, num_post
 
+    block_e = max(triton.next_power_of_2(num_experts), 16)
     chunk = max(16, min(256, 16384 // block_e))
     num_chunks = triton.cdiv(numel, chunk)
     chunk_counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=dev)
@@ -377,7 +382,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
     counts = torch.empty(block_e, dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](
         ids, chunk_counts, rank, sorted_ids, numel, num_experts, max_padded,
-        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, BLOCK_E=block_e, FILL=fill, PDL=pdl, num_warps=8,
+        triton.cdiv(max_padded, num_chunks), CHUNK=chunk, BLOCK_E=block_e, FILL=SENTINEL_FILL, PDL=pdl, num_warps=8,
         **pdl_launch(pdl))
     e_tile = 16
     _align_prefix_kernel[(block_e // e_tile,)](
@@ -385,7 +390,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
     _align_scatter_kernel[(num_chunks,)](
         ids, chunk_counts, rank, counts, sorted_ids, expert_ids, num_post, numel, num_experts,
         num_blocks, triton.cdiv(num_blocks, num_chunks),
-        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, TILE_B=tile_b, PDL=pdl, num_warps=8, **pdl_launch(pdl))
+        BLOCK_M=block_m, CHUNK=chunk, BLOCK_E=block_e, TILE_B=_expert_id_tile(block_e), PDL=pdl, num_warps=8,
+        **pdl_launch(pdl))
     return sorted_ids, expert_ids, num_post
 
 
