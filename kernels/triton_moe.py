@@ -93,6 +93,13 @@ class Scheme:
         return {"uint4b8": 8, "int4": 8, "uint8b128": 128, "int8": 128}.get(self.weight_type, 0)
 
     @property
+    def paired_dequant(self) -> bool:
+        """Whether the dequantisation has a paired 16-bit PTX form (_nibble_asm, _byte_asm): 4-bit
+        codes, or 8-bit integer codes whose scales are 16-bit (group) or applied to the dot's
+        result (channel); float32 block scales would be rounded by it."""
+        return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8") and self.weight_scale != "block")
+
+    @property
     def dot(self) -> str:
         """The tensor-core dot: int8, fp8, or float (16-bit, after dequantising in registers)."""
         if self.act_quant.startswith("int8"):
@@ -303,13 +310,15 @@ def _device_name(device: torch.device) -> str:
 
 @functools.cache
 def _paired_halves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the PTX nibble dequantisation runs: compiled for a GPU (not the interpreter), with
-    paired fp16 arithmetic, or paired bf16 subtract/multiply (sm_90 and later)."""
+    """Whether the PTX dequantisation (_nibble_asm, _byte_asm) runs: compiled for a GPU (not the
+    interpreter) that converts float32 pairs to 16 bits (sm_80 and later) and, for bfloat16,
+    has paired bf16 subtract/multiply (sm_90 and later)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
         return False
+    capability = torch.cuda.get_device_capability(device)
     if dtype == torch.float16:
-        return True
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        return capability >= (8, 0)
+    return dtype == torch.bfloat16 and capability >= (9, 0)
 
 
 @functools.cache
@@ -424,17 +433,78 @@ def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM:
     return low, high
 
 
+@triton.constexpr_function
+def _byte_asm(half: str, signed: bool, scaled: bool, word_pairs: bool = False) -> str:
+    """PTX turning 4 packed 8-bit integer codes into (code - zero) [* scale]: each byte is placed
+    into the mantissa of float32 2^23 by one prmt (2^23 + code, exact), one float32 subtract of
+    the offset zero leaves code - zero (exact), one convert packs two of them into 16-bit halves
+    (exact: |code - zero| < 256), and one paired 16-bit multiply applies the scale, rounding once
+    as the float32 product would. ``signed``: two's complement bytes, read as offset binary (xor
+    0x80) first. Operands: $0 $1 the result pairs, $2 the 4 bytes, then the float32 offset zeros
+    and the 16-bit scale pairs:
+    - bytes in order (pack=4): $0 = codes 0, 1 and $1 = codes 2, 3; zeros $3-$6, scales $7 $8;
+    - ``word_pairs`` (two 16-bit words of an even and an odd code each, pack=2): $0 = the even
+      codes, $1 = the odd ones; one zero ($3 $4) and one scale ($5, a pair) per word."""
+    flip = "xor.b32 w, $2, 0x80808080;" if signed else "mov.b32 w, $2;"
+    lines = ["{", ".reg .b32 w, m, f0, f1, f2, f3;", flip, "mov.b32 m, 0x4B000000;"]
+    for i in range(4):
+        zero = 3 + i // 2 if word_pairs else 3 + i
+        lines += [f"prmt.b32 f{i}, w, m, 0x765{i};", f"sub.rn.f32 f{i}, f{i}, ${zero};"]
+    pairs = (("f2", "f0"), ("f3", "f1")) if word_pairs else (("f1", "f0"), ("f3", "f2"))
+    scales = ("$5", "$5") if word_pairs else ("$7", "$8")
+    for out in range(2):  # (no tuple targets: Triton 3.6 reads this source for its cache key)
+        high, low = pairs[out]
+        lines.append(f"cvt.rn.{half}x2.f32 ${out}, {high}, {low};")
+        if scaled:
+            lines.append(f"mul.rn.{half}x2 ${out}, ${out}, {scales[out]};")
+    return "\n".join([*lines, "}"])
+
+
 @triton.jit
-def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr):
-    """8-bit weight codes (uint8 bits) -> (code - zero) * scale, or the e4m3 value * scale,
-    rounded once to ``dtype``."""
-    if W_TYPE == "fp8e4m3":
-        out = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+def _dequant_byte_pairs(words, tile_zero, scale, dtype, SIGNED: tl.constexpr, SCALED: tl.constexpr):
+    """(even, odd): the dequantised codes of 16-bit words holding two 8-bit integer codes each
+    (low byte: the even column), with _byte_asm; ``tile_zero`` (float32, offset) and ``scale``
+    (in ``dtype``) broadcast to the words. GPU only (PTX)."""
+    zero_t = tl.broadcast_to(tile_zero, words.shape)
+    program: tl.constexpr = _byte_asm("bf16" if dtype == tl.bfloat16 else "f16", SIGNED, SCALED, True)
+    if SCALED:
+        scale_t = tl.broadcast_to(scale, words.shape).to(dtype)
+        even, odd = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r", [words, zero_t, scale_t],
+                                              dtype=(dtype.value, dtype.value), is_pure=True, pack=2)
     else:
-        if W_TYPE == "int8":  # two's complement -> offset binary around 128
-            codes = codes ^ 0x80
-        out = (_offset_codes(codes, dtype, False) - tile_zero) * scale
-    return out.to(dtype)
+        even, odd = tl.inline_asm_elementwise(program, "=r,=r,r,r,r", [words, zero_t],
+                                              dtype=(dtype.value, dtype.value), is_pure=True, pack=2)
+    return even, odd
+
+
+@triton.jit
+def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr, ASM: tl.constexpr = False,
+                  SCALED: tl.constexpr = True):
+    """8-bit weight codes (uint8 bits) -> (code - zero) * scale, or the e4m3 value * scale,
+    rounded once to ``dtype``; not SCALED: ``scale`` is 1 (unused). ASM (integer codes, scales
+    already in ``dtype``): the PTX of _byte_asm, which gives the same values in fewer
+    instructions than Triton's byte extraction and float32 multiply."""
+    if ASM and W_TYPE != "fp8e4m3":
+        zero_t = tl.broadcast_to(tile_zero, codes.shape)  # float32, as _offset_zero gives it
+        program: tl.constexpr = _byte_asm("bf16" if dtype == tl.bfloat16 else "f16", W_TYPE == "int8", SCALED)
+        if SCALED:
+            scale_t = tl.broadcast_to(scale, codes.shape).to(dtype)
+            out = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r,r,r,r", [codes, zero_t, scale_t],
+                                            dtype=dtype.value, is_pure=True, pack=4)
+        else:
+            out = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r,r", [codes, zero_t],
+                                            dtype=dtype.value, is_pure=True, pack=4)
+    else:
+        if W_TYPE == "fp8e4m3":
+            out = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            if W_TYPE == "int8":  # two's complement -> offset binary around 128
+                codes = codes ^ 0x80
+            out = _offset_codes(codes, dtype, False) - tile_zero
+        if SCALED:
+            out = out * scale
+        out = out.to(dtype)
+    return out
 
 
 @triton.jit
@@ -575,6 +645,7 @@ def _fused_moe_kernel(
     # once per weight. (Measured on an H100: faster at M <= 64 for GPTQ int4 and int8. With zero
     # points it was no faster (zeros subtracted per weight) or slower (corrected with the input's
     # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
+    PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
                               and not HAS_ZERO and BLOCK_M <= 32)
     if DOT == "int8":
@@ -638,9 +709,9 @@ def _fused_moe_kernel(
                 if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
                     codes = b.to(tl.uint8, bitcast=True)
                     if FACTORED:
-                        b = _dequant_byte(codes, zero, 1.0, dtype, W_TYPE)
+                        b = _dequant_byte(codes, zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
                     else:
-                        b = _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE)
+                        b = _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE, ASM_DEQUANT, PER_WEIGHT_SCALE)
                 if FACTORED:
                     part = _dot(a.to(dtype), b.to(dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 else:
@@ -747,6 +818,7 @@ def _fused_moe_swap_kernel(
     zero_rows = b_zero_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
     dtype = COMPUTE
     W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED or BYTE_PAIRS else BLOCK_K  # weight columns per load
+    PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx"
     NARROW: tl.constexpr = PACKED
     zero = _offset_zero(tl.full((BLOCK_N, 1), W_ZERO, tl.float32), dtype, NARROW)
     if HAS_ZERO and W_SCALE == "channel":
@@ -778,13 +850,19 @@ def _fused_moe_swap_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             words = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + offs_kp[None, :],
                             mask=offs_kp[None, :] < K // 2, other=0)
-            even = _dequant_byte((words & 0xFF).to(tl.uint8), tile_zero, scale, dtype, W_TYPE)
-            odd = _dequant_byte((words >> 8).to(tl.uint8), tile_zero, scale, dtype, W_TYPE)
+            if ASM_DEQUANT and W_TYPE != "fp8e4m3":
+                even, odd = _dequant_byte_pairs(words, tile_zero, scale, dtype, W_TYPE == "int8", PER_WEIGHT_SCALE)
+            else:
+                even = _dequant_byte((words & 0xFF).to(tl.uint8), tile_zero, scale, dtype, W_TYPE, False,
+                                     PER_WEIGHT_SCALE)
+                odd = _dequant_byte((words >> 8).to(tl.uint8), tile_zero, scale, dtype, W_TYPE, False,
+                                    PER_WEIGHT_SCALE)
             b = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
         else:
             b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
             if W_TYPE != "float":
-                b = _dequant_byte(b.to(tl.uint8, bitcast=True), tile_zero, scale, dtype, W_TYPE)
+                b = _dequant_byte(b.to(tl.uint8, bitcast=True), tile_zero, scale, dtype, W_TYPE, ASM_DEQUANT,
+                                  PER_WEIGHT_SCALE)
         a_cols = offs_k
         if ACT_ORDER:
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
@@ -885,7 +963,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, expert_grid, split_k)
     sorted_ids = rows.sorted_ids if rows.sorted_ids is not None else dummy
     num_post_padded = rows.num_post_padded if rows.num_post_padded is not None else dummy
-    asm = scheme.packed and _paired_halves(a.device, compute_dtype)
+    asm = scheme.paired_dequant and _paired_halves(a.device, compute_dtype)
     if config["SWAP_AB"]:
         _fused_moe_swap_kernel[grid](
             a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,

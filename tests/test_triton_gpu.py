@@ -40,6 +40,8 @@ SCHEMES = {
     "gptq4-g64": ("uint4b8 scale:float16:group(64):static", UNQ, "int"),
     "gptq4-channel": ("uint4b8 scale:float16:channel:static", UNQ, "int"),
     "gptq8-g128": ("uint8b128 scale:float16:group(128):static", UNQ, "int"),
+    "int8-w8a16-channel": ("int8 scale:float16:channel:static", UNQ, "int"),
+    "uint8-zp-g128": ("uint8 scale:float16:group(128):static zp:group", UNQ, "int"),
     "w8a8-int8-token": ("int8 scale:float32:channel:static", INT8_TOKEN, "int"),
     "w8a8-int8-static": ("int8 scale:float32:tensor:static", INT8_STATIC, "int"),
     "mxfp8-w8a16": (MXFP8, UNQ, "fp8"),
@@ -444,3 +446,56 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     codes_low = (packed & 0xF).float() if not signed else ((packed & 0xF) ^ 8).float()
     expect = ((codes_low - zero[:, None]) * (scale.float()[:, None] if scaled else 1.0)).to(dtype)
     assert torch.equal(outs[False][0], expect)
+
+
+# ---------------------------------------------------------------------------------------------
+# the PTX byte dequantisation against the plain Triton one, bit for bit
+
+
+@pytest.mark.parametrize("word_pairs", [False, True], ids=["bytes", "word-pairs"])
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "codes"])
+@pytest.mark.parametrize("w_type", ["uint8b128", "int8", "uint8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_byte_asm_matches_plain_dequant(dtype, w_type, scaled, word_pairs):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant(c_ptr, z_ptr, s_ptr, out_ptr, W_TYPE: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,
+                SCALED: tl.constexpr, PAIRS: tl.constexpr):
+        offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        zero = triton_moe._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, False)
+        scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
+        if PAIRS:  # as the swapped kernel reads them: 16-bit words of an even and an odd column
+            words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64)[:, None] * 16
+                            + tl.arange(0, 16)[None, :])
+            if ASM:
+                even, odd = triton_moe._dequant_byte_pairs(words, zero, scale, DT, W_TYPE == "int8", SCALED)
+            else:
+                even = triton_moe._dequant_byte((words & 0xFF).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
+                odd = triton_moe._dequant_byte((words >> 8).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
+            out = tl.reshape(tl.join(even, odd), (64, 32))
+        else:
+            out = triton_moe._dequant_byte(tl.load(c_ptr + offs), zero, scale, DT, W_TYPE, ASM, SCALED)
+        tl.store(out_ptr + offs, out)
+
+    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+        pytest.skip("paired 16-bit arithmetic unavailable here")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    codes = torch.randint(0, 256, (64, 32), generator=gen, device=DEVICE, dtype=torch.uint8)
+    if w_type == "uint8":  # per-row zero points
+        zero = torch.randint(0, 256, (64,), generator=gen, device=DEVICE).float()
+    else:
+        zero = torch.full((64,), 128.0, device=DEVICE)
+    scale = (torch.rand(64, generator=gen, device=DEVICE) * 0.02 + 1e-3).to(dtype)
+    outs = {}
+    for asm in (False, True):
+        out = torch.empty(64, 32, dtype=dtype, device=DEVICE)
+        dequant[(1,)](codes, zero, scale, out, W_TYPE=w_type, DT=tl.bfloat16 if dtype == torch.bfloat16
+                      else tl.float16, ASM=asm, SCALED=scaled, PAIRS=word_pairs)
+        outs[asm] = out
+    assert torch.equal(outs[True], outs[False])
+    # and the plain path is the textbook (code - zero) * scale, or code - zero unscaled
+    values = codes.view(torch.int8).float() if w_type == "int8" else codes.float() - zero[:, None]
+    expect = (values * (scale.float()[:, None] if scaled else 1.0)).to(dtype)
+    assert torch.equal(outs[False], expect)
