@@ -97,7 +97,8 @@ class Scheme:
         """Whether the dequantisation has a paired 16-bit PTX form (_nibble_asm, _byte_asm): 4-bit
         codes, or 8-bit integer codes whose scales are 16-bit (group) or applied to the dot's
         result (channel); float32 block scales would be rounded by it."""
-        return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8") and self.weight_scale != "block")
+        return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8")
+                               and self.weight_scale in ("group", "channel"))
 
     @property
     def dot(self) -> str:
