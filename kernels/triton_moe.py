@@ -405,6 +405,41 @@ def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
     return "\n".join([*lines, "}"])
 
 
+@triton.constexpr_function
+def _asm_constraints(pack: int, outputs: int, operand_bits: tuple) -> str:
+    """Inline-asm constraints for ``outputs`` 16-bit results and operands of these bit widths,
+    ``pack`` elements per call: one 32-bit register per 32 bits of each."""
+    regs = [max(1, pack * bits // 32) for bits in (16,) * outputs + tuple(operand_bits)]
+    return ",".join(["=r"] * sum(regs[:outputs]) + ["r"] * sum(regs[outputs:]))
+
+
+@triton.constexpr_function
+def _asm_result_dtype(dtype, outputs: int):
+    """inline_asm_elementwise's ``dtype``: one dtype, or a tuple of ``outputs`` of them."""
+    return dtype if outputs == 1 else (dtype,) * outputs
+
+
+@triton.jit
+def _dequant_asm(program: tl.constexpr, codes, tile_zero, scale, dtype, OUTPUTS: tl.constexpr,
+                 SCALED: tl.constexpr, PACK: tl.constexpr):
+    """Run a dequantising PTX ``program`` (_nibble_asm, _byte_asm) on ``codes`` with the offset
+    zero and, when SCALED, the scale (in ``dtype``) broadcast to them: OUTPUTS results in
+    ``dtype``, PACK elements per call."""
+    zero_t = tl.broadcast_to(tile_zero, codes.shape)
+    result: tl.constexpr = _asm_result_dtype(dtype, OUTPUTS)
+    if SCALED:
+        scale_t = tl.broadcast_to(scale, codes.shape).to(dtype)
+        bits: tl.constexpr = (codes.dtype.primitive_bitwidth, zero_t.dtype.primitive_bitwidth,
+                              scale_t.dtype.primitive_bitwidth)
+        out = tl.inline_asm_elementwise(program, _asm_constraints(PACK, OUTPUTS, bits), [codes, zero_t, scale_t],
+                                        dtype=result.value, is_pure=True, pack=PACK)
+    else:
+        bits: tl.constexpr = (codes.dtype.primitive_bitwidth, zero_t.dtype.primitive_bitwidth)
+        out = tl.inline_asm_elementwise(program, _asm_constraints(PACK, OUTPUTS, bits), [codes, zero_t],
+                                        dtype=result.value, is_pure=True, pack=PACK)
+    return out
+
+
 @triton.jit
 def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr,
                      SCALED: tl.constexpr = True):
@@ -415,14 +450,7 @@ def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM:
     Triton (the same values: every step is exact but the multiply, which both round once)."""
     if ASM:
         program: tl.constexpr = _nibble_asm("bf16" if dtype == tl.bfloat16 else "f16", SIGNED, SCALED)
-        zero_t = tl.broadcast_to(tile_zero, packed.shape)  # in ``dtype``, as are the results
-        if SCALED:
-            scale_t = tl.broadcast_to(scale, packed.shape).to(dtype)
-            low, high = tl.inline_asm_elementwise(program, "=r,=r,=r,=r,r,r,r,r,r", [packed, zero_t, scale_t],
-                                                  dtype=(zero_t.dtype, zero_t.dtype), is_pure=True, pack=4)
-        else:
-            low, high = tl.inline_asm_elementwise(program, "=r,=r,=r,=r,r,r,r", [packed, zero_t],
-                                                  dtype=(zero_t.dtype, zero_t.dtype), is_pure=True, pack=4)
+        low, high = _dequant_asm(program, packed, tile_zero, scale, dtype, 2, SCALED, 4)
     else:
         if SIGNED:  # two's complement nibbles -> offset binary around 8
             packed = packed ^ 0x88
@@ -466,16 +494,8 @@ def _dequant_byte_pairs(words, tile_zero, scale, dtype, SIGNED: tl.constexpr, SC
     """(even, odd): the dequantised codes of 16-bit words holding two 8-bit integer codes each
     (low byte: the even column), with _byte_asm; ``tile_zero`` (float32, offset) and ``scale``
     (in ``dtype``) broadcast to the words. GPU only (PTX)."""
-    zero_t = tl.broadcast_to(tile_zero, words.shape)
     program: tl.constexpr = _byte_asm("bf16" if dtype == tl.bfloat16 else "f16", SIGNED, SCALED, True)
-    if SCALED:
-        scale_t = tl.broadcast_to(scale, words.shape).to(dtype)
-        even, odd = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r", [words, zero_t, scale_t],
-                                              dtype=(dtype.value, dtype.value), is_pure=True, pack=2)
-    else:
-        even, odd = tl.inline_asm_elementwise(program, "=r,=r,r,r,r", [words, zero_t],
-                                              dtype=(dtype.value, dtype.value), is_pure=True, pack=2)
-    return even, odd
+    return _dequant_asm(program, words, tile_zero, scale, dtype, 2, SCALED, 2)
 
 
 @triton.jit
@@ -486,15 +506,8 @@ def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr, ASM: tl.
     already in ``dtype``): the PTX of _byte_asm, which gives the same values in fewer
     instructions than Triton's byte extraction and float32 multiply."""
     if ASM and W_TYPE != "fp8e4m3":
-        zero_t = tl.broadcast_to(tile_zero, codes.shape)  # float32, as _offset_zero gives it
         program: tl.constexpr = _byte_asm("bf16" if dtype == tl.bfloat16 else "f16", W_TYPE == "int8", SCALED)
-        if SCALED:
-            scale_t = tl.broadcast_to(scale, codes.shape).to(dtype)
-            out = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r,r,r,r", [codes, zero_t, scale_t],
-                                            dtype=dtype.value, is_pure=True, pack=4)
-        else:
-            out = tl.inline_asm_elementwise(program, "=r,=r,r,r,r,r,r", [codes, zero_t],
-                                            dtype=dtype.value, is_pure=True, pack=4)
+        out = _dequant_asm(program, codes, tile_zero, scale, dtype, 1, SCALED, 4)
     else:
         if W_TYPE == "fp8e4m3":
             out = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
