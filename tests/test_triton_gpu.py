@@ -186,13 +186,16 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).int() if t.dtype in (torch.float8_e4m3fn, torch.uint8) else t.int()
 
 
+@pytest.mark.parametrize("rows,cols", [(512, 4096), (2048, 1408), (1024, 14336)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("key", [INT8_TOKEN, INT8_STATIC, FP8_GROUP_ACT, MXFP8_ACT])
-def test_quant_ops_bit_match_quant_ref(key, dtype):
+def test_quant_ops_bit_match_quant_ref(key, dtype, rows, cols):
     """Against quant_ref on the CPU: on CUDA, torch divides by a Python scalar as a multiply by
-    its reciprocal, so quant_ref's ``amax / 127`` is not the true division it defines there."""
+    its reciprocal, so quant_ref's ``amax / 127`` is not the true division it defines there.
+    Decode rows (one a program), and prefill rows in several-row programs, 1408 columns in
+    chunks that tile them, 14336 int8_token columns read twice."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x = (torch.randn(512, 4096, generator=gen, device=DEVICE) * 2).to(dtype)
+    x = (torch.randn(rows, cols, generator=gen, device=DEVICE) * 2).to(dtype)
     x[0] = 0
     x[1, :64] *= 1e-4
     static = torch.tensor([0.03], device=DEVICE) if key == INT8_STATIC else None

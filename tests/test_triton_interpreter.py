@@ -576,15 +576,24 @@ def _same_codes(a, b):
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("narrow", [False, True])
+@pytest.mark.parametrize("layout", ["whole", "narrow", "tiles", "tile_chunks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("key", [INT8_TOKEN, INT8_STATIC, FP8_GROUP_ACT, MXFP8_ACT])
-def test_quant_ops_bit_match_quant_ref(key, dtype, narrow, monkeypatch):
-    """Rows of 200 columns: read once as one block, or (narrow) cut into 64-column programs
-    (128 for fp8 groups of 128) and read twice for int8_token (amax pass, then codes)."""
-    if narrow:
+def test_quant_ops_bit_match_quant_ref(key, dtype, layout, monkeypatch):
+    """Rows of 200 columns: read once as one block, (narrow) cut into 64-column programs (128
+    for fp8 groups of 128) and read twice for int8_token (amax pass, then codes), or (tiles, the
+    prefill form) four rows per program, the second program half past the last row, or
+    (tile_chunks) rows of such programs cut into chunks (int8_token: read twice)."""
+    if layout == "narrow":
         monkeypatch.setattr(triton_ops, "ROW_CHUNK", 64)
         monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 64)
+    if layout == "tiles":
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 4 * 256)  # 200 columns: 256-column blocks
+    if layout == "tile_chunks":  # 200 = 8 * 25: 16-column chunks (128 for fp8 groups of 128), 4 rows
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 8)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
     x = _quant_inputs(dtype)
     qkey = parse_quant_key(key)
     static = torch.tensor([0.05]) if key == INT8_STATIC else None
@@ -600,6 +609,45 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, narrow, monkeypatch):
     assert q.dtype == ref.q.dtype and s.dtype == ref.scale.dtype and s.shape == ref.scale.shape
     assert _same_codes(q, ref.q)
     assert _same_codes(s, ref.scale)
+
+
+@pytest.mark.parametrize("activation", ["none", "silu"])
+@pytest.mark.parametrize("quant", ["none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8"])
+def test_act_quant_row_tiles_match_one_row_programs(quant, activation, monkeypatch):
+    """Prefill programs take several rows at once, in chunks that tile the row (_act_quant_tile):
+    the codes and scales of one row per program, with a router factor per row, batched rows past
+    their expert's count left out, a zero row, and a last tile partly past the end."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(22, 2 * 96 if activation != "none" else 96, generator=g) * 3).to(torch.float16)
+    x[4] = 0
+    row_scale = torch.rand(22, generator=g) + 0.5
+    counts = torch.tensor([5, 11], dtype=torch.int32)  # two experts of capacity 11
+    static = torch.tensor([0.05]) if quant.endswith("static") else None
+
+    def run():
+        return triton_ops.act_quant(x, activation, quant, static_scale=static, row_scale=row_scale, group=32,
+                                    expert_num_tokens=counts, capacity=11)
+
+    want_q, want_s = run()
+    monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
+    monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 512)
+    monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 16)
+    shapes = []
+    tile_shape = triton_ops._act_quant_tile_shape
+    monkeypatch.setattr(triton_ops, "_act_quant_tile_shape",
+                        lambda rows, width, meta: shapes.append((meta["BLOCK"], tile_shape(rows, width, meta)[0]))
+                        or tile_shape(rows, width, meta))
+    got_q, got_s = run()
+    # 96 columns in three 32-column chunks (int8_token: an amax pass, then the codes), 16 rows
+    # a program
+    assert shapes == [(32, 16)]
+    valid = torch.arange(22) % 11 < counts.repeat_interleave(11)
+    assert valid.sum() == 16
+    assert _same_codes(got_q[valid], want_q[valid])
+    if want_s is not None and want_s.shape[0] == 22:  # per-row scales (static ones are returned as given)
+        assert _same_codes(got_s[valid], want_s[valid])
+    nonzero = got_q[valid].view(torch.uint8) != 0 if got_q.element_size() == 1 else got_q[valid] != 0
+    assert nonzero.float().mean() > 0.5  # real codes, not an untouched buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
