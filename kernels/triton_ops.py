@@ -583,8 +583,9 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
     col_lo = tl.program_id(1) * BLOCK
     if ROWS > 1:
         _act_quant_tile(tl.program_id(0).to(tl.int64) * ROWS, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
-                        row_scale_ptr, counts_ptr, D, stride_x, stride_out, stride_scale, capacity, num_rows,
-                        col_lo, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, ROWS)
+                        row_scale_ptr, counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity,
+                        num_pieces, num_rows, col_lo, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK,
+                        ONE_READ, PIECES, ROWS)
     else:
         col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
         _act_quant_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
@@ -606,13 +607,13 @@ def _tile_values(x_ptr, rows, row_ok, cols, D, stride_x, row_factor, ACTIVATION:
 
 
 @triton.jit
-def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr,
-                    D, stride_x, stride_out, stride_scale, capacity, num_rows, col_lo,
+def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
+                    D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows, col_lo,
                     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                    ONE_READ: tl.constexpr, ROWS: tl.constexpr):
-    """_act_quant_row for ROWS rows at once (no amax pieces): columns [col_lo, col_lo + BLOCK),
-    or for int8_token the whole row, BLOCK at a time (read once when BLOCK >= D, else an amax
+                    ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr):
+    """_act_quant_row for ROWS rows at once: columns [col_lo, col_lo + BLOCK), or for int8_token
+    without amax pieces the whole row, BLOCK at a time (read once when BLOCK >= D, else an amax
     pass, then the codes). The prefill form: thousands of rows, each program a few rows of
     chunks that tile them (see _act_quant_launch), so no lanes sit masked off."""
     rows = row_lo + tl.arange(0, ROWS)
@@ -622,8 +623,17 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
     row_factor = tl.full([ROWS], 1.0, tl.float32)
     if HAS_ROW_SCALE:
         row_factor = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    col_hi = D if QUANT == "int8_token" else tl.minimum(D, col_lo + BLOCK)
-    if QUANT == "int8_token" and ONE_READ:
+    col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
+    if QUANT == "int8_token" and PIECES > 0:  # each row's amax from its pieces
+        parts = tl.arange(0, PIECES)
+        amax = tl.zeros([ROWS, PIECES], dtype=tl.float32)
+        for first in range(0, num_pieces, PIECES):
+            amax = tl.maximum(amax, tl.load(pieces_ptr + rows[:, None] * num_pieces + first + parts[None, :],
+                                            mask=row_ok[:, None] & (first + parts[None, :] < num_pieces), other=0.0))
+        scale = _int8_token_scale(tl.max(amax, axis=1))
+        if col_lo == 0:
+            tl.store(scale_ptr + rows * stride_scale, scale, mask=row_ok)
+    elif QUANT == "int8_token" and ONE_READ:
         cols = tl.arange(0, BLOCK)
         v = _tile_values(x_ptr, rows, row_ok, cols, D, stride_x, row_factor, ACTIVATION)
         scale = _int8_token_scale(tl.max(tl.abs(v), axis=1))
@@ -776,20 +786,31 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
 def _act_quant_tile_shape(num_rows: int, width: int, meta: dict) -> tuple[int, int]:
     """(rows per program, warps) of one act_quant launch of rows ``width`` values wide. Decode: a
     row per program, 16 warps from 2048-column blocks up (on an H100 they beat 8 by 0.1-0.7 us).
-    Prefill (ROW_TILE_MIN_ROWS rows or more, no amax pieces): blocks of several rows,
+    Prefill (ROW_TILE_MIN_ROWS rows or more): blocks of several rows,
     ROW_TILE_ELEMS values and ROW_TILE_PER_THREAD per thread (measured on an H100 against 2k and
     8k values, 8 per thread), except int8_token rows wider than that, read twice: one a program
     (14336 columns: 145 us against 195 for two)."""
     block = meta["BLOCK"]
     one_row = 1, 4 if block <= 512 else 8 if block <= 1024 else 16
-    if num_rows < ROW_TILE_MIN_ROWS or meta["PIECES"]:
+    if num_rows < ROW_TILE_MIN_ROWS:
         return one_row
-    if meta["QUANT"] == "int8_token" and not meta["ONE_READ"] and width > ROW_TILE_ELEMS:
+    if meta["QUANT"] == "int8_token" and not meta["ONE_READ"] and not meta["PIECES"] and width > ROW_TILE_ELEMS:
         return one_row
     rows = max(1, min(ROW_TILE_MAX_ROWS, ROW_TILE_ELEMS // block))
     if rows == 1:
         return one_row
     return rows, max(1, min(8, rows * block // (32 * ROW_TILE_PER_THREAD)))
+
+
+def prefill_row_chunks(width: int) -> int:
+    """The chunks act_quant cuts a row ``width`` values wide into at prefill (1: one block).
+    A width that is no power of two is tiled by chunks of its largest power-of-two factor, so
+    no lanes sit masked off (on an H100, 1408 columns went 2x faster); int8_token rows without
+    amax pieces are then read twice (an amax pass, then the codes)."""
+    low = width & -width
+    if low == width or low < ROW_TILE_MIN_CHUNK:
+        return 1
+    return width // min(low, ROW_CHUNK)
 
 
 def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype, expert_num_tokens,
@@ -822,10 +843,8 @@ def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_
             scale = torch.empty(t, triton.cdiv(d, group), dtype=sdt, device=dev)
     widest = ROW_BLOCK_MAX if quant == "int8_token" and amax_pieces is None else ROW_CHUNK
     block = max(min(triton.next_power_of_2(d), widest), group if quant in ("fp8_group", "mxfp8") else 16)
-    if t >= ROW_TILE_MIN_ROWS and amax_pieces is None and d & -d != d and (d & -d) >= ROW_TILE_MIN_CHUNK:
-        # prefill, a row width that is no power of two: chunks that tile the row, so no lanes sit
-        # masked off (on an H100, 1408 columns went 2x faster); int8_token then reads rows twice
-        block = max(min(d & -d, ROW_CHUNK), group if quant in ("fp8_group", "mxfp8") else 16)
+    if t >= ROW_TILE_MIN_ROWS and prefill_row_chunks(d) > 1:
+        block = max(d // prefill_row_chunks(d), group if quant in ("fp8_group", "mxfp8") else 16)
     dummy = out
     scale_arg = scale if scale is not None else dummy
     args = (x, out, scale_arg, static_scale if static_scale is not None else dummy,

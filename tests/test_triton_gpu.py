@@ -288,11 +288,11 @@ def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
     assert torch.equal(chained, plain) and torch.equal(captured, plain)
 
 
-@pytest.mark.parametrize("shape,m", [("e8", 1), ("e8", 64), ("e64", 1), ("e64", 8), ("e64", 64)])
+@pytest.mark.parametrize("shape,m", [("e8", 1), ("e8", 64), ("e64", 1), ("e64", 8), ("e64", 64), ("e64", 512)])
 def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monkeypatch):
-    """At decode GEMM1 leaves each per-token int8 intermediate row its amax in pieces and the
-    quantisation runs in row chunks: eagerly and replayed in a CUDA graph, bit for bit what one
-    program per whole row gives."""
+    """GEMM1 leaves each per-token int8 intermediate row its amax in pieces and the quantisation
+    runs in row chunks (from 1024 rows, several rows a program): eagerly and replayed in a CUDA
+    graph, bit for bit what reading each whole row gives."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights("w8a8-int8-token", e, h, i, torch.bfloat16)
     experts = TritonExperts(weights, ExpertsConfig())
@@ -308,7 +308,7 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
         captured = experts.apply(*inputs)
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.setattr(triton_moe, "AMAX_PIECES_MAX_TOKENS", 0)
+    monkeypatch.setattr(triton_moe, "AMAX_PIECES", False)
     whole = experts.apply(*inputs)
     assert not pieces[-1]
     assert torch.equal(chunked, whole) and torch.equal(captured, whole)

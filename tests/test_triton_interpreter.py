@@ -314,15 +314,19 @@ NARROW_GEMM1 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLI
                 "num_stages": 2}
 
 
-@pytest.mark.parametrize("m", [1, 7])
-def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, monkeypatch):
-    """At decode GEMM1 leaves each per-token int8 intermediate row its amax in pieces, one per
-    column tile, and the quantisation cuts rows into chunks: the same codes and scales as one
-    program reading each whole row, so the same layer output to the bit."""
+@pytest.mark.parametrize("m,tiles", [(1, False), (7, False), (7, True)])
+def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, tiles, monkeypatch):
+    """GEMM1 leaves each per-token int8 intermediate row its amax in pieces, one per column
+    tile, and the quantisation cuts rows into chunks (tiles: several rows a program, as at
+    prefill): the same codes and scales as one program reading each whole row, so the same
+    layer output to the bit."""
     weights = _weights("w8a8-int8-token", seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
     monkeypatch.setattr(triton_ops, "PIECES_STEP", 2)  # the four pieces in two steps
     monkeypatch.setattr(triton_ops, "ROW_CHUNK", 16)  # four chunks per 64-column row
+    if tiles:  # 14 rows: four a program
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
     pieces = []
     real = triton_ops.act_quant
 
@@ -340,7 +344,7 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, monkeypatch)
 
     chunked = run()
     assert pieces[-1] == (2 * m, 4)  # GEMM2's input: 2m pairs, 4 column tiles of GEMM1
-    monkeypatch.setattr(triton_moe, "AMAX_PIECES_MAX_TOKENS", 0)
+    monkeypatch.setattr(triton_moe, "AMAX_PIECES", False)
     whole = run()
     assert pieces[-1] is None
     assert torch.equal(chunked, whole)
@@ -611,6 +615,13 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, layout, monkeypatch):
     assert _same_codes(s, ref.scale)
 
 
+@pytest.mark.parametrize("width,chunks", [(1408, 11), (768, 3), (14336, 7), (2816, 11), (2048, 1), (200, 1)])
+def test_prefill_rows_are_cut_into_chunks_that_tile_them(width, chunks):
+    """The largest power-of-two factor (at most ROW_CHUNK) tiles the row; a power of two is one
+    block, and a factor under ROW_TILE_MIN_CHUNK (200 = 8 * 25) is not worth the programs."""
+    assert triton_ops.prefill_row_chunks(width) == chunks
+
+
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("quant", ["none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8"])
 def test_act_quant_row_tiles_match_one_row_programs(quant, activation, monkeypatch):
@@ -650,13 +661,20 @@ def test_act_quant_row_tiles_match_one_row_programs(quant, activation, monkeypat
     assert nonzero.float().mean() > 0.5  # real codes, not an untouched buffer
 
 
+@pytest.mark.parametrize("tiles", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_int8_token_rows_in_chunks_from_amax_pieces(dtype, monkeypatch):
+def test_int8_token_rows_in_chunks_from_amax_pieces(dtype, tiles, monkeypatch):
     """With each row's amax given in pieces (a GEMM epilogue's), rows are cut into chunks, each
-    scaled by the largest piece: quant_ref's codes and scales, zero row and outlier included."""
+    scaled by the largest piece (tiles: four rows a program, in 16-column chunks that tile the
+    200 columns but the last): quant_ref's codes and scales, zero row and outlier included."""
     monkeypatch.setattr(triton_ops, "ROW_CHUNK", 32)
     monkeypatch.setattr(triton_ops, "PIECES_STEP", 4)  # the 8 pieces in two steps
+    if tiles:
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 8)
+        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
     x = _quant_inputs(dtype)
+    x[4, 190] = -30.0  # a row whose amax is in its last piece
     pieces = x.float().abs().reshape(x.shape[0], 8, 25).amax(-1)  # 8 pieces of 25 columns
     q, s = triton_ops.act_quant(x, "none", "int8_token", amax_pieces=pieces)
     ref = quant_ref.quantize_activation(x, parse_quant_key(INT8_TOKEN))
