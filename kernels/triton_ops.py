@@ -537,6 +537,20 @@ def _fp8_codes(v, scale):
 
 
 @triton.jit
+def _group_scale(amax, QUANT: tl.constexpr):
+    """(scale, stored form) of fp8 groups from their amax: fp8_group float32 amax / 448 (floored),
+    mxfp8 the e8m0 power of two (stored as its biased exponent byte)."""
+    if QUANT == "fp8_group":
+        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+        stored = scale
+    else:
+        e = _mx_exponent(amax)
+        scale = _pow2(e)
+        stored = (e + 127).to(tl.uint8)
+    return scale, stored
+
+
+@triton.jit
 def _int8_token_scale(amax):
     """A row's int8 scale from its amax (floored so an all-zero row divides by a positive)."""
     return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX)
@@ -624,30 +638,31 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
     if HAS_ROW_SCALE:
         row_factor = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
-    if QUANT == "int8_token" and PIECES > 0:  # each row's amax from its pieces
-        parts = tl.arange(0, PIECES)
-        amax = tl.zeros([ROWS, PIECES], dtype=tl.float32)
-        for first in range(0, num_pieces, PIECES):
-            amax = tl.maximum(amax, tl.load(pieces_ptr + rows[:, None] * num_pieces + first + parts[None, :],
-                                            mask=row_ok[:, None] & (first + parts[None, :] < num_pieces), other=0.0))
-        scale = _int8_token_scale(tl.max(amax, axis=1))
-        if col_lo == 0:
-            tl.store(scale_ptr + rows * stride_scale, scale, mask=row_ok)
-    elif QUANT == "int8_token" and ONE_READ:
-        cols = tl.arange(0, BLOCK)
-        v = _tile_values(x_ptr, rows, row_ok, cols, D, stride_x, row_factor, ACTIVATION)
-        scale = _int8_token_scale(tl.max(tl.abs(v), axis=1))
-        tl.store(scale_ptr + rows * stride_scale, scale, mask=row_ok)
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], _int8_codes(v, scale[:, None]),
-                 mask=row_ok[:, None] & (cols[None, :] < D))
-        col_hi = 0  # done: the loop below runs no step
-    elif QUANT == "int8_token":  # first pass: each row's amax
-        amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for d in range(0, D, BLOCK):
-            v = _tile_values(x_ptr, rows, row_ok, d + tl.arange(0, BLOCK), D, stride_x, row_factor, ACTIVATION)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = _int8_token_scale(tl.max(amax, axis=1))
-        tl.store(scale_ptr + rows * stride_scale, scale, mask=row_ok)
+    if QUANT == "int8_token":  # each row's amax: from its pieces, one read, or a first pass
+        if PIECES > 0:
+            parts = tl.arange(0, PIECES)
+            amax = tl.zeros([ROWS, PIECES], dtype=tl.float32)
+            for first in range(0, num_pieces, PIECES):
+                amax = tl.maximum(amax, tl.load(pieces_ptr + rows[:, None] * num_pieces + first + parts[None, :],
+                                                mask=row_ok[:, None] & (first + parts[None, :] < num_pieces),
+                                                other=0.0))
+        elif ONE_READ:
+            v = _tile_values(x_ptr, rows, row_ok, tl.arange(0, BLOCK), D, stride_x, row_factor, ACTIVATION)
+            amax = tl.abs(v)
+        else:
+            amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+            for d in range(0, D, BLOCK):
+                v = _tile_values(x_ptr, rows, row_ok, d + tl.arange(0, BLOCK), D, stride_x, row_factor, ACTIVATION)
+                amax = tl.maximum(amax, tl.abs(v))
+        row_scale = _int8_token_scale(tl.max(amax, axis=1))
+        if col_lo == 0:  # with pieces, the row's first chunk stores it
+            tl.store(scale_ptr + rows * stride_scale, row_scale, mask=row_ok)
+        scale = row_scale[:, None]
+        if ONE_READ and PIECES == 0:  # the values are still in registers: the codes now
+            cols = tl.arange(0, BLOCK)
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], _int8_codes(v, scale),
+                     mask=row_ok[:, None] & (cols[None, :] < D))
+            col_hi = 0  # done: the loop below runs no step
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
 
@@ -658,22 +673,13 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         mask = row_ok[:, None] & (cols[None, :] < D)
         if QUANT == "none":
             tl.store(out_tile, v.to(out_ptr.dtype.element_ty), mask=mask)
-        elif QUANT == "int8_token":
-            tl.store(out_tile, _int8_codes(v, scale[:, None]), mask=mask)
-        elif QUANT == "int8_static":
+        elif QUANT == "int8_token" or QUANT == "int8_static":
             tl.store(out_tile, _int8_codes(v, scale), mask=mask)
         elif QUANT == "fp8_static":
             tl.store(out_tile, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns, as in _act_quant_row
             v = tl.reshape(v, (ROWS, BLOCK // GROUP, GROUP))
-            amax = tl.max(tl.abs(v), axis=2)
-            if QUANT == "fp8_group":
-                group_scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-                stored = group_scale
-            else:
-                e = _mx_exponent(amax)
-                group_scale = _pow2(e)
-                stored = (e + 127).to(tl.uint8)
+            group_scale, stored = _group_scale(tl.max(tl.abs(v), axis=2), QUANT)
             tl.store(out_tile, tl.reshape(_fp8_codes(v, group_scale[:, :, None]), (ROWS, BLOCK)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + rows[:, None] * stride_scale + groups[None, :], stored,
@@ -744,14 +750,7 @@ def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_p
             tl.store(out_row + cols, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (BLOCK // GROUP, GROUP))
-            amax = tl.max(tl.abs(v), axis=1)
-            if QUANT == "fp8_group":
-                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-                stored = scale
-            else:
-                e = _mx_exponent(amax)
-                scale = _pow2(e)
-                stored = (e + 127).to(tl.uint8)
+            scale, stored = _group_scale(tl.max(tl.abs(v), axis=1), QUANT)
             q = _fp8_codes(v, scale[:, None])
             tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
