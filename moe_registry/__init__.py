@@ -1,17 +1,35 @@
 """moe-registry: declarative quantized-MoE kernel registry.
 
 ``build`` and ``load_layer`` are imported lazily so that the spec/oracle/explain path never
-imports torch.
+imports torch. ``__version__`` is the installed distribution's version (the checkout's
+pyproject.toml when the package runs uninstalled).
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
-__all__ = ["build", "load_layer", "load_registry", "select"]
+__all__ = ["__version__", "build", "load_layer", "load_registry", "select"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moe-registry")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        m = re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M) if pyproject.is_file() else None
+        return m.group(1) if m else "0+unknown"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value = _version()
+        globals()["__version__"] = value
+        return value
     if name in ("build", "load_layer"):
         import importlib
 

@@ -16,7 +16,7 @@ import torch
 from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
 from moe_registry.errors import CheckpointError, ConfigError
 from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.explain import Flags, situation_for_model
+from moe_registry.explain import Flags, check_kernel_names, situation_for_model
 from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext
 from moe_registry.model_config import ModelConfig, read_model_config
@@ -25,6 +25,7 @@ from moe_registry.oracle import select
 from moe_registry.registry import Registry, load_registry
 from moe_registry.report import Report
 from moe_registry.routing import Routing, grouped_topk, softmax_topk
+from moe_registry.runtime import Platform
 from moe_registry.spec_models import KernelSpec
 from moe_registry.weights import ExpertWeights
 
@@ -55,10 +56,21 @@ class BuiltKernel:
     tolerance: float
 
 
-def _device_for(report: Report, device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if report.situation.runtime.platform.device in ("cuda", "rocm") else "cpu")
+def device_for(platform: Platform, device: str | torch.device | None) -> torch.device:
+    """The torch device to build on: ``device``, else the platform's; refused (one line) when this
+    machine has no such device, rather than failing inside torch."""
+    try:
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if platform.device in ("cuda", "rocm") else "cpu")
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"device={device!r}: not a torch device ({err})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        what = f"device={str(device)!r}" if device is not None else f"--platform {platform}"
+        raise ConfigError(f"{what}: not available on this machine (this torch {torch.__version__} sees no "
+                          "CUDA/ROCm GPU); run on the CPU (platform cpu), or use explain to see what would run there")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device={str(device)!r}: wanted cpu or cuda")
+    return dev
 
 
 def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors, *,
@@ -78,7 +90,7 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     shape = runtime.shape
     config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]
                            apply_router_weight_on_input=runtime.router_weight_on_input)
-    dev = _device_for(report, device)
+    dev = device_for(runtime.platform, device)
     experts = cls(weights.to(dev), config)
     key = (scheme.scheme, kernel_spec.kernel, str(runtime.platform), runtime.dtype)
     if key not in _LOGGED:
@@ -90,23 +102,50 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
 
 @dataclass(frozen=True)
 class LayerBuild:
-    """A built layer with what is needed to route tokens to it."""
+    """A built layer with what is needed to route tokens to it: ``report``, ``weights``, ``kernel``
+    and ``tolerance`` (shortcuts into ``built``), the model's config and the layer's tensors."""
 
     built: BuiltKernel
     model: ModelConfig
     tensors: LayerTensors
 
+    @property
+    def report(self) -> Report:
+        """Why this scheme and kernel were chosen (``print(report.to_text())``)."""
+        return self.built.report
+
+    @property
+    def weights(self) -> ExpertWeights:
+        """The converted expert weights, in the chosen kernel's layout."""
+        return self.built.weights
+
+    @property
+    def kernel(self) -> FusedMoEKernel:
+        """The ready kernel: ``kernel(hidden, topk_weights, topk_ids)``."""
+        return self.built.kernel
+
+    @property
+    def tolerance(self) -> float:
+        """The scheme's relative-error tolerance for this activation dtype."""
+        return self.built.tolerance
+
 
 def build(model_dir: str | Path, *, layer: int | None = None, platform: str | None = None,
           dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
-          tp: int | None = None, ep: int | None = None) -> LayerBuild:
-    """Explain, load, convert and build one MoE layer of a checkpoint."""
+          tp: int | None = None, ep: int | None = None, max_tokens: int | None = None) -> LayerBuild:
+    """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
+    (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
+    SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input."""
     registry = load_registry(spec_dirs)
+    check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
-    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep)
+    if not target.exists():
+        raise ConfigError(f"{target}: no such file or directory")
+    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens)
     model = read_model_config(target, registry)
     situation = situation_for_model(model, registry, flags)
+    device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors
     index = open_checkpoint(target if target.is_dir() else target.parent)
     report = select(registry, situation, prefer=prefer, pin=kernel)
     assert report.scheme is not None and situation.layer is not None
@@ -122,7 +161,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     names = tensors.names
 
     def tensor_name(e: int, role: str, t: str) -> str:
-        return f"{names.projection(family, e, role)}.{t}"
+        return names.tensor(family, e, role, t)
 
     built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensor_name)
     return LayerBuild(built, model, tensors)
@@ -142,11 +181,15 @@ class MoELayer(torch.nn.Module):
         self.register_buffer("router_weight", layer.tensors.router.to(dev, torch.float32))
         bias = layer.tensors.correction_bias
         self.register_buffer("correction_bias", None if bias is None else bias.to(dev, torch.float32))
+        rb = layer.tensors.router_bias
+        self.register_buffer("router_bias", None if rb is None else rb.to(dev, torch.float32))
         self.top_k = layer.model.shape.top_k
         self.routing_params = dict(layer.model.routing)
 
     def route(self, hidden: torch.Tensor) -> Routing:
         logits = hidden.float() @ self.router_weight.t()
+        if self.router_bias is not None:
+            logits = logits + self.router_bias
         p = self.routing_params
         groups = int(p.get("num_expert_group", 1) or 1)
         scoring = str(p.get("scoring", "softmax"))

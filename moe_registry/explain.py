@@ -3,7 +3,9 @@ oracle's Situation. Flags override what files say."""
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 from moe_registry.errors import ConfigError
 from moe_registry.model_config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.oracle import Situation, expert_modules
+from moe_registry.predicates import ALL2ALL_FORMATS
 from moe_registry.registry import Registry
 from moe_registry.runtime import (
     MoEShape,
@@ -37,7 +40,29 @@ class Flags:
     max_tokens: int | None = None
 
 
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known word, or nothing."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_name(flag: str, kind: str, name: str, known: Iterable[str]) -> ConfigError:
+    """The one-line error for a name nobody defined: the known names and the closest one."""
+    names = sorted(known)
+    return ConfigError(f"{flag}: unknown {kind} {name!r}{did_you_mean(name, names)}; known: {', '.join(names)}")
+
+
+def check_kernel_names(registry: Registry, **names: str | None) -> None:
+    """``--kernel``/``--prefer`` must name a kernel the registry knows (a typo is bad input, not a
+    kernel that is rejected for every situation)."""
+    for flag, name in names.items():
+        if name is not None and name not in registry.kernels:
+            raise unknown_name(f"--{flag}", "kernel", name, registry.kernels)
+
+
 def _is_runtime_file(path: Path) -> bool:
+    """A YAML file, or a JSON file with a ``runtime`` mapping or without ``model_type`` and
+    ``architectures`` (those two mark a transformers config.json)."""
     if path.is_dir():
         return False
     if path.suffix in (".yaml", ".yml"):
@@ -82,7 +107,8 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
     layer = pick_layer(model, flags.layer)
     platform = parse_platform(flags.platform) if flags.platform else (
         base.platform if base else parse_platform("auto"))
-    dtype = check_dtype(flags.dtype or (base.dtype if base else None) or model.dtype or "bfloat16")
+    # A runtime file's own dtype arrives in flags; otherwise the model's dtype wins, as for its config.json.
+    dtype = check_dtype(flags.dtype or model.dtype or (base.dtype if base else None) or "bfloat16")
     parallel = ParallelConfig(
         tp=_pick(flags.tp, base.parallel.tp if base else 1), ep=_pick(flags.ep, base.parallel.ep if base else 1),
         dp=_pick(flags.dp, base.parallel.dp if base else 1),
@@ -100,6 +126,8 @@ def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
     for name in ("tp", "ep", "dp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"--{name}: got {getattr(p, name)}; wanted a positive integer")
+    if p.all2all not in ALL2ALL_FORMATS:
+        raise unknown_name("--all2all", "all2all backend", p.all2all, ALL2ALL_FORMATS)
     if shape is None:
         return
     if p.ep > 1 and shape.num_experts % p.ep:

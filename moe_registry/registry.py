@@ -7,15 +7,18 @@ Nothing here imports kernel code or torch.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moe_registry.errors import SpecError
 from moe_registry.expr import parse_expr
@@ -73,7 +76,33 @@ def fill_template(text: str, bindings: Mapping[str, Any]) -> str:
     return _TEMPLATE_RE.sub(value, text)
 
 
-def _pydantic_problems(err: ValidationError, path: str, data: Any) -> list[SpecError]:
+def _unwrap(tp: Any) -> list[Any]:
+    """The members of a Union/Optional (or the type itself)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [m for a in args for m in _unwrap(a)]
+    return [tp]
+
+
+def _known_fields(model: type[BaseModel], loc: list[Any]) -> list[str]:
+    """The field names, as written in YAML, of the spec model found at ``loc`` inside ``model``."""
+    current: list[Any] = [model]
+    for part in loc:
+        following: list[Any] = []
+        for tp in (m for t in current for m in _unwrap(t)):
+            origin, args = typing.get_origin(tp), typing.get_args(tp)
+            if isinstance(tp, type) and issubclass(tp, BaseModel) and isinstance(part, str):
+                following += [f.annotation for n, f in tp.model_fields.items() if part in (n, f.alias)]
+            elif origin is list and isinstance(part, int) and args:
+                following.append(args[0])
+            elif origin is dict and isinstance(part, str) and len(args) == 2:
+                following.append(args[1])
+        current = following or current  # a union member's tag in loc: stay where we are
+    return sorted({f.alias or n for t in current for m in _unwrap(t)
+                   if isinstance(m, type) and issubclass(m, BaseModel) for n, f in m.model_fields.items()})
+
+
+def _pydantic_problems(err: ValidationError, path: str, data: Any, model: type[BaseModel]) -> list[SpecError]:
     out = []
     for e in err.errors():
         loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))]
@@ -84,7 +113,9 @@ def _pydantic_problems(err: ValidationError, path: str, data: Any) -> list[SpecE
         dotted = ".".join(str(p) for p in lookup) or "(top)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            known = _known_fields(model, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6) if loc else []
+            msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif "input" in e and e["type"] not in ("value_error",):
@@ -106,7 +137,7 @@ def parse_spec(data: Any, path: str) -> Strict:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        problems = _pydantic_problems(err, path, data)
+        problems = _pydantic_problems(err, path, data, model)
         raise (problems[0] if len(problems) == 1 else SpecErrors(problems)) from None
 
 
@@ -148,7 +179,6 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
                 parse_quant_key(fill_template(text, sample))
             except KeyError_ as err:
                 problems.append(SpecError(path, line_of(data, fld), str(err), field=fld))
-                break
         for fname, value in scheme.features.items():
             if isinstance(value, str):
                 try:
@@ -224,7 +254,7 @@ def load_registry(extra_dirs: Iterable[str | Path] = (), *, builtin: bool = True
         sources += [(p, builtin_spec_dir()) for p in spec_files(builtin_spec_dir())]
     for d in user_spec_dirs(extra_dirs):
         if not d.is_dir():
-            err = SpecError(str(d), None, "spec dir does not exist")
+            err = SpecError(str(d), None, "spec dir is not a directory" if d.exists() else "spec dir does not exist")
             if strict:
                 raise err
             continue
@@ -281,8 +311,28 @@ def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> 
     return Registry(tables["scheme"], tables["kernel"], tables["family"], tuple(problems))
 
 
+def files_to_validate(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
+    """The spec files ``validate`` reads for ``paths`` (the built-ins when there are none), and the
+    given dirs that hold no spec file (an empty dir is a mistake, not a success)."""
+    given = [Path(p) for p in paths]
+    if not given:
+        return spec_files(builtin_spec_dir()), []
+    files: list[Path] = []
+    empty: list[Path] = []
+    for p in given:
+        if p.is_dir():
+            found = spec_files(p)
+            files += found
+            if not found:
+                empty.append(p)
+        elif p.exists():
+            files.append(p)
+    return list(dict.fromkeys(files)), empty
+
+
 def validate_paths(paths: Iterable[str | Path]) -> list[SpecError]:
-    """Every problem in the given files or dirs, checked together with the built-ins they refer to."""
+    """Every problem in the given files or dirs, checked together with the built-ins they refer to;
+    each problem once (a file given twice, or a key wrong for every binding, is one problem)."""
     builtin = builtin_spec_dir()
     sources = [(p, builtin) for p in spec_files(builtin)]
     for p in map(Path, paths):
@@ -294,4 +344,8 @@ def validate_paths(paths: Iterable[str | Path]) -> list[SpecError]:
             sources.append((p, p))
         else:
             return [SpecError(str(p), None, "no such file or directory")]
-    return list(build_registry(sources, strict=False).problems)
+    first: dict[Path, tuple[Path, Path]] = {}
+    for f, root in sources:
+        first.setdefault(f.resolve(), (f, root))
+    unique = {str(p): p for p in build_registry(list(first.values()), strict=False).problems}
+    return list(unique.values())

@@ -1,9 +1,15 @@
 """The oracle's report: chosen kernel, other eligible ones, rejected ones with reasons, and the
-scheme-detection trace; rendered as aligned text, JSON and Markdown."""
+scheme-detection trace; rendered as aligned text, JSON and Markdown.
+
+Text and Markdown read one row list (``rows``), so a new line in the report is one append there.
+Turned-down schemes are many and mostly obvious: by default every format shows their count and
+the nearest few (fewest failed checks); ``verbose`` shows them all.
+"""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +18,9 @@ from moe_registry.checks import Check
 if TYPE_CHECKING:
     from moe_registry.match import SchemeVerdict
     from moe_registry.oracle import Situation
+
+TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
+NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,17 @@ class KernelVerdict:
     @property
     def failures(self) -> tuple[Check, ...]:
         return tuple(c for c in self.checks if not c.passed)
+
+
+def wrap(text: str, width: int, indent: int) -> list[str]:
+    """``text`` cut at spaces into lines of at most ``width`` characters after an ``indent``
+    (a single word longer than that, e.g. a path, stays whole)."""
+    return textwrap.wrap(text, max(width - indent, 20), break_long_words=False, break_on_hyphens=False) or [""]
+
+
+def _md(text: object) -> str:
+    """A Markdown table cell: pipes escaped, line breaks as <br>."""
+    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
 
 
 @dataclass(frozen=True)
@@ -44,12 +64,80 @@ class Report:
                      notes: tuple[str, ...]) -> Report:
         return replace(self, kernels=kernels, chosen=chosen, notes=notes)
 
+    # ------------------------------------------------------------ shared by every format
+
+    def turned_down(self) -> list[SchemeVerdict]:
+        """Schemes that did not match, nearest first: excluded-by-scope ones, then by fewest failed
+        and most passed checks, then by name."""
+        chosen = self.scheme.scheme if self.scheme is not None else None
+        rest = [v for v in self.schemes if v.scheme != chosen]
+        return sorted(rest, key=lambda v: (not v.excluded, len(v.failures), -len(v.checks), v.scheme))
+
+    def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]:
+        rest = self.turned_down()
+        return rest if verbose else rest[:NEAREST_SHOWN]
+
+    def _status(self, k: KernelVerdict) -> str:
+        return "chosen" if k.kernel == self.chosen else ("eligible" if k.eligible else "rejected")
+
+    @staticmethod
+    def _turned_down_reason(v: SchemeVerdict) -> str:
+        if v.excluded:
+            return f"matches, but {v.scope_note} (layer left unquantized)"
+        return v.failures[0].message if v.failures else "not matched"
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The report's head as (label, value) rows: situation, decision, notes, overrides."""
+        s = self.situation
+        rt = s.runtime
+        p = rt.parallel
+        rows = []
+        if s.model:
+            layer = f", layer {s.layer}" if s.layer is not None else ""
+            rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
+        plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
+        rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}"))
+        if rt.shape is not None:
+            sh = rt.shape
+            local = rt.local_shape()
+            assert local is not None
+            rows.append(("shape", f"{sh.num_experts} experts (local {local.num_experts}), top-{sh.top_k}, "
+                                  f"hidden {sh.hidden}, intermediate {sh.intermediate} "
+                                  f"(per rank {local.intermediate}), {sh.activation}"
+                                  + (", expert bias" if sh.has_bias else "")))
+            if sh.shared_experts:
+                rows.append(("shared", f"{sh.shared_experts} x {sh.shared_intermediate} (dense MLP, not run here)"))
+        rows.append(("config", s.quant_source))
+        if self.scheme is not None:
+            v = self.scheme
+            rows += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
+            if v.bindings:
+                rows.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
+            if v.scope_note:
+                rows.append(("scope", v.scope_note))
+        else:
+            rows.append(("scheme", "none matched"))
+        if self.excluded_note:
+            rows.append(("excluded", self.excluded_note))
+        if self.scheme is not None:
+            rows.append(("kernel", self.chosen or "none eligible"))
+        rows += [("note", n) for n in self.notes]
+        rows += [("override", o) for o in self.overrides]
+        return rows
+
     # ------------------------------------------------------------ JSON
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, verbose: bool = False) -> dict[str, Any]:
+        """Plain data. Without ``verbose`` the kernels' passed checks and all but the nearest
+        turned-down schemes are left out (``schemes_turned_down`` counts them all)."""
         s = self.situation
         rt = s.runtime
         shape = rt.shape
+
+        def checks(cs: tuple[Check, ...]) -> list[dict[str, Any]]:
+            return [c.to_dict() for c in cs if verbose or not c.passed]
+
+        shown = ([self.scheme] if self.scheme is not None else []) + self.shown_turned_down(verbose)
         return {
             "model": s.model, "family": s.family, "layer": s.layer, "quant_source": s.quant_source,
             "runtime": {
@@ -70,99 +158,75 @@ class Report:
             "chosen_kernel": self.chosen,
             "eligible_kernels": [k.kernel for k in self.kernels if k.eligible],
             "kernels": [{"kernel": k.kernel, "eligible": k.eligible, "chosen": k.kernel == self.chosen,
-                         "checks": [c.to_dict() for c in k.checks]} for k in self.kernels],
+                         "checks": checks(k.checks)} for k in self.kernels],
             "schemes": [{"scheme": v.scheme, "matched": v.matched, "excluded": v.excluded,
-                         "checks": [c.to_dict() for c in v.checks]} for v in self.schemes],
+                         "checks": checks(v.checks) if not v.matched else [c.to_dict() for c in v.checks]}
+                        for v in shown],
+            "schemes_turned_down": len(self.turned_down()),
             "notes": list(self.notes), "spec_overrides": list(self.overrides),
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+    def to_json(self, verbose: bool = False, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(verbose), indent=indent)
 
     # ------------------------------------------------------------ text
 
-    def _header(self) -> list[tuple[str, str]]:
-        s = self.situation
-        rt = s.runtime
-        p = rt.parallel
-        rows = []
-        if s.model:
-            layer = f", layer {s.layer}" if s.layer is not None else ""
-            rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
-        plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
-        rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}"))
-        if rt.shape is not None:
-            sh = rt.shape
-            local = rt.local_shape()
-            assert local is not None
-            rows.append(("shape", f"{sh.num_experts} experts (local {local.num_experts}), top-{sh.top_k}, "
-                                  f"hidden {sh.hidden}, intermediate {sh.intermediate} "
-                                  f"(per rank {local.intermediate}), {sh.activation}"
-                                  + (", expert bias" if sh.has_bias else "")))
-        rows.append(("config", s.quant_source))
-        return rows
-
-    def to_text(self) -> str:
+    def to_text(self, verbose: bool = False, width: int = TEXT_WIDTH) -> str:
+        """Aligned text, no line longer than ``width`` (except single words that are)."""
+        rows = self.rows()
+        lw = max(len(k) for k, _ in rows)
         lines = []
-        head = self._header()
-        if self.scheme is not None:
-            v = self.scheme
-            head += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
-            if v.bindings:
-                head.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
-            if v.scope_note:
-                head.append(("scope", v.scope_note))
-        else:
-            head.append(("scheme", "none matched"))
-        if self.excluded_note:
-            head.append(("excluded", self.excluded_note))
-        if self.scheme is not None:
-            head.append(("kernel", self.chosen or "none eligible"))
-        width = max(len(k) for k, _ in head)
-        lines += [f"{k.ljust(width)}  {val}" for k, val in head]
-        for note in self.notes:
-            lines.append(f"{'note'.ljust(width)}  {note}")
-        for o in self.overrides:
-            lines.append(f"{'override'.ljust(width)}  {o}")
+        for label, value in rows:
+            for i, part in enumerate(wrap(value, width, lw + 2)):
+                lines.append(f"{(label if i == 0 else '').ljust(lw)}  {part}".rstrip())
         if self.kernels:
             lines += ["", "kernels, in the scheme's order of preference:"]
             kw = max(len(k.kernel) for k in self.kernels)
+            indent = 4 + kw + 2 + 8 + 2
             for k in self.kernels:
-                status = "chosen" if k.kernel == self.chosen else ("eligible" if k.eligible else "rejected")
                 mark = "+" if k.eligible else "-"
-                first = k.failures[0].message if k.failures else "all constraints met"
-                lines.append(f"  {mark} {k.kernel.ljust(kw)}  {status:<8}  {first}")
-                for extra in k.failures[1:]:
-                    lines.append(f"    {''.ljust(kw)}  {'':<8}  {extra.message}")
-        turned_down = [v for v in self.schemes if self.scheme is None or v.scheme != self.scheme.scheme]
-        if turned_down:
-            lines += ["", "schemes turned down:"]
-            sw = max(len(v.scheme) for v in turned_down)
-            for v in turned_down:
-                msg = v.failures[0].message if v.failures else "not matched"
-                if v.excluded:
-                    msg = f"matches, but {v.scope_note} (layer left unquantized)"
-                lines.append(f"  - {v.scheme.ljust(sw)}  {msg}")
+                reasons = [c.message for c in k.failures] or ["all constraints met"]
+                first = True
+                for reason in reasons:
+                    for part in wrap(reason, width, indent):
+                        if first:
+                            lines.append(f"  {mark} {k.kernel.ljust(kw)}  {self._status(k):<8}  {part}")
+                            first = False
+                        else:
+                            lines.append(f"{''.ljust(indent)}{part}")
+        rest = self.turned_down()
+        if rest:
+            shown = self.shown_turned_down(verbose)
+            more = "" if len(shown) == len(rest) else f"; the {len(shown)} nearest shown, --verbose lists all"
+            lines += ["", f"schemes turned down ({len(rest)}{more}):"]
+            sw = max(len(v.scheme) for v in shown)
+            indent = 4 + sw + 2
+            for v in shown:
+                for i, part in enumerate(wrap(self._turned_down_reason(v), width, indent)):
+                    lines.append(f"  - {v.scheme.ljust(sw)}  {part}" if i == 0 else f"{''.ljust(indent)}{part}")
         return "\n".join(lines)
 
-    def to_markdown(self) -> str:
+    # ------------------------------------------------------------ Markdown
+
+    def to_markdown(self, verbose: bool = False) -> str:
+        """Markdown tables; every cell escaped so a ``|`` in a reason cannot break a table."""
+        code = {"scheme", "weight", "activation", "kernel"}
         lines = ["| | |", "| --- | --- |"]
-        rows = self._header()
-        if self.scheme is not None:
-            rows += [("scheme", f"`{self.scheme.scheme}`"), ("weight", f"`{self.scheme.weight_key}`"),
-                     ("activation", f"`{self.scheme.activation_key}`")]
-        rows.append(("kernel", f"`{self.chosen}`" if self.chosen else "none"))
-        lines += [f"| {k} | {v} |" for k, v in rows]
-        for note in self.notes + ((self.excluded_note,) if self.excluded_note else ()):
-            lines.append(f"| note | {note} |")
+        for k, v in self.rows():
+            cell = f"`{_md(v)}`" if k in code and v not in ("none matched", "none eligible") else _md(v)
+            lines.append(f"| {k} | {cell} |")
         if self.kernels:
             lines += ["", "| kernel | status | reasons |", "| --- | --- | --- |"]
             for k in self.kernels:
-                status = "chosen" if k.kernel == self.chosen else ("eligible" if k.eligible else "rejected")
-                why = "<br>".join(c.message for c in k.failures) or "all constraints met"
-                lines.append(f"| `{k.kernel}` | {status} | {why} |")
+                why = "<br>".join(_md(c.message) for c in k.failures) or "all constraints met"
+                lines.append(f"| `{_md(k.kernel)}` | {self._status(k)} | {why} |")
+        rest = self.turned_down()
+        shown = self.shown_turned_down(verbose)
         lines += ["", "| scheme | matched | first reason |", "| --- | --- | --- |"]
-        for v in self.schemes:
-            why = v.failures[0].message if v.failures else "matched"
-            lines.append(f"| `{v.scheme}` | {'yes' if v.matched else 'no'} | {why} |")
+        if self.scheme is not None:
+            lines.append(f"| `{_md(self.scheme.scheme)}` | yes | matched |")
+        for v in shown:
+            lines.append(f"| `{_md(v.scheme)}` | no | {_md(self._turned_down_reason(v))} |")
+        if len(shown) < len(rest):
+            lines += ["", f"{len(rest) - len(shown)} more schemes turned down (`--verbose` lists them)."]
         return "\n".join(lines)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,10 @@ class RunResult:
     tolerance: float
     median_ms: float
     device: str
+    min_ms: float = 0.0
+    max_ms: float = 0.0
+    repeat: int = 1
+    threads: int = 1
 
     @property
     def ok(self) -> bool:
@@ -65,12 +71,53 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def default_threads() -> int:
+    """The CPUs this process may run on (a cpuset or taskset counts, unlike torch's default)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything, the flags one process cannot honour and bad values."""
+    for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
+        if value is not None and value > 1:
+            raise ConfigError(f"{flag} {value}: run is one process and joins no process group; {value} ranks "
+                              f"would each be started by e.g. `torchrun --nproc-per-node {value} ...` "
+                              f"(use `moe-registry explain {flag} {value}` to see the kernel choice)")
+    if args.all2all not in (None, "none"):
+        raise ConfigError(f"--all2all {args.all2all}: an all2all dispatches between expert-parallel ranks; "
+                          "run is one process (ep=1), so only 'none' applies")
+    for flag, value in (("--repeat", args.repeat), ("--tokens", args.tokens), ("--threads", args.threads),
+                        ("--max-tokens", args.max_tokens)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}: got {value}; wanted at least 1")
+    if args.save_output and not Path(args.save_output).resolve().parent.is_dir():
+        raise ConfigError(f"--save-output: {Path(args.save_output).parent} is not a directory; "
+                          "create it first (nothing was run)")
+    if args.inputs and not Path(args.inputs).is_file():
+        raise ConfigError(f"--inputs: {args.inputs}: no such file")
+
+
 def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor]:
-    """Build the layer and measure it; returns the oracle's report, the result and the output."""
+    """Build the layer and measure it; returns the oracle's report, the result and the output.
+    Torch uses ``--threads`` CPU threads (default: every CPU this process may use) while it runs."""
+    check_run_flags(args)
+    threads = args.threads or default_threads()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run_layer(args, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResult, torch.Tensor]:
     from moe_registry_kernels.reference import reference_moe
 
     layer = build(args.target, layer=args.layer, platform=args.platform, dtype=args.dtype, kernel=args.kernel,
-                  prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=args.ep)
+                  prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=args.ep, max_tokens=args.max_tokens)
     built = layer.built
     runtime = built.report.situation.runtime
     dtype = DTYPES[runtime.dtype]
@@ -80,10 +127,10 @@ def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor
     if args.inputs:
         x, routing = read_inputs(Path(args.inputs), shape.hidden, shape.num_experts)
     else:
-        if args.tokens < 1:
-            raise ConfigError(f"--tokens: got {args.tokens}; wanted at least 1")
         gen = torch.Generator().manual_seed(args.seed)
         x = torch.randn(args.tokens, shape.hidden, generator=gen)
+    if x.shape[0] > runtime.max_tokens:
+        raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {runtime.max_tokens}")
     x = x.to(device, dtype)
     if routing is None:
         routing = MoELayer(layer).route(x)
@@ -95,7 +142,7 @@ def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor
     out = call()
     _sync(device)
     times = []
-    for _ in range(max(args.repeat, 1)):
+    for _ in range(args.repeat):
         t0 = time.perf_counter()
         call()
         _sync(device)
@@ -103,25 +150,37 @@ def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor
     config = ExpertsConfig(activation=shape.activation)  # type: ignore[arg-type]
     ref = reference_moe(x.cpu(), w.cpu(), ids.cpu(), built.weights.to("cpu"), config, torch.float64)
     err = float((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30))
-    result = RunResult(int(x.shape[0]), err, built.tolerance, statistics.median(times), str(device))
+    result = RunResult(int(x.shape[0]), err, built.tolerance, statistics.median(times), str(device),
+                       min(times), max(times), len(times), threads)
     return built.report, result, out
 
 
 def run_layer_command(args: argparse.Namespace) -> int:
+    """``moe-registry run``: exit 0 within the scheme's tolerance, 1 outside it."""
     report, result, out = run_layer(args)
     if args.save_output:
         save_file({"output": out.detach().cpu().contiguous()}, args.save_output, metadata={"format": "pt"})
+    code = 0 if result.ok else 1
     if args.json:
-        print(json.dumps({"report": report.to_dict(), "result": {**result.__dict__, "ok": result.ok}}, indent=2))
+        body = {"report": report.to_dict(args.verbose), "result": {**result.__dict__, "ok": result.ok},
+                "exit_code": code}
+        if not result.ok:
+            body["error"] = (f"relative error {result.relative_error:.3e} is above the scheme's tolerance "
+                             f"{result.tolerance:.1e}")
+        print(json.dumps(body))
     else:
-        print(report.to_text())
+        print(report.to_text(args.verbose))
         print()
-        rows = [("tokens", str(result.tokens)), ("device", result.device),
+        rows = [("tokens", str(result.tokens)), ("device", f"{result.device} ({result.threads} CPU threads)"),
                 ("rel. error", f"{result.relative_error:.3e} vs float64 reference "
                                f"(tolerance {result.tolerance:.1e}: {'ok' if result.ok else 'TOO LARGE'})"),
-                ("time", f"{result.median_ms:.3f} ms per call (median of {max(args.repeat, 1)})")]
+                ("time", f"{result.median_ms:.3f} ms per call (median of {result.repeat}; "
+                         f"min {result.min_ms:.3f}, max {result.max_ms:.3f})")]
         if args.save_output:
             rows.append(("output", args.save_output))
         width = max(len(k) for k, _ in rows)
         print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
-    return 0 if result.ok else 1
+        if not result.ok:
+            print(f"error: relative error {result.relative_error:.3e} is above the scheme's tolerance "
+                  f"{result.tolerance:.1e}", file=sys.stderr)
+    return code

@@ -192,7 +192,7 @@ def test_routing_parameters_from_deepseek_config(registry):
 
     model = read_model_config(CONFIGS / "deepseek/deepseek-v3", registry)
     assert model.routing == {"scoring": "sigmoid", "renormalize": True, "num_expert_group": 8, "topk_group": 4,
-                             "routed_scaling_factor": 2.5}
+                             "routed_scaling_factor": 2.5, "correction_bias": True}
     assert model.moe_layers == tuple(range(3, 61))
     assert model.shape.has_bias is False
 
@@ -326,13 +326,20 @@ def test_unknown_quant_method_lists_every_scheme(registry, tmp_path, capsys):
     assert by_name["unquantized"].failures[0].reason == Reason.FIELD_PRESENT
     assert by_name["modelopt-mxfp8"].failures[0].reason == Reason.NO_ALTERNATIVE
 
-    assert cli.main(["explain", str(model), "--platform", "cuda:9.0"]) == 1
+    assert cli.main(["explain", str(model), "--platform", "cuda:9.0", "--verbose"]) == 1
     out, err = capsys.readouterr()
     assert err.strip() == "error: config.json:quantization_config: no scheme matches this config"
     assert "scheme   none matched" in out
-    turned_down = out.split("schemes turned down:")[1]
+    n = len(registry.schemes)
+    turned_down = out.split(f"schemes turned down ({n}):")[1]
     for name in registry.schemes:
         assert f"  - {name} " in turned_down
+    # without --verbose: the count and the 3 nearest
+    assert cli.main(["explain", str(model), "--platform", "cuda:9.0"]) == 1
+    out = capsys.readouterr().out
+    turned_down = out.split(f"schemes turned down ({n}; the 3 nearest shown, --verbose lists all):\n")[1]
+    assert [line.split()[1] for line in turned_down.splitlines() if line.startswith("  - ")] == [
+        v.scheme for v in report.turned_down()[:3]]
 
 
 @pytest.mark.parametrize("path,message", [
@@ -397,8 +404,10 @@ def test_user_spec_dir_overrides_a_scheme(tmp_path, capsys):
     assert cli.main(["explain", path, "--platform", "cuda:9.0", "--spec-dir", str(user)]) == 0
     out = capsys.readouterr().out
     assert "kernel      torch-reference" in out
-    assert (f"override    scheme awq-w4a16 from {user / 'schemes' / 'awq-w4a16.yaml'} overrides "
-            f"{ROOT / 'specs' / 'schemes' / 'awq-w4a16.yaml'}") in out
+    assert (f"override scheme awq-w4a16 from {user / 'schemes' / 'awq-w4a16.yaml'} overrides "
+            f"{ROOT / 'specs' / 'schemes' / 'awq-w4a16.yaml'}") in " ".join(out.split())  # (wrapped)
+    assert all(line.startswith(("override    ", "            ")) for line in out.splitlines()
+               if "overrides" in line or "awq-w4a16.yaml" in line), "value column stays aligned"
     assert "triton-fused-moe" not in out.split("kernels, in the scheme's order of preference:")[1].split(
         "schemes turned down")[0]
 
@@ -430,7 +439,7 @@ def test_missing_spec_dir(capsys):
 
 def test_json_output(capsys):
     assert cli.main(["explain", str(CONFIGS / "qwen-moe/qwen3-30b-a3b-w8a8-int8"), "--platform", "rocm:9.4",
-                     "--json"]) == 0
+                     "--json", "--verbose"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["chosen_kernel"] == "torch-reference"
     assert data["eligible_kernels"] == ["torch-reference"]
@@ -445,6 +454,26 @@ def test_json_output(capsys):
     assert data["runtime"]["shape"] == {"num_experts": 128, "top_k": 8, "hidden": 2048, "intermediate": 768,
                                         "activation": "silu", "has_bias": False}
     assert data["layer"] == 0 and data["family"] == "qwen-moe"
+    assert data["schemes_turned_down"] == len(load_registry().schemes) - 1
+    assert any(c["passed"] for c in triton["checks"]), "--verbose keeps passed checks"
+
+
+def test_json_output_is_compact_by_default(capsys):
+    """One line, the matched scheme and the 3 nearest turned-down ones, failed checks only."""
+    path = str(CONFIGS / "qwen-moe/qwen3-30b-a3b-w8a8-int8")
+    assert cli.main(["explain", path, "--platform", "rocm:9.4", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 1
+    data = json.loads(out)
+    assert cli.main(["explain", path, "--platform", "rocm:9.4", "--json", "--verbose"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert len(out) < len(json.dumps(full)) / 3
+    assert [s["scheme"] for s in data["schemes"]][0] == "compressed-tensors-w8a8-int8"
+    assert len(data["schemes"]) == 4 and data["schemes_turned_down"] == len(full["schemes"]) - 1
+    triton = next(k for k in data["kernels"] if k["kernel"] == "triton-fused-moe")
+    assert [c["reason"] for c in triton["checks"]] == ["platform"]
+    for key in ("chosen_kernel", "eligible_kernels", "scheme", "runtime", "notes"):
+        assert data[key] == full[key]
 
 
 def test_markdown_output(capsys):
@@ -459,9 +488,15 @@ def test_markdown_output(capsys):
 
 def test_json_and_markdown_are_exclusive(capsys):
     with pytest.raises(SystemExit) as info:
+        cli.main(["explain", str(CONFIGS / "deepseek/deepseek-v3"), "--markdown", "--platform", "cpu", "--json"])
+    assert info.value.code == 2
+    assert json.loads(capsys.readouterr().out) == {
+        "error": "moe-registry explain: argument --json: not allowed with argument --markdown", "exit_code": 2}
+    with pytest.raises(SystemExit) as info:
         cli.main(["explain", str(CONFIGS / "deepseek/deepseek-v3"), "--json", "--markdown"])
     assert info.value.code == 2
-    assert "not allowed with argument" in capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "not allowed with argument" in json.loads(out)["error"] and len(out.splitlines()) == 1
 
 
 # ---------------------------------------------------------------- parallel config

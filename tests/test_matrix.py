@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def test_matrix_rows():
     rows = {r["scheme"]: r for r in support_matrix(registry)}
     assert set(rows) == set(registry.schemes)
     awq = rows["awq-w4a16"]
-    assert awq["weight"] == "uint4 scale:float16:group(32):static zp:group"  # first listed group size
+    # every group size the scheme allows, not only the first one the cells were computed with
+    assert awq["weight"] == "uint4 scale:float16:group(32|64|128|-1):static zp:group"
+    assert rows["compressed-tensors-w4a8-int"]["weight"] == "uint4b8 scale:bfloat16:group(32|64|128):static"
     assert awq["activation"] == "unquantized"
     assert awq["cells"] == {"cpu": ["torch-reference"], "cuda:8.0": ["triton-fused-moe", "torch-reference"],
                             "cuda:9.0": ["triton-fused-moe", "torch-reference"],
@@ -60,6 +63,10 @@ def test_matrix_markdown_table():
     table = lines[lines.index(header):]
     assert table[1] == "|" + " --- |" * (3 + len(MATRIX_PLATFORMS))
     assert len(table) == 2 + len(load_registry().schemes)
+    assert ("| `awq-w4a16` | `uint4 scale:float16:group(32\\|64\\|128\\|-1):static zp:group` | `unquantized` | "
+            "torch-reference |") in "\n".join(table), "a | inside a cell is escaped"
+    for row in table:
+        assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
             "`fp8e4m3 scale:float32:group(128):dynamic` | torch-reference | triton-fused-moe, torch-reference | "
             "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
@@ -80,9 +87,16 @@ def test_matrix_json_and_user_specs(tmp_path, capsys):
 
 
 def test_schema_command(capsys):
+    """Without a kind: one JSON Schema an editor can use for any spec file (oneOf the three kinds)."""
     assert cli.main(["schema"]) == 0
-    schema = json.loads(capsys.readouterr().out)
-    assert set(schema) == {"scheme", "kernel", "family"}
+    top = json.loads(capsys.readouterr().out)
+    assert top["$schema"].startswith("https://json-schema.org/")
+    assert top["oneOf"] == [{"$ref": "#/$defs/SchemeSpec"}, {"$ref": "#/$defs/KernelSpec"},
+                            {"$ref": "#/$defs/ModelFamilySpec"}]
+    schema = {k: top["$defs"][t] for k, t in (("scheme", "SchemeSpec"), ("kernel", "KernelSpec"),
+                                              ("family", "ModelFamilySpec"))}
+    refs = set(re.findall(r'"#/\$defs/([A-Za-z]+)"', json.dumps(top)))
+    assert refs <= set(top["$defs"]), "every $ref resolves inside the one document"
     for kind, body in schema.items():
         assert body["type"] == "object"
         assert kind in body["properties"] and kind in body["required"]
@@ -91,8 +105,8 @@ def test_schema_command(capsys):
     assert {"impl", "platforms", "keys", "dtypes"} <= set(schema["kernel"]["properties"])
     assert {"match", "fields", "naming"} <= set(schema["family"]["properties"])
     # aliases, as written in YAML: a binding reads `from`, not `from_`
-    assert "from" in schema["scheme"]["$defs"]["BindRule"]["properties"]
-    assert "from_" not in schema["scheme"]["$defs"]["BindRule"]["properties"]
+    assert "from" in top["$defs"]["BindRule"]["properties"]
+    assert "from_" not in top["$defs"]["BindRule"]["properties"]
 
 
 def test_schema_of_one_kind(capsys):

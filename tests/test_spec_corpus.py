@@ -90,7 +90,8 @@ def test_every_shipped_spec_validates():
 
 def test_cli_validate_builtins(capsys):
     assert cli.main(["validate"]) == 0
-    assert capsys.readouterr().out.strip() == "all specs valid"
+    n = len(list((Path(__file__).parent.parent / "specs").glob("*/*.yaml")))
+    assert capsys.readouterr().out.strip() == f"{n} files (the built-in specs), all valid"
 
 
 def test_valid_user_specs_pass(tmp_path: Path, capsys):
@@ -102,7 +103,7 @@ def test_valid_user_specs_pass(tmp_path: Path, capsys):
     (d / "kernels" / "good.yaml").write_text(GOOD_KERNEL)
     assert validate_paths([d]) == []
     assert cli.main(["validate", str(d)]) == 0
-    assert "all specs valid" in capsys.readouterr().out
+    assert capsys.readouterr().out == "2 files, all valid\n"
     registry = load_registry([d])
     assert registry.scheme("corpus-good").kernels == ["corpus-good-kernel", "torch-reference"]
     assert not registry.schemes["corpus-good"].builtin
@@ -115,9 +116,10 @@ def test_validate_rejects_a_kernel_claim_no_scheme_exercises(tmp_path: Path, cap
     (d / "good.yaml").write_text(GOOD_SCHEME)
     extra = '  - {weight: "int8 scale:float32:channel:static", activation: "int8 scale:float32:token:dynamic"}\n'
     (d / "kernel.yaml").write_text(GOOD_KERNEL.replace("keys:\n", "keys:\n" + extra))
-    assert cli.main(["validate", str(d)]) == 1
+    assert cli.main(["validate", str(d)]) == 2
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{d / 'kernel.yaml'}:1: keys[0]: no scheme that lists corpus-good-kernel binds a key pair "
+    assert out[-1] == "1 problem in 2 files"
+    assert out[:-1] == [f"{d / 'kernel.yaml'}:1: keys[0]: no scheme that lists corpus-good-kernel binds a key pair "
                    "matching 'int8 scale:float32:channel:static' / 'int8 scale:float32:token:dynamic', "
                    "so no conformance case tests it"]
 
@@ -125,15 +127,16 @@ def test_validate_rejects_a_kernel_claim_no_scheme_exercises(tmp_path: Path, cap
 @pytest.mark.parametrize("name", ["unknown_field_top.yaml", "missing_required.yaml", "duplicate_scheme",
                                   "yaml_python_tag.yaml", "key_zero_point_on_float.yaml"])
 def test_cli_validate_prints_one_line_per_problem(name: str, capsys):
-    assert cli.main(["validate", str(CORPUS / name)]) == 1
+    assert cli.main(["validate", str(CORPUS / name)]) == 2
     out, err = capsys.readouterr()
     lines = [relative_line(x) for x in out.splitlines()]
+    summary = lines.pop()
     wanted = EXPECTED[name]
     assert len(lines) == len(wanted)
     for line, want in zip(lines, wanted, strict=True):
         assert line.startswith(want if isinstance(want, str) else want[0])
-    assert err.strip() == f"{len(wanted)} problem(s)"
-    assert "Traceback" not in out + err
+    assert summary.startswith(f"{len(wanted)} problem{'s' if len(wanted) > 1 else ''} in "), summary
+    assert err == "" and "Traceback" not in out
 
 
 def relative_line(line: str) -> str:
@@ -142,10 +145,10 @@ def relative_line(line: str) -> str:
 
 def test_cli_validate_several_files_lists_all(capsys):
     names = ["unknown_field_top.yaml", "missing_required.yaml", "expr_lambda.yaml"]
-    assert cli.main(["validate", *(str(CORPUS / n) for n in names)]) == 1
+    assert cli.main(["validate", *(str(CORPUS / n) for n in names)]) == 2
     out, err = capsys.readouterr()
-    assert len(out.splitlines()) == 4  # 1 + 2 + 1
-    assert err.strip() == "4 problem(s)"
+    assert len(out.splitlines()) == 5  # 1 + 2 + 1, then the count
+    assert out.splitlines()[-1] == "4 problems in 3 files" and err == ""
 
 
 def test_strict_load_of_a_bad_user_dir_raises_every_problem():
@@ -211,7 +214,7 @@ def test_python_tags_are_never_executed(kind: str, tmp_path: Path):
     spec = tmp_path / "evil.yaml"
     spec.write_text("scheme: evil\nsummary: " + PAYLOADS[kind].format(marker=marker) + "\n")
     problems = validate_paths([spec])
-    assert cli.main(["validate", str(spec)]) == 1
+    assert cli.main(["validate", str(spec)]) == 2
     assert len(problems) == 1
     assert "is not allowed (specs are plain data)" in str(problems[0])
     assert str(problems[0]).startswith(f"{spec}:2: YAML tag 'tag:yaml.org,2002:python/")
