@@ -4,6 +4,7 @@ the quantization config with where it came from."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,20 +81,34 @@ def resolve_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path
 
 
 def match_family(cfg: Mapping[str, Any], registry: Registry, path: str) -> ModelFamilySpec:
-    """The family whose model_type or architectures match; ConfigError listing known ones."""
+    """The family whose model_type or architectures match (the top level first, then sub-configs such
+    as text_config); ConfigError naming the closest known families."""
     model_types = {str(cfg.get("model_type", ""))}
     archs = set(cfg.get("architectures") or [])
-    for sub in cfg.values():
-        if isinstance(sub, Mapping) and "model_type" in sub:
-            model_types.add(str(sub["model_type"]))
+    sub_types = {str(sub["model_type"]) for sub in cfg.values() if isinstance(sub, Mapping) and "model_type" in sub}
+    for types in (model_types, sub_types):
+        for loaded in registry.families.values():
+            fam = loaded.spec
+            if types & set(fam.match.model_type) or archs & set(fam.match.architectures):
+                return fam
+    near = closest_families(model_types | sub_types, archs, registry)
+    raise ConfigError(f"{path}: model_type: {cfg.get('model_type') or '(none)'!r} is not a known MoE family "
+                      f"(architectures {sorted(archs) or 'none'}); closest known: {near}")
+
+
+def closest_families(model_types: set[str], archs: set[str], registry: Registry) -> str:
+    """The known families whose model types or architectures are nearest by spelling (difflib)."""
+    by_name: dict[str, str] = {}
     for loaded in registry.families.values():
-        fam = loaded.spec
-        if model_types & set(fam.match.model_type) or archs & set(fam.match.architectures):
-            return fam
-    known = sorted(t for f in registry.families.values() for t in f.spec.match.model_type)
-    seen = cfg.get("model_type") or "(none)"
-    raise ConfigError(f"{path}: model_type: {seen!r} is not a known MoE family "
-                      f"(architectures {sorted(archs) or 'none'}); known model types: {', '.join(known)}")
+        for name in [*loaded.spec.match.model_type, *loaded.spec.match.architectures]:
+            by_name.setdefault(name, loaded.spec.family)
+    near: list[str] = []
+    for seen in sorted(t for t in model_types | archs if t):
+        for name in difflib.get_close_matches(seen, list(by_name), n=3, cutoff=0.5):
+            label = f"{by_name[name]} ({name})"
+            if label not in near:
+                near.append(label)
+    return ", ".join(near[:4]) or "none (moe-registry list families shows them all)"
 
 
 def _int(value: Any, what: str, path: str) -> int:
@@ -102,15 +117,52 @@ def _int(value: Any, what: str, path: str) -> int:
     return value
 
 
+def _present(roots: list[Mapping[str, Any]], names: list[str]) -> Any:
+    for root in roots:
+        for name in names:
+            if root.get(name) is not None:
+                return root[name]
+    return None
+
+
 def _moe_layers(roots: list[Mapping[str, Any]], family: ModelFamilySpec, num_layers: int,
                 path: str) -> tuple[int, ...]:
+    """The MoE layer indices by the family's rule: an explicit list, a per-layer list, or the
+    first_dense / last / step / offset / skip arithmetic."""
     spec = family.moe_layers
+    if spec.indices is not None:
+        given = _present(roots, spec.indices.from_)
+        if given is not None:
+            if not isinstance(given, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in given):
+                raise ConfigError(f"{path}: {spec.indices.from_[0]}: got {given!r}; wanted a list of layer "
+                                  f"indices below {num_layers}")
+            return tuple(sorted(set(given)))
+    if spec.per_layer is not None:
+        per = _present(roots, spec.per_layer.from_)
+        if per is not None:
+            if not isinstance(per, list | str) or len(per) != num_layers:
+                raise ConfigError(f"{path}: {spec.per_layer.from_[0]}: got {per!r}; wanted one entry per layer "
+                                  f"({num_layers})")
+            return tuple(i for i, kind in enumerate(per) if kind in spec.per_layer.moe)
     first = resolve_field(roots, spec.first_dense, "first_dense", path) if spec.first_dense else 0
+    last = resolve_field(roots, spec.last, "last", path) if spec.last else -1
     step = resolve_field(roots, spec.step, "step", path) if spec.step else 1
-    skip = resolve_field(roots, spec.skip, "skip", path) if spec.skip else []
+    skip = set(resolve_field(roots, spec.skip, "skip", path) or []) if spec.skip else set()
+    last = num_layers - 1 if int(last) < 0 else int(last)
     step = max(int(step), 1)
-    return tuple(i for i in range(int(first), num_layers)
-                 if (i + 1) % step == 0 and i not in set(skip or []))
+    return tuple(i for i in range(int(first), min(last, num_layers - 1) + 1)
+                 if (i + 1 - spec.offset) % step == 0 and i not in skip)
+
+
+def _shared(roots: list[Mapping[str, Any]], family: ModelFamilySpec, name: str) -> tuple[int, int]:
+    """(count, one shared expert's intermediate size); (0, 0) when the family has none."""
+    f = family.fields
+    count = resolve_field(roots, f["shared_experts"], "shared_experts", name) if "shared_experts" in f else 0
+    size = resolve_field(roots, f["shared_intermediate"], "shared_intermediate", name) \
+        if "shared_intermediate" in f and count else 0
+    if not count or not size:
+        return 0, 0
+    return _int(count, "shared_experts", name), _int(size, "shared_intermediate", name)
 
 
 def read_model_config(target: Path, registry: Registry) -> ModelConfig:
@@ -131,6 +183,7 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
         activation=_activation(resolve_field(roots, f["activation"], "activation", name)
                                if "activation" in f else "silu", name),
         has_bias=bool(resolve_field(roots, f["has_bias"], "has_bias", name)) if "has_bias" in f else False,
+        **dict(zip(("shared_experts", "shared_intermediate"), _shared(roots, family, name), strict=True)),
     )
     if shape.top_k > shape.num_experts:
         raise ConfigError(f"{name}: num_experts_per_tok: {shape.top_k} is more than the {shape.num_experts} experts")

@@ -79,6 +79,8 @@ class MoEShape:
     intermediate: int
     activation: str = "silu"
     has_bias: bool = False
+    shared_experts: int = 0  # dense MLPs beside the routed experts (reported, not run by the kernels)
+    shared_intermediate: int = 0  # one shared expert's intermediate size
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ silently ignored field). The models are pure data; meaning is given to them by t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -310,32 +311,108 @@ class FamilyMatch(Strict):
     architectures: list[str] = Field(default_factory=list)
 
 
-class MoELayers(Strict):
-    """Which decoder layers are MoE: from ``first_dense`` on, every ``step``-th, minus ``skip``."""
+class PerLayer(Strict):
+    """A per-layer list (or string, one character a layer) in config.json whose entries say which
+    layers are MoE: ``mlp_layer_types: [dense, sparse, ...]``, ``hybrid_override_pattern: "M-ME*"``."""
 
-    first_dense: FieldRef | None = None
-    step: FieldRef | None = None
-    skip: FieldRef | None = None
+    from_: list[str] = Field(alias="from", min_length=1, description="config names of the per-layer list")
+    moe: list[Any] = Field(min_length=1, description="entries that mark a MoE layer, e.g. [sparse] or [E]")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("from"), str):
+            return {**data, "from": [data["from"]]}
+        return data
+
+
+class MoELayers(Strict):
+    """Which decoder layers are MoE. ``indices`` (an explicit list) or ``per_layer`` (a per-layer list)
+    decide alone when the config has them; otherwise a layer i is MoE when ``first_dense <= i <= last``,
+    ``(i + 1 - offset) % step == 0`` and i is not in ``skip``."""
+
+    first_dense: FieldRef | None = Field(default=None, description="layers below this index are dense")
+    last: FieldRef | None = Field(default=None, description="last MoE layer index, inclusive (-1: the last layer)")
+    step: FieldRef | None = Field(default=None, description="every step-th layer is MoE (interleave step, "
+                                  "decoder_sparse_step, moe_layer_interval)")
+    offset: int = Field(default=0, description="shifts the step: (i + 1 - offset) % step == 0; offset 1 makes "
+                        "layer 0 the first MoE layer of each step (DeepSeek's layer_idx % moe_layer_freq == 0)")
+    skip: FieldRef | None = Field(default=None, description="a list of layer indices that are dense")
+    indices: FieldRef | None = Field(default=None, description="an explicit list of MoE layer indices")
+    per_layer: PerLayer | None = Field(default=None, description="a per-layer list marking the MoE layers")
+
+
+FusedDim = Literal["E", "in", "out"]
+
+
+class FusedExperts(Strict):
+    """Every expert of a layer in two 3-D tensors (gpt-oss, Llama 4 as transformers saves them), named
+    relative to ``naming.layer``. ``layout`` orders the dimensions of both: ``[E, in, out]`` is read as
+    ``x @ W[e]`` (gpt-oss, Llama 4), ``[E, out, in]`` as ``F.linear(x, W[e])``; for ``gate_up`` the
+    ``out`` dimension is 2 x intermediate, gate and up either ``concatenated`` (gate first) or
+    ``interleaved`` (gate at even, up at odd positions: gpt-oss). Biases are [E, out] beside them."""
+
+    gate_up: str = Field(description="fused gate and up projections, [E, hidden, 2*intermediate] in layout order")
+    down: str = Field(description="down projection of every expert, [E, intermediate, hidden] in layout order")
+    layout: tuple[FusedDim, FusedDim, FusedDim] = Field(
+        description="dimension order of both tensors: [E, in, out] or [E, out, in]")
+    gate_up_order: Literal["concatenated", "interleaved"] = Field(
+        default="concatenated", description="how gate and up share the out dimension of gate_up")
+    gate_up_bias: str | None = Field(default=None, description="[E, 2*intermediate] bias, same gate/up order")
+    down_bias: str | None = Field(default=None, description="[E, hidden] bias of the down projection")
+
+    @field_validator("layout")
+    @classmethod
+    def _layout(cls, layout: tuple[str, str, str]) -> tuple[str, str, str]:
+        if list(layout) not in (["E", "in", "out"], ["E", "out", "in"]):
+            raise ValueError(f"fused.layout {list(layout)}: wanted [E, in, out] or [E, out, in]")
+        return layout
 
 
 class Naming(Strict):
-    """How checkpoints name a MoE layer's tensors; ``{layer}`` and ``{expert}`` are filled in."""
+    """How checkpoints name a MoE layer's tensors; ``{layer}`` and ``{expert}`` are filled in.
+
+    Experts are named either one by one (``expert`` + ``projections``) or ``fused`` as 3-D tensors.
+    The router's weight is ``<router>.weight``; a ``<router>.bias`` beside it is added to the logits."""
 
     layer: str = "model.layers.{layer}"
     router: str
     correction_bias: str | None = None
-    expert: str
-    projections: dict[Literal["gate", "up", "down"], str]
+    expert: str | None = None
+    projections: dict[Literal["gate", "up", "down"], str] | None = None
+    fused: FusedExperts | None = None
 
     @model_validator(mode="after")
     def _placeholders(self) -> Naming:
         if "{layer}" not in self.layer:
             raise ValueError("naming.layer must contain {layer}")
+        if self.fused is not None:
+            if self.expert is not None or self.projections is not None:
+                raise ValueError("naming: give either fused or expert + projections, not both")
+            return self
+        if self.expert is None or self.projections is None:
+            raise ValueError("naming needs expert + projections (one tensor per expert) or fused (3-D tensors)")
         if "{expert}" not in self.expert:
             raise ValueError("naming.expert must contain {expert}")
         if set(self.projections) != {"gate", "up", "down"}:
             raise ValueError("naming.projections needs gate, up and down")
         return self
+
+    def modules(self, layer: int, experts: Iterable[int]) -> tuple[str, ...]:
+        """Module names of ``experts``' projections in ``layer``, as quantization configs name them
+        (fused: the two 3-D tensors, which hold every expert)."""
+        prefix = self.layer.format(layer=layer)
+        if self.fused is not None:
+            return (f"{prefix}.{self.fused.gate_up}", f"{prefix}.{self.fused.down}")
+        assert self.expert is not None and self.projections is not None
+        return tuple(f"{prefix}.{self.expert.format(expert=e)}.{self.projections[p]}"
+                     for e in experts for p in ("gate", "up", "down"))
+
+
+FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
+                    "shared_experts", "shared_intermediate"]
+RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
+                      "correction_bias"]
 
 
 class ModelFamilySpec(Strict):
@@ -345,11 +422,16 @@ class ModelFamilySpec(Strict):
     summary: str
     match: FamilyMatch
     config_root: list[str] = Field(default_factory=list)
-    fields: dict[Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers",
-                         "activation", "has_bias"], FieldRef]
+    fields: dict[FieldName, FieldRef] = Field(description=(
+        "where the MoE shape sits in config.json: num_experts, top_k, hidden, intermediate (one routed "
+        "expert's), num_layers, activation, has_bias, and the shared experts beside the routed ones: "
+        "shared_experts (how many; 0 or absent: none) and shared_intermediate (one shared expert's size)"))
     moe_layers: MoELayers = Field(default_factory=MoELayers)
-    routing: dict[Literal["scoring", "renormalize", "num_expert_group", "topk_group",
-                          "routed_scaling_factor"], FieldRef] = Field(default_factory=dict)
+    routing: dict[RoutingWord, FieldRef] = Field(default_factory=dict, description=(
+        "how the router picks and weighs experts, as the family's modeling code fixes it: scoring "
+        "(softmax, sigmoid; other words name routings no kernel here reproduces, e.g. sparsemixer, "
+        "softmax_topk_logits), renormalize, num_expert_group/topk_group (grouped top-k), "
+        "routed_scaling_factor, correction_bias (a per-expert bias added to the scores for selection only)"))
     naming: Naming
 
     @field_validator("fields")
