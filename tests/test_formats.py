@@ -498,10 +498,10 @@ def test_missing_tensor_and_missing_role() -> None:
 
 def test_key_that_the_format_cannot_hold() -> None:
     case = CASE_BY_ID["gptq4-g32"]
-    ctx = ConvertContext(parse_quant_key("uint4 scale:float16:group(32):static zp:group"),
+    ctx = ConvertContext(parse_quant_key("int4 scale:float16:group(32):static"),
                          parse_quant_key("unquantized"), torch.float16)
-    with pytest.raises(MoERegistryError, match="format 'gptq' holds uint4b8 or uint8b128 weights, but the "
-                                               "scheme bound weight key uint4 scale"):
+    with pytest.raises(MoERegistryError, match="format 'gptq' holds uint4b8 or uint8b128 or uint4 or uint8 "
+                                               "weights, but the scheme bound weight key int4 scale"):
         get_converter("gptq", "nk")(pack_experts(case, float_weights(16)), ctx)
 
 

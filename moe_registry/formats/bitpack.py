@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["unpack_int32", "pack_int32", "pack_nibbles"]
+__all__ = ["unpack_int32", "pack_int32", "pack_nibbles", "add_to_fields"]
 
 
 def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
@@ -45,6 +45,15 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     k // 2, low nibble for even k."""
     c = codes.to(torch.uint8)
     return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def add_to_fields(words: torch.Tensor, bits: int, delta: int) -> torch.Tensor:
+    """int32 words + ``delta`` in every ``bits``-wide field, as ONE int32 addition per word (mod 2^32):
+    a field that overflows carries into the next one (and one that underflows borrows), which is how
+    GPTQModel moves zero points between its v1 and v2 formats. A new int32 tensor."""
+    step = sum(1 << (bits * i) for i in range(32 // bits))
+    total = (words.to(torch.int64) + delta * step) & 0xFFFFFFFF
+    return torch.where(total >= 1 << 31, total - (1 << 32), total).to(torch.int32)
 
 
 def _inverse(order: Sequence[int]) -> list[int]:

@@ -1,0 +1,229 @@
+"""GPTQModel and AutoAWQ checkpoints as those libraries write them (tests/fixtures/gptqmodel, autoawq; made
+by tools/make_fixtures_gptq_awq.py, versions in each VERSIONS.json) are the ground truth here, not our packers.
+
+Each fixture is a tiny Qwen3-MoE layer (4 experts, hidden 64, expert intermediate 64, group 32) with the
+library's own dequantised weight of every expert projection and that quantized linear's output on fixed
+inputs (ref.safetensors). We check: `explain` picks the right scheme and a Triton kernel accepts its keys;
+our converter's weights, rounded to float16, are the library's dequantisation bit for bit (both libraries
+compute scale * (q - zero) in float16 with one rounding, as rounding our float32 value once does);
+the built layer (torch reference on CPU, Triton in the interpreter) matches a float64 MoE computed from the
+LIBRARY'S weights within the scheme's tolerance; broken zero points are refused naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from moe_registry_kernels.dequant import dequantize
+from safetensors.torch import load_file, save_file
+
+import moe_registry
+from moe_registry.cli import main
+from moe_registry.errors import CheckpointError
+from moe_registry.experts import ExpertsConfig
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PREFIX = "model.layers.0.mlp.experts"
+ROLES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+# fixture -> (library dir, scheme explain must pick, weight key)
+CASES = {
+    "qwen3-gptq-w4-sym": ("gptqmodel", "gptq-w4a16", "uint4b8 scale:float16:group(32):static"),
+    "qwen3-gptq-w4-asym": ("gptqmodel", "gptq-w4a16-asym", "uint4 scale:float16:group(32):static zp:group"),
+    "qwen3-gptq-w8-sym-actorder": ("gptqmodel", "gptq-w8a16", "uint8b128 scale:float16:group(32):static"),
+    "qwen3-gptq-w4-sym-v2": ("gptqmodel", "gptq-v2-w4a16", "uint4b8 scale:float16:group(32):static"),
+    "qwen3-gptq-w4-asym-actorder-v2": ("gptqmodel", "gptq-v2-w4a16-asym",
+                                       "uint4 scale:float16:group(32):static zp:group"),
+    "qwen3-awq-w4-gemm": ("autoawq", "awq-w4a16", "uint4 scale:float16:group(32):static zp:group"),
+}
+TRITON_CASES = ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w4-sym-v2", "qwen3-gptq-w4-asym-actorder-v2",
+                "qwen3-awq-w4-gemm"]
+
+
+def checkpoint(name: str) -> Path:
+    return FIXTURES / CASES[name][0] / name / "checkpoint"
+
+
+def library_weights(name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The library's own dequantised weights as float16 [E, N, K] per role, and its raw ref tensors."""
+    ref = load_file(str(FIXTURES / CASES[name][0] / name / "ref.safetensors"))
+    e = 0
+    while f"{PREFIX}.{e}.gate_proj.weight" in ref:
+        e += 1
+    stacked = {role: torch.stack([ref[f"{PREFIX}.{i}.{proj}.weight"] for i in range(e)])
+               for role, proj in ROLES.items()}
+    return ref, stacked
+
+
+def build(name: str, path: Path | None = None):
+    """The layer as the oracle builds it on CPU, pinned to the torch reference (the kernel under test)."""
+    return moe_registry.build(path or checkpoint(name), layer=0, platform="cpu", dtype="float16",
+                              kernel="torch-reference")
+
+
+def our_weights(built) -> dict[str, torch.Tensor]:
+    """Our converted weights read back through the one definition of the layout, float32 [E, N, K]."""
+    w = built.weights
+    w13 = dequantize(w.w13, w.weight_key)
+    inter = w.intermediate_size
+    return {"gate": w13[:, :inter], "up": w13[:, inter:], "down": dequantize(w.w2, w.weight_key)}
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in float16 units in the last place (same sign assumed away by ordering the bit patterns)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.to(torch.float16).view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
+    return weights, ids
+
+
+def moe_float64(x: torch.Tensor, topk_w: torch.Tensor, topk_ids: torch.Tensor, lib: dict[str, torch.Tensor]):
+    """Plain float64 SiLU-gated MoE on the library's weights."""
+    h = x.double()
+    out = torch.zeros_like(h)
+    for m in range(h.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[m, j])
+            gate, up, down = (lib[r][e].double() for r in ("gate", "up", "down"))
+            a = torch.nn.functional.silu(gate @ h[m]) * (up @ h[m])
+            out[m] += float(topk_w[m, j]) * (down @ a)
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---------------------------------------------------------------- detection
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_explain_detects_the_scheme_and_a_triton_kernel_takes_it(name: str, capsys) -> None:
+    assert main(["explain", str(checkpoint(name)), "--platform", "cuda:9.0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scheme"]["name"] == CASES[name][1]
+    assert out["scheme"]["weight_key"] == CASES[name][2]
+    assert out["chosen_kernel"] == "triton-fused-moe"  # the kernel spec accepts the bound keys
+
+
+def test_the_fixtures_hold_what_they_are_named_for() -> None:
+    """Guards the fixtures themselves: act-order g_idx, v2 zeros, and a v1 borrow are really there."""
+    def tensors(name):
+        return load_file(str(checkpoint(name) / "model.safetensors"))
+
+    for name in ("qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w4-asym-actorder-v2"):
+        g_idx = tensors(name)[f"{PREFIX}.0.gate_proj.g_idx"].long()
+        assert not torch.equal(g_idx, torch.arange(64) // 32), name
+    v2 = tensors("qwen3-gptq-w4-sym-v2")[f"{PREFIX}.0.up_proj.qzeros"]
+    assert bool((v2 == 0x88888888 - (1 << 32)).all())  # zero 8 stored as 8
+    v1 = tensors("qwen3-gptq-w4-sym")[f"{PREFIX}.0.up_proj.qzeros"]
+    assert bool((v1 == 0x77777777).all())  # zero 8 stored as 7
+    # eight zero points of 0, stored by GPTQModel v1 as 0 - 0x11111111: a borrow through the word
+    asym = tensors("qwen3-gptq-w4-asym")[f"{PREFIX}.0.gate_proj.qzeros"]
+    assert int(asym[0, 0]) & 0xFFFFFFFF == 0xEEEEEEEF
+
+
+# ---------------------------------------------------------------- weights
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_converted_weights_equal_the_library_dequantisation(name: str) -> None:
+    _, lib = library_weights(name)
+    ours = our_weights(build(name).built)
+    for role in ROLES:
+        assert ours[role].shape == lib[role].shape, role
+        apart = ulps_apart(ours[role], lib[role])
+        assert int(apart.max()) == 0, (f"{name} {role}: {int((apart > 0).sum())} weights differ from the "
+                                       f"library's, by up to {int(apart.max())} float16 ulp")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_projection_outputs_match_the_library_linear(name: str) -> None:
+    """Our weights times the fixed inputs against the library's own quantized linear (float16 GEMM)."""
+    ref, _ = library_weights(name)
+    ours = our_weights(build(name).built)
+    x = ref["inputs"].double()
+    for role, proj in ROLES.items():
+        for e in range(ours[role].shape[0]):
+            lib_out = ref[f"{PREFIX}.{e}.{proj}.output"]
+            err = rel_err(lib_out, x @ ours[role][e].double().t())
+            assert err < 2e-3, f"{name} expert {e} {proj}: relative error {err:.2e} vs the library's output"
+
+
+# ---------------------------------------------------------------- the layer
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_layer_matches_float64_moe_on_library_weights(name: str) -> None:
+    _, lib = library_weights(name)
+    layer = build(name)
+    assert layer.built.report.chosen == "torch-reference"
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen).to(torch.float16)
+    topk_w, topk_ids = routing(9, 4, 2, seed=6)
+    out = layer.built.kernel(x, topk_w, topk_ids)
+    err = rel_err(out, moe_float64(x, topk_w, topk_ids, lib))
+    assert 0 < err <= layer.built.tolerance, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_library_weights(name: str) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    from moe_registry_kernels.triton_moe import TritonExperts
+
+    _, lib = library_weights(name)
+    layer = build(name)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    topk_w, topk_ids = routing(5, 4, 2, seed=8)
+    out = TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
+    assert out.dtype == torch.float16
+    err = rel_err(out, moe_float64(x, topk_w, topk_ids, lib))
+    scheme = moe_registry.load_registry().scheme(CASES[name][1])
+    assert 0 < err <= scheme.tolerance["float16"], f"{name}: relative error {err:.2e}"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _broken_copy(name: str, tmp_path: Path, tensor: str, change) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(checkpoint(name), dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors[tensor] = change(tensors[tensor])
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("name", ["qwen3-gptq-w4-asym", "qwen3-gptq-w4-asym-actorder-v2", "qwen3-gptq-w4-sym-v2"])
+def test_zero_point_tensor_of_the_wrong_shape_names_it(name: str, tmp_path: Path) -> None:
+    tensor = f"{PREFIX}.1.up_proj.qzeros"
+    path = _broken_copy(name, tmp_path, tensor, lambda t: torch.cat((t, t[:1])))
+    with pytest.raises(CheckpointError) as err:
+        build(name, path)
+    msg = str(err.value)
+    assert msg.startswith(f"{tensor}: shape [3, 8]; expected [2, 8]"), msg
+    assert "groups(in, $group)" in msg and "$group=32" in msg
+
+
+def test_v2_symmetric_zero_that_is_not_the_bias_is_refused(tmp_path: Path) -> None:
+    tensor = f"{PREFIX}.2.down_proj.qzeros"
+    path = _broken_copy("qwen3-gptq-w4-sym-v2", tmp_path, tensor, lambda t: torch.where(
+        torch.arange(t.numel()).reshape(t.shape) == 3, t - 1, t))  # word [0, 3]: its lowest zero 8 -> 7
+    with pytest.raises(CheckpointError) as err:
+        build("qwen3-gptq-w4-sym-v2", path)
+    msg = str(err.value)
+    assert msg.startswith(f"{tensor}: asymmetric zero points: 1 of 128 stored zero points"), msg
+    assert "(first at [0, 24] = 7)" in msg and "GPTQ v2 stores the zero itself" in msg
+    assert "expected 8 everywhere (zero = 8)" in msg
