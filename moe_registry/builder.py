@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from moe_registry import guards
 from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
-from moe_registry.errors import CheckpointError, ConfigError
+from moe_registry.errors import CheckpointError, ConfigError, SelectionError
 from moe_registry.experts import Experts, ExpertsConfig
 from moe_registry.explain import Flags, check_kernel_names, situation_for_model
 from moe_registry.formats import get_converter
@@ -86,6 +87,8 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
                          DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
     weights = convert(list(tensors.experts), ctx)
+    loaded = registry.kernels[report.chosen]
+    guards.check_impl(kernel_spec.impl, kernel_spec.kernel, loaded.path, loaded.builtin)  # before importing it
     cls = experts_class(kernel_spec)
     shape = runtime.shape
     config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]
@@ -144,6 +147,8 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         raise ConfigError(f"{target}: no such file or directory")
     flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens)
     model = read_model_config(target, registry)
+    if model.not_runnable:
+        raise SelectionError(f"{model.path}: family {model.family}: not run here: {'; '.join(model.not_runnable)}")
     situation = situation_for_model(model, registry, flags)
     device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors
     index = open_checkpoint(target if target.is_dir() else target.parent)
@@ -194,9 +199,10 @@ class MoELayer(torch.nn.Module):
         groups = int(p.get("num_expert_group", 1) or 1)
         scoring = str(p.get("scoring", "softmax"))
         renormalize = bool(p.get("renormalize", True))
-        if groups > 1 or scoring != "softmax" or self.correction_bias is not None:
+        scale = float(p.get("routed_scaling_factor", 1.0))
+        if groups > 1 or scoring != "softmax" or self.correction_bias is not None or scale != 1.0:
             return grouped_topk(logits, self.top_k, groups, int(p.get("topk_group", 1) or 1), scoring,  # type: ignore[arg-type]
-                                self.correction_bias, renormalize, float(p.get("routed_scaling_factor", 1.0)))
+                                self.correction_bias, renormalize, scale, p.get("group_score"))
         return softmax_topk(logits, self.top_k, renormalize)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

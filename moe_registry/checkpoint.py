@@ -8,18 +8,20 @@ before anything is converted.
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moe_registry import guards
 from moe_registry.errors import CheckpointError
 from moe_registry.expr import ExprError, parse_expr
+from moe_registry.formats.checks import check_all_equal
 from moe_registry.runtime import MoEShape
 from moe_registry.spec_models import ModelFamilySpec, SchemeSpec, TensorSpec
 
@@ -51,25 +53,16 @@ class CheckpointIndex:
     def load(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
         with safe_open(str(info.file), framework="pt") as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        guards.check_tensor_values(name, tensor)  # NaN/inf, fp8/e8m0 NaN codes: refused at load
+        return tensor
 
 
 def open_checkpoint(model_dir: Path) -> CheckpointIndex:
     """Index a model dir's safetensors files by reading their headers only."""
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a model dir")
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index_path}: not a safetensors index ({err})") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index_path}: names shard(s) that are not there: {', '.join(missing)}")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
+    files = guards.checkpoint_files(model_dir, INDEX_FILE)  # inside the model dir, regular files only
     if not files:
         pickles = [p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         hint = f" (found {', '.join(pickles)}: pickle checkpoints are not read, convert them)" if pickles else ""
@@ -80,6 +73,7 @@ def open_checkpoint(model_dir: Path) -> CheckpointIndex:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
                     sl = f.get_slice(name)
+                    guards.no_duplicate_tensor(tensors, name, path)
                     tensors[name] = TensorInfo(path, _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
                                                tuple(sl.get_shape()))
         except (OSError, ValueError, RuntimeError, SafetensorError) as err:
@@ -88,23 +82,59 @@ def open_checkpoint(model_dir: Path) -> CheckpointIndex:
 
 
 @dataclass(frozen=True)
+class FusedNames:
+    """Full names of a fused family's 3-D expert tensors in one layer, with how to read them."""
+
+    gate_up: str
+    down: str
+    gate_up_bias: str | None
+    down_bias: str | None
+    layouts: tuple[tuple[str, ...], ...]
+    gate_up_order: str
+
+    def of(self, what: str) -> str | None:
+        """'gate_up', 'down', 'gate_up_bias' or 'down_bias' -> full name (None: not named)."""
+        return getattr(self, what)
+
+
+@dataclass(frozen=True)
 class LayerNames:
-    """Full checkpoint names of one MoE layer's pieces."""
+    """Full checkpoint names of one MoE layer's pieces. ``expert_prefix`` (with {expert}) names
+    per-expert tensors; ``fused`` the 3-D tensors of a fused family (whichever this checkpoint holds)."""
 
     router: str
     correction_bias: str | None
-    expert_prefix: str  # with {expert}
+    expert_prefix: str | None  # with {expert}
+    fused: FusedNames | None = None
+    router_bias: str | None = None
 
     def projection(self, family: ModelFamilySpec, expert: int, role: str) -> str:
+        if self.fused is not None:
+            return f"{self.fused.gate_up if role in ('gate', 'up') else self.fused.down}[{expert}]"
+        assert self.expert_prefix is not None and family.naming.projections is not None
         return f"{self.expert_prefix.format(expert=expert)}.{family.naming.projections[role]}"  # type: ignore[index]
+
+    def tensor(self, family: ModelFamilySpec, expert: int, role: str, tensor: str) -> str:
+        """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
+        if self.fused is None:
+            return f"{self.projection(family, expert, role)}.{tensor}"
+        fused = "gate_up" if role in ("gate", "up") else "down"
+        name = self.fused.of(f"{fused}_bias" if tensor == "bias" else fused)
+        return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
 
 def layer_names(family: ModelFamilySpec, layer: int) -> LayerNames:
     n = family.naming
     prefix = n.layer.format(layer=layer)
+    fused = None
+    if n.fused is not None:
+        f = n.fused
+        fused = FusedNames(f"{prefix}.{f.gate_up}", f"{prefix}.{f.down}",
+                           f"{prefix}.{f.gate_up_bias}" if f.gate_up_bias else None,
+                           f"{prefix}.{f.down_bias}" if f.down_bias else None, f.layouts, f.gate_up_order)
     return LayerNames(f"{prefix}.{n.router}.weight",
                       f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
-                      f"{prefix}.{n.expert}")
+                      f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias")
 
 
 @dataclass(frozen=True)
@@ -116,6 +146,7 @@ class LayerTensors:
     correction_bias: torch.Tensor | None
     names: LayerNames
     has_bias: bool
+    router_bias: torch.Tensor | None = None
 
 
 def _dims(role: str, shape: MoEShape) -> dict[str, int]:
@@ -141,14 +172,19 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
     """Check then load every expert tensor of ``layer`` (and its router)."""
     names = layer_names(family, layer)
+    if names.fused is not None and (names.expert_prefix is None or names.fused.gate_up in index.tensors):
+        experts, has_bias = _read_fused(index, names, layer, scheme, shape)
+        return _with_router(index, names, shape, experts, has_bias)
+    names = replace(names, fused=None)  # per expert (a family naming both: this checkpoint's way)
+    assert names.expert_prefix is not None and family.naming.projections is not None
     declared = {**scheme.checkpoint.tensors, "bias": BIAS_SPEC}
-    expert_re = re.compile(re.escape(names.expert_prefix).replace(r"\{expert\}", r"(\d+)") + r"\.(.+)$")
+    expert_re = re.compile(re.escape(names.expert_prefix).replace(r"\{expert\}", r"([^.]+)") + r"\.(.+)$")
     by_projection: dict[tuple[int, str], set[str]] = {}
     for tname in index.tensors:
         m = expert_re.match(tname)
         if m:
             proj, _, tensor = m.group(2).partition(".")
-            by_projection.setdefault((int(m.group(1)), proj), set()).add(tensor)
+            by_projection.setdefault((guards.expert_index(m.group(1), tname), proj), set()).add(tensor)
     seen_experts = {e for e, _ in by_projection}
     if not seen_experts:
         raise CheckpointError(f"layer {layer}: no expert tensors named {names.expert_prefix.format(expert='N')}.* "
@@ -185,13 +221,120 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
         plan.append(roles)
     if len(bias_flags) > 1:
         raise CheckpointError(f"layer {layer}: some expert projections have a bias and others do not")
-    experts = tuple({role: {t: index.load(full) for t, full in tensors.items()} for role, tensors in roles.items()}
-                    for roles in plan)
+    experts = tuple({role: {t: _load_checked(index, full, declared[t], scheme.scheme) for t, full in tensors.items()}
+                     for role, tensors in roles.items()} for roles in plan)
+    return _with_router(index, names, shape, experts, bias_flags == {True})
+
+
+def _load_checked(index: CheckpointIndex, full: str, spec: TensorSpec, scheme: str) -> torch.Tensor:
+    """Load one tensor; one whose value the scheme fixes (``all_equal``) must hold it everywhere."""
+    t = index.load(full)
+    if spec.all_equal is not None:
+        check_all_equal(t, spec.all_equal, full, f"scheme {scheme} fixes this tensor")
+    return t
+
+
+def _with_router(index: CheckpointIndex, names: LayerNames, shape: MoEShape,
+                 experts: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], has_bias: bool) -> LayerTensors:
+    """The layer's tensors with its router weight, router bias and correction bias, shapes checked."""
     router = index.load(names.router) if names.router in index.tensors else None
     if router is not None and tuple(router.shape) != (shape.num_experts, shape.hidden):
         raise CheckpointError(f"{names.router}: shape {list(router.shape)}; expected "
                               f"[{shape.num_experts}, {shape.hidden}] (num_experts x hidden_size from config.json)")
-    bias = None
-    if names.correction_bias and names.correction_bias in index.tensors:
-        bias = index.load(names.correction_bias)
-    return LayerTensors(experts, router, bias, names, bias_flags == {True})
+    return LayerTensors(experts, router, _per_expert(index, names.correction_bias, shape), names, has_bias,
+                        _per_expert(index, names.router_bias, shape))
+
+
+def _per_expert(index: CheckpointIndex, name: str | None, shape: MoEShape) -> torch.Tensor | None:
+    """A per-expert vector (router bias, correction bias) as [E]; stored [E] or [1, E] (ERNIE 4.5)."""
+    if not name or name not in index.tensors:
+        return None
+    info = index.tensors[name]
+    if math.prod(info.shape) != shape.num_experts or len(info.shape) < 1:
+        raise CheckpointError(f"{name}: shape {list(info.shape)}; expected [{shape.num_experts}] "
+                              "(one value per expert, num_experts from config.json)")
+    return index.load(name).reshape(shape.num_experts)
+
+
+def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec,
+                shape: MoEShape) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
+    """Per-expert [out, in] views of a fused family's 3-D tensors, shapes and dtypes checked first.
+
+    The fused tensors are the scheme's one ``weight`` tensor for every expert at once, so only
+    schemes that declare exactly that per projection are read this way. With several declared
+    layouts, the first that both tensors' shapes fit is used."""
+    assert names.fused is not None
+    fused = names.fused
+    declared = scheme.checkpoint.tensors
+    if set(declared) != {"weight"}:
+        raise CheckpointError(f"{fused.gate_up}: layer {layer} stores its experts fused as 3-D tensors; scheme "
+                              f"{scheme.scheme} declares per-expert tensors {', '.join(sorted(declared))} "
+                              "(fused experts are read for schemes with one 'weight' tensor per projection)")
+    spec = declared["weight"]
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    dims = {"gate_up": {"E": e, "in": h, "out": 2 * i}, "down": {"E": e, "in": i, "out": h}}
+    why = {"gate_up": {"E": "experts", "in": "hidden", "out": f"2 x intermediate {i}"},
+           "down": {"E": "experts", "in": "intermediate", "out": "hidden"}}
+    infos = {}
+    for what in ("gate_up", "down"):
+        name = fused.of(what)
+        assert name is not None
+        if name not in index.tensors:
+            near = sorted(t for t in index.tensors if t.startswith(name.rsplit(".", 1)[0] + "."))
+            seen = ", ".join(near[:3]) + (f" and {len(near) - 3} more" if len(near) > 3 else "")
+            raise CheckpointError(f"{name}: missing (naming.fused.{what}; beside it: {seen or 'nothing'}; "
+                                  f"is layer {layer} a MoE layer stored fused?)")
+        infos[what] = index.tensors[name]
+        if infos[what].dtype not in spec.dtypes:
+            raise CheckpointError(f"{name}: dtype {infos[what].dtype}; expected {' or '.join(spec.dtypes)}")
+
+    def wanted(what: str, layout: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(dims[what][d] for d in layout)
+
+    layout = next((lay for lay in fused.layouts
+                   if all(infos[w].shape == wanted(w, lay) for w in ("gate_up", "down"))), None)
+    if layout is None:
+        what = next(w for w in ("gate_up", "down") if infos[w].shape != wanted(w, fused.layouts[0]))
+        options = " or ".join(
+            f"{list(wanted(what, lay))} ([{', '.join(lay)}] with "
+            f"{', '.join(f'{d}={dims[what][d]} ({why[what][d]})' for d in lay)})" for lay in fused.layouts)
+        raise CheckpointError(f"{fused.of(what)}: shape {list(infos[what].shape)}; expected {options}, "
+                              "from config.json and naming.fused.layout")
+    loaded = {what: index.load(fused.of(what)) for what in ("gate_up", "down")}  # type: ignore[arg-type]
+    for what in ("gate_up", "down"):
+        bias_name = fused.of(f"{what}_bias")
+        if bias_name and bias_name in index.tensors:
+            binfo = index.tensors[bias_name]
+            if binfo.dtype not in BIAS_SPEC.dtypes:
+                raise CheckpointError(f"{bias_name}: dtype {binfo.dtype}; expected {' or '.join(BIAS_SPEC.dtypes)}")
+            if binfo.shape != (e, dims[what]["out"]):
+                raise CheckpointError(f"{bias_name}: shape {list(binfo.shape)}; expected [{e}, {dims[what]['out']}] "
+                                      f"([E, out] with E={e}, out={dims[what]['out']})")
+            loaded[f"{what}_bias"] = index.load(bias_name)
+    if ("gate_up_bias" in loaded) != ("down_bias" in loaded):
+        have, lack = ("gate_up_bias", "down_bias") if "gate_up_bias" in loaded else ("down_bias", "gate_up_bias")
+        raise CheckpointError(f"{fused.of(lack) or 'naming.fused.' + lack}: missing while {fused.of(have)} exists; "
+                              "expected a bias on both fused projections or on neither")
+    # To [E, out, in] (the nk order of one projection), then gate and up apart.
+    gate_up, down = loaded["gate_up"], loaded["down"]
+    if layout == ("E", "in", "out"):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = _split_gate_up(gate_up, i, fused.gate_up_order)
+    gate_b = up_b = down_b = None
+    if "gate_up_bias" in loaded:
+        gate_b, up_b = _split_gate_up(loaded["gate_up_bias"], i, fused.gate_up_order)
+        down_b = loaded["down_bias"]
+
+    def role(w: torch.Tensor, b: torch.Tensor | None, x: int) -> dict[str, torch.Tensor]:
+        return {"weight": w[x]} if b is None else {"weight": w[x], "bias": b[x]}
+
+    experts = tuple({"gate": role(gate, gate_b, x), "up": role(up, up_b, x), "down": role(down, down_b, x)}
+                    for x in range(e))
+    return experts, "gate_up_bias" in loaded
+
+
+def _split_gate_up(t: torch.Tensor, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up along dim 1 (out), as the family orders them: halves or even/odd positions."""
+    if order == "interleaved":
+        return t[:, 0::2], t[:, 1::2]
+    return t[:, :i], t[:, i:]

@@ -94,7 +94,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     situation = situation_for(Path(args.target), registry, _flags(args))
     report = select(registry, situation, prefer=args.prefer, pin=args.kernel)
     print_report(report, args)
-    return EXIT_OK
+    # experts no kernel here runs (the "not run" rows): refused, as `run` refuses them
+    return EXIT_REFUSED if situation.not_runnable else EXIT_OK
 
 
 def print_report(report: Any, args: argparse.Namespace) -> None:

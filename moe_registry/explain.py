@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_registry import guards
 from moe_registry.errors import ConfigError
 from moe_registry.model_config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.oracle import Situation, expert_modules
@@ -89,6 +90,7 @@ def pick_layer(model: ModelConfig, layer: int | None) -> int:
 
 def situation_for(target: Path, registry: Registry, flags: Flags) -> Situation:
     """Build the Situation the user described."""
+    guards.check_flag_sizes(max_tokens=flags.max_tokens, tp=flags.tp, ep=flags.ep, dp=flags.dp)
     if not target.exists():
         raise ConfigError(f"{target}: no such file or directory")
     if target.is_dir() and not (target / "config.json").is_file():
@@ -100,6 +102,7 @@ def situation_for(target: Path, registry: Registry, flags: Flags) -> Situation:
 
 def situation_for_model(model: ModelConfig, registry: Registry, flags: Flags) -> Situation:
     """The Situation for an already-read model config (no runtime file)."""
+    guards.check_flag_sizes(max_tokens=flags.max_tokens, tp=flags.tp, ep=flags.ep, dp=flags.dp)
     return _from_model(model, registry, flags, None)
 
 
@@ -116,10 +119,11 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
     _check_parallel(parallel, model.shape)
     runtime = RuntimeConfig(platform, dtype, model.shape, parallel,
                             _pick(flags.max_tokens, base.max_tokens if base else 8192),
-                            base.router_weight_on_input if base else False)
+                            (base.router_weight_on_input if base else False)
+                            or bool(model.routing.get("router_weight_on_input", False)))
     family = registry.families[model.family].spec
     return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
-                     model.quant_source, model.path, model.family, layer)
+                     model.quant_source, model.path, model.family, layer, model.not_runnable)
 
 
 def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:

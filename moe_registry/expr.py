@@ -14,13 +14,16 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from moe_registry.errors import MoERegistryError
+
 MAX_EXPR_CHARS = 200
 _BINDING_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
 _FUNCS = {"ceil", "floor", "min", "max", "groups"}
 
 
-class ExprError(ValueError):
-    """An expression that is unsafe, malformed, or cannot be evaluated with the given names."""
+class ExprError(MoERegistryError, ValueError):
+    """An expression that is unsafe, malformed, or cannot be evaluated with the given names (one of
+    the project's errors, so the CLI prints it as one line; a ValueError for pydantic validators)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ def parse_expr(text: str | int) -> Expr:
     if isinstance(text, bool):
         raise ExprError(f"expected an integer or expression, got {text!r}")
     if isinstance(text, int):
+        if text.bit_length() > 64:
+            digits = len(str(abs(text))) if text.bit_length() < 14000 else int(text.bit_length() * 0.30103) + 1
+            raise ExprError(f"integer of {digits} digits; at most 64 bits")
         text = str(text)
     if not isinstance(text, str):
         raise ExprError(f"expected an integer or expression string, got {type(text).__name__}")
@@ -83,6 +89,8 @@ def _check(node: ast.AST, text: str, names: set[str], depth: int) -> None:
                                                         ast.FloorDiv | ast.Mod):
         _check(node.left, text, names, depth + 1)
         _check(node.right, text, names, depth + 1)
+        if isinstance(node.op, ast.Div | ast.FloorDiv | ast.Mod) and _const(node.right) == 0:
+            raise ExprError(f"division by zero in {text!r}")
         return
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         _check(node.operand, text, names, depth + 1)
@@ -91,11 +99,67 @@ def _check(node: ast.AST, text: str, names: set[str], depth: int) -> None:
             and not node.keywords and node.args):
         for arg in node.args:
             _check(arg, text, names, depth + 1)
+        if node.func.id == "groups":
+            group = _const(node.args[1]) if len(node.args) == 2 else None
+            if len(node.args) != 2:
+                raise ExprError(f"groups() takes (size, group) in {text!r}")
+            if group is not None and group <= 0 and group != -1:
+                raise ExprError(f"group size {group} in {text!r} must be positive or -1")
+        elif node.func.id in ("ceil", "floor") and len(node.args) != 1:
+            raise ExprError(f"{node.func.id}() takes one argument in {text!r}")
         return
     raise ExprError(
         f"{type(node).__name__} is not allowed in expression {text!r}; "
         "allowed: integers, names, $bindings, + - * / // %, ceil() floor() min() max() groups()"
     )
+
+
+def _const(node: ast.AST) -> int | None:
+    """The value of a sub-expression without names (``64 // 0``'s ``0``), else None."""
+    if any(isinstance(n, ast.Name) for n in ast.walk(node)):
+        return None
+    try:
+        return _eval(node, {}, "")
+    except (ExprError, ArithmeticError, ValueError):
+        return None
+
+
+SAMPLE_SIZE = 4096 * 3 * 5 * 7  # divisible by every power of two a group uses, and by 3, 5, 7
+
+
+def parse_shape_dim(dim: object) -> Expr:
+    """A checkpoint tensor's shape dimension: an integer >= 0 or an expression that is positive for
+    a sample projection (in = out = SAMPLE_SIZE, each $binding 128). Booleans and negative sizes
+    are refused here, at validation, not when a checkpoint is read."""
+    if isinstance(dim, bool):
+        raise ExprError(f"shape dimension {dim!r} is a boolean; wanted an integer or an expression")
+    expr = parse_expr(dim)  # type: ignore[arg-type]
+    if not expr.names and not expr.bindings and expr.evaluate({}) < 0:
+        raise ExprError(f"shape dimension {expr.text!r} is negative; wanted a size >= 0")
+    values = {"in": SAMPLE_SIZE, "out": SAMPLE_SIZE, **{f"${b}": 128 for b in expr.bindings}}
+    if expr.names <= {"in", "out"}:
+        try:
+            value = expr.evaluate(values)
+        except ExprError:
+            return expr  # inexact for the sample: the bindings decide, checked on real shapes
+        if value < 0 or (value == 0 and (expr.names or expr.bindings)):
+            raise ExprError(f"shape dimension {expr.text!r} is {value} for in = out = {SAMPLE_SIZE}"
+                            f"{' and $bindings 128' if expr.bindings else ''}; wanted a positive size")
+    return expr
+
+
+def parse_limit(value: object, field: str) -> Expr:
+    """A kernel shape limit (``multiple_of``, ``min``, ``max``): an integer or an expression over
+    $bindings; a constant ``multiple_of`` must be >= 1 and a constant min/max >= 0."""
+    if isinstance(value, bool):
+        raise ExprError(f"{field} {value!r} is a boolean; wanted an integer or an expression")
+    expr = parse_expr(value)  # type: ignore[arg-type]
+    if not expr.names and not expr.bindings:
+        v = expr.evaluate({})
+        low = 1 if field == "multiple_of" else 0
+        if v < low:
+            raise ExprError(f"{field} {expr.text!r} is {v}; wanted an integer >= {low}")
+    return expr
 
 
 def _name_value(name: str, values: Mapping[str, int], text: str) -> int:
@@ -158,5 +222,5 @@ def _eval_division(node: ast.AST, values: Mapping[str, int], text: str, rounding
         left, right = _eval(node.left, values, text), _eval(node.right, values, text)
         if right == 0:
             raise ExprError(f"division by zero in {text!r}")
-        return int(rounding(left / right))
+        return -(-left // right) if rounding is math.ceil else left // right  # exact for any size
     return _eval(node, values, text)

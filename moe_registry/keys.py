@@ -25,9 +25,14 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from moe_registry.errors import MoERegistryError
 
-class KeyError_(ValueError):
-    """A key string that does not parse; the message says which token and what was wanted."""
+MAX_KEY_CHARS = 256
+
+
+class KeyError_(MoERegistryError, ValueError):
+    """A key string that does not parse; the message says which token and what was wanted (one of
+    the project's errors, so it is never a traceback; a ValueError for pydantic validators)."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +112,16 @@ PER_TENSOR = GroupShape(-1, -1)
 PER_CHANNEL = GroupShape(1, -1)
 PER_TOKEN = GroupShape(1, -1)
 
-_GROUP_RE = re.compile(r"^(?:group\((-?\d+)\)|block\((\d+)x(\d+)\)|tensor|channel|token)$")
+# ASCII digits, at most 9 of them: no Unicode digits, no integers too long to convert.
+_GROUP_RE = re.compile(r"^(?:group\((-?[0-9]{1,9})\)|block\(([0-9]{1,9})x([0-9]{1,9})\)|tensor|channel|token)$")
 
 
 def parse_group_shape(text: str) -> GroupShape:
     """Parse ``tensor``, ``channel``, ``token``, ``group(g)`` (g=-1 is per-channel) or ``block(rxc)``."""
-    m = _GROUP_RE.match(text.strip())
+    if not isinstance(text, str):
+        raise KeyError_(f"bad group shape {text!r}; wanted a string such as group(128)")
+    text = text.strip()
+    m = _GROUP_RE.match(text)
     if not m:
         raise KeyError_(
             f"bad group shape {text!r}; wanted tensor, channel, token, group(<n>) or block(<r>x<c>)"
@@ -204,7 +213,9 @@ def _parse_scale(token: str, body: str) -> ScaleSpec:
 def parse_quant_key(text: str) -> QuantKey:
     """Parse the one-line key form (see module docstring). Raises KeyError_ naming the bad token."""
     if not isinstance(text, str) or not text.strip():
-        raise KeyError_(f"empty quant key {text!r}")
+        raise KeyError_(f"empty quant key {text!r}"[:120])
+    if len(text) > MAX_KEY_CHARS:
+        raise KeyError_(f"quant key of {len(text)} characters; at most {MAX_KEY_CHARS}")
     tokens = text.split()
     if tokens == ["unquantized"]:
         return UNQUANTIZED

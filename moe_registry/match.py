@@ -7,12 +7,12 @@ generic: every scheme is handled by the same code reading its spec.
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from moe_registry.checks import Check, Reason, failed, passed
+from moe_registry.guards import bounded_match, bounded_search, same_value
 from moe_registry.keys import QuantKey, parse_quant_key
 from moe_registry.registry import fill_template
 from moe_registry.spec_models import BindRule, FieldRule, SchemeSpec, ScopeRule
@@ -59,13 +59,13 @@ def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) ->
     defaulted = value is _MISSING
     if defaulted:
         if rule.default is None:
-            wanted = rule.equals if rule.equals is not None else rule.one_of
+            wanted = rule.equals if rule.has_equals else rule.one_of
             return failed(Reason.FIELD_MISSING, path, f"{path} is missing; wanted {_wanted_text(rule)}",
                           wanted=wanted)
         value = rule.default
     seen = _norm(value, rule.case)
     note = " (default)" if defaulted else ""
-    if rule.equals is not None:
+    if rule.has_equals:
         ok = seen == _norm(rule.equals, rule.case)
     elif rule.one_of is not None:
         ok = seen in [_norm(v, rule.case) for v in rule.one_of]
@@ -77,7 +77,7 @@ def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) ->
     if ok:
         return passed(used, f"{used} = {value!r}{note}", seen=value)
     return failed(Reason.FIELD_VALUE, used, f"{used} = {_short(value)}{note}; wanted {_wanted_text(rule)}",
-                  seen=value, wanted=rule.equals if rule.equals is not None else rule.one_of)
+                  seen=value, wanted=rule.equals if rule.has_equals else rule.one_of)
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -87,7 +87,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _wanted_text(rule: FieldRule) -> str:
-    if rule.equals is not None:
+    if rule.has_equals:
         return repr(rule.equals)
     if rule.one_of is not None:
         return "one of " + ", ".join(repr(v) for v in rule.one_of)
@@ -107,10 +107,7 @@ def _components_match(pattern: str, name: str) -> bool:
 def _gptq_dynamic(key: str, name: str) -> str | None:
     """GPTQ ``dynamic``: ``-:regex`` excludes, ``+:regex`` (or a bare regex) overrides."""
     sign, body = ("-", key[2:]) if key.startswith("-:") else ("+", key[2:] if key.startswith("+:") else key)
-    try:
-        return sign if re.match(body, name) else None
-    except re.error:
-        return None
+    return sign if bounded_match(body, name, "quantization_config gptq-dynamic pattern") else None
 
 
 def pattern_matches(kind: str, pattern: str, name: str, types: Sequence[str]) -> bool:
@@ -122,20 +119,14 @@ def pattern_matches(kind: str, pattern: str, name: str, types: Sequence[str]) ->
     if kind == "glob":
         return fnmatch.fnmatchcase(name, pattern)
     if kind == "regex":
-        try:
-            return re.search(pattern, name) is not None
-        except re.error:
-            return False
+        return bounded_search(pattern, name, "quantization_config regex pattern")
     if kind == "exact":
         return name == pattern or name.startswith(pattern + ".")
     if kind == "type":
         return pattern in types
     if kind == "ct-target":
         if pattern.startswith("re:"):
-            try:
-                return re.match(pattern[3:], name) is not None
-            except re.error:
-                return False
+            return bounded_match(pattern[3:], name, "quantization_config ct-target pattern")
         return name == pattern
     if kind == "gptq-dynamic":
         return _gptq_dynamic(pattern, name) is not None
@@ -254,7 +245,7 @@ def _bind(config: Mapping[str, Any] | None, name: str, rule: BindRule) -> tuple[
             return None, failed(Reason.BIND_VALUE, used, f"{used} = {value!r}; wanted one of "
                                 + ", ".join(rule.map), seen=value, wanted=list(rule.map))
         value = rule.map[str(value)]
-    if rule.one_of is not None and value not in rule.one_of:
+    if rule.one_of is not None and not any(same_value(value, v) for v in rule.one_of):  # 64.0 is not 64
         return None, failed(Reason.BIND_VALUE, used, f"{used} = {value!r}; wanted one of "
                             + ", ".join(repr(v) for v in rule.one_of), seen=value, wanted=rule.one_of)
     return value, passed(used, f"${name} = {value!r} (from {used})", seen=value)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_registry import guards
 from moe_registry.errors import ConfigError
 from moe_registry.registry import Registry
 from moe_registry.runtime import MoEShape
@@ -35,14 +37,13 @@ class ModelConfig:
     quant_source: str
     dtype: str | None
     raw: Mapping[str, Any]
+    not_runnable: tuple[str, ...] = ()  # why no kernel here runs these experts (explain shows it, run refuses)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from ``path``, with errors naming the file."""
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES // 1024 // 1024} MiB")
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = guards.read_json_file(path, what, max_bytes=MAX_CONFIG_BYTES)  # regular file, size, depth
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -68,12 +69,28 @@ def _roots(cfg: Mapping[str, Any], family: ModelFamilySpec) -> list[Mapping[str,
     return roots
 
 
+def _lookup(root: Mapping[str, Any], name: str) -> Any:
+    """``root[name]``, where a dotted name walks into sub-objects (DBRX's ``ffn_config.moe_num_experts``);
+    None when absent."""
+    value: Any = root
+    for part in name.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
 def resolve_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path: str) -> Any:
     """The first present name of ``ref`` in any root, else its default; ConfigError if neither."""
     for root in roots:
         for name in ref.from_:
-            if name in root and root[name] is not None:
-                return root[name]
+            value = _lookup(root, name)
+            if value is not None and ref.length:
+                if not isinstance(value, list | str):
+                    raise ConfigError(f"{path}: {name}: got {value!r}; wanted a per-layer list or string")
+                return len(value)
+            if value is not None:
+                return value
     if ref.default is not None:
         return ref.default
     names = " or ".join(ref.from_) or "(none)"
@@ -84,7 +101,7 @@ def match_family(cfg: Mapping[str, Any], registry: Registry, path: str) -> Model
     """The family whose model_type or architectures match (the top level first, then sub-configs such
     as text_config); ConfigError naming the closest known families."""
     model_types = {str(cfg.get("model_type", ""))}
-    archs = set(cfg.get("architectures") or [])
+    archs = set(guards.check_str_list(cfg.get("architectures"), f"{path}: architectures"))
     sub_types = {str(sub["model_type"]) for sub in cfg.values() if isinstance(sub, Mapping) and "model_type" in sub}
     for types in (model_types, sub_types):
         for loaded in registry.families.values():
@@ -113,15 +130,15 @@ def closest_families(model_types: set[str], archs: set[str], registry: Registry)
 
 def _int(value: Any, what: str, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{path}: {what}: got {value!r}; wanted a positive integer")
-    return value
+        raise ConfigError(f"{path}: {what}: got {guards.short_repr(value)}; wanted a positive integer")
+    return guards.check_int(value, f"{path}: {what}", hi=guards.size_limit(what))
 
 
 def _present(roots: list[Mapping[str, Any]], names: list[str]) -> Any:
     for root in roots:
         for name in names:
-            if root.get(name) is not None:
-                return root[name]
+            if _lookup(root, name) is not None:
+                return _lookup(root, name)
     return None
 
 
@@ -147,7 +164,12 @@ def _moe_layers(roots: list[Mapping[str, Any]], family: ModelFamilySpec, num_lay
     first = resolve_field(roots, spec.first_dense, "first_dense", path) if spec.first_dense else 0
     last = resolve_field(roots, spec.last, "last", path) if spec.last else -1
     step = resolve_field(roots, spec.step, "step", path) if spec.step else 1
-    skip = set(resolve_field(roots, spec.skip, "skip", path) or []) if spec.skip else set()
+    skip = set(guards.check_layer_list(resolve_field(roots, spec.skip, "skip", path), f"{path}: "
+                                       f"{' or '.join(spec.skip.from_)}")) if spec.skip else set()
+    first, last, step = (guards.check_int(v, f"{path}: {' or '.join(ref.from_) if ref else k}", lo=-1,
+                                          hi=guards.MAX_LAYERS)
+                         for k, v, ref in (("first_dense", first, spec.first_dense), ("last", last, spec.last),
+                                           ("step", step, spec.step)))
     last = num_layers - 1 if int(last) < 0 else int(last)
     step = max(int(step), 1)
     return tuple(i for i in range(int(first), min(last, num_layers - 1) + 1)
@@ -170,6 +192,7 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     path = config_path(target)
     cfg = read_json(path, "config.json")
     family = match_family(cfg, registry, str(path))
+    guards.check_sub_model_types(cfg, family.config_root, family.match.model_type, family.family, str(path))
     roots = _roots(cfg, family)
     f = family.fields
     name = str(path)
@@ -191,15 +214,58 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     quant, source = _quant_config(cfg, roots, path)
     dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
     return ModelConfig(name, family.family, shape, num_layers,
-                       _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg)
+                       _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg,
+                       _not_runnable(roots, family, shape, routing, name))
+
+
+def _not_runnable(roots: list[Mapping[str, Any]], family: ModelFamilySpec, shape: MoEShape,
+                  routing: Mapping[str, Any], name: str) -> tuple[str, ...]:
+    """Why the kernels here cannot run this family's experts as its modeling code does, read from the
+    spec's words alone (scoring, renormalize p, group_score, activation, gated, latent_size, zero_experts)."""
+    out = []
+    scoring = routing.get("scoring", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        out.append(f"routing.scoring {scoring!r}: the routers here score by softmax or sigmoid")
+    group_score = routing.get("group_score")
+    if group_score is not None and group_score not in ("max", "top2_sum"):
+        raise ConfigError(f"{name}: routing.group_score: got {group_score!r}; wanted max or top2_sum")
+    p = routing.get("renormalize")
+    if isinstance(p, int | float) and not isinstance(p, bool) and p != 1:
+        out.append(f"routing.renormalize: the kept weights are divided by their {p}-norm; only 1 "
+                   "(weights summing to 1) is run here")
+    if shape.activation not in _KERNEL_ACTIVATIONS:
+        out.append(f"activation {shape.activation!r}: the kernels here run {', '.join(_KERNEL_ACTIVATIONS)}")
+    f = family.fields
+    if "gated" in f and not resolve_field(roots, f["gated"], "gated", name):
+        out.append("experts are not gated (down(act(up(x))), no gate projection); the kernels here run "
+                   "down(act(gate(x)) * up(x))")
+    latent = _present(roots, f["latent_size"].from_) if "latent_size" in f else None
+    latent = latent if latent is not None else (f["latent_size"].default if "latent_size" in f else None)
+    if latent:
+        out.append(f"experts run in a latent space of {_int(latent, 'latent_size', name)} between projections "
+                   f"from and back to hidden {shape.hidden}; not run here")
+    zero = _present(roots, f["zero_experts"].from_) if "zero_experts" in f else None
+    if zero:
+        out.append(f"{_int(zero, 'zero_experts', name)} zero-compute (identity) experts are routed beside the "
+                   f"{shape.num_experts} experts; not run here")
+    return tuple(out)
+
+
+_KERNEL_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+_ACTIVATION_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
 def _activation(value: Any, path: str) -> str:
+    """The kernels' name for ``value``; another activation name (Nemotron-H's relu2) is kept as written
+    and reported as not run here; anything else is bad input."""
     names = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu",
              "swigluoai": "swigluoai"}
-    if str(value) not in names:
-        raise ConfigError(f"{path}: hidden_act: got {value!r}; wanted one of {', '.join(sorted(names))}")
-    return names[str(value)]
+    if str(value) in names:
+        return names[str(value)]
+    if isinstance(value, str) and _ACTIVATION_RE.match(value):
+        return value
+    raise ConfigError(f"{path}: hidden_act: got {value!r}; wanted an activation name such as "
+                      f"{', '.join(sorted(names))}")
 
 
 def _quant_config(cfg: Mapping[str, Any], roots: list[Mapping[str, Any]],
@@ -209,8 +275,11 @@ def _quant_config(cfg: Mapping[str, Any], roots: list[Mapping[str, Any]],
         if q is not None:
             if not isinstance(q, Mapping):
                 raise ConfigError(f"{path}: quantization_config must be an object, got {type(q).__name__}")
+            side = path.parent / "hf_quant_config.json"
+            if side.exists() or side.is_symlink():  # a second source must agree
+                guards.check_quant_sources(q, read_json(side, "hf_quant_config.json"), str(path), side.name)
             return q, f"{path.name}:quantization_config"
     side = path.parent / "hf_quant_config.json"
-    if side.is_file():
+    if side.exists() or side.is_symlink():
         return read_json(side, "hf_quant_config.json"), side.name
     return None, "none (no quantization_config)"

@@ -35,15 +35,12 @@ class Situation:
     model: str | None = None
     family: str | None = None
     layer: int | None = None
+    not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
 
 
 def expert_modules(family: ModelFamilySpec, layer: int, num_experts: int) -> tuple[str, ...]:
     """Full names of the first and last experts' projections of ``layer``, per the family naming."""
-    n = family.naming
-    prefix = n.layer.format(layer=layer)
-    experts = sorted({0, max(num_experts - 1, 0)})
-    return tuple(f"{prefix}.{n.expert.format(expert=e)}.{n.projections[p]}"
-                 for e in experts for p in ("gate", "up", "down"))
+    return family.naming.modules(layer, sorted({0, max(num_experts - 1, 0)}))
 
 
 def detect(registry: Registry, situation: Situation) -> tuple[SchemeVerdict | None, tuple[SchemeVerdict, ...],

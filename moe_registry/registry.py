@@ -20,7 +20,8 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from moe_registry.errors import SpecError
+from moe_registry import guards
+from moe_registry.errors import ConfigError, SpecError
 from moe_registry.expr import parse_expr
 from moe_registry.keys import KeyError_, parse_quant_key
 from moe_registry.spec_models import SPEC_KINDS, KernelSpec, ModelFamilySpec, SchemeSpec, Strict
@@ -215,6 +216,10 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
 
 def _check_kernel(loaded: Loaded[KernelSpec], data: Any) -> list[SpecError]:
     problems = []
+    try:  # impl: only moe_registry_kernels or a package in the declaring spec dir, checked without importing
+        guards.check_impl(loaded.spec.impl, loaded.spec.kernel, loaded.path, loaded.builtin)
+    except ConfigError as err:
+        problems.append(SpecError(loaded.path, line_of(data, "impl"), str(err), field="impl"))
     for dim, limit in loaded.spec.shapes.items():
         for attr in ("multiple_of", "min", "max"):
             value = getattr(limit, attr)
@@ -336,6 +341,8 @@ def validate_paths(paths: Iterable[str | Path]) -> list[SpecError]:
     builtin = builtin_spec_dir()
     sources = [(p, builtin) for p in spec_files(builtin)]
     for p in map(Path, paths):
+        if p.is_symlink() and not p.exists():  # dangling, or a loop (resolve() would raise)
+            return [SpecError(str(p), None, "no such file or directory (a dangling symlink or a symlink loop)")]
         if p.resolve() == builtin.resolve():
             continue
         if p.is_dir():

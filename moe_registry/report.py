@@ -107,6 +107,7 @@ class Report:
                                   + (", expert bias" if sh.has_bias else "")))
             if sh.shared_experts:
                 rows.append(("shared", f"{sh.shared_experts} x {sh.shared_intermediate} (dense MLP, not run here)"))
+        rows += [("not run", why) for why in s.not_runnable]
         rows.append(("config", s.quant_source))
         if self.scheme is not None:
             v = self.scheme
@@ -164,6 +165,7 @@ class Report:
                         for v in shown],
             "schemes_turned_down": len(self.turned_down()),
             "notes": list(self.notes), "spec_overrides": list(self.overrides),
+            "not_runnable": list(s.not_runnable),
         }
 
     def to_json(self, verbose: bool = False, indent: int | None = None) -> str:

@@ -57,14 +57,17 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing
 def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_group: int,
                  scoring: Literal["softmax", "sigmoid"] = "softmax",
                  correction_bias: torch.Tensor | None = None, renormalize: bool = True,
-                 routed_scaling_factor: float = 1.0) -> Routing:
-    """Group-limited routing (DeepSeek-V2/V3): pick ``topk_group`` of ``num_expert_group`` expert
-    groups, then the top k experts inside them.
+                 routed_scaling_factor: float = 1.0,
+                 group_score: Literal["max", "top2_sum"] | None = None) -> Routing:
+    """Group-limited routing (DeepSeek-V2/V3, Mistral 4): pick ``topk_group`` of ``num_expert_group``
+    expert groups, then the top k experts inside them.
 
-    With ``correction_bias`` (DeepSeek-V3, sigmoid scores) the bias only steers selection: the
-    group score is the sum of the top-2 biased scores in the group, experts are ranked by biased
-    score, but weights are the unbiased scores. Without it the group score is the group's best
-    score. Weights are renormalised to sum 1 (if asked), then multiplied by routed_scaling_factor.
+    With ``correction_bias`` (DeepSeek-V3, sigmoid scores) the bias only steers selection: experts
+    are ranked by biased score, but weights are the unbiased scores. ``group_score`` says how a group
+    is scored from its (biased) scores: ``max``, its best one (DeepSeek-V2), or ``top2_sum``, the sum
+    of its best two (DeepSeek-V3 with the bias, Mistral 4 without); None keeps the DeepSeek default,
+    top2_sum with a correction bias and max without. Weights are renormalised to sum 1 (if asked),
+    then multiplied by routed_scaling_factor.
     """
     _check_logits(logits, top_k)
     m, num_experts = logits.shape
@@ -80,17 +83,20 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
             f"top_k = {top_k} exceeds the {topk_group * per_group} experts in topk_group = {topk_group} "
             f"groups of {per_group}"
         )
+    if group_score is None:
+        group_score = "top2_sum" if correction_bias is not None else "max"
+    if group_score not in ("max", "top2_sum"):
+        raise ValueError(f"group_score must be 'max' or 'top2_sum', got {group_score!r}")
+    if group_score == "top2_sum" and per_group < 2:
+        raise ValueError(f"group_score top2_sum needs at least 2 experts per group, got {per_group}")
     scores = torch.softmax(logits.float(), -1) if scoring == "softmax" else torch.sigmoid(logits.float())
+    biased = scores
     if correction_bias is not None:
         if correction_bias.shape != (num_experts,):
             raise ValueError(f"correction_bias must be [{num_experts}], got {tuple(correction_bias.shape)}")
-        if per_group < 2:
-            raise ValueError("correction_bias needs at least 2 experts per group (group score = top-2 sum)")
         biased = scores + correction_bias.float()
-        group_scores = biased.view(m, num_expert_group, per_group).topk(2, dim=-1).values.sum(-1)
-    else:
-        biased = scores
-        group_scores = scores.view(m, num_expert_group, per_group).amax(-1)
+    grouped = biased.view(m, num_expert_group, per_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1) if group_score == "top2_sum" else grouped.amax(-1)
     group_idx = torch.topk(group_scores, topk_group, dim=-1).indices
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     expert_mask = group_mask.unsqueeze(-1).expand(m, num_expert_group, per_group).reshape(m, num_experts)

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from moe_registry import guards
 from moe_registry.builder import DTYPES, MoELayer, build
 from moe_registry.errors import ConfigError
 from moe_registry.experts import ExpertsConfig
@@ -93,11 +94,15 @@ def check_run_flags(args: argparse.Namespace) -> None:
                         ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: got {value}; wanted at least 1")
+    for flag, value, most in (("--tokens", args.tokens, guards.MAX_RUN_TOKENS), ("--repeat", args.repeat, 100_000),
+                              ("--threads", args.threads, 4096)):
+        if value is not None:  # e.g. --tokens 1000000000 would die allocating
+            guards.check_int(value, flag, lo=1, hi=most)
     if args.save_output and not Path(args.save_output).resolve().parent.is_dir():
         raise ConfigError(f"--save-output: {Path(args.save_output).parent} is not a directory; "
                           "create it first (nothing was run)")
-    if args.inputs and not Path(args.inputs).is_file():
-        raise ConfigError(f"--inputs: {args.inputs}: no such file")
+    if args.inputs:  # a regular file: a FIFO would block the read
+        guards.check_file(Path(args.inputs), "--inputs file")
 
 
 def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor]:
@@ -126,6 +131,7 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     routing: Routing | None = None
     if args.inputs:
         x, routing = read_inputs(Path(args.inputs), shape.hidden, shape.num_experts)
+        guards.check_run_inputs(Path(args.inputs), x, None if routing is None else routing.topk_ids, shape.top_k)
     else:
         gen = torch.Generator().manual_seed(args.seed)
         x = torch.randn(args.tokens, shape.hidden, generator=gen)

@@ -11,9 +11,10 @@ import re
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from moe_registry.expr import ExprError, parse_expr
+from moe_registry.expr import ExprError, parse_limit, parse_shape_dim
+from moe_registry.guards import check_number, check_template
 from moe_registry.keys import SCALAR_TYPES
 
 Dtype = Literal["float16", "bfloat16", "float32"]
@@ -56,9 +57,14 @@ class FieldRule(Strict):
     aliases: list[str] = Field(default_factory=list)
     case: Literal["sensitive", "insensitive"] = "sensitive"
 
+    @property
+    def has_equals(self) -> bool:
+        """``equals`` was written, ``equals: null`` included (compressed-tensors' ``input_activations: null``)."""
+        return "equals" in self.model_fields_set
+
     @model_validator(mode="after")
     def _one_test(self) -> FieldRule:
-        tests = [self.equals is not None, self.one_of is not None, self.range is not None,
+        tests = [self.has_equals, self.one_of is not None, self.range is not None,
                  self.present is not None]
         if sum(tests) != 1:
             raise ValueError("a detect rule needs exactly one of equals, one_of, range, present")
@@ -130,13 +136,18 @@ class TensorSpec(Strict):
     dtype: str | list[str]
     shape: list[int | str]
     optional: bool = False
+    all_equal: int | float | None = Field(
+        default=None,
+        description="every element must equal this value, checked when the layer is loaded (a different value "
+                    "is an error naming the tensor, the value seen and this one). For tensors a producer writes "
+                    "but the scheme fixes, e.g. Quark's all-zero weight_zero_point in a symmetric scheme.")
 
-    @field_validator("shape")
+    @field_validator("shape", mode="before")  # before: pydantic would turn `true` into 1
     @classmethod
     def _shape(cls, shape: list[int | str]) -> list[int | str]:
-        for dim in shape:
+        for dim in shape if isinstance(shape, list) else []:
             try:
-                parse_expr(dim)
+                parse_shape_dim(dim)
             except ExprError as err:
                 raise ValueError(str(err)) from None
         return shape
@@ -178,6 +189,13 @@ class SchemeSpec(Strict):
     kernels: list[str] = Field(min_length=1)
     tolerance: dict[Dtype, float] = Field(default_factory=lambda: {"float16": 1e-2, "bfloat16": 2e-2,
                                                                     "float32": 1e-2})
+
+    @field_validator("tolerance")
+    @classmethod
+    def _tolerance(cls, tolerance: dict[str, float]) -> dict[str, float]:
+        for dtype, value in tolerance.items():  # inf/NaN/-1 would pass or fail every run
+            check_number(value, f"tolerance.{dtype}", lo=0, lo_open=True, hi=1, error=ValueError)
+        return tolerance
 
 
 # ---------------------------------------------------------------- kernel specs
@@ -245,12 +263,12 @@ class ShapeLimit(Strict):
     min: int | str | None = None
     max: int | str | None = None
 
-    @field_validator("multiple_of", "min", "max")
+    @field_validator("multiple_of", "min", "max", mode="before")  # before: `true` would become 1
     @classmethod
-    def _expr(cls, value: int | str | None) -> int | str | None:
+    def _expr(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
         if value is not None:
             try:
-                parse_expr(value)
+                parse_limit(value, str(info.field_name))
             except ExprError as err:
                 raise ValueError(str(err)) from None
         return value
@@ -291,6 +309,9 @@ class FieldRef(Strict):
 
     from_: list[str] = Field(default_factory=list, alias="from")
     default: Any = None
+    length: bool = Field(default=False, description=(
+        "the value is the length of the named per-layer list or string (Nemotron-H's layers_block_type or "
+        "hybrid_override_pattern, where transformers writes no num_hidden_layers)"))
 
     @model_validator(mode="before")
     @classmethod
@@ -348,31 +369,50 @@ FusedDim = Literal["E", "in", "out"]
 class FusedExperts(Strict):
     """Every expert of a layer in two 3-D tensors (gpt-oss, Llama 4 as transformers saves them), named
     relative to ``naming.layer``. ``layout`` orders the dimensions of both: ``[E, in, out]`` is read as
-    ``x @ W[e]`` (gpt-oss, Llama 4), ``[E, out, in]`` as ``F.linear(x, W[e])``; for ``gate_up`` the
+    ``x @ W[e]`` (gpt-oss, Llama 4), ``[E, out, in]`` as ``F.linear(x, W[e])`` (or a list of both,
+    tried in order, when producers disagree); for ``gate_up`` the
     ``out`` dimension is 2 x intermediate, gate and up either ``concatenated`` (gate first) or
     ``interleaved`` (gate at even, up at odd positions: gpt-oss). Biases are [E, out] beside them."""
 
     gate_up: str = Field(description="fused gate and up projections, [E, hidden, 2*intermediate] in layout order")
     down: str = Field(description="down projection of every expert, [E, intermediate, hidden] in layout order")
-    layout: tuple[FusedDim, FusedDim, FusedDim] = Field(
-        description="dimension order of both tensors: [E, in, out] or [E, out, in]")
+    layout: list[tuple[FusedDim, FusedDim, FusedDim]] = Field(min_length=1, description=(
+        "dimension order of both tensors: [E, in, out] or [E, out, in]; a list of such orders accepts "
+        "each (the first that both tensors' shapes fit is used: producers disagree, e.g. the Hub's "
+        "Qwen3-VL-MoE [E, in, out] and transformers 5 save_pretrained's [E, out, in])"))
     gate_up_order: Literal["concatenated", "interleaved"] = Field(
         default="concatenated", description="how gate and up share the out dimension of gate_up")
     gate_up_bias: str | None = Field(default=None, description="[E, 2*intermediate] bias, same gate/up order")
     down_bias: str | None = Field(default=None, description="[E, hidden] bias of the down projection")
 
+    @field_validator("layout", mode="before")
+    @classmethod
+    def _one_or_many(cls, layout: Any) -> Any:
+        if isinstance(layout, (list, tuple)) and layout and all(isinstance(d, str) for d in layout):
+            return [layout]
+        return layout
+
     @field_validator("layout")
     @classmethod
-    def _layout(cls, layout: tuple[str, str, str]) -> tuple[str, str, str]:
-        if list(layout) not in (["E", "in", "out"], ["E", "out", "in"]):
-            raise ValueError(f"fused.layout {list(layout)}: wanted [E, in, out] or [E, out, in]")
-        return layout
+    def _layout(cls, layouts: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+        for layout in layouts:
+            if list(layout) not in (["E", "in", "out"], ["E", "out", "in"]):
+                raise ValueError(f"fused.layout {list(layout)}: wanted [E, in, out] or [E, out, in]")
+        if len(set(layouts)) != len(layouts):
+            raise ValueError("fused.layout lists the same order twice")
+        return layouts
+
+    @property
+    def layouts(self) -> tuple[tuple[str, ...], ...]:
+        """The accepted dimension orders, in the order they are tried."""
+        return tuple(tuple(lay) for lay in self.layout)
 
 
 class Naming(Strict):
     """How checkpoints name a MoE layer's tensors; ``{layer}`` and ``{expert}`` are filled in.
 
-    Experts are named either one by one (``expert`` + ``projections``) or ``fused`` as 3-D tensors.
+    Experts are named one by one (``expert`` + ``projections``), ``fused`` as 3-D tensors, or both
+    when producers differ (the checkpoint decides: fused when its ``gate_up`` tensor is there).
     The router's weight is ``<router>.weight``; a ``<router>.bias`` beside it is added to the logits."""
 
     layer: str = "model.layers.{layer}"
@@ -384,14 +424,16 @@ class Naming(Strict):
 
     @model_validator(mode="after")
     def _placeholders(self) -> Naming:
+        check_template(self.layer, ("layer",), "naming.layer")  # no {layer.__class__}: format reads attributes
+        if self.expert is not None:
+            check_template(self.expert, ("expert",), "naming.expert")
         if "{layer}" not in self.layer:
             raise ValueError("naming.layer must contain {layer}")
-        if self.fused is not None:
-            if self.expert is not None or self.projections is not None:
-                raise ValueError("naming: give either fused or expert + projections, not both")
+        if self.fused is not None and self.expert is None and self.projections is None:
             return self
         if self.expert is None or self.projections is None:
-            raise ValueError("naming needs expert + projections (one tensor per expert) or fused (3-D tensors)")
+            raise ValueError("naming needs expert + projections (one tensor per expert), fused (3-D tensors) "
+                             "or both")
         if "{expert}" not in self.expert:
             raise ValueError("naming.expert must contain {expert}")
         if set(self.projections) != {"gate", "up", "down"}:
@@ -399,20 +441,21 @@ class Naming(Strict):
         return self
 
     def modules(self, layer: int, experts: Iterable[int]) -> tuple[str, ...]:
-        """Module names of ``experts``' projections in ``layer``, as quantization configs name them
-        (fused: the two 3-D tensors, which hold every expert)."""
+        """Module names of ``experts``' projections in ``layer``, as quantization configs name them:
+        per expert when the family names experts so, else the two fused 3-D tensors (which hold every
+        expert). One form only, so scope rules written for it see one consistent layer."""
         prefix = self.layer.format(layer=layer)
-        if self.fused is not None:
+        if self.expert is None or self.projections is None:
+            assert self.fused is not None
             return (f"{prefix}.{self.fused.gate_up}", f"{prefix}.{self.fused.down}")
-        assert self.expert is not None and self.projections is not None
         return tuple(f"{prefix}.{self.expert.format(expert=e)}.{self.projections[p]}"
                      for e in experts for p in ("gate", "up", "down"))
 
 
 FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
-                    "shared_experts", "shared_intermediate"]
+                    "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts"]
 RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
-                      "correction_bias"]
+                      "correction_bias", "group_score", "router_weight_on_input"]
 
 
 class ModelFamilySpec(Strict):
@@ -423,15 +466,25 @@ class ModelFamilySpec(Strict):
     match: FamilyMatch
     config_root: list[str] = Field(default_factory=list)
     fields: dict[FieldName, FieldRef] = Field(description=(
-        "where the MoE shape sits in config.json: num_experts, top_k, hidden, intermediate (one routed "
-        "expert's), num_layers, activation, has_bias, and the shared experts beside the routed ones: "
-        "shared_experts (how many; 0 or absent: none) and shared_intermediate (one shared expert's size)"))
+        "where the MoE shape sits in config.json (a name may be a dotted path into a sub-object, e.g. "
+        "ffn_config.moe_num_experts): num_experts, top_k, hidden, intermediate (one routed expert's), num_layers, "
+        "activation, has_bias, and the shared experts beside the routed ones: shared_experts (how many; 0 or "
+        "absent: none) and shared_intermediate (one shared expert's size). Expert forms the kernels here do not "
+        "run, reported by explain and refused by run: gated (false: act(up) experts without a gate projection, "
+        "Nemotron-H), latent_size (the experts run in a latent space of this width between two projections, "
+        "Nemotron-H's moe_latent_size; absent or null: none), zero_experts (how many zero-compute identity "
+        "experts the router scores beside the routed ones, LongCat's zero_expert_num)"))
     moe_layers: MoELayers = Field(default_factory=MoELayers)
     routing: dict[RoutingWord, FieldRef] = Field(default_factory=dict, description=(
         "how the router picks and weighs experts, as the family's modeling code fixes it: scoring "
         "(softmax, sigmoid; other words name routings no kernel here reproduces, e.g. sparsemixer, "
         "softmax_topk_logits), renormalize, num_expert_group/topk_group (grouped top-k), "
-        "routed_scaling_factor, correction_bias (a per-expert bias added to the scores for selection only)"))
+        "routed_scaling_factor, correction_bias (a per-expert bias added to the scores for selection only), "
+        "group_score (how grouped top-k scores a group: max, its best score, or top2_sum, the sum of its two "
+        "best scores, biased ones when there is a correction bias; default top2_sum with a correction bias, "
+        "else max). renormalize may be a number p: the kept weights are divided by their p-norm (DBRX's "
+        "moe_normalize_expert_weights); 1 is renormalising to sum 1, other p are not run here. "
+        "router_weight_on_input: the router weight scales the expert's input, not its output (Llama 4; top-1)"))
     naming: Naming
 
     @field_validator("fields")

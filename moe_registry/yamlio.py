@@ -15,6 +15,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 
 from moe_registry.errors import SpecError
+from moe_registry.guards import check_file, short_repr
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_DEPTH = 32
@@ -59,7 +60,38 @@ def _walk(node: yaml.Node, path: str, depth: int, seen: set[int], scalars: SafeC
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_walk(n, path, depth + 1, seen, scalars) for n in node.value]
-    return scalars.construct_object(node, deep=True)
+    try:
+        return scalars.construct_object(node, deep=True)
+    except (ValueError, OverflowError) as err:  # e.g. an integer of more than 4300 digits
+        raise SpecError(path, line, f"YAML value {short_repr(node.value)} cannot be read: "
+                        f"{' '.join(str(err).split())[:120]}") from None
+
+
+_OPEN = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+         yaml.FlowSequenceStartToken)
+_CLOSE = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
+def check_depth(text: str, path: str, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse nesting deeper than ``max_depth`` from the token stream, before the composer (which
+    recurses, and in libyaml crashes the process on a 50k-deep ``[[[...``) sees the text. Tokens
+    are scanned one by one without building anything."""
+    if text.count("[") + text.count("{") + text.count("\n") <= max_depth:
+        return
+    depth = 0
+    try:
+        for token in yaml.scan(text, Loader=_COMPOSE_LOADER):
+            if isinstance(token, _OPEN):
+                depth += 1
+                if depth > max_depth:
+                    raise SpecError(path, token.start_mark.line + 1, f"nesting deeper than {max_depth} levels")
+            elif isinstance(token, _CLOSE):
+                depth -= 1
+    except yaml.MarkedYAMLError as err:
+        line = err.problem_mark.line + 1 if err.problem_mark else None
+        raise SpecError(path, line, f"YAML: {err.problem}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(path, None, f"YAML: {' '.join(str(err).split())[:200]}") from None
 
 
 def load_yaml_text(text: str, path: str) -> Any:
@@ -69,6 +101,7 @@ def load_yaml_text(text: str, path: str) -> Any:
     alias bomb costs nothing."""
     if len(text.encode("utf-8", "replace")) > MAX_SPEC_BYTES:
         raise SpecError(path, None, f"file is larger than {MAX_SPEC_BYTES // 1024} KiB")
+    check_depth(text, path)
     try:
         node = yaml.compose(text, Loader=_COMPOSE_LOADER)
         if node is None:
@@ -97,17 +130,22 @@ def _first_alias_line(text: str) -> int | None:
 
 
 def load_yaml_file(path: Path) -> Any:
-    """Read and parse a spec file, refusing oversized files before reading them whole."""
-    try:
-        size = path.stat().st_size
-    except OSError as err:
-        raise SpecError(str(path), None, f"cannot read: {err.strerror}") from None
+    """Read and parse a spec file: a regular file (a FIFO would block the read, a symlink loop
+    would raise) of at most MAX_SPEC_BYTES, checked before it is opened."""
+
+    def error(message: str) -> SpecError:
+        return SpecError(str(path), None, message.removeprefix(f"{path}: "))
+
+    size = check_file(path, "spec file", error)
     if size > MAX_SPEC_BYTES:
         raise SpecError(str(path), None, f"file is {size} bytes; specs may be at most {MAX_SPEC_BYTES}")
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            text = f.read(MAX_SPEC_BYTES + 1).decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(str(path), None, "file is not UTF-8 text") from None
+    except OSError as err:
+        raise SpecError(str(path), None, f"cannot read: {err.strerror}") from None
     return load_yaml_text(text, str(path))
 
 

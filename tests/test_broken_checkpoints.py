@@ -20,6 +20,10 @@ from moe_registry.errors import MoERegistryError
 Tensors = dict[str, torch.Tensor]
 AWQ = "model.layers.1.block_sparse_moe.experts"
 QWEN = "model.layers.1.mlp.experts"
+# "tiny:<model_type>" cases break a committed transformers fixture (tests/fixtures/transformers/tiny).
+TINY = Path(__file__).parent / "fixtures" / "transformers" / "tiny"
+OSS = "model.layers.0.mlp.experts"
+L4 = "model.layers.0.feed_forward.experts"
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,34 @@ CASES = [
          and None),
     Case("missing-shard", "qwen2-gptq-int8", ("names shard(s) that are not there",),
          files=lambda d: next(iter(sorted(d.glob("model-0000*.safetensors")))).unlink()),
+    Case("fused-gate-up-shape", "tiny:gpt_oss",
+         (f"{OSS}.gate_up_proj: shape [8, 64, 30]; expected [8, 64, 32] ([E, in, out] with E=8 (experts), "
+          "in=64 (hidden), out=32 (2 x intermediate 16)",),
+         _set(f"{OSS}.gate_up_proj", lambda x: x[:, :, :30].contiguous()), layer=0),
+    Case("fused-down-transposed", "tiny:llama4_text", (f"{L4}.down_proj: shape [8, 64, 16]; expected [8, 16, 64]",),
+         _set(f"{L4}.down_proj", lambda x: x.transpose(1, 2).contiguous()), layer=0),
+    Case("fused-gate-up-transposed", "tiny:gpt_oss", (f"{OSS}.gate_up_proj: shape [8, 32, 64]; expected [8, 64, 32]",),
+         _set(f"{OSS}.gate_up_proj", lambda x: x.transpose(1, 2).contiguous()), layer=0),
+    Case("fused-experts-disagree-with-config", "tiny:gpt_oss",
+         (f"{OSS}.gate_up_proj: shape [8, 64, 32]; expected [6, 64, 32]",), config=_cfg(num_local_experts=6),
+         layer=0),
+    Case("fused-bias-shape", "tiny:gpt_oss", (f"{OSS}.gate_up_proj_bias: shape [8, 16]; expected [8, 32]",),
+         _set(f"{OSS}.gate_up_proj_bias", lambda x: x[:, :16].contiguous()), layer=0),
+    Case("fused-bias-on-one-projection", "tiny:gpt_oss",
+         (f"{OSS}.down_proj_bias: missing while {OSS}.gate_up_proj_bias exists",), _drop(f"{OSS}.down_proj_bias"),
+         layer=0),
+    Case("fused-missing", "tiny:llama4_text", (f"{L4}.gate_up_proj: missing",), _drop(f"{L4}.gate_up_proj"), layer=0),
+    Case("fused-dtype", "tiny:gpt_oss", (f"{OSS}.down_proj: dtype int8; expected",),
+         _set(f"{OSS}.down_proj", lambda x: x.to(torch.int8)), layer=0),
+    Case("fused-bias-nan", "tiny:gpt_oss", (f"{OSS}.gate_up_proj_bias", "[2, 5]", "NaN"),
+         _set(f"{OSS}.gate_up_proj_bias", _poke(float("nan"), (2, 5))), layer=0),
+    Case("router-bias-shape", "tiny:gpt_oss", ("model.layers.0.mlp.router.bias: shape [9]; expected [8]",),
+         _add("model.layers.0.mlp.router.bias", torch.zeros(9)), layer=0),
 ]
+
+
+def _source(example: Callable[[str], Path], name: str) -> Path:
+    return TINY / name.removeprefix("tiny:") if name.startswith("tiny:") else example(name)
 
 
 def _break(src: Path, dst: Path, case: Case) -> Path:
@@ -138,7 +169,7 @@ def test_corpus_is_large_enough() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_broken_checkpoint_gets_a_clear_error(example, tmp_path: Path, case: Case) -> None:
-    path = _break(example(case.example), tmp_path / case.name, case)
+    path = _break(_source(example, case.example), tmp_path / case.name, case)
     with pytest.raises(MoERegistryError) as err:
         moe_registry.load_layer(path, layer=case.layer, platform="cpu")
     message = str(err.value)

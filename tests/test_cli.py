@@ -20,7 +20,7 @@ from moe_registry.registry import SPEC_PATH_ENV
 ROOT = Path(__file__).resolve().parent.parent
 AWQ_CONFIG = str(ROOT / "examples" / "mixtral-8x7b-awq" / "config.json")
 DEEPSEEK = str(ROOT / "examples" / "configs" / "deepseek" / "deepseek-v3")
-KNOWN = "known: torch-reference, triton-batched-moe, triton-fused-moe"
+KNOWN = "known: torch-cpu-packed, torch-reference, triton-batched-moe, triton-fused-moe"
 NO_GPU = not torch.cuda.is_available()
 
 
@@ -290,10 +290,11 @@ def test_validate_counts_files(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     code, out, err = run_cli(capsys, "validate", str(tmp_path / "empty"))
     assert (code, out, err) == (2, f"validate: no spec files found in {tmp_path / 'empty'}\n", "")
+    kernels = len(list((ROOT / "specs" / "kernels").glob("*.yaml")))
     code, out, _ = run_cli(capsys, "validate", str(ROOT / "specs" / "kernels"), "--json")
-    assert code == 0 and json.loads(out) == {"files": 3, "problems": []}
+    assert code == 0 and json.loads(out) == {"files": kernels, "problems": []}
     code, out, _ = run_cli(capsys, "validate", str(ROOT / "specs" / "kernels"))
-    assert (code, out) == (0, "3 files, all valid\n")
+    assert (code, out) == (0, f"{kernels} files, all valid\n")
 
 
 # ---------------------------------------------------------------- 8. output formats
@@ -326,13 +327,16 @@ def test_text_lines_fit_in_100_columns_and_labels_align(capsys, tmp_path):
 
 
 def test_turned_down_schemes_count_and_nearest(capsys):
+    from moe_registry.registry import load_registry
+
+    others = len(load_registry([]).schemes) - 1  # every scheme but the one chosen
     code, out, _ = run_cli(capsys, "explain", DEEPSEEK, "--platform", "cpu")
     assert code == 0
-    tail = out.split("schemes turned down (9; the 3 nearest shown, --verbose lists all):\n")[1]
+    tail = out.split(f"schemes turned down ({others}; the 3 nearest shown, --verbose lists all):\n")[1]
     assert len([line for line in tail.splitlines() if line.startswith("  - ")]) == 3
     code, out, _ = run_cli(capsys, "explain", DEEPSEEK, "--platform", "cpu", "--verbose")
-    tail = out.split("schemes turned down (9):\n")[1]
-    assert len([line for line in tail.splitlines() if line.startswith("  - ")]) == 9
+    tail = out.split(f"schemes turned down ({others}):\n")[1]
+    assert len([line for line in tail.splitlines() if line.startswith("  - ")]) == others
 
 
 # ---------------------------------------------------------------- 9. README against the program
@@ -372,7 +376,7 @@ def test_build_returns_what_the_readme_says(example, caplog):
     assert isinstance(b.report, Report) and isinstance(b.weights, ExpertWeights)
     assert isinstance(b.kernel, FusedMoEKernel) and b.tolerance == b.built.tolerance
     logged = [r.message for r in caplog.records if "runs on kernel" in r.message]
-    assert logged == ["moe-registry: scheme awq-w4a16 runs on kernel torch-reference (cpu, float16)"]
+    assert logged == ["moe-registry: scheme awq-w4a16 runs on kernel torch-cpu-packed (cpu, float16)"]
     assert f"`{logged[0]}`" in readme()
     with pytest.raises(ConfigError, match="--kernel: unknown kernel 'nope'"):
         moe_registry.build(example("mixtral-awq"), platform="cpu", kernel="nope")

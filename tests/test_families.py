@@ -23,7 +23,6 @@ NO_FIXTURE = {
                 "them as deepseek_v3)"),
     "minimax_m1": "not a transformers model type (MiniMax-M1 remote code)",
     "minimax_text_01": "not a transformers model type (MiniMax-Text-01 remote code)",
-    "dots1": "transformers' default Dots1Config declares no experts (n_routed_experts None)",
 }
 
 
@@ -63,7 +62,11 @@ def test_part3_families_are_covered(registry):
     wanted = {"qwen2_moe", "qwen3_moe", "qwen3_vl_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v2", "deepseek_v3",
               "deepseek_v32", "kimi_k25", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "glm_moe_dsa", "minimax",
               "minimax_m2", "ernie4_5_moe", "olmoe", "flex_olmo", "exaone_moe", "solar_open", "granitemoe",
-              "granitemoehybrid", "granitemoeshared", "phimoe", "mixtral"}
+              "granitemoehybrid", "granitemoeshared", "phimoe", "mixtral",
+              # built with overrides (expected.json "overrides" says which and why)
+              "dbrx", "hunyuan_v1_moe", "lfm2_moe", "step3p5", "dots1",
+              "jetmoe", "kimi_linear", "mimo_v2_flash", "mistral4", "mistral_large4", "nemotron_h", "longcat_flash",
+              "deepseek_v4", "step3p7"}
     assert wanted <= set(_supported(registry)), sorted(wanted - set(_supported(registry)))
 
 
@@ -92,6 +95,17 @@ def test_transformers_config(model_type, registry):
                "topk_group": int(r.get("topk_group", 1) or 1),
                "routed_scaling_factor": float(r.get("routed_scaling_factor", 1.0))}
     assert routing == {k: exp["routing"][k] for k in routing}
+    if "group_score" in exp["routing"]:  # how a group is scored, as the modeling code does it
+        default = "top2_sum" if routing["correction_bias"] else "max"
+        assert r.get("group_score", default) == exp["routing"]["group_score"]
+    if "renormalize_p" in exp["routing"]:
+        assert float(r["renormalize"]) == exp["routing"]["renormalize_p"]
+    # expert forms no kernel here runs: reported exactly when transformers builds them
+    reasons = " ".join(model.not_runnable)
+    assert ("not gated" in reasons) == (exp.get("gated") is False)
+    assert ("latent space" in reasons) == bool(exp.get("latent_size"))
+    assert (f"{exp.get('zero_experts')} zero-compute" in reasons) == bool(exp.get("zero_experts"))
+    assert ("routing.scoring" in reasons) == (routing["scoring"] not in ("softmax", "sigmoid"))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen2_moe"])
@@ -143,3 +157,57 @@ def test_explain_shows_shared_experts(capsys):
     assert "shared      1 x 5632 (dense MLP, not run here)" in out
     assert cli.main(["explain", str(CONFIGS / "qwen3_moe"), "--platform", "cpu"]) == 0
     assert "shared " not in capsys.readouterr().out
+
+
+def test_overrides_are_recorded():
+    """Configs built from a default config plus overrides say which and why."""
+    for model_type in ("dbrx", "hunyuan_v1_moe", "lfm2_moe", "dots1"):
+        over = _expected(model_type)["overrides"]
+        cfg = json.loads((CONFIGS / model_type / "config.json").read_text())
+        for key, value in over["values"].items():
+            got = cfg[key]
+            assert (got == value) if not isinstance(value, dict) else value.items() <= got.items(), model_type
+        assert over["why"]
+
+
+def test_not_runnable_explained_and_refused(capsys):
+    """explain shows why no kernel here runs the experts; run (build) refuses with one line."""
+    from moe_registry import cli
+    from moe_registry.builder import build
+    from moe_registry.errors import SelectionError
+
+    # a kernel runs the 512 real experts, but not the zero-compute ones beside them: refused (exit 1)
+    assert cli.main(["explain", str(CONFIGS / "longcat_flash"), "--platform", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "256 zero-compute (identity) experts are routed beside the 512 experts" in out
+    # relu2 also turns every kernel down (exit 1, refused); the report says why in both places
+    assert cli.main(["explain", str(CONFIGS / "nemotron_h"), "--platform", "cpu", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert any("not gated" in r for r in report["not_runnable"])
+    assert any("activation 'relu2'" in r for r in report["not_runnable"])
+    with pytest.raises(SelectionError) as err:
+        build(CONFIGS / "deepseek_v4", platform="cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and "not run here: routing.scoring 'sqrtsoftplus'" in msg
+    assert cli.main(["explain", str(CONFIGS / "mistral4"), "--platform", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["not_runnable"] == []
+
+
+def test_expert_form_words(registry, tmp_path):
+    """latent_size, renormalize p and dotted field paths are read from the config."""
+    cfg = json.loads((CONFIGS / "nemotron_h/config.json").read_text())
+    cfg["moe_latent_size"] = 1024
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert any("latent space of 1024 between projections from and back to hidden 4096" in r
+               for r in read_model_config(tmp_path, registry).not_runnable)
+    dbrx = json.loads((CONFIGS / "dbrx/config.json").read_text())
+    assert read_model_config(CONFIGS / "dbrx", registry).not_runnable == ()
+    dbrx["ffn_config"].update(moe_normalize_expert_weights=2.0, moe_num_experts=16)
+    (tmp_path / "config.json").write_text(json.dumps(dbrx))
+    model = read_model_config(tmp_path, registry)
+    assert model.shape.num_experts == 16
+    assert model.not_runnable == ("routing.renormalize: the kept weights are divided by their 2.0-norm; only 1 "
+                                  "(weights summing to 1) is run here",)
+    dbrx["ffn_config"]["moe_normalize_expert_weights"] = None
+    (tmp_path / "config.json").write_text(json.dumps(dbrx))
+    assert read_model_config(tmp_path, registry).routing["renormalize"] is False

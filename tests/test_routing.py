@@ -120,3 +120,51 @@ def test_routing_value_checks_dtypes():
         Routing(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="topk_weights must be float32"):
         Routing(torch.ones(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int32))
+
+
+def mistral4_router_f64(logits, top_k, n_group, topk_group, norm_topk_prob, routed_scaling_factor):
+    """transformers 5.23 Mistral4TopkRouter.forward (modeling_mistral4.py), re-written in float64 from the
+    logits on: softmax scores, a group scored by the sum of its top-2 scores (no correction bias), the
+    other groups' scores set to 0, top-k, kept scores renormalised (+1e-20) and scaled."""
+    scores = logits.double().softmax(-1)
+    m, e = scores.shape
+    group_scores = scores.view(m, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, e // n_group).reshape(-1, e)
+    scores_for_choice = scores.masked_fill(~score_mask.bool(), 0.0)
+    topk_indices = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_indices, topk_weights * routed_scaling_factor
+
+
+@pytest.mark.parametrize("groups,topk_group,top_k,norm,factor", [(8, 3, 4, True, 1.0), (4, 1, 2, False, 2.0),
+                                                                  (1, 1, 4, True, 1.0)])
+def test_group_score_top2_sum_matches_mistral4_router(groups, topk_group, top_k, norm, factor):
+    """Mistral 4 / Large 4: softmax, no bias, group score = top-2 sum (max would pick other groups)."""
+    x = logits(64, 32, 7) * 3
+    ref_ids, ref_w = mistral4_router_f64(x, top_k, groups, topk_group, norm, factor)
+    r = grouped_topk(x, top_k, groups, topk_group, "softmax", None, norm, factor, group_score="top2_sum")
+    order = torch.argsort(ref_ids, dim=-1)
+    ref_ids, ref_w = ref_ids.gather(1, order), ref_w.gather(1, order)
+    got_order = torch.argsort(r.topk_ids.long(), dim=-1)
+    assert r.topk_ids.long().gather(1, got_order).tolist() == ref_ids.tolist()
+    err = (r.topk_weights.double().gather(1, got_order) - ref_w).norm() / ref_w.norm()
+    assert err < 1e-6
+    if groups > 1:  # the word matters: group max picks different experts for some tokens on this data
+        by_max = grouped_topk(x, top_k, groups, topk_group, "softmax", None, norm, factor)
+        assert by_max.topk_ids.sort(-1).values.tolist() != r.topk_ids.sort(-1).values.tolist()
+
+
+def test_group_score_errors_and_default():
+    x = logits(4, 16, 8)
+    with pytest.raises(ValueError, match="group_score must be 'max' or 'top2_sum', got 'mean'"):
+        grouped_topk(x, 2, 4, 2, group_score="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="group_score top2_sum needs at least 2 experts per group, got 1"):
+        grouped_topk(x, 2, 16, 2, group_score="top2_sum")
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(9))
+    default = grouped_topk(x, 2, 4, 2, "sigmoid", bias)
+    explicit = grouped_topk(x, 2, 4, 2, "sigmoid", bias, group_score="top2_sum")
+    assert default.topk_ids.tolist() == explicit.topk_ids.tolist()

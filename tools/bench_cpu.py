@@ -1,17 +1,25 @@
-"""CPU benchmark of the torch reference experts for every shipped scheme's key pair.
+"""CPU benchmark of a CPU experts kernel for every shipped quantized key pair, against a plain float32 layer.
 
-Each layer call is timed (median over repeats) and compared with a plain unquantized torch layer
-of the same shape (dense weights, per-expert matmuls), so the table shows what the scheme's
-numerics (activation quantisation, dequantized-weight reads) cost on top of the GEMMs.
+Rows come from the scheme specs: every scheme that lists ``--kernel`` (default torch-cpu-packed),
+bound with group 128 and no act-order, one row per distinct (weight key, activation key) with the
+schemes that share it. Each row times the kernel and a plain float32 per-expert torch layer of the
+same shape round-robin in the same run (median of ``--repeats``), so load from other processes hits
+both alike: ``x_plain`` = kernel ms / plain ms. ``weight_bytes_resident`` is what the built kernel
+holds for expert weights, scales and zero points; ``weight_bytes_packed`` the checkpoint's bytes
+for the same tensors. Large layers are built from ``--distinct`` random experts copied to E (real
+copies: every expert has its own memory).
 
-    python tools/bench_cpu.py [--experts 8] [--top-k 2] [--hidden 1024] [--intermediate 512]
-                              [--tokens 16] [--repeats 20] [--json]
+    python tools/bench_cpu.py [--preset small|qwen3-30b-a3b] [--tokens 1,16] [--threads 2]
+                              [--repeats 20] [--reference] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -19,46 +27,44 @@ from dataclasses import asdict, dataclass
 
 import torch
 from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import ReferenceExperts
 
+from moe_registry.builder import experts_class
 from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import parse_quant_key
+from moe_registry.keys import QuantKey, parse_quant_key
+from moe_registry.predicates import check_keys
+from moe_registry.registry import fill_template, load_registry
 from moe_registry.routing import softmax_topk
+from moe_registry.weights import ExpertWeights, ProjectionWeights
 
-
-@dataclass(frozen=True)
-class Scheme:
-    name: str
-    weight_key: str
-    activation_key: str
-
-
-SCHEMES = [
-    Scheme("unquantized-bf16", "unquantized", "unquantized"),
-    Scheme("awq-w4a16-g128", "uint4 scale:float16:group(128):static zp:group", "unquantized"),
-    Scheme("gptq-w4a16-g128", "uint4b8 scale:float16:group(128):static", "unquantized"),
-    Scheme("gptq-w8a16-g128", "uint8b128 scale:float16:group(128):static", "unquantized"),
-    Scheme("w8a8-int8", "int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic"),
-    Scheme("w4a8", "uint4 scale:float16:group(128):static zp:group", "int8 scale:float32:token:dynamic"),
-    Scheme("mxfp8", "fp8e4m3 scale:e8m0:block(1x32):static", "fp8e4m3 scale:e8m0:block(1x32):dynamic"),
-    Scheme("fp8-block128", "fp8e4m3 scale:float32:block(128x128):static",
-           "fp8e4m3 scale:float32:group(128):dynamic"),
-]
-
+PRESETS = {  # experts, top-k, hidden, intermediate
+    "small": (8, 2, 1024, 512),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+BIND = {"group": 128, "act_order": False}
 
 
 @dataclass(frozen=True)
 class Row:
     scheme: str
+    schemes: list[str]
     weight_key: str
     activation_key: str
-    median_ms: float
-    ratio: float
+    kernel: str
+    tokens: int
+    ms: float
+    plain_ms: float
+    x_plain: float
+    weight_bytes_resident: int
+    weight_bytes_packed: int
+    resident_over_packed: float
+    reference_ms: float | None = None
 
 
-def median_ms(fns: list[Callable[[], object]], repeats: int, warmup: int = 3) -> list[float]:
+def median_ms(fns: list[Callable[[], object]], repeats: int, warmup: int = 2) -> list[float]:
     """Median ms per call of each fn, timed round-robin so load from other processes hits all alike."""
     for fn in fns:
         for _ in range(warmup):
@@ -94,57 +100,123 @@ def plain_layer(w13: torch.Tensor, w2: torch.Tensor, activation: str) -> Callabl
     return run
 
 
+def _tile(t: torch.Tensor | None, experts: int) -> torch.Tensor | None:
+    """[e, ...] -> [experts, ...] by copying (each expert gets its own memory)."""
+    if t is None or t.dim() == 0 or t.shape[0] == experts:
+        return t
+    reps = -(-experts // t.shape[0])
+    return t.repeat(reps, *([1] * (t.dim() - 1)))[:experts].contiguous()
+
+
+def random_weights(wkey: QuantKey, akey: QuantKey, experts: int, distinct: int, hidden: int, intermediate: int,
+                   dtype: torch.dtype) -> ExpertWeights:
+    w = make_random_expert_weights(wkey, akey, num_experts=min(experts, distinct), hidden=hidden,
+                                   intermediate=intermediate, dtype=dtype, seed=1)
+
+    def grow(p: ProjectionWeights) -> ProjectionWeights:
+        return dataclasses.replace(p, weight=_tile(p.weight, experts), scale=_tile(p.scale, experts),
+                                   zero=_tile(p.zero, experts), bias=_tile(p.bias, experts))
+    return ExpertWeights(grow(w.w13), grow(w.w2), w.weight_key, w.activation_key)
+
+
+def key_pairs(kernel: str) -> list[tuple[list[str], QuantKey, QuantKey]]:
+    """(schemes, weight key, activation key) for each distinct quantized pair the kernel claims."""
+    registry = load_registry()
+    spec = registry.kernel(kernel)
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for name, loaded in sorted(registry.schemes.items()):
+        scheme = loaded.spec
+        if kernel not in scheme.kernels:
+            continue
+        bind = {k: BIND.get(k, v) for k, v in {k: None for k in scheme.bind}.items()}
+        wkey = parse_quant_key(fill_template(scheme.weight, bind))
+        akey = parse_quant_key(fill_template(scheme.activation, bind))
+        if wkey.quantized and all(c.passed for c in check_keys(spec, wkey, akey)):
+            pairs.setdefault((str(wkey), str(akey)), []).append(name)
+    return [(names, parse_quant_key(w), parse_quant_key(a)) for (w, a), names in pairs.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--preset", choices=list(PRESETS), default="small",
+                    help="small: E=8 top-2 H=1024 I=512; qwen3-30b-a3b: E=128 top-8 H=2048 I=768")
+    ap.add_argument("--experts", type=int, help="override the preset's experts")
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--tokens", default="16", help="comma-separated token counts M, e.g. 1,16")
+    ap.add_argument("--kernel", default="torch-cpu-packed")
+    ap.add_argument("--distinct", type=int, default=16, help="distinct random experts, copied up to E")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activation dtype")
-    ap.add_argument("--baseline-dtype", choices=list(DTYPES), default="float32",
-                    help="weight dtype of the plain unquantized layer")
     ap.add_argument("--activation", choices=["silu", "gelu", "swigluoai"], default="silu")
+    ap.add_argument("--reference", action="store_true", help="also time the torch reference (dense float32)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
 
+    torch.set_num_threads(args.threads)
+    e0, k0, h0, i0 = PRESETS[args.preset]
+    experts, top_k = args.experts or e0, args.top_k or k0
+    hidden_size, inter = args.hidden or h0, args.intermediate or i0
     dtype = DTYPES[args.dtype]
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(args.tokens, args.hidden, generator=gen).to(dtype)
-    routing = softmax_topk(torch.randn(args.tokens, args.experts, generator=gen), args.top_k, True)
     config = ExpertsConfig(args.activation)
+    cls = experts_class(load_registry().kernel(args.kernel))
+    gen = torch.Generator().manual_seed(0)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    inputs = {}
+    for m in tokens:
+        hidden = torch.randn(m, hidden_size, generator=gen).to(dtype)
+        inputs[m] = (hidden, softmax_topk(torch.randn(m, experts, generator=gen), top_k, True))
+    d = min(experts, args.distinct)
+    w13 = _tile(torch.randn(d, 2 * inter, hidden_size, generator=gen) / hidden_size ** 0.5, experts)
+    w2 = _tile(torch.randn(d, hidden_size, inter, generator=gen) / inter ** 0.5, experts)
+    assert w13 is not None and w2 is not None
+    plain = plain_layer(w13, w2, args.activation)
+    plain_bytes = w13.nbytes + w2.nbytes
 
-    bdt = DTYPES[args.baseline_dtype]
-    w13 = torch.randn(args.experts, 2 * args.intermediate, args.hidden, generator=gen).to(bdt)
-    w2 = torch.randn(args.experts, args.hidden, args.intermediate, generator=gen).to(bdt)
-    base = plain_layer(w13, w2, args.activation)
-    calls = [lambda: base(hidden, routing.topk_weights, routing.topk_ids)]
-    for s in SCHEMES:
-        weights = make_random_expert_weights(
-            parse_quant_key(s.weight_key), parse_quant_key(s.activation_key), num_experts=args.experts,
-            hidden=args.hidden, intermediate=args.intermediate, dtype=dtype, bias=False, act_order=False,
-            seed=1)
-        experts = ReferenceExperts(weights, config)
-        calls.append(lambda e=experts: e.apply(hidden, routing.topk_weights, routing.topk_ids))
-    base_ms, *scheme_ms = median_ms(calls, args.repeats)
-    rows = [Row(s.name, s.weight_key, s.activation_key, ms, ms / base_ms)
-            for s, ms in zip(SCHEMES, scheme_ms, strict=True)]
+    rows: list[Row] = []
+    for names, wkey, akey in key_pairs(args.kernel):
+        weights = random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype)
+        packed_bytes = packed_checkpoint_bytes(weights)
+        experts_obj = cls(weights, config)
+        resident = int(experts_obj.resident_weight_bytes()) if hasattr(experts_obj, "resident_weight_bytes") \
+            else packed_bytes
+        del weights
+        ref = None
+        if args.reference:
+            ref = ReferenceExperts(random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype),
+                                   config)
+        for m in tokens:
+            hidden, routing = inputs[m]
+            fns: list[Callable[[], object]] = [
+                lambda h=hidden, r=routing: plain(h, r.topk_weights, r.topk_ids),
+                lambda h=hidden, r=routing, k=experts_obj: k.apply(h, r.topk_weights, r.topk_ids)]
+            if ref is not None:
+                fns.append(lambda h=hidden, r=routing, k=ref: k.apply(h, r.topk_weights, r.topk_ids))
+            plain_ms, ms, *ref_ms = median_ms(fns, args.repeats)
+            rows.append(Row(names[0], names, str(wkey), str(akey), args.kernel, m, ms, plain_ms, ms / plain_ms,
+                            resident, packed_bytes, resident / packed_bytes, ref_ms[0] if ref_ms else None))
+        experts_obj = ref = None  # free this row's layer before building the next
+        gc.collect()
 
+    shape = {"experts": experts, "top_k": top_k, "hidden": hidden_size, "intermediate": inter, "dtype": args.dtype}
     if args.json:
-        shape = {k: getattr(args, k) for k in ("experts", "top_k", "hidden", "intermediate", "tokens", "dtype")}
-        doc = {"shape": shape, "threads": torch.get_num_threads(), "baseline_ms": base_ms,
-               "baseline_dtype": args.baseline_dtype, "rows": [asdict(r) for r in rows]}
+        doc = {"shape": shape, "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+               "plain_weight_bytes": plain_bytes, "rows": [asdict(r) for r in rows]}
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"E={args.experts} top-{args.top_k} H={args.hidden} I={args.intermediate} M={args.tokens} "
-          f"{args.dtype} {args.activation}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"baseline: plain {args.baseline_dtype} per-expert matmuls {base_ms:.3f} ms")
-    header = ("scheme", "weight key", "activation key", "ms", "x plain")
-    table = [(r.scheme, r.weight_key, r.activation_key, f"{r.median_ms:.3f}", f"{r.ratio:.2f}") for r in rows]
+    print(f"E={experts} top-{top_k} H={hidden_size} I={inter} {args.dtype} {args.activation}, kernel {args.kernel}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}; "
+          f"plain float32 layer {plain_bytes / 2**20:.0f} MiB")
+    header = ("scheme (+ same keys)", "M", "ms", "plain ms", "x plain", "resident MiB", "packed MiB", "res/packed")
+    table = [(r.scheme + (f" (+{len(r.schemes) - 1})" if len(r.schemes) > 1 else ""), str(r.tokens), f"{r.ms:.3f}",
+              f"{r.plain_ms:.3f}", f"{r.x_plain:.2f}", f"{r.weight_bytes_resident / 2**20:.1f}",
+              f"{r.weight_bytes_packed / 2**20:.1f}", f"{r.resident_over_packed:.3f}") for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *table, strict=True)]
     for i, line in enumerate([header, *table]):
-        print("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths,
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths,
                                                                                            strict=True))))
         if i == 0:
             print("  ".join("-" * w for w in widths))

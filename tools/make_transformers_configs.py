@@ -95,6 +95,69 @@ ROUTING: dict[str, dict] = {
 }
 
 
+ROUTING.update({
+    # DBRX: softmax, top-k, kept weights divided by their p-norm, p = ffn_config.moe_normalize_expert_weights
+    # (1: renormalise to sum 1; None: not normalised)
+    "dbrx": {"scoring": "softmax", "renormalize": lambda t: t.ffn_config.moe_normalize_expert_weights,
+             "correction_bias": False},
+    # HunYuan-MoE: softmax, top-k, always renormalised
+    "hunyuan_v1_moe": _SOFTMAX_RENORM,
+    # LFM2-MoE: sigmoid, expert_bias for selection (use_expert_bias), norm_topk_prob, routed scaling
+    "lfm2_moe": {"scoring": "sigmoid", "renormalize": "norm_topk_prob", "correction_bias": "use_expert_bias",
+                 "routed_scaling_factor": "routed_scaling_factor"},
+    # Step-3.5/3.7: sigmoid, correction bias, always renormalised, output times moe_router_scaling_factor
+    "step3p5": {"scoring": "sigmoid", "renormalize": True, "correction_bias": True,
+                "routed_scaling_factor": "moe_router_scaling_factor"},
+    "step3p7": {"scoring": "sigmoid", "renormalize": True, "correction_bias": True,
+                "routed_scaling_factor": "moe_router_scaling_factor"},
+    # JetMoE: softmax over the top-k logits == softmax, top-k, renormalise
+    "jetmoe": _SOFTMAX_RENORM,
+    # Kimi-Linear, MiMo-V2-Flash, Nemotron-H: DeepSeek-V3's router (group score = sum of the top-2 biased scores)
+    "kimi_linear": _SIGMOID_BIAS, "mimo_v2_flash": _SIGMOID_BIAS, "nemotron_h": _SIGMOID_BIAS,
+    "nemo_speechlm": _SIGMOID_BIAS,  # a speech LM whose text_config is a Nemotron-H
+    # Mistral 4 / Large 4: softmax, no bias, group score = sum of the group's top-2 scores, routed scaling
+    "mistral4": {"scoring": "softmax", "renormalize": "norm_topk_prob", "correction_bias": False,
+                 "num_expert_group": "n_group", "topk_group": "topk_group", "group_score": "top2_sum",
+                 "routed_scaling_factor": "routed_scaling_factor"},
+    "mistral_large4": {"scoring": "softmax", "renormalize": True, "correction_bias": False,
+                       "num_expert_group": "n_group", "topk_group": "topk_group", "group_score": "top2_sum",
+                       "routed_scaling_factor": "routed_scaling_factor"},
+    # LongCat-Flash: softmax over routed + zero-compute experts, correction bias, not renormalised, routed scaling
+    "longcat_flash": {"scoring": "softmax", "renormalize": False, "correction_bias": True,
+                      "routed_scaling_factor": "routed_scaling_factor"},
+    # DeepSeek-V4: scoring_func (sqrtsoftplus), correction bias, always renormalised, routed scaling;
+    # the first mlp_layer_types == hash_moe layers pick experts by a token-id table instead
+    "deepseek_v4": {"scoring": "scoring_func", "renormalize": True, "correction_bias": True,
+                    "routed_scaling_factor": "routed_scaling_factor"},
+})
+# Words of ROUTING that are plain values even when they are strings (the rest name config attributes).
+ROUTING_LITERALS = ("group_score",)
+
+# Default configs transformers' own model cannot be built from, or that declare no experts: the fewest
+# overrides that make it build (or, for dots1, the MoE fields of the released dots.llm1 config), and why.
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "dbrx": ({"attn_config": {"rope_theta": 10000.0}},
+             "DbrxAttention reads attn_config.rope_theta, which DbrxAttentionConfig does not define"),
+    "hunyuan_v1_moe": ({"head_dim": 128},
+                       "the default head_dim is None and the attention computes head_dim ** -0.5; "
+                       "128 = hidden_size / num_attention_heads"),
+    "lfm2_moe": ({"layer_types": ["full_attention"] * 32},
+                 "the default layer_types is None and each decoder layer indexes it; all full attention, "
+                 "as LFM2's default config"),
+    "dots1": ({"n_routed_experts": 128, "num_experts_per_tok": 6, "n_shared_experts": 2, "first_k_dense_replace": 1,
+               "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+              "the default Dots1Config declares no experts (n_routed_experts None); these are the MoE fields of "
+              "rednote-hilab/dots.llm1.inst's config.json"),
+}
+# Model types no auto class builds (a text sub-config): the class that does.
+MODEL_CLASS = {"step3p5": "Step3p7TextModel"}
+
+
+def make_config(mt: str) -> PretrainedConfig:
+    """The default config of ``mt`` with its OVERRIDES applied."""
+    return CONFIG_MAPPING[mt](**OVERRIDES.get(mt, ({}, ""))[0])
+
+
 # The default config leaves top-k None (its router cannot run); the value every released checkpoint uses.
 TOP_K_WHEN_NONE = {"deepseek_v2": (6, "transformers' default num_experts_per_tok is None; DeepSeek-V2 and "
                                       "V2-Lite ship 6, which the family spec takes as its default")}
@@ -107,13 +170,24 @@ def routing(mt: str, text: PretrainedConfig) -> dict:
         return {}
     out = {}
     for key, value in rule.items():
-        out[key] = getattr(text, value) if isinstance(value, str) and key != "scoring" else value
+        if callable(value):
+            out[key] = value(text)
+        elif isinstance(value, str) and key not in ROUTING_LITERALS and (key != "scoring" or hasattr(text, value)):
+            out[key] = getattr(text, value)
+        else:
+            out[key] = value
     out.setdefault("num_expert_group", 1)
     out.setdefault("topk_group", 1)
     out.setdefault("routed_scaling_factor", 1.0)
     out["num_expert_group"] = out["num_expert_group"] or 1
     out["topk_group"] = out["topk_group"] or 1
+    # a number is the p of the p-norm the kept weights are divided by (DBRX); 1 is renormalising to sum 1
+    if isinstance(out["renormalize"], float | int) and not isinstance(out["renormalize"], bool):
+        out["renormalize_p"] = float(out["renormalize"])
     out["renormalize"] = bool(out["renormalize"])
+    out["correction_bias"] = bool(out.get("correction_bias"))
+    if int(out["num_expert_group"]) > 1 or "group_score" in rule:
+        out.setdefault("group_score", "top2_sum" if out["correction_bias"] else "max")
     return {"routing": out}
 
 
@@ -132,20 +206,26 @@ def _experts(layer: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
         if last in ("experts", "routed_experts") and "shared" not in name and "attention" not in name \
                 and "self_attn" not in name:
             return name, mod
+    for name, mod in layer.named_modules():  # JetMoE: the MoE MLP holds the experts' 3-D weights itself
+        if hasattr(mod, "input_linear") and hasattr(mod, "output_linear") and "attn" not in name:
+            return name, mod
     return None
 
 
 def _expert_dims(mod: torch.nn.Module, hidden: int) -> tuple[int, int]:
     """(experts, intermediate) from fused 3-D parameters or a ModuleList of MLPs."""
-    params = dict(mod.named_parameters(recurse=False))
+    params = dict(mod.named_parameters())
     threed = {k: v for k, v in params.items() if v.dim() == 3}
     if threed:
-        e = next(iter(threed.values())).shape[0]
         down = next((v for k, v in threed.items() if "down" in k or "w2" in k or "output" in k), None)
         if down is None:
             raise ValueError(f"no down projection among {sorted(threed)}")
         inter = [s for s in down.shape[1:] if s != hidden] or [hidden]
-        return e, int(inter[0])
+        # the down projection holds only computing experts (LongCat's gate_up also counts zero-compute ones)
+        return int(down.shape[0]), int(inter[0])
+    if hasattr(mod, "mlp") and isinstance(getattr(mod, "num_experts", None), int) and \
+            isinstance(getattr(mod, "ffn_hidden_size", None), int):
+        return mod.num_experts, mod.ffn_hidden_size  # DBRX: w1/v1/w2 as 2-D [experts * ffn_hidden_size, hidden]
     if isinstance(mod, torch.nn.ModuleList) or hasattr(mod, "__len__"):
         first = mod[0]
         for name, lin in first.named_modules():
@@ -164,6 +244,20 @@ def _shared(layer: torch.nn.Module, hidden: int) -> int:
             for pname, p in mod.named_parameters():
                 if "down" in pname and p.dim() == 2:
                     return int([s for s in p.shape if s != hidden][0])
+    return 0
+
+
+def _gated(mod: torch.nn.Module) -> bool:
+    """act(gate) * up experts (True) or act(up) only (Nemotron-H: up_proj and down_proj, no gate)."""
+    names = [n.split(".")[-1] for n, _ in mod.named_parameters()] + [n.split(".")[-1] for n, _ in mod.named_modules()]
+    return any(("gate" in n or n in ("w1", "w3", "v1", "input_linear")) for n in names)
+
+
+def _latent(layer: torch.nn.Module) -> int:
+    """Width of the latent space the experts run in (Nemotron-H fc1_latent_proj), 0 if none."""
+    for name, mod in layer.named_modules():
+        if name.endswith("fc1_latent_proj") and isinstance(mod, torch.nn.Linear):
+            return int(mod.out_features)
     return 0
 
 
@@ -189,22 +283,26 @@ def _routing_source(layer: torch.nn.Module) -> str:
 
 
 def facts(mt: str) -> dict:
-    cfg = CONFIG_MAPPING[mt]()
+    cfg = make_config(mt)
     text = cfg.get_text_config(decoder=True)
     with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(cfg)
-        except Exception:  # noqa: BLE001 - VL/omni models are not in the causal-LM mapping
-            model = AutoModel.from_config(cfg)
+        if mt in MODEL_CLASS:
+            model = getattr(transformers, MODEL_CLASS[mt])(cfg)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_config(cfg)
+            except Exception:  # noqa: BLE001 - VL/omni models are not in the causal-LM mapping
+                model = AutoModel.from_config(cfg)
     layers = _layers(model)
     hidden = int(text.hidden_size)
-    moe, dims, shared, top_k, src = [], set(), set(), set(), ""
+    moe, dims, shared, top_k, src, extra = [], set(), set(), set(), "", set()
     for i, layer in enumerate(layers):
         found = _experts(layer)
         if found is None:
             continue
         moe.append(i)
         dims.add(_expert_dims(found[1], hidden))
+        extra.add((_gated(found[1]), _latent(layer), int(getattr(found[1], "zero_expert_num", 0) or 0)))
         shared.add(_shared(layer, hidden))
         top_k.add(_router_top_k(layer))
         src = src or _routing_source(layer)
@@ -219,44 +317,54 @@ def facts(mt: str) -> dict:
         count = 1
     k_router = next(iter(top_k))
     k_cfg = getattr(text, "num_experts_per_tok", None)
+    (gated, latent, zero), = extra
+    experts_form = {**({} if gated else {"gated": False}), **({"latent_size": latent} if latent else {}),
+                    **({"zero_experts": zero} if zero else {})}
+    if len(layers) != int(text.num_hidden_layers):  # LongCat: two attention sublayers per decoder layer
+        experts_form["num_hidden_layers"] = int(text.num_hidden_layers)
     return {
         "model_type": mt, "moe": True, "model_class": type(model).__name__,
         "num_experts": num_experts,
         "top_k": k_router if k_router is not None else k_cfg,
         "hidden": hidden, "intermediate": inter,
-        "num_layers": int(text.num_hidden_layers),
+        "num_layers": len(layers),
         "moe_layers": moe,
         "shared_experts": int(count or 0) if shared_total else 0,
         "shared_intermediate": (shared_total // int(count)) if shared_total else 0,
         "scoring_in_code": sorted({w for w in ("sigmoid", "softmax") if w in src}),
+        **experts_form,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_types", nargs="*")
+    ap.add_argument("--out", type=Path, default=OUT, help="fixture root (default: tests/fixtures/transformers)")
     args = ap.parse_args(argv)
-    types = args.model_types or moe_model_types()
-    (OUT / "configs").mkdir(parents=True, exist_ok=True)
+    out_root = args.out
+    types = args.model_types or sorted(set(moe_model_types()) | set(OVERRIDES) | set(MODEL_CLASS))
+    (out_root / "configs").mkdir(parents=True, exist_ok=True)
     for mt in types:
         try:
             f = facts(mt)
         except Exception as err:  # noqa: BLE001 - report and go on with the other model types
             print(f"{mt}: FAILED {type(err).__name__}: {err}", file=sys.stderr)
             continue
-        f.update(routing(mt, CONFIG_MAPPING[mt]().get_text_config(decoder=True)))
+        f.update(routing(mt, make_config(mt).get_text_config(decoder=True)))
+        if mt in OVERRIDES:
+            f["overrides"] = {"values": OVERRIDES[mt][0], "why": OVERRIDES[mt][1]}
         code = f.get("scoring_in_code", [])
         if f.get("routing") and f["routing"]["scoring"] in ("softmax", "sigmoid") and \
                 f["routing"]["scoring"] not in code:
             print(f"{mt}: WARNING ROUTING says {f['routing']['scoring']}, modeling code uses {code}", file=sys.stderr)
         if f.get("moe") and f["top_k"] is None and mt in TOP_K_WHEN_NONE:
             f["top_k"], f["top_k_note"] = TOP_K_WHEN_NONE[mt]
-        d = OUT / "configs" / mt
-        CONFIG_MAPPING[mt]().save_pretrained(d)
+        d = out_root / "configs" / mt
+        make_config(mt).save_pretrained(d)
         (d / "expected.json").write_text(json.dumps(f, indent=1) + "\n")
         print(mt, json.dumps(f))
     versions = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
-    (OUT / "VERSIONS.json").write_text(json.dumps(versions, indent=1) + "\n")
+    (out_root / "VERSIONS.json").write_text(json.dumps(versions, indent=1) + "\n")
     return 0
 
 

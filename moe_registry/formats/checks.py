@@ -10,7 +10,7 @@ import torch
 
 from moe_registry.errors import CheckpointError
 
-__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_bad"]
+__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_bad", "check_all_equal"]
 
 
 def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) -> torch.Tensor:
@@ -27,6 +27,15 @@ def describe_bad(t: torch.Tensor, mask: torch.Tensor, what: str, of: str = "valu
     first = tuple(int(i) for i in mask.nonzero()[0])
     value = t[first].item()
     return f"{int(mask.sum())} of {t.numel()} {of} are {what} (first at {list(first)} = {value})"
+
+
+def check_all_equal(t: torch.Tensor, value: float, full_name: str, why: str) -> None:
+    """Every element equals ``value`` (a tensor the scheme fixes, e.g. a symmetric scheme's zero
+    points): a different value would change the model's numbers if it were ignored."""
+    bad = t.float() != value
+    if bool(bad.any()):
+        want = int(value) if float(value).is_integer() else value
+        raise CheckpointError(f"{full_name}: {describe_bad(t, bad, f'not {want}')}; expected all {want} ({why})")
 
 
 def check_finite(t: torch.Tensor, full_name: str) -> None:

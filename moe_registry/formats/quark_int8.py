@@ -1,7 +1,11 @@
 """Quark INT8 (and compressed-tensors int8 W8A8) checkpoints -> ``nk``.
 
 Per projection: weight int8 [out, in]; weight_scale per-channel ([out] or [out, 1]) or per-tensor
-([] or [1]) in bf16/fp16/fp32; optional input_scale [] (static per-tensor activation scale).
+([] or [1]) in bf16/fp16/fp32 (Quark 0.13 writes bf16 [out] per channel and fp32 [] per tensor,
+compressed-tensors bf16 [out, 1]); optional input_scale [] (static per-tensor activation scale).
+Quark also writes int8 weight_zero_point / input_zero_point tensors; the scheme specs declare them
+with ``all_equal: 0``, so the loader has checked them before this converter runs and they are not
+read here. Every scale is widened to float32 here, exactly, whatever dtype the checkpoint holds.
 Weight scales are stored expanded as float32 [N, 1], so a per-tensor gate and up keep their own
 scales after fusion. Static activation scales are collapsed over gate/up and experts by max, the
 one scale the fused kernel can apply; they are read only when the bound activation key is static

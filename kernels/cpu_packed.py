@@ -1,0 +1,365 @@
+"""CPU experts that keep weights quantized: the GEMMs read packed weights through the ops torch ships
+for CPUs, and only the experts the routing hits are computed, each on its own tokens.
+
+Per weight key (what the layer holds; built once from the ``nk`` layout, one expert at a time):
+
+- 4-bit (uint4 + zero point, uint4b8): ``torch._convert_weight_to_int4pack_for_cpu`` codes [N, K/2]
+  per expert and a bfloat16 ``[G, N, 2]`` scale-and-zero table per expert, computed by
+  ``torch._weight_int4pack_mm_for_cpu``. Torch's convention is ``w = (q - 8) * s + z`` with a float
+  ``z``: AWQ and GPTQ-asym ``(q - zp) * s`` map to ``z = (8 - zp) * s``, GPTQ symmetric uint4b8
+  ``(q - 8) * s`` to ``z = 0`` (checked against the reference by the conformance suite). The op
+  takes group sizes 32..256; per-channel scales are repeated over 256/128/64/32-column groups.
+- 8-bit integer (int8, uint8b128 as ``code - 128``): int8 codes; per-channel/per-tensor scales go
+  through one ``torch._weight_int8pack_mm`` with unit scales and a float32 scale after it; group
+  scales (GPTQ 8-bit) through one call per group on codes stored [G, N, g] (contiguous blocks).
+- fp8e4m3: the checkpoint's bytes, viewed as int8, dequantised one row tile at a time into a reused
+  float32 buffer by integer ops (sign-extend, ``<< 20``, mask: the float32 bits of ``fp8 * 2^-120``,
+  exact for normals and subnormals) times a per-row scale factor, then a float32 matmul.
+
+Activations: the 4- and 8-bit ops are fast on this CPU only in bfloat16, so they get bfloat16
+inputs (the hidden states, or for int8 activation keys the int8 codes, which bfloat16 holds
+exactly, with the per-token/per-tensor scale applied to the float32 output). Activation
+quantisation is :func:`quant_ref.quantize_activation` / ``fake_quantize_activation`` -- the same
+function the reference calls. Everything between the GEMMs (bias, act-and-mul, router weight) is
+float32.
+
+Measured on the 2-core AMD EPYC (AVX2, no AVX-512/VNNI/AMX) with torch 2.13.0+cpu, one thread,
+one expert GEMM N=1536 K=2048 (Qwen3-30B-A3B's w13), 12 rotating weight copies, median of 15,
+time over a float32 ``x @ W.T`` in the same run (load average 5-8 from other jobs: +-30%):
+
+=========================================  =======  =======  =======
+op (weights resident)                       M=1      M=4      M=16
+=========================================  =======  =======  =======
+float32 ``x @ W.T`` (4 B/weight)            1.00     1.00     1.00
+bfloat16 ``x @ W.T`` (2 B)                  1.00     1.14     5.66
+int4pack_mm_for_cpu, bfloat16 x (0.5 B)     0.56-0.75  0.17-0.50  1.3-2.2
+int4pack_mm_for_cpu, float32 / float16 x    18-26    11-25    25-66
+int8pack_mm, bfloat16 x (1 B)               0.60-0.77  0.18-0.53  1.3-2.2
+int8pack_mm, one call per 128-group, bf16   0.57-0.73  0.47     --
+int8pack_mm, float32 / float16 x            3.5-10   5-12     10-32
+_int_mm int8 x int8 -> int32                2.6-15   3.7-10   21
+_scaled_mm fp8 (any scales)                 49-66    7-10     5-8
+fp8 ``.to(float32)`` then mm                 37-61    7-8      3.4-11
+fp8 256-entry lookup table, row tiles        9.7      2.0      1.3
+fp8 int16 bit trick -> fp16 -> fp32, tiles  9.1      1.8      1.2
+fp8 int32 bit trick, 128..512-row tiles     2.3-2.4  1.4-2.6  --
+=========================================  =======  =======  =======
+
+So: bfloat16 int4/int8 packed ops; no ``_int_mm`` (no VNNI here: int8 x int8 is slower than
+feeding int8 codes as bfloat16 to int8pack_mm); fp8 stays about 2x the float32 GEMM on this CPU
+(dequantisation is the cost; the weights take a quarter of float32's memory). The packed ops lose
+to float32 above ~8 rows per expert (prefill); at decode and small batches they win.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
+from moe_registry_kernels.quant_ref import fake_quantize_activation, quantize_activation
+
+from moe_registry.experts import Experts, ExpertsConfig
+from moe_registry.keys import QuantKey
+from moe_registry.weights import ExpertWeights, ProjectionWeights
+
+__all__ = ["CpuPackedExperts"]
+
+FOREIGN_EXPERT = -1  # expert parallelism: a pair routed to another rank's expert adds nothing here
+INT4_OP_GROUPS = (256, 128, 64, 32)  # group sizes torch._weight_int4pack_mm_for_cpu takes
+FP8_TILE_ELEMENTS = 1 << 19  # float32 dequantisation tile: 2 MiB, rows = this // K
+FP8_BITS_SHIFT = 20  # e4m3 exponent+mantissa (7 bits) land at float32 bits 20..26: value * 2^-120
+FP8_BITS_MASK = 0x87FFFFFF - (1 << 32)  # keep the sign and those 7 bits of the sign-extended int8
+FP8_BITS_UNSCALE = 2.0 ** 120
+
+
+def _pad_cols(t: torch.Tensor, k: int) -> torch.Tensor:
+    return t if t.shape[-1] == k else F.pad(t, (0, k - t.shape[-1]))
+
+
+def _scale_per_group(proj: ProjectionWeights, key: QuantKey, n: int, k: int) -> torch.Tensor:
+    """float32 [E, N, ceil(K/g)] scales (per-channel/per-tensor stored [E, N, 1] stay one column)."""
+    assert proj.scale is not None and key.scale is not None
+    s = e8m0_to_float(proj.scale) if key.scale.dtype.name == "e8m0" else proj.scale.float()
+    if s.shape[1] != n:  # block(rows x cols): one row of scales per `rows` weight rows
+        s = s.repeat_interleave(key.scale.group.rows, dim=1)[:, :n]
+    return s
+
+
+def _int_codes(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
+    """Stored integer weights -> int32 [E, N, K] real codes (type bias removed, zero not applied)."""
+    st = key.dtype
+    raw = unpack_int4(w).to(torch.int32) if st.bits == 4 else w.to(torch.int32)
+    if st.signed and st.bits == 4:
+        raw = torch.where(raw >= 8, raw - 16, raw)
+    return raw - st.bias
+
+
+@dataclass(frozen=True)
+class _Int4:
+    """4-bit weights in torch's CPU int4pack layout (per expert) with bf16 [G, N, 2] scales+zeros."""
+
+    packed: tuple[torch.Tensor, ...]
+    scale_zero: torch.Tensor
+    group: int
+    k: int
+
+    @staticmethod
+    def build(proj: ProjectionWeights, key: QuantKey) -> _Int4:
+        e, n = int(proj.weight.shape[0]), int(proj.weight.shape[1])
+        k = 2 * int(proj.weight.shape[2])
+        cols = key.scale.group.cols if key.scale is not None else -1
+        # one op group that tiles the key's group (or the row, per channel): exact repetition of scales
+        group = next((g for g in INT4_OP_GROUPS if (k if cols == -1 else cols) % g == 0), None)
+        if group is None:
+            raise ValueError(f"4-bit weight key {key}: group {cols} (K={k}) is not a multiple of 32, "
+                             "which torch._weight_int4pack_mm_for_cpu needs")
+        kp = -(-k // group) * group
+        scale = _scale_per_group(proj, key, n, k)
+        zero = proj.zero.float() if proj.zero is not None else torch.zeros(1)
+        low = key.dtype.min_value - key.dtype.bias  # smallest real code: uint4 0, uint4b8 -8
+        packed, tables = [], []
+        for i in range(e):
+            q = _pad_cols(_int_codes(proj.weight[i:i + 1], key)[0] - low, kp)  # nibbles 0..15
+            s_i, z_i = scale[i], (zero[i] if proj.zero is not None else zero)
+            # (c - zp) * s = (q + low - zp) * s = (q - 8) * s + z_f: torch's convention w = (q - 8) * s + z
+            z_f = (8 + low - z_i) * s_i
+            reps = kp // group if s_i.shape[1] == 1 else cols // group
+            s_g = s_i.repeat_interleave(reps, dim=1)[:, :kp // group]
+            z_g = z_f.expand_as(s_i).repeat_interleave(reps, dim=1)[:, :kp // group]
+            packed.append(torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1))
+            tables.append(torch.stack((s_g.T, z_g.T), dim=-1).to(torch.bfloat16))
+        return _Int4(tuple(packed), torch.stack(tables).contiguous(), group, k)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.packed) + self.scale_zero.nbytes
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        x = _pad_cols(x, self.packed[e].shape[1] * 2)
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed[e], self.group, self.scale_zero[e]).float()
+
+
+@dataclass(frozen=True)
+class _Int8:
+    """8-bit integer codes as int8: [E, N, K] with float32 [E, N] per-channel scales applied after
+    the GEMM, or [E, G, N, g] blocks with bf16 [E, G, N] group scales (one op call per group)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    grouped: bool
+    k: int
+
+    @staticmethod
+    def build(proj: ProjectionWeights, key: QuantKey) -> _Int8:
+        e, n, k = (int(d) for d in proj.weight.shape)
+        assert key.scale is not None
+        if proj.weight.dtype == torch.int8 and key.dtype.bias == 0:
+            codes = proj.weight  # already int8 codes: shared, not copied
+        else:  # uint8b128: code - 128, one expert at a time (no int32 copy of the whole layer)
+            codes = torch.stack([_int_codes(proj.weight[i:i + 1], key)[0].to(torch.int8) for i in range(e)])
+        scale = _scale_per_group(proj, key, n, k)
+        if scale.shape[2] == 1:  # per channel / per tensor
+            return _Int8(codes, scale[..., 0].contiguous(), False, k)
+        g = key.scale.group.cols
+        groups = scale.shape[2]
+        blocks = _pad_cols(codes, groups * g).view(e, n, groups, g).permute(0, 2, 1, 3).contiguous()
+        return _Int8(blocks, scale.transpose(1, 2).to(torch.bfloat16).contiguous(), True, k)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.grouped:
+            ones = torch.ones(self.codes.shape[1], dtype=x.dtype)
+            return torch._weight_int8pack_mm(x, self.codes[e], ones).float() * self.scale[e]
+        groups, g = int(self.codes.shape[1]), int(self.codes.shape[3])
+        x = _pad_cols(x, groups * g)
+        parts = [torch._weight_int8pack_mm(x[:, j * g:(j + 1) * g], self.codes[e, j], self.scale[e, j])
+                 for j in range(groups)]
+        return torch.stack(parts).float().sum(0)
+
+
+@dataclass(frozen=True)
+class _Fp8:
+    """fp8e4m3 bytes (a view of the checkpoint's, as int8) and float32 [E, N, ceil(K/cols)] factors;
+    ``unscale`` says whether 2^120 is folded into the factors or multiplied into each tile."""
+
+    codes: torch.Tensor
+    factor: torch.Tensor
+    cols: int
+    unscale: bool
+    k: int
+
+    @staticmethod
+    def build(proj: ProjectionWeights, key: QuantKey) -> _Fp8:
+        e, n, k = (int(d) for d in proj.weight.shape)
+        assert key.scale is not None
+        scale = _scale_per_group(proj, key, n, k)
+        cols = k if scale.shape[2] == 1 else key.scale.group.cols
+        folded = scale.double() * FP8_BITS_UNSCALE
+        if bool(torch.isfinite(folded.float()).all()):
+            return _Fp8(proj.weight.view(torch.int8), folded.float().contiguous(), cols, False, k)
+        return _Fp8(proj.weight.view(torch.int8), scale.contiguous(), cols, True, k)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.factor.nbytes
+
+    def matmul(self, e: int, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        n, k = int(self.codes.shape[1]), self.k
+        groups = int(self.factor.shape[2])
+        kp = groups * self.cols
+        x = _pad_cols(x, kp)
+        rows = int(buf.shape[0])
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r in range(0, n, rows):
+            t = min(rows, n - r)
+            tile = buf[:t]
+            tile[:, :k].copy_(self.codes[e, r:r + t])  # sign-extending int8 -> int32
+            tile.bitwise_left_shift_(FP8_BITS_SHIFT).bitwise_and_(FP8_BITS_MASK)
+            w = tile.view(torch.float32)
+            if self.unscale:
+                w.mul_(FP8_BITS_UNSCALE)
+            w.view(t, groups, self.cols).mul_(self.factor[e, r:r + t, :, None])
+            torch.mm(x, w.T, out=out[:, r:r + t])
+        return out
+
+
+def _build_proj(proj: ProjectionWeights, key: QuantKey) -> _Int4 | _Int8 | _Fp8:
+    if not key.quantized:
+        raise ValueError("torch-cpu-packed keeps quantized weights; unquantized weights run on the reference")
+    if key.dtype.is_float:
+        return _Fp8.build(proj, key)
+    if key.dtype.bits == 4:
+        return _Int4.build(proj, key)
+    return _Int8.build(proj, key)
+
+
+def _placeholder(proj: ProjectionWeights) -> ProjectionWeights:
+    """Same shape, dtype and device, one element of storage: ``Experts.weights`` keeps the layer's
+    shapes and keys without pinning the nk tensors the packed copies were built from."""
+    def stub(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+    return ProjectionWeights(stub(proj.weight), stub(proj.scale), stub(proj.zero), proj.perm, proj.bias,
+                             proj.input_scale)
+
+
+class CpuPackedExperts(Experts):
+    """Packed-weight CPU experts (see the module docstring). ``weights`` keeps shapes, keys, perm,
+    bias and input scales; the packed projections are ``w13`` and ``w2``."""
+
+    def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
+        if weights.layout != "nk":
+            raise ValueError(f"torch-cpu-packed reads layout 'nk', got {weights.layout!r}")
+        if weights.device.type != "cpu":
+            raise ValueError(f"torch-cpu-packed runs on the cpu, the weights are on {weights.device}")
+        self.w13 = _build_proj(weights.w13, weights.weight_key)
+        self.w2 = _build_proj(weights.w2, weights.weight_key)
+        super().__init__(ExpertWeights(_placeholder(weights.w13), _placeholder(weights.w2), weights.weight_key,
+                                       weights.activation_key, weights.layout), config)
+        self._perm = tuple(None if p.perm is None else p.perm.to(torch.int64) for p in (weights.w13, weights.w2))
+        self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))
+        self._input_scale = (weights.w13.input_scale, weights.w2.input_scale)
+        self._fp8_bufs: dict[int, torch.Tensor] = {}
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes held for expert weights, scales and zero points (biases, perm and input scales not counted)."""
+        return self.w13.nbytes() + self.w2.nbytes()
+
+    def _fp8_buffer(self, k_padded: int) -> torch.Tensor:
+        buf = self._fp8_bufs.get(k_padded)
+        if buf is None:
+            rows = max(16, FP8_TILE_ELEMENTS // k_padded)
+            buf = self._fp8_bufs[k_padded] = torch.zeros(rows, k_padded, dtype=torch.int32)
+        return buf
+
+    def _gemm(self, which: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] float32 (one expert's rows) -> [T, N] float32 through projection ``which`` (0: w13, 1: w2):
+        activation quantisation, act-order permutation, the packed GEMM, bias."""
+        proj = self.w13 if which == 0 else self.w2
+        key = self.weights.activation_key
+        post: torch.Tensor | None = None
+        integer_codes = key.quantized and key.dtype.name == "int8" and key.scale is not None \
+            and key.scale.group.cols == -1 and not isinstance(proj, _Fp8)
+        if integer_codes:  # int8 codes are exact in bfloat16; the per-token/tensor scale goes after the GEMM
+            qa = quantize_activation(x, key, self._input_scale[which])
+            x, post = qa.q, qa.scale
+        elif key.quantized:
+            x = fake_quantize_activation(x, key, self._input_scale[which], torch.float32)
+        perm = self._perm[which]
+        if perm is not None:
+            x = x.index_select(1, perm[e])
+        if isinstance(proj, _Fp8):
+            y = proj.matmul(e, x.float(), self._fp8_buffer(int(proj.factor.shape[2]) * proj.cols))
+        else:
+            y = proj.matmul(e, x.to(torch.bfloat16))
+        if post is not None:
+            y = y * post
+        bias = self._bias[which]
+        return y if bias is None else y + bias[e]
+
+    def _mlp(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self._gemm(1, e, act_and_mul(self._gemm(0, e, x), self.config.activation))
+
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        m, top_k = topk_ids.shape
+        num_experts = self.weights.num_experts
+        out = torch.zeros(m, hidden.shape[1], dtype=torch.float32)
+        if m == 0:
+            return out.to(hidden.dtype)
+        flat = topk_ids.reshape(-1).to(torch.int64)
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < FOREIGN_EXPERT or hi >= num_experts:
+            raise ValueError(f"topk_ids must be in [0, {num_experts}) or {FOREIGN_EXPERT} (a foreign expert), "
+                             f"got values in [{lo}, {hi}]")
+        order = torch.argsort(flat, stable=True)  # one sort: each expert's pairs are contiguous
+        counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
+        tokens = order // top_k
+        router = topk_weights.reshape(-1).index_select(0, order).float()
+        start = counts[0]  # foreign pairs sort first and are skipped
+        for e, n in enumerate(counts[1:]):
+            if n == 0:
+                continue
+            tok, w = tokens[start:start + n], router[start:start + n, None]
+            start += n
+            x = hidden.index_select(0, tok).float()
+            y = self._mlp(e, x * w) if self.config.apply_router_weight_on_input else self._mlp(e, x) * w
+            out.index_add_(0, tok, y)
+        return out.to(hidden.dtype)
+
+    def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """Batched format: x [E, T, H], the first expert_num_tokens[e] rows of x[e] are real; no router
+        weights (finalize applies them). Returns [E, T, H] in x's dtype; rows past a count are zero."""
+        num_experts = self.weights.num_experts
+        if x.dim() != 3 or x.shape[0] != num_experts:
+            raise ValueError(f"batched input must be [E={num_experts}, T, H], got {tuple(x.shape)}")
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e, n in enumerate(expert_num_tokens.tolist()):
+            if n < 0 or n > x.shape[1]:
+                raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {x.shape[1]}]")
+            if n:
+                out[e, :n] = self._mlp(e, x[e, :n].float())
+        return out.to(x.dtype)
+
+
+def packed_checkpoint_bytes(weights: ExpertWeights) -> int:
+    """Bytes a checkpoint stores for these experts' weights, scales and zero points: codes at the key's
+    bit width, one scale per group (per channel: N, per tensor: 1, per expert) at its dtype's width,
+    zero points at the weight's bit width. The yardstick for :meth:`CpuPackedExperts.resident_weight_bytes`."""
+    key = weights.weight_key
+    total = 0
+    for proj in (weights.w13, weights.w2):
+        e, n = int(proj.weight.shape[0]), int(proj.weight.shape[1])
+        bits = key.dtype.bits if key.quantized else proj.weight.element_size() * 8
+        k = int(proj.weight.shape[2]) * (2 if key.quantized and key.dtype.bits == 4 else 1)
+        total += e * n * k * bits // 8
+        if key.quantized and key.scale is not None:
+            g = key.scale.group
+            rows = 1 if g.rows == -1 and g.cols == -1 else (n if g.rows in (1, -1) else -(-n // g.rows))
+            cols = 1 if g.cols == -1 else -(-k // g.cols)
+            total += e * rows * cols * key.scale.dtype.bits // 8
+            if key.zero_point == "group":
+                total += math.ceil(e * rows * cols * bits / 8)
+    return total
