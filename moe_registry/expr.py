@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -65,7 +66,9 @@ def parse_expr(text: str | int) -> Expr:
         raise ExprError(f"bad binding reference in {text!r}; write $name")
     source = re.sub(r"\bin\b", "__in", source)  # `in` is a Python keyword but our favourite name
     try:
-        tree = ast.parse(source, mode="eval")
+        with warnings.catch_warnings():  # "2in" would print Python's SyntaxWarning to the user
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(source, mode="eval")
     except SyntaxError:
         raise ExprError(f"cannot parse expression {text!r}") from None
     names: set[str] = set()

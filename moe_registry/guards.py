@@ -530,8 +530,11 @@ def check_flag_sizes(**flags: int | None) -> None:
     """Size flags (``--max-tokens``, ``--tp``, ...) given on the command line or in a runtime file:
     integers >= 1 (``--max-tokens -7`` is a mistake, not an empty budget)."""
     for name, value in flags.items():
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"{flag}: got {value}; wanted a positive integer")
         if value is not None:
-            check_int(value, f"--{name.replace('_', '-')}", lo=1, hi=1 << 40)
+            check_int(value, flag, lo=1, hi=1 << 40)  # the upper bound only stops absurd sizes
 
 
 def same_value(seen: Any, wanted: Any) -> bool:

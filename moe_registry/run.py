@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from moe_registry import guards
 from moe_registry.builder import DTYPES, MoELayer, build
 from moe_registry.errors import ConfigError
-from moe_registry.experts import ExpertsConfig
 from moe_registry.report import Report
 from moe_registry.routing import Routing, from_given
 
@@ -153,7 +152,7 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
         call()
         _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
-    config = ExpertsConfig(activation=shape.activation)  # type: ignore[arg-type]
+    config = built.kernel.experts.config  # the layer's own (activation, router weight on the input)
     ref = reference_moe(x.cpu(), w.cpu(), ids.cpu(), built.weights.to("cpu"), config, torch.float64)
     err = float((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30))
     result = RunResult(int(x.shape[0]), err, built.tolerance, statistics.median(times), str(device),

@@ -119,6 +119,12 @@ def registry():
         return load_registry()
 
 
+def first_kernel_on(registry, scheme: str, device: str) -> str:
+    """The kernel the scheme lists first among those whose platforms include ``device``."""
+    return next(k for k in registry.scheme(scheme).kernels
+                if any(p.device == device for p in registry.kernel(k).platforms))
+
+
 def verdict(report: Report, kernel: str):
     return next(k for k in report.kernels if k.kernel == kernel)
 
@@ -168,7 +174,8 @@ def test_example_config(registry, name: str, platform: str):
         assert verdict(report, "triton-fused-moe").eligible
         assert verdict(report, "triton-fused-moe").failures == ()
     else:
-        assert report.chosen == "torch-reference"
+        assert report.chosen == first_kernel_on(registry, case.scheme, platform.split(":")[0])
+        assert verdict(report, report.chosen).failures == ()
         assert reasons(report, "triton-fused-moe") == {Reason.PLATFORM}
         msg = verdict(report, "triton-fused-moe").failures[0].message
         assert msg == f"platform {platform.split(':')[0]}; kernel runs on cuda >=8.0"
@@ -225,10 +232,12 @@ def test_no_kernel_at_all(registry):
     assert str(info.value) == (
         "no kernel of scheme awq-w4a16 can run on cuda:6.1: triton-fused-moe: cuda capability 6.1; kernel wants "
         "cuda >=8.0; triton-batched-moe: cuda capability 6.1; kernel wants cuda >=8.0; "
+        "torch-cpu-packed: platform cuda; kernel runs on cpu; "
         "torch-reference: cuda capability 6.1; kernel wants cpu, cuda >=7.0, rocm")
     report = info.value.report
     assert isinstance(report, Report) and report.chosen is None
     assert all(reasons(report, k) == {Reason.CAPABILITY} for k in ("triton-fused-moe", "torch-reference"))
+    assert reasons(report, "torch-cpu-packed") == {Reason.PLATFORM}
 
 
 def test_float32_activations_rule_out_triton(registry):
@@ -271,7 +280,8 @@ def test_pin_that_runs(registry):
 def test_pin_unknown_kernel(registry):
     situation = situation_for(CONFIGS / "deepseek/deepseek-v3", registry, Flags(platform="cuda:9.0"))
     with pytest.raises(SelectionError, match="pinned kernel marlin cannot run this: unknown kernel 'marlin'; "
-                                             "known: torch-reference, triton-batched-moe, triton-fused-moe"):
+                                             "known: torch-cpu-packed, torch-reference, triton-batched-moe, "
+                                             "triton-fused-moe"):
         select(registry, situation, pin="marlin")
 
 
@@ -342,15 +352,16 @@ def test_unknown_quant_method_lists_every_scheme(registry, tmp_path, capsys):
         v.scheme for v in report.turned_down()[:3]]
 
 
-@pytest.mark.parametrize("path,message", [
-    ("qwen-moe/qwen3-30b-a3b-gptq-int4-asym", "sym = False; wanted True"),
-    ("qwen-moe/qwen3-30b-a3b-gptq-int4-v2", "checkpoint_format = 'gptq_v2'; wanted one of 'gptq'"),
+@pytest.mark.parametrize("path,message,scheme", [
+    ("qwen-moe/qwen3-30b-a3b-gptq-int4-asym", "sym = False; wanted True", "gptq-w4a16-asym"),
+    ("qwen-moe/qwen3-30b-a3b-gptq-int4-v2", "checkpoint_format = 'gptq_v2'; wanted one of 'gptq'", "gptq-v2-w4a16"),
 ])
-def test_gptq_variants_turned_down_by_field(registry, path, message):
+def test_gptq_variants_turned_down_by_field(registry, path, message, scheme):
+    """The symmetric v1 scheme turns them down by the one field that differs; their own scheme takes them."""
     situation = situation_for(CONFIGS / path, registry, Flags(platform="cuda:9.0"))
-    with pytest.raises(SelectionError) as info:
-        select(registry, situation)
-    by_name = {v.scheme: v for v in info.value.report.schemes}
+    report = select(registry, situation)
+    assert report.scheme is not None and report.scheme.scheme == scheme
+    by_name = {v.scheme: v for v in report.schemes}
     gptq = by_name["gptq-w4a16"]
     assert [c.message for c in gptq.failures] == [message]
     assert gptq.failures[0].reason == Reason.FIELD_VALUE
@@ -392,9 +403,9 @@ def override_dir(tmp_path: Path) -> Path:
     d = tmp_path / "override" / "schemes"
     d.mkdir(parents=True)
     awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
-    assert "kernels: [triton-fused-moe, triton-batched-moe, torch-reference]" in awq
-    (d / "awq-w4a16.yaml").write_text(awq.replace("kernels: [triton-fused-moe, triton-batched-moe, torch-reference]",
-                                                  "kernels: [torch-reference]"))
+    line = "kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-packed, torch-reference]"
+    assert line in awq
+    (d / "awq-w4a16.yaml").write_text(awq.replace(line, "kernels: [torch-reference]"))
     return d.parent
 
 

@@ -42,12 +42,17 @@ def test_matrix_rows():
     assert awq["weight"] == "uint4 scale:float16:group(32|64|128|-1):static zp:group"
     assert rows["compressed-tensors-w4a8-int"]["weight"] == "uint4b8 scale:bfloat16:group(32|64|128):static"
     assert awq["activation"] == "unquantized"
-    assert awq["cells"] == {"cpu": ["torch-reference"], "cuda:8.0": ["triton-fused-moe", "torch-reference"],
+    assert awq["cells"] == {"cpu": ["torch-cpu-packed", "torch-reference"],
+                            "cuda:8.0": ["triton-fused-moe", "torch-reference"],
                             "cuda:9.0": ["triton-fused-moe", "torch-reference"],
                             "cuda:10.0": ["triton-fused-moe", "torch-reference"], "rocm:9.4": ["torch-reference"]}
     w4a8 = rows["compressed-tensors-w4a8-int"]
     assert w4a8["activation"] == "int8 scale:float32:token:dynamic"
-    assert all(cell == ["torch-reference"] for cell in w4a8["cells"].values())
+    # no Triton kernel takes int4 weights with int8 activations: the CPU packed kernel on cpu, else the reference
+    assert w4a8["cells"]["cpu"] == ["torch-cpu-packed", "torch-reference"]
+    assert all(cell == ["torch-reference"] for platform, cell in w4a8["cells"].items() if platform != "cpu")
+    # fp8-block128 lists the reference before the CPU packed kernel on purpose; the cell keeps that order
+    assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-reference", "torch-cpu-packed"]
     for row in rows.values():
         assert list(row["cells"]) == list(MATRIX_PLATFORMS)
         for cell in row["cells"].values():
@@ -64,11 +69,12 @@ def test_matrix_markdown_table():
     assert table[1] == "|" + " --- |" * (3 + len(MATRIX_PLATFORMS))
     assert len(table) == 2 + len(load_registry().schemes)
     assert ("| `awq-w4a16` | `uint4 scale:float16:group(32\\|64\\|128\\|-1):static zp:group` | `unquantized` | "
-            "torch-reference |") in "\n".join(table), "a | inside a cell is escaped"
+            "torch-cpu-packed, torch-reference |") in "\n".join(table), "a | inside a cell is escaped"
     for row in table:
         assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
-            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-reference | triton-fused-moe, torch-reference | "
+            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-reference, torch-cpu-packed | "
+            "triton-fused-moe, torch-reference | "
             "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
 
 
@@ -76,10 +82,12 @@ def test_matrix_json_and_user_specs(tmp_path, capsys):
     d = tmp_path / "schemes"
     d.mkdir()
     awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
+    kernels_line = "kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-packed, torch-reference]"
+    assert kernels_line in awq
     (d / "awq-cpu-only.yaml").write_text(
         awq.replace("scheme: awq-w4a16", "scheme: awq-cpu-only")
            .replace("quant_method: {one_of: [awq, awq_marlin], case: insensitive}", "quant_method: {equals: awq-cpu}")
-           .replace("kernels: [triton-fused-moe, triton-batched-moe, torch-reference]", "kernels: [torch-reference]"))
+           .replace(kernels_line, "kernels: [torch-reference]"))
     assert cli.main(["matrix", "--json", "--spec-dir", str(tmp_path)]) == 0
     rows = {r["scheme"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows["awq-cpu-only"]["cells"]["cuda:9.0"] == ["torch-reference"]
@@ -122,7 +130,8 @@ def test_list_schemes_json(capsys):
     registry = load_registry()
     assert [r["scheme"] for r in rows] == sorted(registry.schemes)
     by_name = {r["scheme"]: r for r in rows}
-    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "triton-batched-moe", "torch-reference"]
+    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "triton-batched-moe", "torch-cpu-packed",
+                                                "torch-reference"]
     assert by_name["gptq-w4a16"]["summary"] == registry.scheme("gptq-w4a16").summary
     for r in rows:
         assert Path(r["path"]).is_file() and Path(r["path"]).name == f"{r['scheme']}.yaml"
