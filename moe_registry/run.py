@@ -146,6 +146,11 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
 
     out = call()
     _sync(device)
+    bad = int((~torch.isfinite(out)).sum())
+    if bad:  # weights and inputs were checked finite: the dtype overflowed; write nothing
+        source = args.inputs or f"--tokens {args.tokens} (random)"
+        raise ConfigError(f"{source}: {bad} of {out.numel()} output values are NaN or infinite in {runtime.dtype} "
+                          "(the hidden states overflow it); nothing was written")
     times = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()

@@ -936,3 +936,16 @@ def test_fuzz_detection() -> None:
                 select(registry, situation_for_model(model, registry, Flags(platform="cpu")))
             except MoERegistryError:
                 pass
+
+
+def test_output_overflow_is_refused_not_written(capsys, tmp_path: Path) -> None:
+    """Finite float32 hidden states that overflow float16 give inf/NaN outputs: refused, nothing saved."""
+    d = make_model(tmp_path / "m")
+    path = _inputs(tmp_path, hidden_states=torch.full((2, HIDDEN), 1e30))
+    out_file = tmp_path / "out.safetensors"
+    code, _, err = cli(capsys, "run", str(d), "--layer", "0", "--inputs", path, "--dtype", "float16",
+                       "--repeat", "1", "--threads", "1", "--save-output", str(out_file))
+    assert code == 2, err
+    check_line(err[-1], r"error: {d}/in\.safetensors: \d+ of 64 output values are NaN or infinite in float16 "
+               r"\(the hidden states overflow it\); nothing was written", tmp_path)
+    assert not out_file.exists()
