@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -57,6 +58,7 @@ __all__ = [
     "TritonBatchedExperts",
 ]
 
+log = logging.getLogger("moe_registry")
 CONFIG_DIR = Path(__file__).parent / "configs"
 # GEMM1 leaves per-token int8 intermediates their amax in pieces (see _amax_pieces_shape): up to
 # this many tokens, and past them where act_quant would cut rows into more than this many chunks
@@ -234,14 +236,36 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     :func:`default_config`. Shapes and token counts nobody tuned get the defaults.
     """
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
-    table = _load_config_file(config_file(weight_key, activation_key, device_name))
-    by_tokens = (table or {}).get(shape_key(num_experts, top_k, n, k))
-    if by_tokens:
-        distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
-        nearest = min(distance, key=distance.__getitem__)
-        if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
-            config.update(by_tokens[nearest])
+    path = config_file(weight_key, activation_key, device_name)
+    table = _load_config_file(path)
+    shape = shape_key(num_experts, top_k, n, k)
+    by_tokens = (table or {}).get(shape)
+    if not by_tokens:
+        why = f"{path.name} has no {shape} table" if table else f"no tuned config file {path}"
+        _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
+        return config
+    distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
+    nearest = min(distance, key=distance.__getitem__)
+    if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
+        config.update(by_tokens[nearest])
+    else:
+        why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
+        _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
     return config
+
+
+_WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
+
+
+def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str) -> None:
+    """Say once per (device, keys, shape) that a GEMM runs on untuned tiles (as vLLM's "Using
+    default MoE config"): a shape nobody tuned is often several times slower than a tuned one."""
+    seen = (device_name, weight_key, activation_key, shape)
+    if seen in _WARNED_DEFAULT:
+        return
+    _WARNED_DEFAULT.add(seen)
+    log.warning("Using default MoE config for %s on %s (weight %s, activation %s): %s; performance might be "
+                "sub-optimal (tools/tune.py tunes it)", shape, device_name, weight_key, activation_key, why)
 
 
 _OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)

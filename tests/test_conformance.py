@@ -16,17 +16,60 @@ import torch
 from moe_registry.builder import DTYPES, experts_class
 from moe_registry.conformance import REALISTIC, SMALL, Case, Sizes, cases_for
 from moe_registry.experts import ExpertsConfig
+from moe_registry.keys import QuantKey
 from moe_registry.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.registry import load_registry
 
 REGISTRY = load_registry()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-CPU_CASES = cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["float32", "bfloat16"])
+CPU_KERNELS = [k for k in REGISTRY.kernels if any(p.device == "cpu" for p in REGISTRY.kernel(k).platforms)]
+CPU_CASES = cases_for(REGISTRY, kernels=CPU_KERNELS, dtypes=["float32", "bfloat16"])
 TRITON_KERNELS = [k for k in REGISTRY.kernels if REGISTRY.kernel(k).impl.startswith("moe_registry_kernels.triton")]
 INTERPRETER_CASES = cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["float16"]) if HAS_TRITON else []
 GPU_CASES = (cases_for(REGISTRY, kernels=TRITON_KERNELS, dtypes=["bfloat16", "float16"], sizes=REALISTIC)
              + cases_for(REGISTRY, kernels=["torch-reference"], dtypes=["bfloat16"],
                          sizes=Sizes(8, 2, 512, 256, (16,))))
+
+
+def _key_class(key: QuantKey) -> tuple:
+    """What of a key decides which code runs, not which values it sees: bits, float or integer,
+    scale shape kind (tensor, channel, group, block), dynamic or static, zero point."""
+    if not key.quantized or key.scale is None:
+        return ("unquantized",)
+    kind = str(key.scale.group).split("(")[0]
+    return (key.dtype.bits, key.dtype.is_float, kind, key.scale.dynamic, key.zero_point)
+
+
+def _code_paths(case: Case) -> tuple[tuple, tuple]:
+    """The kernel code a case runs, as two signatures. The weight path: kernel, both keys in full
+    (group sizes included: a group that is a whole number of K tiles takes Triton's factored dot),
+    act-order, activation format and dtype. The option path: what the case varies (activation,
+    bias, router weight on input, one token, top-k = E, experts without tokens, smallest sizes) on
+    the class of keys it meets (_key_class): the epilogue and routing code those touch."""
+    edge = ("one token" if case.tokens == 1 else "top_k=E" if case.top_k == case.num_experts
+            else "idle experts" if case.skip_experts
+            else "smallest" if min(case.hidden, case.intermediate) < 128 else "")
+    common = (case.kernel, case.act_order, case.activation_format, case.dtype)
+    weight = (*common, str(case.weight_key), str(case.activation_key))
+    option = (*common, _key_class(case.weight_key), _key_class(case.activation_key), case.activation, case.bias,
+              case.router_weight_on_input, edge)
+    return weight, option
+
+
+def _ci_or_slow(cases: list[Case]) -> list:
+    """The cases as parameters, those that add no code path marked slow (the rule of the `slow`
+    marker in pyproject.toml): CI runs the first case of each (scheme, kernel) pair and every case
+    with a weight path or an option path (_code_paths) no earlier case ran; the rest (the same keys
+    under another scheme's name, an option already run on the same class of keys) runs in
+    tools/run_slow_tests.sh."""
+    seen: set = set()
+    out = []
+    for case in cases:
+        weight, option = _code_paths(case)
+        mine = {(case.scheme, case.kernel), ("w", weight), ("o", option)}
+        out.append(pytest.param(case, id=case.id, marks=() if not mine <= seen else pytest.mark.slow))
+        seen |= mine
+    return out
 
 
 def _routing(case: Case, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,14 +108,14 @@ def run_case(case: Case, device: torch.device) -> float:
     return float((out.cpu().double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=[c.id for c in CPU_CASES])
+@pytest.mark.parametrize("case", _ci_or_slow(CPU_CASES))
 def test_reference_kernel_conforms(case: Case) -> None:
     err = run_case(case, torch.device("cpu"))
     assert err <= case.tolerance, f"{case.id}: relative error {err:.3e} > {case.tolerance:.1e}"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("case", INTERPRETER_CASES, ids=[c.id for c in INTERPRETER_CASES])
+@pytest.mark.parametrize("case", _ci_or_slow(INTERPRETER_CASES))
 def test_triton_kernel_conforms_in_interpreter(case: Case) -> None:
     if torch.cuda.is_available():
         pytest.skip("the interpreter run is for machines without a GPU; use -m gpu")
@@ -92,6 +135,16 @@ def test_every_scheme_has_cases() -> None:
     schemes = {c.scheme for c in CPU_CASES}
     assert schemes == set(REGISTRY.schemes)
     assert len(SMALL.tokens) >= 1 and len(CPU_CASES) > 3 * len(REGISTRY.schemes)
+
+
+@pytest.mark.parametrize("cases", [CPU_CASES, INTERPRETER_CASES], ids=["cpu", "interpreter"])
+def test_ci_runs_every_pair_and_code_path(cases: list[Case]) -> None:
+    """What the `slow` marker leaves to tools/run_slow_tests.sh loses no coverage: the cases CI
+    runs hold every (scheme, kernel) pair and every weight and option path of all the cases."""
+    ci = [p.values[0] for p in _ci_or_slow(cases) if not p.marks]
+    assert {(c.scheme, c.kernel) for c in ci} == {(c.scheme, c.kernel) for c in cases}
+    for which in (0, 1):
+        assert {_code_paths(c)[which] for c in ci} == {_code_paths(c)[which] for c in cases}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +187,33 @@ def _tuned_config_cases(cases: list[Case]) -> list[tuple[str, Case, dict, dict]]
 TUNED_CPU = _tuned_config_cases(INTERPRETER_CASES) if HAS_TRITON else []
 
 
+def _tuned_ci_or_slow(tuned: list[tuple[str, Case, dict, dict]]) -> list:
+    """Per shipped file, CI runs the first pair of tile configs for each kernel code path they
+    choose: swapped operands or not (each GEMM), split-K or not (GEMM2), BLOCK_M <= 32 and K tiles
+    that divide the weight group (what the factored dot needs); the other pairs (the same code
+    with other block sizes) are slow. Every pair runs on a GPU (test_tuned_configs_conform_on_gpu)."""
+    def path(config: dict, group: int) -> tuple:
+        return (bool(config.get("SWAP_AB")), config.get("SPLIT_K", 1) > 1, config["BLOCK_M"] <= 32,
+                group > 0 and group % config["BLOCK_K"] == 0)
+
+    seen: set = set()
+    out = []
+    for t in tuned:
+        name, case, config1, config2 = t
+        group = case.weight_key.scale.group.cols if case.weight_key.quantized else 0
+        key = (name.rsplit("-", 1)[0], path(config1, group), path(config2, group))
+        out.append(pytest.param(t, id=name, marks=() if key not in seen else pytest.mark.slow))
+        seen.add(key)
+    return out
+
+
+def test_ci_runs_a_tuned_pair_of_every_shipped_file() -> None:
+    every = {t[0].rsplit("-", 1)[0] for t in TUNED_CPU}
+    assert {p.id.rsplit("-", 1)[0] for p in _tuned_ci_or_slow(TUNED_CPU) if not p.marks} == every
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("tuned", TUNED_CPU, ids=[t[0] for t in TUNED_CPU])
+@pytest.mark.parametrize("tuned", _tuned_ci_or_slow(TUNED_CPU))
 def test_tuned_configs_conform_in_interpreter(tuned) -> None:
     from moe_registry_kernels.triton_moe import config_override
 

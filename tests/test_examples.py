@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +82,9 @@ def test_every_example_is_covered() -> None:
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("examples")
-    return {name: make_examples.make_example(name, out) for name in make_examples.EXAMPLES}
+def written(example: Callable[[str], Path]) -> dict[str, Path]:
+    """Every example, from the session's (tests/conftest.py): written once for all test files."""
+    return {name: example(name) for name in make_examples.EXAMPLES}
 
 
 def load(path: Path) -> dict[str, torch.Tensor]:
@@ -207,3 +208,25 @@ def test_rewriting_replaces_earlier_files_and_cli(tmp_path: Path, capsys: pytest
     assert "qwen2-gptq-int8" in capsys.readouterr().out
     with pytest.raises(ValueError, match="unknown example 'nope'; known: mixtral-awq"):
         make_examples.make_example("nope", tmp_path)
+
+
+def test_a_failed_write_leaves_no_partial_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_file failing (as it does without numpy) leaves no empty or half-written directory, and
+    an example an earlier run wrote stays as it was."""
+
+    def broken_save(*args: object, **kwargs: object) -> None:
+        raise ModuleNotFoundError("No module named 'numpy'")
+
+    monkeypatch.setattr(make_examples, "save_file", broken_save)
+    with pytest.raises(ModuleNotFoundError, match="numpy"):
+        make_examples.make_example("mixtral-awq", tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+    monkeypatch.undo()
+    earlier = make_examples.make_example("mixtral-awq", tmp_path)
+    files = {f.name: f.read_bytes() for f in earlier.iterdir()}
+    monkeypatch.setattr(make_examples, "save_file", broken_save)
+    with pytest.raises(ModuleNotFoundError):
+        make_examples.make_example("mixtral-awq", tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["mixtral-awq"]
+    assert {f.name: f.read_bytes() for f in earlier.iterdir()} == files

@@ -176,10 +176,14 @@ SPLIT_GEMM2 = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_split_k(scheme):
-    """Bias added once, router weight and every scale applied per piece: the pieces sum to the layer."""
+def test_split_k(scheme, monkeypatch):
+    """Bias added once, router weight and every scale applied per piece: the pieces sum to the layer.
+    The launches are watched: GEMM1 runs whole, GEMM2 over a grid of two K pieces."""
+    launched = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", _Spy(triton_moe._fused_moe_kernel, launched))
     with triton_moe.config_override(gemm2=SPLIT_GEMM2):
         _check_layer(scheme, 7, top_k=2, seed=11)
+    assert [grid[2] for grid in launched] == [1, 2], f"{scheme}: launch grids {launched}"
 
 
 SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
@@ -441,6 +445,40 @@ def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, mo
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU")["BLOCK_N"] == 64
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")["BLOCK_N"] == 64
         assert get_config(2, 2, 16, 2 * INTER, H, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 64
+    finally:
+        triton_moe._load_config_file.cache_clear()
+
+
+def test_untuned_shape_warns_once_per_device_keys_and_shape(tmp_path, monkeypatch, caplog):
+    """A GEMM that falls back to the default tiles says so once (like vLLM's "Using default MoE
+    config") on the "moe_registry" logger: no file for the device, no table for the shape, or no
+    entry near the token count; a tuned one says nothing."""
+    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(triton_moe, "_WARNED_DEFAULT", set())
+    triton_moe._load_config_file.cache_clear()
+    tuned = shape_key(8, 2, 2 * INTER, H)
+    config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps({tuned: {"1": {"BLOCK_N": 32}}}))
+    caplog.set_level("WARNING", logger="moe_registry")
+
+    def warned(*args):
+        caplog.clear()
+        get_config(*args)
+        return [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
+
+    try:
+        assert warned(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU") == []
+        [(name, level, message)] = warned(512, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU")
+        assert name == "moe_registry" and level == "WARNING"
+        assert message.startswith(f"Using default MoE config for {tuned} on Test GPU")
+        assert "tuned at 1 tokens, none near 512" in message
+        assert warned(4096, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU") == []  # once per shape
+        [(_, _, message)] = warned(2, 2, 16, 2 * INTER, H, AWQ, UNQ, "Test GPU")
+        assert f"has no {shape_key(16, 2, 2 * INTER, H)} table" in message
+        [(_, _, message)] = warned(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")
+        assert "on Other GPU" in message and "no tuned config file" in message
+        [(_, _, message)] = warned(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU")
+        assert INT8_TOKEN in message
+        assert warned(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU") == []
     finally:
         triton_moe._load_config_file.cache_clear()
 

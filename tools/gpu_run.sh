@@ -2,6 +2,7 @@
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
 #   bash tools/gpu_run.sh tests          # conformance + CUDA-graph tests
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
+#   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,9 +35,10 @@ for key in sorted(count):
 PY
          exit $rc ;;
   bench) python3 tools/bench.py --out "$out" "$@" ;;
+  decode) python3 tools/bench_decode.py "$@" | tee "$out/bench_decode.txt"; exit "${PIPESTATUS[0]}" ;;
   tune) python3 tools/tune.py "$@"
         rc=$?
         mkdir -p "$out/configs" && cp kernels/configs/*.json "$out/configs/" 2>/dev/null
         exit $rc ;;
-  *) echo "usage: $0 tests|bench|tune" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|decode|tune" >&2; exit 2 ;;
 esac

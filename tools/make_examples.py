@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import zlib
 from collections.abc import Callable, Mapping
@@ -332,22 +334,37 @@ def layer_tensors(ex: Example, layer: int, gen: torch.Generator) -> dict[str, to
     return out
 
 
-_OWN_FILES = ("config.json", "hf_quant_config.json", "model.safetensors", "model.safetensors.index.json")
-
-
 def make_example(name: str, out_dir: Path | str = DEFAULT_OUT) -> Path:
-    """Write example ``name`` to ``out_dir/name`` (replacing files an earlier run wrote) and return
-    that directory."""
+    """Write example ``name`` to ``out_dir/name`` (replacing what an earlier run wrote there) and
+    return that directory. The files are written into a hidden sibling directory that is renamed
+    into place at the end, so a run that fails (no numpy for ``save_file``, a full disk) leaves the
+    earlier example or nothing, never an empty or half-written directory."""
     try:
         ex = _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown example {name!r}; known: {', '.join(EXAMPLES)}") from None
-    target = Path(out_dir) / name
-    target.mkdir(parents=True, exist_ok=True)
-    for old in [*(target / f for f in _OWN_FILES), *target.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / name
+    work, old = out_dir / f".{name}.partial-{os.getpid()}", out_dir / f".{name}.old-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        _write_example(ex, work)
+        if target.exists():
+            target.rename(old)
+        work.rename(target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        if old.exists() and not target.exists():
+            old.rename(target)  # put the earlier example back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return target
 
-    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+def _write_example(ex: Example, target: Path) -> None:
+    gen = torch.Generator().manual_seed(zlib.crc32(ex.name.encode()))
     layers = [layer_tensors(ex, layer, gen) for layer in range(LAYERS)]
     if ex.shards == 1:
         save_file({k: v for t in layers for k, v in t.items()}, target / "model.safetensors", metadata={"format": "pt"})
@@ -356,7 +373,6 @@ def make_example(name: str, out_dir: Path | str = DEFAULT_OUT) -> Path:
     _write_json(target / "config.json", ex.config)
     for filename, content in ex.extra_files.items():
         _write_json(target / filename, content)
-    return target
 
 
 def _save_sharded(layers: list[dict[str, torch.Tensor]], shards: int, target: Path) -> None:
