@@ -83,18 +83,31 @@ def open_checkpoint(model_dir: Path) -> CheckpointIndex:
 
 @dataclass(frozen=True)
 class FusedNames:
-    """Full names of a fused family's 3-D expert tensors in one layer, with how to read them."""
+    """Full names of a fused family's stacked expert tensors in one layer, with how to read them.
+    Gate and up are one ``gate_up`` tensor or two, ``gate`` and ``up``."""
 
-    gate_up: str
+    gate_up: str | None
     down: str
     gate_up_bias: str | None
     down_bias: str | None
     layouts: tuple[tuple[str, ...], ...]
     gate_up_order: str
+    gate: str | None = None
+    up: str | None = None
+    down_layout: tuple[str, ...] | None = None
 
     def of(self, what: str) -> str | None:
-        """'gate_up', 'down', 'gate_up_bias' or 'down_bias' -> full name (None: not named)."""
+        """'gate_up', 'gate', 'up', 'down', 'gate_up_bias' or 'down_bias' -> full name (None: not named)."""
         return getattr(self, what)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Which weight tensors this layer has: ('gate_up', 'down') or ('gate', 'up', 'down')."""
+        return ("gate_up", "down") if self.gate_up is not None else ("gate", "up", "down")
+
+    def holder(self, role: str) -> str:
+        """The part holding ``role`` ('gate', 'up' or 'down')."""
+        return role if role in self.parts else "gate_up"
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,7 @@ class LayerNames:
 
     def projection(self, family: ModelFamilySpec, expert: int, role: str) -> str:
         if self.fused is not None:
-            return f"{self.fused.gate_up if role in ('gate', 'up') else self.fused.down}[{expert}]"
+            return f"{self.fused.of(self.fused.holder(role))}[{expert}]"
         assert self.expert_prefix is not None and family.naming.projections is not None
         return f"{self.expert_prefix.format(expert=expert)}.{family.naming.projections[role]}"  # type: ignore[index]
 
@@ -118,7 +131,7 @@ class LayerNames:
         """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
         if self.fused is None:
             return f"{self.projection(family, expert, role)}.{tensor}"
-        fused = "gate_up" if role in ("gate", "up") else "down"
+        fused = self.fused.holder(role)
         name = self.fused.of(f"{fused}_bias" if tensor == "bias" else fused)
         return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
@@ -129,9 +142,11 @@ def layer_names(family: ModelFamilySpec, layer: int) -> LayerNames:
     fused = None
     if n.fused is not None:
         f = n.fused
-        fused = FusedNames(f"{prefix}.{f.gate_up}", f"{prefix}.{f.down}",
-                           f"{prefix}.{f.gate_up_bias}" if f.gate_up_bias else None,
-                           f"{prefix}.{f.down_bias}" if f.down_bias else None, f.layouts, f.gate_up_order)
+        def full(name: str | None) -> str | None:
+            return f"{prefix}.{name}" if name else None
+
+        fused = FusedNames(full(f.gate_up), f"{prefix}.{f.down}", full(f.gate_up_bias), full(f.down_bias),
+                           f.layouts, f.gate_up_order, full(f.gate), full(f.up), f.down_layout)
     return LayerNames(f"{prefix}.{n.router}.weight",
                       f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
                       f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias")
@@ -172,7 +187,8 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
     """Check then load every expert tensor of ``layer`` (and its router)."""
     names = layer_names(family, layer)
-    if names.fused is not None and (names.expert_prefix is None or names.fused.gate_up in index.tensors):
+    if names.fused is not None and (names.expert_prefix is None
+                                    or names.fused.of(names.fused.parts[0]) in index.tensors):
         experts, has_bias = _read_fused(index, names, layer, scheme, shape)
         return _with_router(index, names, shape, experts, has_bias)
     names = replace(names, fused=None)  # per expert (a family naming both: this checkpoint's way)
@@ -258,25 +274,28 @@ def _per_expert(index: CheckpointIndex, name: str | None, shape: MoEShape) -> to
 
 def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec,
                 shape: MoEShape) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
-    """Per-expert [out, in] views of a fused family's 3-D tensors, shapes and dtypes checked first.
+    """Per-expert [out, in] views of a fused family's stacked tensors, shapes and dtypes checked first.
 
     The fused tensors are the scheme's one ``weight`` tensor for every expert at once, so only
     schemes that declare exactly that per projection are read this way. With several declared
-    layouts, the first that both tensors' shapes fit is used."""
+    layouts, the first that every tensor's shape fits is used."""
     assert names.fused is not None
     fused = names.fused
+    parts = fused.parts
     declared = scheme.checkpoint.tensors
     if set(declared) != {"weight"}:
-        raise CheckpointError(f"{fused.gate_up}: layer {layer} stores its experts fused as 3-D tensors; scheme "
-                              f"{scheme.scheme} declares per-expert tensors {', '.join(sorted(declared))} "
+        raise CheckpointError(f"{fused.of(parts[0])}: layer {layer} stores its experts fused as stacked tensors; "
+                              f"scheme {scheme.scheme} declares per-expert tensors {', '.join(sorted(declared))} "
                               "(fused experts are read for schemes with one 'weight' tensor per projection)")
     spec = declared["weight"]
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-    dims = {"gate_up": {"E": e, "in": h, "out": 2 * i}, "down": {"E": e, "in": i, "out": h}}
-    why = {"gate_up": {"E": "experts", "in": "hidden", "out": f"2 x intermediate {i}"},
-           "down": {"E": "experts", "in": "intermediate", "out": "hidden"}}
+    gate_up = {"in": h, "out": 2 * i}
+    one = {"in": h, "out": i}
+    dims = {"gate_up": gate_up, "gate": one, "up": one, "down": {"in": i, "out": h}}
+    why = {"gate_up": {"in": "hidden", "out": f"2 x intermediate {i}"}, "gate": {"in": "hidden", "out": "intermediate"},
+           "up": {"in": "hidden", "out": "intermediate"}, "down": {"in": "intermediate", "out": "hidden"}}
     infos = {}
-    for what in ("gate_up", "down"):
+    for what in parts:
         name = fused.of(what)
         assert name is not None
         if name not in index.tensors:
@@ -288,19 +307,30 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
         if infos[what].dtype not in spec.dtypes:
             raise CheckpointError(f"{name}: dtype {infos[what].dtype}; expected {' or '.join(spec.dtypes)}")
 
-    def wanted(what: str, layout: tuple[str, ...]) -> tuple[int, ...]:
-        return tuple(dims[what][d] for d in layout)
+    def order(what: str, layout: tuple[str, ...]) -> tuple[str, ...]:
+        return fused.down_layout if what == "down" and fused.down_layout is not None else layout
 
-    layout = next((lay for lay in fused.layouts
-                   if all(infos[w].shape == wanted(w, lay) for w in ("gate_up", "down"))), None)
+    def size(what: str, d: str) -> int:
+        return e * dims[what][d[2:]] if d.startswith("E*") else e if d == "E" else dims[what][d]
+
+    def wanted(what: str, layout: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(size(what, d) for d in order(what, layout))
+
+    def meaning(what: str, d: str) -> str:
+        if d.startswith("E*"):
+            return f"experts {e} x {why[what][d[2:]]} {dims[what][d[2:]]}"
+        return "experts" if d == "E" else why[what][d]
+
+    layout = next((lay for lay in fused.layouts if all(infos[w].shape == wanted(w, lay) for w in parts)), None)
     if layout is None:
-        what = next(w for w in ("gate_up", "down") if infos[w].shape != wanted(w, fused.layouts[0]))
+        what = next(w for w in parts if infos[w].shape != wanted(w, fused.layouts[0]))
         options = " or ".join(
-            f"{list(wanted(what, lay))} ([{', '.join(lay)}] with "
-            f"{', '.join(f'{d}={dims[what][d]} ({why[what][d]})' for d in lay)})" for lay in fused.layouts)
+            f"{list(wanted(what, lay))} ([{', '.join(order(what, lay))}] with "
+            f"{', '.join(f'{d}={size(what, d)} ({meaning(what, d)})' for d in order(what, lay))})"
+            for lay in dict.fromkeys(order(what, lay) for lay in fused.layouts))
         raise CheckpointError(f"{fused.of(what)}: shape {list(infos[what].shape)}; expected {options}, "
-                              "from config.json and naming.fused.layout")
-    loaded = {what: index.load(fused.of(what)) for what in ("gate_up", "down")}  # type: ignore[arg-type]
+                              f"from config.json and naming.fused.{'down_layout' if order(what, ()) else 'layout'}")
+    loaded = {what: index.load(fused.of(what)) for what in parts}  # type: ignore[arg-type]
     for what in ("gate_up", "down"):
         bias_name = fused.of(f"{what}_bias")
         if bias_name and bias_name in index.tensors:
@@ -315,11 +345,10 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
         have, lack = ("gate_up_bias", "down_bias") if "gate_up_bias" in loaded else ("down_bias", "gate_up_bias")
         raise CheckpointError(f"{fused.of(lack) or 'naming.fused.' + lack}: missing while {fused.of(have)} exists; "
                               "expected a bias on both fused projections or on neither")
-    # To [E, out, in] (the nk order of one projection), then gate and up apart.
-    gate_up, down = loaded["gate_up"], loaded["down"]
-    if layout == ("E", "in", "out"):
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    gate, up = _split_gate_up(gate_up, i, fused.gate_up_order)
+    # Each to [E, out, in] (the nk order of one projection), then gate and up apart.
+    w = {what: _to_nk(loaded[what], order(what, layout), e) for what in parts}
+    gate, up = _split_gate_up(w["gate_up"], i, fused.gate_up_order) if "gate_up" in w else (w["gate"], w["up"])
+    down = w["down"]
     gate_b = up_b = down_b = None
     if "gate_up_bias" in loaded:
         gate_b, up_b = _split_gate_up(loaded["gate_up_bias"], i, fused.gate_up_order)
@@ -331,6 +360,14 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
     experts = tuple({"gate": role(gate, gate_b, x), "up": role(up, up_b, x), "down": role(down, down_b, x)}
                     for x in range(e))
     return experts, "gate_up_bias" in loaded
+
+
+def _to_nk(t: torch.Tensor, layout: tuple[str, ...], e: int) -> torch.Tensor:
+    """A stacked tensor in ``layout`` (shape already checked) as [E, out, in]."""
+    if layout[0].startswith("E*"):  # 2-D: expert e is rows [e*n, (e+1)*n)
+        t = t.reshape(e, t.shape[0] // e, t.shape[1])
+        layout = ("E", layout[0][2:], layout[1])
+    return t.transpose(1, 2) if layout == ("E", "in", "out") else t
 
 
 def _split_gate_up(t: torch.Tensor, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from moe_registry import guards
 from moe_registry.errors import ConfigError
+from moe_registry.match import _MISSING, check_field, get_path
 from moe_registry.registry import Registry
 from moe_registry.runtime import MoEShape
 from moe_registry.spec_models import FieldRef, ModelFamilySpec
@@ -248,7 +249,22 @@ def _not_runnable(roots: list[Mapping[str, Any]], family: ModelFamilySpec, shape
     if zero:
         out.append(f"{_int(zero, 'zero_experts', name)} zero-compute (identity) experts are routed beside the "
                    f"{shape.num_experts} experts; not run here")
+    out.extend(_requires(roots, family))
     return tuple(out)
+
+
+def _requires(roots: list[Mapping[str, Any]], family: ModelFamilySpec) -> list[str]:
+    """The family's ``requires`` tests that this config fails (the first root holding the field is tested;
+    absent everywhere, the rule's default is)."""
+    out = []
+    for field, rule in family.requires.items():
+        root = next((r for r in roots if any(get_path(r, n) is not _MISSING for n in (field, *rule.aliases))),
+                    roots[0])
+        check = check_field(root, field, rule)
+        if not check.passed:
+            out.append(f"{check.message}: the kernels here implement only that (requires.{field} in family "
+                       f"{family.family})")
+    return out
 
 
 _KERNEL_ACTIVATIONS = ("silu", "gelu", "swigluoai")

@@ -363,23 +363,41 @@ class MoELayers(Strict):
     per_layer: PerLayer | None = Field(default=None, description="a per-layer list marking the MoE layers")
 
 
-FusedDim = Literal["E", "in", "out"]
+FusedDim = Literal["E", "in", "out", "E*in", "E*out"]
+# The dimension orders a fused expert tensor may have: 3-D [E, ...] or 2-D with the experts stacked along rows.
+FUSED_LAYOUTS = (("E", "in", "out"), ("E", "out", "in"), ("E*out", "in"), ("E*in", "out"))
+
+
+def _check_layout(layout: tuple[str, ...], where: str) -> None:
+    if tuple(layout) not in FUSED_LAYOUTS:
+        wanted = " or ".join(f"[{', '.join(lay)}]" for lay in FUSED_LAYOUTS)
+        raise ValueError(f"{where} {list(layout)}: wanted {wanted}")
 
 
 class FusedExperts(Strict):
-    """Every expert of a layer in two 3-D tensors (gpt-oss, Llama 4 as transformers saves them), named
-    relative to ``naming.layer``. ``layout`` orders the dimensions of both: ``[E, in, out]`` is read as
+    """Every expert of a layer in a few stacked tensors (gpt-oss, Llama 4, DBRX as transformers saves them),
+    named relative to ``naming.layer``. ``layout`` orders the dimensions: ``[E, in, out]`` is read as
     ``x @ W[e]`` (gpt-oss, Llama 4), ``[E, out, in]`` as ``F.linear(x, W[e])`` (or a list of both,
-    tried in order, when producers disagree); for ``gate_up`` the
+    tried in order, when producers disagree); the 2-D forms ``[E*out, in]`` / ``[E*in, out]`` stack the
+    experts' rows (DBRX: expert e is rows [e*n, (e+1)*n)). Gate and up are one ``gate_up`` tensor whose
     ``out`` dimension is 2 x intermediate, gate and up either ``concatenated`` (gate first) or
-    ``interleaved`` (gate at even, up at odd positions: gpt-oss). Biases are [E, out] beside them."""
+    ``interleaved`` (gate at even, up at odd positions: gpt-oss), or two tensors ``gate`` and ``up``
+    (DBRX's w1 and v1). Biases are [E, out] beside a ``gate_up`` and ``down``."""
 
-    gate_up: str = Field(description="fused gate and up projections, [E, hidden, 2*intermediate] in layout order")
+    gate_up: str | None = Field(default=None, description=(
+        "fused gate and up projections, [E, hidden, 2*intermediate] in layout order"))
+    gate: str | None = Field(default=None, description="gate projection of every expert, when gate and up are "
+                             "stored apart (DBRX's w1); needs up, excludes gate_up")
+    up: str | None = Field(default=None, description="up projection of every expert beside gate (DBRX's v1)")
     down: str = Field(description="down projection of every expert, [E, intermediate, hidden] in layout order")
-    layout: list[tuple[FusedDim, FusedDim, FusedDim]] = Field(min_length=1, description=(
-        "dimension order of both tensors: [E, in, out] or [E, out, in]; a list of such orders accepts "
-        "each (the first that both tensors' shapes fit is used: producers disagree, e.g. the Hub's "
-        "Qwen3-VL-MoE [E, in, out] and transformers 5 save_pretrained's [E, out, in])"))
+    layout: list[tuple[FusedDim, ...]] = Field(min_length=1, description=(
+        "dimension order of the tensors: [E, in, out], [E, out, in], or 2-D with the experts stacked along "
+        "the rows, [E*out, in] or [E*in, out] (DBRX); a list of such orders accepts each (the first that "
+        "every tensor's shape fits is used: producers disagree, e.g. the Hub's Qwen3-VL-MoE [E, in, out] and "
+        "transformers 5 save_pretrained's [E, out, in])"))
+    down_layout: tuple[FusedDim, ...] | None = Field(default=None, description=(
+        "the down tensor's own dimension order when it differs from the gate/up tensors' (DBRX: w1/v1 "
+        "[E*out, in], w2 [E*in, out]); absent: down follows layout"))
     gate_up_order: Literal["concatenated", "interleaved"] = Field(
         default="concatenated", description="how gate and up share the out dimension of gate_up")
     gate_up_bias: str | None = Field(default=None, description="[E, 2*intermediate] bias, same gate/up order")
@@ -394,18 +412,38 @@ class FusedExperts(Strict):
 
     @field_validator("layout")
     @classmethod
-    def _layout(cls, layouts: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    def _layout(cls, layouts: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
         for layout in layouts:
-            if list(layout) not in (["E", "in", "out"], ["E", "out", "in"]):
-                raise ValueError(f"fused.layout {list(layout)}: wanted [E, in, out] or [E, out, in]")
+            _check_layout(layout, "fused.layout")
         if len(set(layouts)) != len(layouts):
             raise ValueError("fused.layout lists the same order twice")
         return layouts
+
+    @field_validator("down_layout")
+    @classmethod
+    def _down_layout(cls, layout: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if layout is not None:
+            _check_layout(layout, "fused.down_layout")
+        return layout
+
+    @model_validator(mode="after")
+    def _gate_up_or_apart(self) -> FusedExperts:
+        if (self.gate_up is None) == (self.gate is None and self.up is None) or (self.gate is None) != (
+                self.up is None):
+            raise ValueError("fused needs gate_up (gate and up in one tensor) or both gate and up, not both forms")
+        if self.gate_up is None and self.gate_up_bias is not None:
+            raise ValueError("fused.gate_up_bias needs fused.gate_up")
+        return self
 
     @property
     def layouts(self) -> tuple[tuple[str, ...], ...]:
         """The accepted dimension orders, in the order they are tried."""
         return tuple(tuple(lay) for lay in self.layout)
+
+    @property
+    def gate_up_names(self) -> tuple[str, ...]:
+        """The tensor(s) holding gate and up: (gate_up,) or (gate, up)."""
+        return (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)  # type: ignore[return-value]
 
 
 class Naming(Strict):
@@ -447,7 +485,7 @@ class Naming(Strict):
         prefix = self.layer.format(layer=layer)
         if self.expert is None or self.projections is None:
             assert self.fused is not None
-            return (f"{prefix}.{self.fused.gate_up}", f"{prefix}.{self.fused.down}")
+            return tuple(f"{prefix}.{t}" for t in (*self.fused.gate_up_names, self.fused.down))
         return tuple(f"{prefix}.{self.expert.format(expert=e)}.{self.projections[p]}"
                      for e in experts for p in ("gate", "up", "down"))
 
@@ -485,6 +523,11 @@ class ModelFamilySpec(Strict):
         "else max). renormalize may be a number p: the kept weights are divided by their p-norm (DBRX's "
         "moe_normalize_expert_weights); 1 is renormalising to sum 1, other p are not run here. "
         "router_weight_on_input: the router weight scales the expert's input, not its output (Llama 4; top-1)"))
+    requires: dict[str, FieldRule] = Field(default_factory=dict, description=(
+        "config.json fields (a dotted path, looked up in each config_root) whose value the modeling code "
+        "uses but the kernels here fix, each a detect-style test: e.g. gpt-oss's swiglu_limit: {equals: 7.0, "
+        "default: 7.0} (the swigluoai kernels clamp at 7). A config failing one is reported not runnable by "
+        "explain and refused by run, naming the field, the value seen and the value wanted"))
     naming: Naming
 
     @field_validator("fields")

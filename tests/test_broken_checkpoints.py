@@ -24,6 +24,7 @@ QWEN = "model.layers.1.mlp.experts"
 TINY = Path(__file__).parent / "fixtures" / "transformers" / "tiny"
 OSS = "model.layers.0.mlp.experts"
 L4 = "model.layers.0.feed_forward.experts"
+DBRX = "transformer.blocks.0.ffn.experts.mlp"
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,15 @@ CASES = [
          _set(f"{OSS}.gate_up_proj_bias", _poke(float("nan"), (2, 5))), layer=0),
     Case("router-bias-shape", "tiny:gpt_oss", ("model.layers.0.mlp.router.bias: shape [9]; expected [8]",),
          _add("model.layers.0.mlp.router.bias", torch.zeros(9)), layer=0),
+    # DBRX's 2-D stacked experts [E*I, H]: a short or transposed one names the tensor, the shape and the stacking.
+    Case("stacked-2d-rows", "tiny:dbrx",
+         (f"{DBRX}.v1: shape [120, 64]; expected [128, 64] ([E*out, in] with E*out=128 (experts 8 x "
+          "intermediate 16), in=64 (hidden))",),
+         _set(f"{DBRX}.v1", lambda x: x[:120].contiguous()), layer=0),
+    Case("stacked-2d-down-transposed", "tiny:dbrx",
+         (f"{DBRX}.w2: shape [64, 128]; expected [128, 64] ([E*in, out] with E*in=128 (experts 8 x intermediate "
+          "16), out=64 (hidden)), from config.json and naming.fused.down_layout",),
+         _set(f"{DBRX}.w2", lambda x: x.t().contiguous()), layer=0),
 ]
 
 

@@ -320,7 +320,9 @@ def test_text_lines_fit_in_100_columns_and_labels_align(capsys, tmp_path):
                            "--spec-dir", str(tmp_path / "user"))
     assert code == 1  # nothing matches any more
     lines = out.splitlines()
-    assert max(len(line) for line in lines) <= 100
+    # only a single unbreakable word (a long path: pytest-xdist's tmp dirs are long) may pass 100 columns
+    assert all(len(line) <= 100 or len(line.split()) == 1 for line in lines), lines
+    assert any(len(line) > 60 for line in lines)  # wrapping is not achieved by printing nothing
     head = lines[:lines.index("")]
     assert any(line.startswith("override  ") for line in head)
     assert len({len(re.match(r"^(\S*\s+)", line).group(1)) for line in head}) == 1, head  # one value column

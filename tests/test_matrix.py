@@ -49,8 +49,7 @@ def test_matrix_rows():
     w4a8 = rows["compressed-tensors-w4a8-int"]
     assert w4a8["activation"] == "int8 scale:float32:token:dynamic"
     # no Triton kernel takes int4 weights with int8 activations: the CPU packed kernel on cpu, else the reference
-    assert w4a8["cells"]["cpu"] == ["torch-cpu-packed", "torch-reference"]
-    assert all(cell == ["torch-reference"] for platform, cell in w4a8["cells"].items() if platform != "cpu")
+    assert all(cell == ["torch-reference"] for cell in w4a8["cells"].values())  # int8 activations: reference only
     # fp8-block128 lists the reference before the CPU packed kernel on purpose; the cell keeps that order
     assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-reference", "torch-cpu-packed"]
     for row in rows.values():

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import sys
 import tempfile
 import zlib
@@ -84,18 +85,85 @@ FAMILIES: dict[str, dict[str, Any]] = {
                                          linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"]),
                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
                                            out_hidden_size=64)),
+    "hunyuan_v1_moe": dict(intermediate_size=16, num_experts=8, moe_topk=2, head_dim=16),
+    "lfm2_moe": dict(intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                     num_dense_layers=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     layer_types=["conv", "full_attention"]),
+    "jetmoe": dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, kv_channels=16),
+    "mistral4": dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                     num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                     head_dim=8),
+    "dots1": dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                  num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                  routed_scaling_factor=2.0, norm_topk_prob=True, head_dim=16),
+    "kimi_linear": dict(intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_shared_experts=1,
+                        num_experts_per_token=2, num_expert_group=2, topk_group=1, routed_scaling_factor=2.0,
+                        moe_renormalize=True, mlp_layer_types=["dense", "sparse"],
+                        layer_types=["linear_attention", "full_attention"], kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16,
+                        linear_num_heads=4, head_dim=8, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    "glm4_moe_lite": dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                          num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"],
+                          routed_scaling_factor=1.8, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=32,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "deepseek_v32": dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                         num_experts_per_tok=2, n_group=2, topk_group=1, mlp_layer_types=["dense", "sparse"],
+                         routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=32,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, index_topk=8,
+                         index_head_dim=16, index_n_heads=2),
+    "mimo_v2_flash": dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                          n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True, head_dim=16,
+                          v_head_dim=16, mlp_layer_types=["dense", "sparse"],
+                          layer_types=["full_attention", "sliding_attention"]),
+    "solar_open": dict(moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                       n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True, head_dim=16),
+    "flex_olmo": dict(intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                      pad_token_id=None, eos_token_id=None),
+    # Step-3.5 (model_type step3p5) has no auto model class in 5.23; its multimodal Step-3.7 wraps the same decoder.
+    "step3p7": dict(text_config=dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                                     num_experts_per_tok=2, share_expert_dim=32, mlp_layer_types=["dense", "sparse"],
+                                     moe_router_scaling_factor=1.5, layer_types=["full_attention", "sliding_attention"],
+                                     head_dim=16, num_sliding_attention_heads=4),
+                    vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=28, patch_size=14),
+                    image_token_id=100),
+    "qwen3_next": dict(intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, linear_key_head_dim=16,
+                       linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                       layer_types=["linear_attention", "full_attention"]),
+    "glm4v_moe": dict(text_config=dict(intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8,
+                                       n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                       first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                                       head_dim=16),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                         out_hidden_size=64)),
+    # DBRX names its sizes its own way (d_model, n_layers, ffn_config): COMMON is not passed.
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128, tie_word_embeddings=False,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0),  # 5.23's DbrxAttention reads rope_theta here
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=8, moe_top_k=2, moe_normalize_expert_weights=1.0)),
 }
+OWN_SIZES = ("dbrx",)  # families whose config takes no COMMON fields
+MODEL_CLASS = {"mistral4": "Mistral4ForCausalLM"}  # not in transformers' AutoModelForCausalLM mapping (5.23)
 # Saved tensors of the MoE layer that are not the router or the routed experts.
-NOT_ROUTED = ("attn", "norm", "shared")
+NOT_ROUTED = ("attn", "attention", "norm", "share")  # share: shared_expert(s), Step's share_expert
 
 
 def _first_moe_block(model: torch.nn.Module) -> tuple[int, str, torch.nn.Module]:
-    """(layer index, module path, block): the first decoder layer whose MLP holds an ``experts`` module."""
-    for name, _module in model.named_modules():
-        if name.endswith(".experts") and ".layers." in name:
+    """(layer index, module path, block): the first decoder layer whose MLP holds an ``experts`` module
+    (or, JetMoE, 3-D ``input_linear`` experts beside a ``router``); attention experts (JetMoE's MoA) are not ours."""
+    for name, module in model.named_modules():
+        stack = next((s for s in (".layers.", ".blocks.") if s in name), None)
+        if not stack or "attention" in name:
+            continue
+        if name.endswith(".experts"):
             block_name = name.rsplit(".", 1)[0]
-            layer = int(block_name.split(".layers.")[1].split(".")[0])
-            return layer, block_name, model.get_submodule(block_name)
+        elif hasattr(module, "input_linear") and hasattr(module, "router"):
+            block_name = name
+        else:
+            continue
+        layer = int(block_name.split(stack)[1].split(".")[0])
+        return layer, block_name, model.get_submodule(block_name)
     raise SystemExit("no MoE block with an 'experts' module found")
 
 
@@ -112,11 +180,12 @@ def _randomise(block: torch.nn.Module, gen: torch.Generator) -> None:
 
 
 def _zero_shared(block: torch.nn.Module) -> list[str]:
-    """Zero every shared-expert parameter: the block then returns its routed experts alone."""
+    """Zero every shared-expert parameter and the block's own output bias (JetMoE's ``mlp.bias``, added
+    once after the experts): the block then returns its routed experts alone."""
     zeroed = []
     with torch.no_grad():
         for name, p in block.named_parameters():
-            if "shared" in name:
+            if "shared" in name or name == "bias":
                 p.zero_()
                 zeroed.append(name)
     return zeroed
@@ -129,25 +198,46 @@ def _routing(block: torch.nn.Module, x: torch.Tensor, top_k: int) -> tuple[torch
     def experts_hook(_m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         seen["experts"] = (args, kwargs)
 
+    def experts_out_hook(_m: torch.nn.Module, _args: tuple, out: Any) -> None:
+        seen["experts_out"] = out[0] if isinstance(out, tuple) else out
+
     router = next((block.get_submodule(n) for n in ("gate", "router") if hasattr(block, n)), None)
 
     def router_hook(_m: torch.nn.Module, _args: tuple, out: Any) -> None:
         seen["router"] = out
 
-    h1 = block.experts.register_forward_pre_hook(experts_hook, with_kwargs=True)
+    experts = getattr(block, "experts", None)
+    h1 = experts.register_forward_pre_hook(experts_hook, with_kwargs=True) if experts is not None else None
     h2 = router.register_forward_hook(router_hook) if router is not None else None
+    h3 = experts.register_forward_hook(experts_out_hook) if experts is not None else None
     with torch.no_grad():
         out = block(x.unsqueeze(0))
-    h1.remove()
-    if h2:
-        h2.remove()
+    for h in (h1, h2, h3):
+        if h is not None:
+            h.remove()
     out = (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+    if "experts" not in seen:
+        # JetMoE: the router returns (slot order, token of each slot, gate of each slot, slots per expert, logits),
+        # slots sorted by expert; put each slot's expert and gate back at its (token, k) place.
+        order, _tokens, gates, per_expert, _logits = seen["router"]
+        expert_of_slot = torch.repeat_interleave(torch.arange(len(per_expert)), torch.tensor(per_expert))
+        ids = torch.empty_like(order)
+        weights = torch.empty(order.shape, dtype=torch.float32)
+        ids[order], weights[order] = expert_of_slot, gates.float()
+        return out, ids.reshape(x.shape[0], top_k), weights.reshape(x.shape[0], top_k)
     args, kwargs = seen["experts"]
     values = list(args[1:]) + list(kwargs.values())
     if len(values) >= 2:
         ids, weights = values[0], values[1]
         if ids.is_floating_point():
             ids, weights = weights, ids
+        # A block may scale the experts' output after them (Step-3.7's moe_router_scaling_factor): the
+        # weights that reach the output are the experts' weights times that factor.
+        routed = seen["experts_out"].reshape(x.shape).double()
+        scale = float((out.double() * routed).sum() / (routed * routed).sum())
+        if abs(scale - 1) > 1e-5:
+            assert torch.allclose(routed * scale, out.double(), rtol=1e-5, atol=1e-6), "not a scaled expert output"
+            weights = weights * scale
         return out, ids, weights.float()
     # The experts take pre-weighted inputs (Llama 4): the router returns dense scores and logits.
     scores, logits = seen["router"][:2]
@@ -163,12 +253,18 @@ def make(model_type: str, out_root: Path) -> dict[str, Any]:
     if multimodal:
         over["text_config"] = {**COMMON, **over["text_config"]}
         cfg = AutoConfig.for_model(model_type, **over)
+    elif model_type in OWN_SIZES:
+        cfg = AutoConfig.for_model(model_type, **over)
     else:
         cfg = AutoConfig.for_model(model_type, **COMMON, **over)
     auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    if model_type in MODEL_CLASS:
+        import transformers
+
+        auto = getattr(transformers, MODEL_CLASS[model_type])
     text = cfg.get_text_config()
     torch.manual_seed(SEED)
-    model = auto.from_config(cfg, dtype=torch.bfloat16)
+    model = (auto._from_config if model_type in MODEL_CLASS else auto.from_config)(cfg, dtype=torch.bfloat16)
     layer, block_name, block = _first_moe_block(model)
     seed = SEED + zlib.crc32(model_type.encode())  # per family: no two fixtures share their weights
     _randomise(block, torch.Generator().manual_seed(seed))
@@ -176,13 +272,15 @@ def make(model_type: str, out_root: Path) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        prefix = f"{block_name.split('.layers.')[0]}.layers.{layer}."
+        # The layer's saved names; save_pretrained may rename modules (Step-3.7: language_model.layers -> layers).
+        layer_re = re.compile(rf"^[\w.]*?\.(?:layers|blocks)\.{layer}\.")
         kept: dict[str, torch.Tensor] = {}
         files = sorted(Path(tmp).glob("*.safetensors"))
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
-                    if name.startswith(prefix) and not any(s in name for s in NOT_ROUTED):
+                    if layer_re.match(name) and "visual" not in name and "vision" not in name \
+                            and not any(s in name for s in NOT_ROUTED):
                         kept[name] = f.get_tensor(name)
         (out_dir / "config.json").write_text(Path(tmp, "config.json").read_text())
         save_file(kept, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -192,7 +290,8 @@ def make(model_type: str, out_root: Path) -> dict[str, Any]:
     _, _, ref_block = _first_moe_block(ref)
     zeroed = _zero_shared(ref_block)
     x = torch.randn(TOKENS, text.hidden_size, generator=torch.Generator().manual_seed(seed + 1)) * 2.0
-    top_k = getattr(text, "num_experts_per_tok", None) or text.moe_k
+    top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token")
+                  if getattr(text, k, None)), None)
     out, ids, weights = _routing(ref_block, x, top_k)
     save_file({"hidden_states": x.contiguous(), "output": out.contiguous(), "topk_ids": ids.contiguous(),
                "topk_weights": weights.contiguous()}, str(out_dir / "io.safetensors"), metadata={"format": "pt"})
@@ -223,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "seed": f"{SEED} + crc32(model_type)",
         "output": "the model's first MoE block, reloaded with from_pretrained in float32, shared-expert "
                   "parameters zeroed (routed experts only); topk_ids/topk_weights are the inputs transformers "
-                  "passed to its experts module (Llama 4: top-k of the router logits, weights from its scores)",
+                  "passed to its experts module (Llama 4: top-k of the router logits, weights from its scores; "
+                  "JetMoE: put back from its router's expert-sorted slots; times a factor the block applies after "
+                  "its experts, Step-3.7); JetMoE's output bias is zeroed too",
         "families": {**old.get("families", {}), **made},
     }
     versions_path.write_text(json.dumps(versions, indent=2) + "\n")
