@@ -7,6 +7,7 @@ import torch (explain stays fast): it asks ``nvidia-smi`` / ``rocm-smi`` when pr
 
 from __future__ import annotations
 
+import difflib
 import re
 import shutil
 import subprocess
@@ -147,7 +148,10 @@ def parse_runtime_file(data: Any, path: str) -> RuntimeFile:
     except ValidationError as err:
         e = err.errors()[0]
         where = ".".join(str(p) for p in e["loc"])
-        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(e["loc"][-1]), list(RuntimeFile.model_fields), n=1, cutoff=0.6)
+            msg = "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
         raise ConfigError(f"{path}: {where}: {msg}") from None
 
 

@@ -640,6 +640,7 @@ def test_runtime_yaml_with_shape_and_quant_config(registry, tmp_path):
 
 @pytest.mark.parametrize("body,message", [
     ("platform: cpu\ncolour: red\n", "runtime.yaml: colour: unknown field"),
+    ("platfrom: cpu\n", "runtime.yaml: platfrom: unknown field (did you mean 'platform'?)"),
     ("platform: cpu\ntp: 0\n", "runtime.yaml: tp: Input should be greater than or equal to 1"),
     ("platform: cpu\nnum_experts: 8\n", "runtime.yaml: give all of num_experts, top_k, hidden, intermediate"),
     ("- cpu\n", "runtime.yaml: a runtime file must be a mapping"),
