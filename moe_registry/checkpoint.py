@@ -113,19 +113,22 @@ class FusedNames:
 @dataclass(frozen=True)
 class LayerNames:
     """Full checkpoint names of one MoE layer's pieces. ``expert_prefix`` (with {expert}) names
-    per-expert tensors; ``fused`` the 3-D tensors of a fused family (whichever this checkpoint holds)."""
+    per-expert tensors, ``projections`` their gate/up/down modules (None: the family's primary naming);
+    ``fused`` the 3-D tensors of a fused family (whichever this checkpoint holds)."""
 
     router: str
     correction_bias: str | None
     expert_prefix: str | None  # with {expert}
     fused: FusedNames | None = None
     router_bias: str | None = None
+    projections: Mapping[str, str] | None = None
 
     def projection(self, family: ModelFamilySpec, expert: int, role: str) -> str:
         if self.fused is not None:
             return f"{self.fused.of(self.fused.holder(role))}[{expert}]"
-        assert self.expert_prefix is not None and family.naming.projections is not None
-        return f"{self.expert_prefix.format(expert=expert)}.{family.naming.projections[role]}"  # type: ignore[index]
+        projections = self.projections if self.projections is not None else family.naming.projections
+        assert self.expert_prefix is not None and projections is not None
+        return f"{self.expert_prefix.format(expert=expert)}.{projections[role]}"  # type: ignore[index]
 
     def tensor(self, family: ModelFamilySpec, expert: int, role: str, tensor: str) -> str:
         """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
@@ -136,7 +139,10 @@ class LayerNames:
         return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
 
-def layer_names(family: ModelFamilySpec, layer: int) -> LayerNames:
+def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex | None = None) -> LayerNames:
+    """The names of ``layer``'s pieces; with ``index``, under the per-expert naming this checkpoint uses
+    (the primary one or one of ``naming.alternatives``: the first whose first expert or router it holds).
+    A layer it holds under none of them is a CheckpointError naming what was looked for under each."""
     n = family.naming
     prefix = n.layer.format(layer=layer)
     fused = None
@@ -147,9 +153,29 @@ def layer_names(family: ModelFamilySpec, layer: int) -> LayerNames:
 
         fused = FusedNames(full(f.gate_up), f"{prefix}.{f.down}", full(f.gate_up_bias), full(f.down_bias),
                            f.layouts, f.gate_up_order, full(f.gate), full(f.up), f.down_layout)
-    return LayerNames(f"{prefix}.{n.router}.weight",
-                      f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
-                      f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias")
+    primary = LayerNames(f"{prefix}.{n.router}.weight",
+                         f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
+                         f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias")
+    if index is None or not n.alternatives:
+        return primary
+    if fused is not None and (fused.of(fused.parts[0]) in index.tensors):
+        return primary
+    candidates: list[tuple[str, LayerNames]] = []
+    if n.expert is not None and n.projections is not None:
+        candidates.append(("naming", replace(primary, fused=None, projections=dict(n.projections))))
+    for i, alt in enumerate(n.alternatives):
+        candidates.append((f"naming.alternatives[{i}]", LayerNames(
+            f"{prefix}.{alt.router}.weight", primary.correction_bias, f"{prefix}.{alt.expert}", None,
+            f"{prefix}.{alt.router}.bias", dict(alt.projections))))
+    for _, names in candidates:
+        assert names.expert_prefix is not None and names.projections is not None
+        first = tuple(f"{names.expert_prefix.format(expert=0)}.{p}." for p in names.projections.values())
+        if names.router in index.tensors or any(t.startswith(first) for t in index.tensors):
+            return names
+    looked = "; ".join(f"{where}: {c.expert_prefix.format(expert='N')}.{{{','.join(c.projections.values())}}}.* "  # type: ignore[union-attr]
+                       f"or {c.router}" for where, c in candidates)
+    raise CheckpointError(f"layer {layer}: no expert tensors or router under any naming of family {family.family} "
+                          f"in {index.root} ({looked}; is layer {layer} a MoE layer?)")
 
 
 @dataclass(frozen=True)
@@ -186,13 +212,14 @@ def _check_tensor(name: str, info: TensorInfo, spec: TensorSpec, values: dict[st
 def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, scheme: SchemeSpec,
                bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
     """Check then load every expert tensor of ``layer`` (and its router)."""
-    names = layer_names(family, layer)
+    names = layer_names(family, layer, index)
     if names.fused is not None and (names.expert_prefix is None
                                     or names.fused.of(names.fused.parts[0]) in index.tensors):
         experts, has_bias = _read_fused(index, names, layer, scheme, shape)
         return _with_router(index, names, shape, experts, has_bias)
     names = replace(names, fused=None)  # per expert (a family naming both: this checkpoint's way)
-    assert names.expert_prefix is not None and family.naming.projections is not None
+    projections = names.projections if names.projections is not None else family.naming.projections
+    assert names.expert_prefix is not None and projections is not None
     declared = {**scheme.checkpoint.tensors, "bias": BIAS_SPEC}
     expert_re = re.compile(re.escape(names.expert_prefix).replace(r"\{expert\}", r"([^.]+)") + r"\.(.+)$")
     by_projection: dict[tuple[int, str], set[str]] = {}
@@ -216,7 +243,7 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
         roles: dict[str, dict[str, str]] = {}
         for role in ROLES:
             prefix = names.projection(family, e, role)
-            present = by_projection.get((e, family.naming.projections[role]), set())  # type: ignore[index]
+            present = by_projection.get((e, projections[role]), set())  # type: ignore[index]
             unexpected = sorted(present - set(declared))
             if unexpected:
                 raise CheckpointError(f"{prefix}.{unexpected[0]}: unexpected tensor for scheme {scheme.scheme} "

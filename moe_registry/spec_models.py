@@ -446,6 +446,25 @@ class FusedExperts(Strict):
         return (self.gate_up,) if self.gate_up is not None else (self.gate, self.up)  # type: ignore[return-value]
 
 
+class ExpertNaming(Strict):
+    """Another producer's names for a per-expert layer (router, expert prefix, projections), under the
+    same ``naming.layer``; e.g. GPTQModel's ``mlp.experts.{expert}.gate_proj`` for Mixtral."""
+
+    router: str = Field(description="the router module, relative to naming.layer (its weight is <router>.weight)")
+    expert: str = Field(description="one expert's module, relative to naming.layer, with {expert}")
+    projections: dict[Literal["gate", "up", "down"], str] = Field(
+        description="the gate, up and down projections' module names under the expert")
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> ExpertNaming:
+        check_template(self.expert, ("expert",), "naming.alternatives[].expert")
+        if "{expert}" not in self.expert:
+            raise ValueError("naming.alternatives[].expert must contain {expert}")
+        if set(self.projections) != {"gate", "up", "down"}:
+            raise ValueError("naming.alternatives[].projections needs gate, up and down")
+        return self
+
+
 class Naming(Strict):
     """How checkpoints name a MoE layer's tensors; ``{layer}`` and ``{expert}`` are filled in.
 
@@ -459,6 +478,11 @@ class Naming(Strict):
     expert: str | None = None
     projections: dict[Literal["gate", "up", "down"], str] | None = None
     fused: FusedExperts | None = None
+    alternatives: list[ExpertNaming] = Field(default_factory=list, description=(
+        "other producers' per-expert names for the same layer (router, expert, projections), tried in order "
+        "after expert + projections: the checkpoint decides, by the first naming whose first expert's "
+        "tensors or router it holds. Scope rules in a quantization config (ignore, dynamic) are matched "
+        "against the primary naming's module names only"))
 
     @model_validator(mode="after")
     def _placeholders(self) -> Naming:

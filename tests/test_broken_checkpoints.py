@@ -25,6 +25,17 @@ TINY = Path(__file__).parent / "fixtures" / "transformers" / "tiny"
 OSS = "model.layers.0.mlp.experts"
 L4 = "model.layers.0.feed_forward.experts"
 DBRX = "transformer.blocks.0.ffn.experts.mlp"
+MIX = "model.layers.0.block_sparse_moe"
+
+
+def _rename(old: str, new: str, projections: dict[str, str] | None = None) -> Callable[[Tensors], None]:
+    """Every tensor under ``old`` moved under ``new`` (projection module names mapped by ``projections``)."""
+    def apply(t: Tensors) -> None:
+        for name in [n for n in t if n.startswith(old + ".")]:
+            parts = name[len(old):].split(".")
+            parts = [(projections or {}).get(p, p) for p in parts]
+            t[new + ".".join(parts)] = t.pop(name)
+    return apply
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,14 @@ CASES = [
          _set(f"{OSS}.gate_up_proj_bias", _poke(float("nan"), (2, 5))), layer=0),
     Case("router-bias-shape", "tiny:gpt_oss", ("model.layers.0.mlp.router.bias: shape [9]; expected [8]",),
          _add("model.layers.0.mlp.router.bias", torch.zeros(9)), layer=0),
+    # A Mixtral layer under neither the transformers naming nor GPTQModel's (naming.alternatives): one line
+    # naming what was looked for under each naming.
+    Case("mixtral-no-naming-holds-the-layer", "tiny:mixtral",
+         ("layer 0: no expert tensors or router under any naming of family mixtral",
+          f"naming: {MIX}.experts.N.{{w1,w3,w2}}.* or {MIX}.gate.weight",
+          "naming.alternatives[0]: model.layers.0.mlp.experts.N.{gate_proj,up_proj,down_proj}.* or "
+          "model.layers.0.mlp.gate.weight"),
+         _rename(MIX, "model.layers.0.moe"), layer=0),
     # DBRX's 2-D stacked experts [E*I, H]: a short or transposed one names the tensor, the shape and the stacking.
     Case("stacked-2d-rows", "tiny:dbrx",
          (f"{DBRX}.v1: shape [120, 64]; expected [128, 64] ([E*out, in] with E*out=128 (experts 8 x "
@@ -196,3 +215,43 @@ def test_cli_reports_one_line_without_traceback(example, tmp_path: Path, case: C
     assert main(["run", str(path), "--platform", "cpu", "--layer", str(case.layer)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and case.expected[0] in err
+
+
+@pytest.mark.parametrize("rename", [None, "gptqmodel"])
+def test_mixtral_loads_under_transformers_and_gptqmodel_names(tmp_path: Path, rename: str | None) -> None:
+    """transformers' block_sparse_moe.experts.N.w1/w3/w2 (as saved) and the same tensors under GPTQModel's
+    mlp.experts.N.gate_proj/up_proj/down_proj (renamed here in tmp_path) give the same layer; messages name
+    the tensors as this checkpoint does."""
+    src = TINY / "mixtral"
+    path = src
+    if rename:
+        case = Case("renamed", "tiny:mixtral", (), _rename(MIX, "model.layers.0.mlp",
+                                                           {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}))
+        path = _break(src, tmp_path / "gptqmodel-names", case)
+    layer = moe_registry.build(path, layer=0, platform="cpu")
+    plain = load_file(str(src / "model.safetensors"))
+    assert torch.equal(layer.tensors.router, plain[f"{MIX}.gate.weight"])
+    for e in range(8):
+        for role, w in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+            assert torch.equal(layer.tensors.experts[e][role]["weight"], plain[f"{MIX}.experts.{e}.{w}.weight"])
+    family = moe_registry.load_registry().families["mixtral"].spec
+    want = "model.layers.0.mlp.experts.3.up_proj.weight" if rename else f"{MIX}.experts.3.w3.weight"
+    assert layer.tensors.names.tensor(family, 3, "up", "weight") == want
+
+
+@pytest.mark.parametrize(("alt", "wanted"), [
+    ({"router": "mlp.gate", "expert": "mlp.experts", "projections": {"gate": "g", "up": "u", "down": "d"}},
+     "must contain {expert}"),
+    ({"router": "mlp.gate", "expert": "mlp.experts.{expert}", "projections": {"gate": "g", "up": "u"}},
+     "needs gate, up and down"),
+    ({"router": "mlp.gate", "expert": "mlp.experts.{expert}", "projections": {"gate": "g", "up": "u", "down": "d"},
+      "layer": "x.{layer}"}, "Extra inputs are not permitted"),
+])
+def test_naming_alternatives_are_validated(alt: dict, wanted: str) -> None:
+    from pydantic import ValidationError
+
+    from moe_registry.spec_models import Naming
+
+    with pytest.raises(ValidationError) as err:
+        Naming(router="g", expert="e.{expert}", projections={"gate": "a", "up": "b", "down": "c"}, alternatives=[alt])
+    assert wanted in str(err.value)

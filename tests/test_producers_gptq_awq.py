@@ -1,13 +1,15 @@
 """GPTQModel and AutoAWQ checkpoints as those libraries write them (tests/fixtures/gptqmodel, autoawq; made
 by tools/make_fixtures_gptq_awq.py, versions in each VERSIONS.json) are the ground truth here, not our packers.
 
-Each fixture is a tiny Qwen3-MoE layer (4 experts, hidden 64, expert intermediate 64, group 32) with the
-library's own dequantised weight of every expert projection and that quantized linear's output on fixed
-inputs (ref.safetensors). We check: `explain` picks the right scheme and a Triton kernel accepts its keys;
-our converter's weights, rounded to float16, are the library's dequantisation bit for bit (both libraries
-compute scale * (q - zero) in float16 with one rounding, as rounding our float32 value once does);
-the built layer (torch reference on CPU, Triton in the interpreter) matches a float64 MoE computed from the
-LIBRARY'S weights within the scheme's tolerance; broken zero points are refused naming the tensor.
+Each fixture is a tiny Qwen3-MoE layer (4 experts, hidden 64, expert intermediate 64, group 32; one is a
+Mixtral, saved by GPTQModel under its own module names mlp.gate / mlp.experts.N.gate_proj, which the mixtral
+family reads through naming.alternatives) with the library's own dequantised weight of every expert
+projection and that quantized linear's output on fixed inputs (ref.safetensors). We check: `explain` picks
+the right scheme and a Triton kernel accepts its keys; our converter's weights, rounded to float16, are the
+library's dequantisation bit for bit (both libraries compute scale * (q - zero) in float16 with one
+rounding, as rounding our float32 value once does); the built layer (torch reference on CPU, Triton in the
+interpreter) matches a float64 MoE computed from the LIBRARY'S weights within the scheme's tolerance;
+broken zero points are refused naming the tensor.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ CASES = {
     "qwen3-gptq-w4-asym-actorder-v2": ("gptqmodel", "gptq-v2-w4a16-asym",
                                        "uint4 scale:float16:group(32):static zp:group"),
     "qwen3-awq-w4-gemm": ("autoawq", "awq-w4a16", "uint4 scale:float16:group(32):static zp:group"),
+    "mixtral-gptq-w4-sym": ("gptqmodel", "gptq-w4a16", "uint4b8 scale:float16:group(32):static"),
 }
 TRITON_CASES = ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w4-sym-v2", "qwen3-gptq-w4-asym-actorder-v2",
-                "qwen3-awq-w4-gemm"]
+                "qwen3-awq-w4-gemm", "mixtral-gptq-w4-sym"]
 
 
 def checkpoint(name: str) -> Path:
@@ -132,6 +135,12 @@ def test_the_fixtures_hold_what_they_are_named_for() -> None:
     # eight zero points of 0, stored by GPTQModel v1 as 0 - 0x11111111: a borrow through the word
     asym = tensors("qwen3-gptq-w4-asym")[f"{PREFIX}.0.gate_proj.qzeros"]
     assert int(asym[0, 0]) & 0xFFFFFFFF == 0xEEEEEEEF
+    # GPTQModel's Mixtral names, not transformers' block_sparse_moe.experts.N.w1/w3/w2
+    mixtral = tensors("mixtral-gptq-w4-sym")
+    config = json.loads((checkpoint("mixtral-gptq-w4-sym") / "config.json").read_text())
+    assert config["model_type"] == "mixtral"
+    assert "model.layers.0.mlp.gate.weight" in mixtral and f"{PREFIX}.3.down_proj.qweight" in mixtral
+    assert not any("block_sparse_moe" in k for k in mixtral)
 
 
 # ---------------------------------------------------------------- weights
@@ -204,6 +213,23 @@ def _broken_copy(name: str, tmp_path: Path, tensor: str, change) -> Path:
     tensors[tensor] = change(tensors[tensor])
     save_file(tensors, str(dst / "model.safetensors"))
     return dst
+
+
+def test_mixtral_under_gptqmodel_names_routes_with_its_router() -> None:
+    """The router is read under the alternative naming too (mlp.gate), and messages name tensors as saved."""
+    layer = build("mixtral-gptq-w4-sym")
+    router = load_file(str(checkpoint("mixtral-gptq-w4-sym") / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
+    assert layer.tensors.router is not None and torch.equal(layer.tensors.router, router)
+    family = moe_registry.load_registry().families["mixtral"].spec
+    assert layer.tensors.names.tensor(family, 2, "up", "qweight") == f"{PREFIX}.2.up_proj.qweight"
+
+
+def test_mixtral_under_gptqmodel_names_with_a_bad_tensor_names_it_as_saved(tmp_path: Path) -> None:
+    tensor = f"{PREFIX}.1.down_proj.scales"
+    path = _broken_copy("mixtral-gptq-w4-sym", tmp_path, tensor, lambda t: torch.cat((t, t[:1])))
+    with pytest.raises(CheckpointError) as err:
+        build("mixtral-gptq-w4-sym", path)
+    assert str(err.value).startswith(f"{tensor}: shape [3, 64]; expected [2, 64]"), str(err.value)
 
 
 @pytest.mark.parametrize("name", ["qwen3-gptq-w4-asym", "qwen3-gptq-w4-asym-actorder-v2", "qwen3-gptq-w4-sym-v2"])

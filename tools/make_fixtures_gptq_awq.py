@@ -3,10 +3,12 @@
 Layout: tests/fixtures/<library>/<name>/checkpoint/ (a model dir) and <name>/ref.safetensors.
 
 The libraries themselves quantize a tiny random Qwen3-MoE (hidden 64, expert intermediate 64, 4 experts,
-top-2, one layer, group size 32) on the CPU and save it as they always do. Of what they write we keep
-config.json (+ quantize_config.json) and the first MoE layer's router and expert tensors, names and
-dtypes untouched, plus ref.safetensors with the library's OWN reading of them: each expert projection's
-dequantised weight (``<module>.weight``, [out, in], as the library's quantized linear reconstructs it)
+top-2, one layer, group size 32) on the CPU and save it as they always do; GPTQModel also a tiny Mixtral of
+the same shape, which it saves under its own module names (``mlp.gate``, ``mlp.experts.N.gate_proj``/
+``up_proj``/``down_proj``), not the ``block_sparse_moe.experts.N.w1/w3/w2`` of transformers' save_pretrained.
+Of what they write we keep config.json (+ quantize_config.json) and the first MoE layer's router and expert
+tensors, names and dtypes untouched, plus ref.safetensors with the library's OWN reading of them: each expert
+projection's dequantised weight (``<module>.weight``, [out, in], as the library's quantized linear reconstructs it)
 and that linear's output on fixed inputs (``<module>.output`` for ``inputs``). Our packers play no part.
 
 Heavy dependencies live in their own venvs, never in the project's (see the report of issue 18):
@@ -53,7 +55,10 @@ GPTQ_VARIANTS = {
     "qwen3-gptq-w8-sym-actorder": dict(bits=8, sym=True, desc_act=True, format="gptq"),
     "qwen3-gptq-w4-sym-v2": dict(bits=4, sym=True, desc_act=False, format="gptq_v2"),
     "qwen3-gptq-w4-asym-actorder-v2": dict(bits=4, sym=False, desc_act=True, format="gptq_v2"),
+    "mixtral-gptq-w4-sym": dict(bits=4, sym=True, desc_act=False, format="gptq"),
 }
+# fixture -> the tiny source model it quantizes (default qwen3_moe)
+SOURCE_OF = {"mixtral-gptq-w4-sym": "mixtral"}
 AWQ_VARIANTS = {"qwen3-awq-w4-gemm": dict(w_bit=4, q_group_size=GROUP, zero_point=True, version="GEMM",
                                          modules_to_not_convert=["mlp.gate"])}  # the router stays float
 
@@ -69,19 +74,25 @@ def _tokenizer(out: Path) -> None:
                             bos_token="t3").save_pretrained(out)
 
 
-def make_source(out: Path, kv_heads: int = 1) -> None:
+def make_source(out: Path, kv_heads: int = 1, model_type: str = "qwen3_moe") -> None:
     """A tiny random Qwen3-MoE in float16, saved by transformers. Expert 0's gate projection gets one
     all-positive and one all-negative group of 8 output rows so that asymmetric quantization meets
     zero points 0 and 2**bits - 1 (GPTQ v1 stores zero - 1 and so borrows across packed fields).
     AutoAWQ's clip search wants every clipped linear's outputs in multiples of 64: kv_heads=2 there."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=INTER,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=32,
-                         num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True,
-                         max_position_embeddings=128)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float16)
+    if model_type == "mixtral":
+        cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=32,
+                            num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=128)
+        model = MixtralForCausalLM(cfg).to(torch.float16)
+    else:
+        cfg = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+                             moe_intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=kv_heads, head_dim=32, num_experts=EXPERTS,
+                             num_experts_per_tok=TOP_K, norm_topk_prob=True, max_position_embeddings=128)
+        model = Qwen3MoeForCausalLM(cfg).to(torch.float16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".experts." not in name or "gate" not in name or "down" in name:
@@ -195,7 +206,8 @@ def write_versions(sub: str, packages: list[str], variants: dict) -> None:
             "python": sys.version.split()[0],
             "model": {"model_type": "qwen3_moe", "hidden_size": HIDDEN, "moe_intermediate_size": INTER,
                       "num_experts": EXPERTS, "top_k": TOP_K, "group_size": GROUP, "kept": LAYER_PREFIX + "*"},
-            "fixtures": variants}
+            "fixtures": {name: {**qargs, **({"model_type": SOURCE_OF[name], "intermediate_size": INTER}
+                                            if name in SOURCE_OF else {})} for name, qargs in variants.items()}}
     (FIXTURES / sub / "VERSIONS.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
@@ -209,9 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         source = work / "source"
         make_source(source, kv_heads=1 if args.library == "gptq" else 2)
         if args.library == "gptq":
+            for model_type in sorted(set(SOURCE_OF.values())):
+                make_source(work / model_type, kv_heads=1, model_type=model_type)
             for name, qargs in GPTQ_VARIANTS.items():
                 if not args.only or name in args.only:
-                    gptq_fixture(name, qargs, source, work)
+                    src = work / SOURCE_OF[name] if name in SOURCE_OF else source
+                    gptq_fixture(name, qargs, src, work)
             write_versions("gptqmodel", ["gptqmodel", "transformers", "torch", "safetensors"], GPTQ_VARIANTS)
         else:
             for name, qargs in AWQ_VARIANTS.items():
