@@ -222,9 +222,10 @@ def _examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines) + "\n\n" + EXIT_CODES
 
 
-def _add(sub: Any, name: str, help: str, examples: tuple[str, ...]) -> Parser:
+def _add(parser: Parser, sub: Any, name: str, help: str, examples: tuple[str, ...]) -> Parser:
     p: Parser = sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
                                epilog=_examples(*examples), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.subparsers_by_name[name] = p  # so an unknown flag is reported by its verb's parser
     return p
 
 
@@ -249,8 +250,8 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, metavar="N", help="expert-parallel size (default 1), e.g. --ep 8")
     p.add_argument("--dp", type=int, metavar="N", help="data-parallel size (default 1), e.g. --dp 2")
     p.add_argument("--all2all", metavar="BACKEND",
-                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_FORMATS)} (default none), "
-                        "e.g. --ep 8 --all2all pplx")
+                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_FORMATS)} (default none; "
+                        "explain shows which kernels claim one: none is implemented yet), e.g. --ep 8 --all2all none")
     p.add_argument("--layer", type=int, metavar="N",
                    help="decoder layer (default: the first MoE layer), e.g. --layer 3")
     p.add_argument("--max-tokens", type=int, dest="max_tokens", metavar="N",
@@ -281,7 +282,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     parser.subparsers_by_name = {}
 
-    p = _add(sub, "explain", "which scheme and kernel a model would use on a platform, and why",
+    p = _add(parser, sub, "explain", "which scheme and kernel a model would use on a platform, and why",
              (f"moe-registry explain {EXAMPLE_CONFIG} --platform cuda:9.0",
               f"moe-registry explain {EXAMPLE_CONFIG} --platform cpu --json",
               "moe-registry explain runtime.yaml --kernel torch-reference --verbose"))
@@ -291,9 +292,8 @@ def build_parser() -> Parser:
     _add_json(fmt, "the report")
     fmt.add_argument("--markdown", action="store_true", help="print the report as Markdown tables")
     p.set_defaults(func=cmd_explain)
-    parser.subparsers_by_name["explain"] = p
 
-    p = _add(sub, "run", "load one MoE layer of a checkpoint, run it, compare with float64 and time it",
+    p = _add(parser, sub, "run", "load one MoE layer of a checkpoint, run it, compare with float64 and time it",
              (f"moe-registry run {EXAMPLE_MODEL} --layer 1",
               f"moe-registry run {EXAMPLE_MODEL} --tokens 64 --repeat 20 --threads 1 --json",
               f"moe-registry run {EXAMPLE_MODEL} --inputs in.safetensors --save-output out.safetensors"))
@@ -316,9 +316,8 @@ def build_parser() -> Parser:
                    help="seed of the random inputs (default 0), e.g. --seed 1")
     _add_json(p, "the report and the result")
     p.set_defaults(func=cmd_run)
-    parser.subparsers_by_name["run"] = p
 
-    p = _add(sub, "list", "list the schemes, kernels or model families the registry knows",
+    p = _add(parser, sub, "list", "list the schemes, kernels or model families the registry knows",
              ("moe-registry list schemes", "moe-registry list kernel --json",
               "moe-registry list families --spec-dir my-specs/"))
     p.add_argument("what", type=_kind_word, choices=["scheme", "kernel", "family"], metavar="WHAT",
@@ -326,17 +325,15 @@ def build_parser() -> Parser:
     _add_json(p, "the list")
     _add_spec_dir(p)
     p.set_defaults(func=cmd_list)
-    parser.subparsers_by_name["list"] = p
 
-    p = _add(sub, "validate", "validate spec files: every problem, one line each with file:line",
+    p = _add(parser, sub, "validate", "validate spec files: every problem, one line each with file:line",
              ("moe-registry validate", "moe-registry validate my-specs/", "moe-registry validate a.yaml b.yaml --json"))
     p.add_argument("paths", nargs="*", metavar="PATH",
                    help="spec files or spec dirs (default: the built-in specs), e.g. my-specs/schemes/x.yaml")
     _add_json(p, "the files read and the problems")
     p.set_defaults(func=cmd_validate)
-    parser.subparsers_by_name["validate"] = p
 
-    p = _add(sub, "schema", "JSON Schema of the spec language, for editors",
+    p = _add(parser, sub, "schema", "JSON Schema of the spec language, for editors",
              ("moe-registry schema > spec.schema.json   # any spec: oneOf scheme, kernel, family",
               "moe-registry schema scheme"))
     p.add_argument("kind", nargs="?", type=_kind_word, choices=["scheme", "kernel", "family"], metavar="KIND",
@@ -344,14 +341,12 @@ def build_parser() -> Parser:
                         "accepts any of the three")
     p.add_argument("--json", action="store_true", help="compact JSON (default: indented)")
     p.set_defaults(func=cmd_schema)
-    parser.subparsers_by_name["schema"] = p
 
-    p = _add(sub, "matrix", "support matrix scheme x platform -> eligible kernels (docs/support-matrix.md)",
+    p = _add(parser, sub, "matrix", "support matrix scheme x platform -> eligible kernels (docs/support-matrix.md)",
              ("moe-registry matrix > docs/support-matrix.md", "moe-registry matrix --json"))
     _add_json(p, "the matrix")
     _add_spec_dir(p)
     p.set_defaults(func=cmd_matrix)
-    parser.subparsers_by_name["matrix"] = p
     return parser
 
 
