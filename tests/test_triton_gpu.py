@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from launch_spy import LaunchSpy
 from moe_registry_kernels import quant_ref, triton_moe, triton_ops
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
@@ -132,7 +133,7 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
                "SWAP_AB": True}
     launched = []
     for name in ("_fused_moe_kernel", "_fused_moe_swap_kernel"):
-        monkeypatch.setattr(triton_moe, name, _Spy(getattr(triton_moe, name), launched))
+        monkeypatch.setattr(triton_moe, name, LaunchSpy(getattr(triton_moe, name), launched))
     with triton_moe.config_override({**swapped, "SPLIT_K": 1}, {**swapped, "SPLIT_K": split_k}):
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert [grid[2] for grid in launched] == [1, split_k], f"{scheme}: launch grids {launched}"
@@ -140,16 +141,6 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
     err = _rel_err(out, ref)
     assert err < _tolerance(scheme, dtype), f"{scheme} swapped split {split_k} {dtype}: relative error {err:.2e}"
 
-
-class _Spy:
-    """Stands in for a Triton kernel: records each launch's grid, then runs the real one."""
-
-    def __init__(self, kernel, launched: list) -> None:
-        self.kernel, self.launched = kernel, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(grid)
-        return self.kernel[grid]
 
 
 @pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq8-g128", "awq-g32"])

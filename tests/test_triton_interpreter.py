@@ -32,6 +32,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
+from launch_spy import LaunchSpy  # noqa: E402
 from moe_registry_kernels import (  # noqa: E402
     activations,
     quant_ref,
@@ -180,7 +181,7 @@ def test_split_k(scheme, monkeypatch):
     """Bias added once, router weight and every scale applied per piece: the pieces sum to the layer.
     The launches are watched: GEMM1 runs whole, GEMM2 over a grid of two K pieces."""
     launched = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", _Spy(triton_moe._fused_moe_kernel, launched))
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, launched))
     with triton_moe.config_override(gemm2=SPLIT_GEMM2):
         _check_layer(scheme, 7, top_k=2, seed=11)
     assert [grid[2] for grid in launched] == [1, 2], f"{scheme}: launch grids {launched}"
@@ -201,7 +202,7 @@ def test_swapped_operands(scheme, monkeypatch):
     """The swapped-operand kernel (weights on the left of the dot) gives the layer, split or not."""
     launched = []
     real = triton_moe._fused_moe_swap_kernel
-    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", _Spy(real, launched))
+    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", LaunchSpy(real, launched))
     with triton_moe.config_override(SWAPPED, {**SWAPPED, "SPLIT_K": 2, "BLOCK_K": 32}):
         _check_layer(scheme, 7, top_k=2, seed=5)
     assert len(launched) == 2
@@ -235,21 +236,11 @@ def test_swapped_operands_with_options(scheme, options):
 
 def test_swap_is_dropped_where_it_cannot_run(monkeypatch):
     launched = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", _Spy(triton_moe._fused_moe_swap_kernel, launched))
+    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", LaunchSpy(triton_moe._fused_moe_swap_kernel, launched))
     with triton_moe.config_override(SWAPPED, SWAPPED):
         _check_layer("w8a8-int8-token", 7, top_k=2)
     assert launched == []
 
-
-class _Spy:
-    """Stands in for a Triton kernel: records launches, then runs the real one."""
-
-    def __init__(self, kernel, launched: list) -> None:
-        self.kernel, self.launched = kernel, launched
-
-    def __getitem__(self, grid):
-        self.launched.append(grid)
-        return self.kernel[grid]
 
 
 def test_split_k_with_top_1_and_router_weight_on_input():
