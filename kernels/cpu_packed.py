@@ -17,11 +17,11 @@ Per weight key (what the layer holds; built once from the ``nk`` layout, one exp
   exact for normals and subnormals) times a per-row scale factor, then a float32 matmul.
 
 Activations: the 4- and 8-bit ops are fast on this CPU only in bfloat16, so they get bfloat16
-inputs (the hidden states, or for int8 activation keys the int8 codes, which bfloat16 holds
-exactly, with the per-token/per-tensor scale applied to the float32 output). Activation
-quantisation is :func:`quant_ref.quantize_activation` / ``fake_quantize_activation`` -- the same
-function the reference calls. Everything between the GEMMs (bias, act-and-mul, router weight) is
-float32.
+hidden states. No int8 activations: feeding int8 codes (exact in bfloat16) works, but the ops round
+each integer dot product to bfloat16 and requantising GEMM1's output then flips codes (2.0e-2 from
+the reference measured; issue 21). fp8 activations are fake-quantised by
+``quant_ref.fake_quantize_activation``, the function the reference calls. Everything between the
+GEMMs (bias, act-and-mul, router weight) is float32.
 
 Measured on the 2-core AMD EPYC (AVX2, no AVX-512/VNNI/AMX) with torch 2.13.0+cpu, one thread,
 one expert GEMM N=1536 K=2048 (Qwen3-30B-A3B's w13), 12 rotating weight copies, median of 15,
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
-from moe_registry_kernels.quant_ref import fake_quantize_activation, quantize_activation
+from moe_registry_kernels.quant_ref import fake_quantize_activation
 
 from moe_registry.experts import Experts, ExpertsConfig
 from moe_registry.keys import QuantKey
@@ -280,13 +280,7 @@ class CpuPackedExperts(Experts):
         activation quantisation, act-order permutation, the packed GEMM, bias."""
         proj = self.w13 if which == 0 else self.w2
         key = self.weights.activation_key
-        post: torch.Tensor | None = None
-        integer_codes = key.quantized and key.dtype.name == "int8" and key.scale is not None \
-            and key.scale.group.cols == -1 and not isinstance(proj, _Fp8)
-        if integer_codes:  # int8 codes are exact in bfloat16; the per-token/tensor scale goes after the GEMM
-            qa = quantize_activation(x, key, self._input_scale[which])
-            x, post = qa.q, qa.scale
-        elif key.quantized:
+        if key.quantized:  # fp8 activations (the spec claims no int8 ones: see its comment)
             x = fake_quantize_activation(x, key, self._input_scale[which], torch.float32)
         perm = self._perm[which]
         if perm is not None:
@@ -295,8 +289,6 @@ class CpuPackedExperts(Experts):
             y = proj.matmul(e, x.float(), self._fp8_buffer(int(proj.factor.shape[2]) * proj.cols))
         else:
             y = proj.matmul(e, x.to(torch.bfloat16))
-        if post is not None:
-            y = y * post
         bias = self._bias[which]
         return y if bias is None else y + bias[e]
 

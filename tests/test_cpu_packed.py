@@ -18,9 +18,9 @@ KEYS = [
     ("uint4 scale:float16:group(128):static zp:group", "unquantized"),
     ("uint4 scale:float16:group(32):static zp:group", "unquantized"),
     ("uint4b8 scale:float16:channel:static", "unquantized"),
-    ("uint4b8 scale:bfloat16:group(128):static", "int8 scale:float32:token:dynamic"),
+    ("uint4b8 scale:float16:group(64):static", "unquantized"),
     ("uint8b128 scale:float16:group(128):static", "unquantized"),
-    ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic"),
+    ("uint8b128 scale:float16:channel:static", "unquantized"),
     ("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized"),
     ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic"),
 ]
