@@ -163,12 +163,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         # The checkpoint carries expert biases the config did not announce: decide again with them.
         runtime = replace(situation.runtime, shape=replace(shape, has_bias=True))
         report = select(registry, replace(situation, runtime=runtime), prefer=prefer, pin=kernel)
-    names = tensors.names
-
-    def tensor_name(e: int, role: str, t: str) -> str:
-        return names.tensor(family, e, role, t)
-
-    built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensor_name)
+    built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensors.names.tensor)
     return LayerBuild(built, model, tensors)
 
 

@@ -112,9 +112,9 @@ class FusedNames:
 
 @dataclass(frozen=True)
 class LayerNames:
-    """Full checkpoint names of one MoE layer's pieces. ``expert_prefix`` (with {expert}) names
-    per-expert tensors, ``projections`` their gate/up/down modules (None: the family's primary naming);
-    ``fused`` the 3-D tensors of a fused family (whichever this checkpoint holds)."""
+    """Full checkpoint names of one MoE layer's pieces, as this checkpoint holds them: ``fused``, the
+    3-D tensors of a fused family, or ``expert_prefix`` (with {expert}) and ``projections`` (role ->
+    module name) for per-expert tensors."""
 
     router: str
     correction_bias: str | None
@@ -123,26 +123,26 @@ class LayerNames:
     router_bias: str | None = None
     projections: Mapping[str, str] | None = None
 
-    def projection(self, family: ModelFamilySpec, expert: int, role: str) -> str:
+    def projection(self, expert: int, role: str) -> str:
         if self.fused is not None:
             return f"{self.fused.of(self.fused.holder(role))}[{expert}]"
-        projections = self.projections if self.projections is not None else family.naming.projections
-        assert self.expert_prefix is not None and projections is not None
-        return f"{self.expert_prefix.format(expert=expert)}.{projections[role]}"  # type: ignore[index]
+        assert self.expert_prefix is not None and self.projections is not None
+        return f"{self.expert_prefix.format(expert=expert)}.{self.projections[role]}"
 
-    def tensor(self, family: ModelFamilySpec, expert: int, role: str, tensor: str) -> str:
+    def tensor(self, expert: int, role: str, tensor: str) -> str:
         """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
         if self.fused is None:
-            return f"{self.projection(family, expert, role)}.{tensor}"
+            return f"{self.projection(expert, role)}.{tensor}"
         fused = self.fused.holder(role)
         name = self.fused.of(f"{fused}_bias" if tensor == "bias" else fused)
         return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
 
-def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex | None = None) -> LayerNames:
-    """The names of ``layer``'s pieces; with ``index``, under the per-expert naming this checkpoint uses
-    (the primary one or one of ``naming.alternatives``: the first whose first expert or router it holds).
-    A layer it holds under none of them is a CheckpointError naming what was looked for under each."""
+def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex) -> LayerNames:
+    """The names of ``layer``'s pieces as ``index`` holds them: the fused tensors when it has them (or
+    the family names no others), else the first per-expert naming (the primary one, then
+    ``naming.alternatives``) whose first expert or router it holds. A layer held under none of them
+    is a CheckpointError naming what was looked for under each."""
     n = family.naming
     prefix = n.layer.format(layer=layer)
     fused = None
@@ -155,14 +155,14 @@ def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex | No
                            f.layouts, f.gate_up_order, full(f.gate), full(f.up), f.down_layout)
     primary = LayerNames(f"{prefix}.{n.router}.weight",
                          f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
-                         f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias")
-    if index is None or not n.alternatives:
+                         f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias",
+                         dict(n.projections) if n.projections else None)
+    if fused is not None and (n.expert is None or fused.of(fused.parts[0]) in index.tensors):
         return primary
-    if fused is not None and (fused.of(fused.parts[0]) in index.tensors):
+    primary = replace(primary, fused=None)  # per expert (a family naming both: this checkpoint's way)
+    if not n.alternatives:
         return primary
-    candidates: list[tuple[str, LayerNames]] = []
-    if n.expert is not None and n.projections is not None:
-        candidates.append(("naming", replace(primary, fused=None, projections=dict(n.projections))))
+    candidates: list[tuple[str, LayerNames]] = [("naming", primary)]
     for i, alt in enumerate(n.alternatives):
         candidates.append((f"naming.alternatives[{i}]", LayerNames(
             f"{prefix}.{alt.router}.weight", primary.correction_bias, f"{prefix}.{alt.expert}", None,
@@ -213,12 +213,10 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
     """Check then load every expert tensor of ``layer`` (and its router)."""
     names = layer_names(family, layer, index)
-    if names.fused is not None and (names.expert_prefix is None
-                                    or names.fused.of(names.fused.parts[0]) in index.tensors):
+    if names.fused is not None:
         experts, has_bias = _read_fused(index, names, layer, scheme, shape)
         return _with_router(index, names, shape, experts, has_bias)
-    names = replace(names, fused=None)  # per expert (a family naming both: this checkpoint's way)
-    projections = names.projections if names.projections is not None else family.naming.projections
+    projections = names.projections
     assert names.expert_prefix is not None and projections is not None
     declared = {**scheme.checkpoint.tensors, "bias": BIAS_SPEC}
     expert_re = re.compile(re.escape(names.expert_prefix).replace(r"\{expert\}", r"([^.]+)") + r"\.(.+)$")
@@ -242,8 +240,8 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
     for e in range(shape.num_experts):
         roles: dict[str, dict[str, str]] = {}
         for role in ROLES:
-            prefix = names.projection(family, e, role)
-            present = by_projection.get((e, projections[role]), set())  # type: ignore[index]
+            prefix = names.projection(e, role)
+            present = by_projection.get((e, projections[role]), set())
             unexpected = sorted(present - set(declared))
             if unexpected:
                 raise CheckpointError(f"{prefix}.{unexpected[0]}: unexpected tensor for scheme {scheme.scheme} "

@@ -220,8 +220,7 @@ def test_mixtral_under_gptqmodel_names_routes_with_its_router() -> None:
     layer = build("mixtral-gptq-w4-sym")
     router = load_file(str(checkpoint("mixtral-gptq-w4-sym") / "model.safetensors"))["model.layers.0.mlp.gate.weight"]
     assert layer.tensors.router is not None and torch.equal(layer.tensors.router, router)
-    family = moe_registry.load_registry().families["mixtral"].spec
-    assert layer.tensors.names.tensor(family, 2, "up", "qweight") == f"{PREFIX}.2.up_proj.qweight"
+    assert layer.tensors.names.tensor(2, "up", "qweight") == f"{PREFIX}.2.up_proj.qweight"
 
 
 def test_mixtral_under_gptqmodel_names_with_a_bad_tensor_names_it_as_saved(tmp_path: Path) -> None:
