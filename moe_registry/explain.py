@@ -97,7 +97,7 @@ def situation_for(target: Path, registry: Registry, flags: Flags) -> Situation:
         raise ConfigError(f"{target}: a model dir needs a config.json")
     if _is_runtime_file(config_path(target)):
         return _from_runtime_file(target, registry, flags)
-    return situation_for_model(read_model_config(target, registry), registry, flags)
+    return _from_model(read_model_config(target, registry), registry, flags, None)  # flags checked above
 
 
 def situation_for_model(model: ModelConfig, registry: Registry, flags: Flags) -> Situation:
