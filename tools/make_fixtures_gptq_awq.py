@@ -47,8 +47,8 @@ FIXTURES = ROOT / "tests" / "fixtures"
 LAYER_PREFIX = "model.layers.0.mlp."
 HIDDEN, INTER, EXPERTS, TOP_K, GROUP, VOCAB = 64, 64, 4, 2, 32, 128
 
-# name -> GPTQModel QuantizeConfig arguments (five, to stay under 1 MB: act-order is covered by the 8-bit
-# symmetric v1 and the 4-bit asymmetric v2 fixtures)
+# name -> GPTQModel QuantizeConfig arguments (act-order is covered by the 8-bit symmetric v1 and the 4-bit
+# asymmetric v2 fixtures)
 GPTQ_VARIANTS = {
     "qwen3-gptq-w4-sym": dict(bits=4, sym=True, desc_act=False, format="gptq"),
     "qwen3-gptq-w4-asym": dict(bits=4, sym=False, desc_act=False, format="gptq"),
@@ -56,6 +56,8 @@ GPTQ_VARIANTS = {
     "qwen3-gptq-w4-sym-v2": dict(bits=4, sym=True, desc_act=False, format="gptq_v2"),
     "qwen3-gptq-w4-asym-actorder-v2": dict(bits=4, sym=False, desc_act=True, format="gptq_v2"),
     "mixtral-gptq-w4-sym": dict(bits=4, sym=True, desc_act=False, format="gptq"),
+    "qwen3-gptq-w8-asym": dict(bits=8, sym=False, desc_act=False, format="gptq"),
+    "qwen3-gptq-w8-asym-v2": dict(bits=8, sym=False, desc_act=False, format="gptq_v2"),
 }
 # fixture -> the tiny source model it quantizes (default qwen3_moe)
 SOURCE_OF = {"mixtral-gptq-w4-sym": "mixtral"}
