@@ -151,6 +151,7 @@ class _Int8:
     scale: torch.Tensor
     grouped: bool
     k: int
+    unit_scale: torch.Tensor | None = None  # bf16 ones [N] for the per-channel op call (made once)
 
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey) -> _Int8:
@@ -162,7 +163,7 @@ class _Int8:
             codes = torch.stack([_int_codes(proj.weight[i:i + 1], key)[0].to(torch.int8) for i in range(e)])
         scale = _scale_per_group(proj, key, n, k)
         if scale.shape[2] == 1:  # per channel / per tensor
-            return _Int8(codes, scale[..., 0].contiguous(), False, k)
+            return _Int8(codes, scale[..., 0].contiguous(), False, k, torch.ones(n, dtype=torch.bfloat16))
         g = key.scale.group.cols
         groups = scale.shape[2]
         blocks = _pad_cols(codes, groups * g).view(e, n, groups, g).permute(0, 2, 1, 3).contiguous()
@@ -173,8 +174,8 @@ class _Int8:
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
-            ones = torch.ones(self.codes.shape[1], dtype=x.dtype)
-            return torch._weight_int8pack_mm(x, self.codes[e], ones).float() * self.scale[e]
+            assert self.unit_scale is not None and x.dtype == torch.bfloat16
+            return torch._weight_int8pack_mm(x, self.codes[e], self.unit_scale).float() * self.scale[e]
         groups, g = int(self.codes.shape[1]), int(self.codes.shape[3])
         x = _pad_cols(x, groups * g)
         parts = [torch._weight_int8pack_mm(x[:, j * g:(j + 1) * g], self.codes[e, j], self.scale[e, j])
