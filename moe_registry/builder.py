@@ -15,7 +15,7 @@ import torch
 
 from moe_registry import guards
 from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
-from moe_registry.errors import CheckpointError, ConfigError, SelectionError
+from moe_registry.errors import CheckpointError, ConfigError
 from moe_registry.experts import Experts, ExpertsConfig
 from moe_registry.explain import Flags, check_kernel_names, situation_for_model
 from moe_registry.formats import get_converter
@@ -147,12 +147,10 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         raise ConfigError(f"{target}: no such file or directory")
     flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens)
     model = read_model_config(target, registry)
-    if model.not_runnable:
-        raise SelectionError(f"{model.path}: family {model.family}: not run here: {'; '.join(model.not_runnable)}")
     situation = situation_for_model(model, registry, flags)
     device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors
+    report = select(registry, situation, prefer=prefer, pin=kernel)  # a refusal reads no tensor headers
     index = open_checkpoint(target if target.is_dir() else target.parent)
-    report = select(registry, situation, prefer=prefer, pin=kernel)
     assert report.scheme is not None and situation.layer is not None
     scheme = registry.scheme(report.scheme.scheme)
     family = registry.families[model.family].spec

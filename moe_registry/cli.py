@@ -94,8 +94,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     situation = situation_for(Path(args.target), registry, _flags(args))
     report = select(registry, situation, prefer=args.prefer, pin=args.kernel)
     print_report(report, args)
-    # experts no kernel here runs (the "not run" rows): refused, as `run` refuses them
-    return EXIT_REFUSED if situation.not_runnable else EXIT_OK
+    return EXIT_OK
 
 
 def print_report(report: Any, args: argparse.Namespace) -> None:

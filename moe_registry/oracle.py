@@ -120,6 +120,9 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
             why = "; ".join(c.message for v in verdicts_k if v.kernel == prefer for c in v.failures)
             notes.append(f"preferred {prefer} is not eligible ({why}); fell back to {chosen or 'nothing'}")
     report = base.with_kernels(tuple(verdicts_k), chosen, tuple(notes))
+    if situation.not_runnable and raise_on_failure:  # the kernels fit the shape, not the model's experts
+        raise SelectionError(f"{situation.model}: family {situation.family}: not run here: "
+                             f"{'; '.join(situation.not_runnable)}", report)
     if chosen is None and raise_on_failure:
         raise SelectionError(f"no kernel of scheme {scheme.scheme} can run on {situation.runtime.platform}: "
                              + "; ".join(f"{v.kernel}: {v.failures[0].message}" for v in verdicts_k), report)
