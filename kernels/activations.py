@@ -1,5 +1,5 @@
 """Gated activations over a fused gate/up projection: ``h[..., :I]`` is gate, ``h[..., I:]`` is up
-(the w13 row order of :mod:`moe_registry.weights`). Computed in h's dtype, so the float64 ground
+(the w13 row order of :mod:`moe_registry.formats.weights`). Computed in h's dtype, so the float64 ground
 truth stays float64."""
 
 from __future__ import annotations

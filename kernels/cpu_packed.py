@@ -62,9 +62,9 @@ from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
 from moe_registry_kernels.quant_ref import fake_quantize_activation
 
-from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.keys import QuantKey
-from moe_registry.weights import ExpertWeights, ProjectionWeights
+from moe_registry.core.keys import QuantKey
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.experts import Experts, ExpertsConfig
 
 __all__ = ["CpuPackedExperts"]
 

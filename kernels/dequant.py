@@ -1,5 +1,5 @@
 """Dequantisation of converted expert weights back to real values: the definition of what every
-weight layout in :mod:`moe_registry.weights` means. The torch reference and the tests read weights
+weight layout in :mod:`moe_registry.formats.weights` means. The torch reference and the tests read weights
 only through here, so a layout has exactly one meaning.
 """
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_registry.keys import GroupShape, QuantKey
-from moe_registry.weights import ProjectionWeights
+from moe_registry.core.keys import GroupShape, QuantKey
+from moe_registry.formats.weights import ProjectionWeights
 
 __all__ = ["dequantize", "unpack_int4", "pack_int4", "expand_groups", "e8m0_to_float"]
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from moe_registry_kernels.dequant import e8m0_to_float, pack_int4
 
-from moe_registry.keys import GroupShape, QuantKey
-from moe_registry.weights import ExpertWeights, ProjectionWeights
+from moe_registry.core.keys import GroupShape, QuantKey
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
 __all__ = [
     "QuantizedActivation",

@@ -25,9 +25,9 @@ from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.dequant import dequantize
 from moe_registry_kernels.quant_ref import fake_quantize_activation
 
-from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.keys import QuantKey
-from moe_registry.weights import ExpertWeights
+from moe_registry.core.keys import QuantKey
+from moe_registry.formats.weights import ExpertWeights
+from moe_registry.layer.experts import Experts, ExpertsConfig
 
 # expert parallelism marks a pair routed to another rank's expert with this id: it adds nothing here
 FOREIGN_EXPERT = -1

@@ -7,7 +7,7 @@ The layer (standard format) is::
         -> GEMM1 (w13, + bias, act_and_mul in its epilogue) -> quantise?
         -> GEMM2 (w2, + bias, × router weight, split-K) -> sum over top-k (and splits)
 
-Weights are in the ``nk`` layout of :mod:`moe_registry.weights` ([E, N, K], K contiguous), which
+Weights are in the ``nk`` layout of :mod:`moe_registry.formats.weights` ([E, N, K], K contiguous), which
 is also what fp8 and int8 tensor-core dots want for B. The GEMM kernel is specialised by
 constexprs that say how a weight tile becomes something a ``tl.dot`` takes:
 
@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 from moe_registry_kernels import triton_ops
 
-from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.keys import QuantKey, parse_quant_key
-from moe_registry.weights import ExpertWeights, ProjectionWeights
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.experts import Experts, ExpertsConfig
 
 __all__ = [
     "Scheme",

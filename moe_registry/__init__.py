@@ -33,13 +33,13 @@ def __getattr__(name: str) -> Any:
     if name in ("build", "load_layer"):
         import importlib
 
-        return getattr(importlib.import_module("moe_registry.builder"), name)
+        return getattr(importlib.import_module("moe_registry.layer.build"), name)
     if name == "load_registry":
-        from moe_registry.registry import load_registry
+        from moe_registry.spec.loader import load_registry
 
         return load_registry
     if name == "select":
-        from moe_registry.oracle import select
+        from moe_registry.oracle.select import select
 
         return select
     raise AttributeError(f"module 'moe_registry' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from moe_registry.cli import main
+from moe_registry.cli.main import main
 
 sys.exit(main())

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.errors import MoERegistryError
+from moe_registry.core.errors import MoERegistryError
 
 Tensors = dict[str, torch.Tensor]
 AWQ = "model.layers.1.block_sparse_moe.experts"
@@ -209,7 +209,7 @@ def test_broken_checkpoint_gets_a_clear_error(example, tmp_path: Path, case: Cas
 
 @pytest.mark.parametrize("case", CASES[:3], ids=[c.name for c in CASES[:3]])
 def test_cli_reports_one_line_without_traceback(example, tmp_path: Path, case: Case, capsys) -> None:
-    from moe_registry.cli import main
+    from moe_registry.cli.main import main
 
     path = _break(example(case.example), tmp_path / case.name, case)
     assert main(["run", str(path), "--platform", "cpu", "--layer", str(case.layer)]) == 2
@@ -249,7 +249,7 @@ def test_mixtral_loads_under_transformers_and_gptqmodel_names(tmp_path: Path, re
 def test_naming_alternatives_are_validated(alt: dict, wanted: str) -> None:
     from pydantic import ValidationError
 
-    from moe_registry.spec_models import Naming
+    from moe_registry.spec.models import Naming
 
     with pytest.raises(ValidationError) as err:
         Naming(router="g", expert="e.{expert}", projections={"gate": "a", "up": "b", "down": "c"}, alternatives=[alt])

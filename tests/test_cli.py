@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import moe_registry
-from moe_registry import cli
-from moe_registry.errors import ConfigError
-from moe_registry.registry import SPEC_PATH_ENV
+from moe_registry.cli import main as cli
+from moe_registry.core.errors import ConfigError
+from moe_registry.spec.loader import SPEC_PATH_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 AWQ_CONFIG = str(ROOT / "examples" / "mixtral-8x7b-awq" / "config.json")
@@ -329,7 +329,7 @@ def test_text_lines_fit_in_100_columns_and_labels_align(capsys, tmp_path):
 
 
 def test_turned_down_schemes_count_and_nearest(capsys):
-    from moe_registry.registry import load_registry
+    from moe_registry.spec.loader import load_registry
 
     others = len(load_registry([]).schemes) - 1  # every scheme but the one chosen
     code, out, _ = run_cli(capsys, "explain", DEEPSEEK, "--platform", "cpu")
@@ -366,10 +366,10 @@ def test_readme_add_a_scheme_example_validates(capsys, tmp_path):
 
 
 def test_build_returns_what_the_readme_says(example, caplog):
-    from moe_registry import builder
-    from moe_registry.modular import FusedMoEKernel
-    from moe_registry.report import Report
-    from moe_registry.weights import ExpertWeights
+    from moe_registry.formats.weights import ExpertWeights
+    from moe_registry.layer import build as builder
+    from moe_registry.layer.modular import FusedMoEKernel
+    from moe_registry.oracle.render import Report
 
     assert "returns a\n`LayerBuild`: `.report`" in readme()
     builder._LOGGED.clear()

@@ -13,12 +13,12 @@ import importlib.util
 import pytest
 import torch
 
-from moe_registry.builder import DTYPES, experts_class
-from moe_registry.conformance import REALISTIC, SMALL, Case, Sizes, cases_for
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import QuantKey
-from moe_registry.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
-from moe_registry.registry import load_registry
+from moe_registry.core.keys import QuantKey
+from moe_registry.layer.build import DTYPES, experts_class
+from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.spec.loader import load_registry
+from moe_registry.testing.conformance import REALISTIC, SMALL, Case, Sizes, cases_for
 
 REGISTRY = load_registry()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -157,7 +157,7 @@ def _tuned_config_cases(cases: list[Case]) -> list[tuple[str, Case, dict, dict]]
     import json
     from pathlib import Path
 
-    from moe_registry.keys import parse_quant_key
+    from moe_registry.core.keys import parse_quant_key
 
     config_dir = Path(__file__).resolve().parents[1] / "kernels" / "configs"
     out = []

@@ -10,9 +10,9 @@ from moe_registry_kernels.cpu_packed import CpuPackedExperts, packed_checkpoint_
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import reference_moe
 
-from moe_registry.cli import main as cli_main
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import parse_quant_key
+from moe_registry.cli.main import main as cli_main
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.layer.experts import ExpertsConfig
 
 KEYS = [
     ("uint4 scale:float16:group(128):static zp:group", "unquantized"),

@@ -15,8 +15,8 @@ import torch
 from moe_registry_kernels.dequant import dequantize
 from safetensors import safe_open
 
+from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats import ConvertContext, get_converter
-from moe_registry.keys import parse_quant_key
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import make_examples  # noqa: E402

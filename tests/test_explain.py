@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from moe_registry import cli
-from moe_registry.checks import Reason
-from moe_registry.errors import ConfigError, SelectionError
-from moe_registry.explain import Flags, situation_for
-from moe_registry.oracle import select
-from moe_registry.registry import SPEC_PATH_ENV, load_registry
-from moe_registry.report import Report
+from moe_registry.cli import main as cli
+from moe_registry.core.errors import ConfigError, SelectionError
+from moe_registry.model.situation import Flags, situation_for
+from moe_registry.oracle.contract import Reason
+from moe_registry.oracle.render import Report
+from moe_registry.oracle.select import select
+from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
@@ -195,7 +195,7 @@ def test_module_names_follow_the_family_naming(registry):
 
 
 def test_routing_parameters_from_deepseek_config(registry):
-    from moe_registry.model_config import read_model_config
+    from moe_registry.model.config import read_model_config
 
     model = read_model_config(CONFIGS / "deepseek/deepseek-v3", registry)
     assert model.routing == {"scoring": "sigmoid", "renormalize": True, "num_expert_group": 8, "topk_group": 4,
@@ -667,7 +667,7 @@ def test_bad_runtime_files(registry, tmp_path, body, message):
 def test_explain_imports_neither_torch_nor_triton():
     code = (
         "import sys\n"
-        "from moe_registry.cli import main\n"
+        "from moe_registry.cli.main import main\n"
         f"rc = main(['explain', {str(CONFIGS / 'deepseek/deepseek-v3')!r}, '--platform', 'cuda:9.0', '--json'])\n"
         "assert rc == 0, rc\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
@@ -686,9 +686,9 @@ def test_modelopt_mixed_precision_unlisted_layer_is_unquantized(tmp_path) -> Non
     import json
     import shutil
 
-    from moe_registry.explain import Flags, situation_for
-    from moe_registry.oracle import select
-    from moe_registry.registry import load_registry
+    from moe_registry.model.situation import Flags, situation_for
+    from moe_registry.oracle.select import select
+    from moe_registry.spec.loader import load_registry
 
     src = Path(__file__).resolve().parent.parent / "examples/configs/qwen-moe/qwen3-30b-a3b-modelopt-mixed-precision"
     dst = tmp_path / "mp"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_registry.expr import MAX_EXPR_CHARS, ExprError, parse_expr
+from moe_registry.spec.expr import MAX_EXPR_CHARS, ExprError, parse_expr
 
 SIZES = {"in": 4096, "out": 14336, "$group": 128, "$bits": 4}
 

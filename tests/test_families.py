@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from moe_registry.errors import ConfigError
-from moe_registry.explain import Flags, situation_for
-from moe_registry.model_config import read_model_config
-from moe_registry.registry import load_registry
+from moe_registry.core.errors import ConfigError
+from moe_registry.model.config import read_model_config
+from moe_registry.model.situation import Flags, situation_for
+from moe_registry.spec.loader import load_registry
 
 ROOT = Path(__file__).resolve().parent / "fixtures/transformers"
 CONFIGS = ROOT / "configs"
@@ -150,7 +150,7 @@ def test_layer_words(registry, tmp_path):
 
 
 def test_explain_shows_shared_experts(capsys):
-    from moe_registry import cli
+    from moe_registry.cli import main as cli
 
     assert cli.main(["explain", str(CONFIGS / "qwen2_moe"), "--platform", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -172,9 +172,9 @@ def test_overrides_are_recorded():
 
 def test_not_runnable_explained_and_refused(capsys):
     """explain shows why no kernel here runs the experts; run (build) refuses with one line."""
-    from moe_registry import cli
-    from moe_registry.builder import build
-    from moe_registry.errors import SelectionError
+    from moe_registry.cli import main as cli
+    from moe_registry.core.errors import SelectionError
+    from moe_registry.layer.build import build
 
     # a kernel runs the 512 real experts, but not the zero-compute ones beside them: refused (exit 1)
     assert cli.main(["explain", str(CONFIGS / "longcat_flash"), "--platform", "cpu"]) == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_registry
-from moe_registry.builder import MoELayer
+from moe_registry.layer.build import MoELayer
 
 pytestmark = pytest.mark.gpu
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 from moe_registry_kernels.dequant import dequantize
 
-from moe_registry.errors import CheckpointError, MoERegistryError
-from moe_registry.formats import ConvertContext, get_converter, known_converters, packers
+from moe_registry.core.errors import CheckpointError, MoERegistryError
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats import ConvertContext, get_converter, known_converters
 from moe_registry.formats import registry as registry_module
-from moe_registry.keys import parse_quant_key
+from moe_registry.testing import packers
 
 ROLES = ("gate", "up", "down")
 MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}

@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (a table of cases: one case a line reads better than wrapped regexes)
 """Hostile input (issue 24): specs, configs, checkpoints, flags and run inputs malformed on purpose.
 
-Each case builds its bad input in tmp_path, runs ``moe_registry.cli.main`` and asserts the exit code
+Each case builds its bad input in tmp_path, runs ``moe_registry.cli.main.main`` and asserts the exit code
 and the one-line message (a regex, ``{d}`` standing for tmp_path). A SIGALRM fixture turns a hang
 into a failure. Big inputs (50k-deep YAML, 200k-deep JSON) are generated here, not committed. The
 seeded fuzz at the end feeds random text to the key parser, the shape-expression evaluator and
@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moe_registry.cli import main
-from moe_registry.errors import MoERegistryError
+from moe_registry.cli.main import main
+from moe_registry.core.errors import MoERegistryError
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 32, 16, 4, 2, 2
 CORPUS = Path(__file__).parent / "hostile"
@@ -220,7 +220,7 @@ def impl(value: str, name: str, expected: str | None = None) -> None:
 
 impl("os:system", "os")
 impl("subprocess:Popen", "subprocess")
-impl("moe_registry.cli:Parser", "project-module")
+impl("moe_registry.cli.main:Parser", "project-module")
 impl("builtins:object", "builtins")
 impl("no_such_module_h6:X", "missing")
 impl("os.path:join", "os-path")
@@ -713,7 +713,7 @@ def test_checkpoint(capsys, tmp_path: Path, case: CkptCase) -> None:
 
 
 def test_fp8_and_e8m0_codes_are_refused_at_load() -> None:
-    from moe_registry.guards import check_tensor_values
+    from moe_registry.core.guards import check_tensor_values
 
     fp8 = torch.tensor([0x00, 0x38, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(MoERegistryError, match=r"^w: 1 of 3 values are the fp8 e4m3fn NaN encoding \(0x7f/0xff\) "
@@ -868,7 +868,7 @@ def _random_text(rng: random.Random, n: int) -> str:
 
 
 def test_fuzz_key_parser() -> None:
-    from moe_registry.keys import parse_quant_key
+    from moe_registry.core.keys import parse_quant_key
 
     rng = random.Random(24)
     for _ in range(400):
@@ -881,7 +881,7 @@ def test_fuzz_key_parser() -> None:
 
 
 def test_fuzz_shape_expressions() -> None:
-    from moe_registry.expr import parse_expr, parse_limit, parse_shape_dim
+    from moe_registry.spec.expr import parse_expr, parse_limit, parse_shape_dim
 
     rng = random.Random(24)
     for _ in range(400):
@@ -898,10 +898,10 @@ def test_fuzz_shape_expressions() -> None:
 
 def test_fuzz_detection() -> None:
     """Random quantization_configs: detection answers or raises the project's errors, nothing else."""
-    from moe_registry.explain import Flags, situation_for_model
-    from moe_registry.model_config import read_model_config
-    from moe_registry.oracle import select
-    from moe_registry.registry import load_registry
+    from moe_registry.model.config import read_model_config
+    from moe_registry.model.situation import Flags, situation_for_model
+    from moe_registry.oracle.select import select
+    from moe_registry.spec.loader import load_registry
 
     registry = load_registry()
     rng = random.Random(24)

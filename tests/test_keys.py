@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_registry.keys import (
+from moe_registry.core.keys import (
     PER_CHANNEL,
     PER_TENSOR,
     SCALAR_TYPES,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_registry import cli
-from moe_registry.matrix import MATRIX_PLATFORMS, matrix_markdown, support_matrix
-from moe_registry.registry import SPEC_PATH_ENV, load_registry
+from moe_registry.cli import main as cli
+from moe_registry.cli.matrix import MATRIX_PLATFORMS, matrix_markdown, support_matrix
+from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX_DOC = ROOT / "docs" / "support-matrix.md"

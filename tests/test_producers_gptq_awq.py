@@ -24,9 +24,9 @@ from moe_registry_kernels.dequant import dequantize
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.cli import main
-from moe_registry.errors import CheckpointError
-from moe_registry.experts import ExpertsConfig
+from moe_registry.cli.main import main
+from moe_registry.core.errors import CheckpointError
+from moe_registry.layer.experts import ExpertsConfig
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PREFIX = "model.layers.0.mlp.experts"

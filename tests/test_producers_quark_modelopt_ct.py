@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.cli import main
-from moe_registry.errors import CheckpointError
-from moe_registry.experts import ExpertsConfig
-from moe_registry.match import check_field
-from moe_registry.spec_models import FieldRule
+from moe_registry.cli.main import main
+from moe_registry.core.errors import CheckpointError
+from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.oracle.detect import check_field
+from moe_registry.spec.models import FieldRule
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LAYER = "model.layers.0.mlp.experts"
@@ -143,7 +143,7 @@ def _moe64(case: Case, name: str, w: dict[tuple[int, str], torch.Tensor], x: tor
     return out
 
 
-def _ours(built: moe_registry.builder.LayerBuild) -> dict[tuple[int, str], torch.Tensor]:
+def _ours(built: moe_registry.layer.build.LayerBuild) -> dict[tuple[int, str], torch.Tensor]:
     """Our dequantised weights per (expert, role), float64, from the converted checkpoint."""
     from moe_registry_kernels.reference import dense_experts
 

@@ -20,9 +20,9 @@ from moe_registry_kernels.quant_ref import (
 )
 from moe_registry_kernels.reference import ReferenceExperts, reference_moe
 
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import parse_quant_key
-from moe_registry.weights import ProjectionWeights
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats.weights import ProjectionWeights
+from moe_registry.layer.experts import ExpertsConfig
 
 UNQ = "unquantized"
 AWQ = "uint4 scale:float16:group(128):static zp:group"

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.checkpoint import CheckpointIndex
-from moe_registry.cli import main
-from moe_registry.registry import load_registry
+from moe_registry.cli.main import main
+from moe_registry.model.checkpoint import CheckpointIndex
+from moe_registry.spec.loader import load_registry
 
 EXPECTED_SCHEME = {
     "mixtral-awq": "awq-w4a16",
@@ -61,7 +61,7 @@ def test_run_text_shows_report_error_and_time(example, capsys) -> None:
 def test_inputs_with_routing_and_saved_output_match_reference(example, tmp_path: Path, capsys) -> None:
     from moe_registry_kernels.reference import reference_moe
 
-    from moe_registry.experts import ExpertsConfig
+    from moe_registry.layer.experts import ExpertsConfig
 
     path = example("qwen3-gptq-int4")
     gen = torch.Generator().manual_seed(3)
@@ -107,7 +107,7 @@ def test_deepseek_layer_uses_grouped_sigmoid_routing(example) -> None:
 def test_build_logs_chosen_kernel_once(example, caplog) -> None:
     import logging
 
-    from moe_registry import builder
+    from moe_registry.layer import build as builder
 
     builder._LOGGED.clear()
     with caplog.at_level(logging.INFO, logger="moe_registry"):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_registry import cli
-from moe_registry.errors import SpecError
-from moe_registry.registry import SPEC_PATH_ENV, load_registry, validate_paths
-from moe_registry.yamlio import MAX_SPEC_BYTES, load_yaml_text
+from moe_registry.cli import main as cli
+from moe_registry.core.errors import SpecError
+from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry, validate_paths
+from moe_registry.spec.yamlio import MAX_SPEC_BYTES, load_yaml_text
 
 CORPUS = Path(__file__).parent / "spec_corpus"
 EXPECTED: dict[str, list[str | list[str]]] = yaml.safe_load((CORPUS / "expected.yaml").read_text())

@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from moe_registry.builder import LayerBuild, MoELayer, build
-from moe_registry.experts import ExpertsConfig
+from moe_registry.layer.build import LayerBuild, MoELayer, build
+from moe_registry.layer.experts import ExpertsConfig
 
 TINY = Path(__file__).parent / "fixtures" / "transformers" / "tiny"
 FIXTURES = sorted(p.name for p in TINY.iterdir() if (p / "io.safetensors").is_file())
@@ -143,7 +143,7 @@ def test_gpt_oss_reads_interleaved_gate_up_and_biases() -> None:
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
 def test_run_command_on_tiny_model(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``moe-registry run <dir> --layer L --inputs io.safetensors`` loads the layer as transformers saved it."""
-    from moe_registry.cli import main
+    from moe_registry.cli.main import main
 
     d = TINY / name
     code = main(["run", str(d), "--layer", "0", "--inputs", str(d / "io.safetensors"), "--platform", "cpu",
@@ -160,7 +160,7 @@ def test_fused_layout_alternatives_read_both_producers(tmp_path: Path) -> None:
 
     from safetensors.torch import save_file
 
-    from moe_registry.errors import CheckpointError
+    from moe_registry.core.errors import CheckpointError
 
     src = TINY / "qwen3_vl_moe"
     hub = tmp_path / "hub"
@@ -221,7 +221,7 @@ def test_fused_naming_words_are_validated() -> None:
     """The fused words refuse layouts that are not [E, in, out] / [E, out, in] and a naming with no experts."""
     from pydantic import ValidationError
 
-    from moe_registry.spec_models import Naming
+    from moe_registry.spec.models import Naming
 
     fused = {"gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
     one = Naming(router="mlp.gate", fused={**fused, "layout": ["E", "in", "out"]})
@@ -267,9 +267,9 @@ def test_gpt_oss_swiglu_limit_other_than_the_kernels_is_refused(tmp_path: Path,
     reported not run (explain) and refused by run, one line naming the field, the value seen and wanted."""
     import shutil
 
-    from moe_registry.cli import main
-    from moe_registry.model_config import read_model_config
-    from moe_registry.registry import load_registry
+    from moe_registry.cli.main import main
+    from moe_registry.model.config import read_model_config
+    from moe_registry.spec.loader import load_registry
 
     d = tmp_path / "gpt_oss"
     shutil.copytree(TINY / "gpt_oss", d)
@@ -292,7 +292,7 @@ def test_stacked_naming_words_are_validated() -> None:
     """gate/up apart or gate_up, never both or half; 2-D stacked layouts and down_layout are checked."""
     from pydantic import ValidationError
 
-    from moe_registry.spec_models import Naming
+    from moe_registry.spec.models import Naming
 
     apart = {"gate": "w1", "up": "v1", "down": "w2"}
     n = Naming(router="r", fused={**apart, "layout": ["E*out", "in"], "down_layout": ["E*in", "out"]})

@@ -19,9 +19,9 @@ from moe_registry_kernels import quant_ref, triton_moe, triton_ops
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
 
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import parse_quant_key
-from moe_registry.weights import ExpertWeights
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats.weights import ExpertWeights
+from moe_registry.layer.experts import ExpertsConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -50,8 +50,8 @@ from moe_registry_kernels.triton_moe import (  # noqa: E402
     shape_key,
 )
 
-from moe_registry.experts import ExpertsConfig  # noqa: E402
-from moe_registry.keys import parse_quant_key  # noqa: E402
+from moe_registry.core.keys import parse_quant_key  # noqa: E402
+from moe_registry.layer.experts import ExpertsConfig  # noqa: E402
 
 E, H, INTER = 4, 128, 64
 UNQ = "unquantized"

@@ -94,7 +94,7 @@ class _SlowCandidates:
     """A stand-in layer on which today's configs take 1 s and every candidate 2 s."""
 
     def __init__(self, tune) -> None:
-        from moe_registry.keys import parse_quant_key
+        from moe_registry.core.keys import parse_quant_key
 
         self.shape = tune.bench.DRY_SHAPES["tiny"]
         self.wkey, self.akey = parse_quant_key(AWQ), parse_quant_key("unquantized")

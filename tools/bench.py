@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import QuantKey, parse_quant_key
-from moe_registry.weights import ExpertWeights, ProjectionWeights
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.experts import ExpertsConfig
 
 
 @dataclass(frozen=True)

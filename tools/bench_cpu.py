@@ -31,13 +31,13 @@ from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import ReferenceExperts
 
-from moe_registry.builder import experts_class
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import QuantKey, parse_quant_key
-from moe_registry.predicates import check_keys
-from moe_registry.registry import fill_template, load_registry
-from moe_registry.routing import softmax_topk
-from moe_registry.weights import ExpertWeights, ProjectionWeights
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.build import experts_class
+from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.model.routing import softmax_topk
+from moe_registry.oracle.predicates import check_keys
+from moe_registry.spec.loader import fill_template, load_registry
 
 PRESETS = {  # experts, top-k, hidden, intermediate
     "small": (8, 2, 1024, 512),

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from moe_registry.experts import ExpertsConfig
-from moe_registry.keys import parse_quant_key
-from moe_registry.weights import ExpertWeights
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats.weights import ExpertWeights
+from moe_registry.layer.experts import ExpertsConfig
 
 DEVICE = "cuda"
 UNQ = "unquantized"

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = ("import sys; from moe_registry.cli import main; rc = main(sys.argv[1:]); "
+PROBE = ("import sys; from moe_registry.cli.main import main; rc = main(sys.argv[1:]); "
          "bad = [m for m in ('torch', 'triton') if m in sys.modules]; "
          "sys.exit(3 if bad else rc)")
 

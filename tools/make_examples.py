@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moe_registry.formats import packers
+from moe_registry.testing import packers
 
 HIDDEN, INTER, LAYERS = 256, 128, 2
 ROLES = ("gate", "up", "down")

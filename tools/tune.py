@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench  # noqa: E402  (tools/bench.py: shapes, schemes, weights, timing)
 import torch  # noqa: E402
 
-from moe_registry.experts import ExpertsConfig  # noqa: E402
-from moe_registry.keys import parse_quant_key  # noqa: E402
+from moe_registry.core.keys import parse_quant_key  # noqa: E402
+from moe_registry.layer.experts import ExpertsConfig  # noqa: E402
 
 # bench scheme -> the spec whose conformance tolerance a tuned config must meet
 SPEC_OF = {"bf16": "unquantized", "awq": "awq-w4a16", "gptq4": "gptq-w4a16", "int8wo": "gptq-w8a16",
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from moe_registry_kernels import triton_moe
 
-    from moe_registry.registry import load_registry
+    from moe_registry.spec.loader import load_registry
 
     device = torch.device("cpu" if dry else "cuda")
     out_dir = args.out or triton_moe.CONFIG_DIR

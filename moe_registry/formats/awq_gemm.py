@@ -22,7 +22,7 @@ from moe_registry.formats.assemble import (
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["AWQ_ORDER", "convert_awq_gemm"]
 

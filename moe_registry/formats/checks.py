@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from moe_registry.errors import CheckpointError
+from moe_registry.core.errors import CheckpointError
 
 __all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_bad", "check_all_equal"]
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.errors import CheckpointError
+from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import (
     Namer,
     ProjectionPart,
@@ -40,7 +40,7 @@ from moe_registry.formats.assemble import (
 from moe_registry.formats.bitpack import add_to_fields, pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_gptq", "convert_gptq_v2", "act_order_perm"]
 

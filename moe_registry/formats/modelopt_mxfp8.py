@@ -10,11 +10,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.errors import CheckpointError, MoERegistryError
+from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
 from moe_registry.formats.checks import describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_modelopt_mxfp8", "E8M0_NAN"]
 

@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.errors import CheckpointError
+from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
 from moe_registry.formats.checks import check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_quark_int8"]
 

@@ -15,9 +15,9 @@ from types import MappingProxyType
 
 import torch
 
-from moe_registry.errors import MoERegistryError
-from moe_registry.keys import QuantKey
-from moe_registry.weights import ExpertWeights
+from moe_registry.core.errors import MoERegistryError
+from moe_registry.core.keys import QuantKey
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = [
     "ExpertTensors",

@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.errors import MoERegistryError
+from moe_registry.core.errors import MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_unquantized"]
 

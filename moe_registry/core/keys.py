@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from moe_registry.errors import MoERegistryError
+from moe_registry.core.errors import MoERegistryError
 
 MAX_KEY_CHARS = 256
 

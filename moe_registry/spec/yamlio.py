@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-from moe_registry.errors import SpecError
-from moe_registry.guards import check_file, short_repr
+from moe_registry.core.errors import SpecError
+from moe_registry.core.guards import check_file, short_repr
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_DEPTH = 32

@@ -13,22 +13,22 @@ from typing import Any
 
 import torch
 
-from moe_registry import guards
-from moe_registry.checkpoint import LayerTensors, open_checkpoint, read_layer
-from moe_registry.errors import CheckpointError, ConfigError
-from moe_registry.experts import Experts, ExpertsConfig
-from moe_registry.explain import Flags, check_kernel_names, situation_for_model
+from moe_registry.core import guards
+from moe_registry.core.errors import CheckpointError, ConfigError
 from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext
-from moe_registry.model_config import ModelConfig, read_model_config
-from moe_registry.modular import FusedMoEKernel, LocalPrepareFinalize
-from moe_registry.oracle import select
-from moe_registry.registry import Registry, load_registry
-from moe_registry.report import Report
-from moe_registry.routing import Routing, grouped_topk, softmax_topk
-from moe_registry.runtime import Platform
-from moe_registry.spec_models import KernelSpec
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
+from moe_registry.layer.experts import Experts, ExpertsConfig
+from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.model.checkpoint import LayerTensors, open_checkpoint, read_layer
+from moe_registry.model.config import ModelConfig, read_model_config
+from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
+from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
+from moe_registry.oracle.render import Report
+from moe_registry.oracle.runtime import Platform
+from moe_registry.oracle.select import select
+from moe_registry.spec.loader import Registry, load_registry
+from moe_registry.spec.models import KernelSpec
 
 log = logging.getLogger("moe_registry")
 _LOGGED: set[tuple[str, str, str, str]] = set()

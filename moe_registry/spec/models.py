@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from moe_registry.expr import ExprError, parse_limit, parse_shape_dim
-from moe_registry.guards import check_number, check_template
-from moe_registry.keys import SCALAR_TYPES
+from moe_registry.core.guards import check_number, check_template
+from moe_registry.core.keys import SCALAR_TYPES
+from moe_registry.spec.expr import ExprError, parse_limit, parse_shape_dim
 
 Dtype = Literal["float16", "bfloat16", "float32"]
 ActivationFn = Literal["silu", "gelu", "swigluoai"]

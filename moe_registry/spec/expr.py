@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from moe_registry.errors import MoERegistryError
+from moe_registry.core.errors import MoERegistryError
 
 MAX_EXPR_CHARS = 200
 _BINDING_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")

@@ -23,10 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from moe_registry.errors import MoERegistryError, SelectionError
-from moe_registry.explain import Flags, check_kernel_names, did_you_mean, situation_for
-from moe_registry.predicates import ALL2ALL_FORMATS
-from moe_registry.registry import load_registry, validate_paths
+from moe_registry.core.errors import MoERegistryError, SelectionError
+from moe_registry.model.situation import Flags, check_kernel_names, did_you_mean, situation_for
+from moe_registry.oracle.predicates import ALL2ALL_FORMATS
+from moe_registry.spec.loader import load_registry, validate_paths
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 KIND_WORDS = {"scheme": "scheme", "schemes": "scheme", "kernel": "kernel", "kernels": "kernel",
@@ -87,7 +87,7 @@ def _flags(args: argparse.Namespace) -> Flags:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from moe_registry.oracle import select
+    from moe_registry.oracle.select import select
 
     registry = load_registry(args.spec_dir)
     check_kernel_names(registry, kernel=args.kernel, prefer=args.prefer)
@@ -131,8 +131,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from moe_registry.conformance import undeclarable_options
-    from moe_registry.registry import files_to_validate
+    from moe_registry.spec.loader import files_to_validate
+    from moe_registry.testing.conformance import undeclarable_options
 
     files, empty = files_to_validate(args.paths)
     problems: list[dict[str, Any]] = []
@@ -167,7 +167,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def editor_schema() -> dict[str, Any]:
     """One JSON Schema for any spec file: ``oneOf`` the three kinds, their models under ``$defs``."""
-    from moe_registry.spec_models import SPEC_KINDS
+    from moe_registry.spec.models import SPEC_KINDS
 
     defs: dict[str, Any] = {}
     refs = []
@@ -184,7 +184,7 @@ def editor_schema() -> dict[str, Any]:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from moe_registry.spec_models import SPEC_KINDS
+    from moe_registry.spec.models import SPEC_KINDS
 
     schema = SPEC_KINDS[args.kind].model_json_schema(by_alias=True) if args.kind else editor_schema()
     print(json.dumps(schema, indent=None if args.json else 2))
@@ -192,7 +192,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    from moe_registry.matrix import matrix_markdown, support_matrix
+    from moe_registry.cli.matrix import matrix_markdown, support_matrix
 
     registry = load_registry(args.spec_dir)
     if args.json:
@@ -203,7 +203,7 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from moe_registry.run import run_layer_command
+    from moe_registry.cli.run import run_layer_command
 
     return run_layer_command(args)
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moe_registry import guards
-from moe_registry.errors import CheckpointError
-from moe_registry.expr import ExprError, parse_expr
+from moe_registry.core import guards
+from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.checks import check_all_equal
-from moe_registry.runtime import MoEShape
-from moe_registry.spec_models import ModelFamilySpec, SchemeSpec, TensorSpec
+from moe_registry.oracle.runtime import MoEShape
+from moe_registry.spec.expr import ExprError, parse_expr
+from moe_registry.spec.models import ModelFamilySpec, SchemeSpec, TensorSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16": "float16",

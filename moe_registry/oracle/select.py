@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moe_registry.checks import Reason, failed
-from moe_registry.errors import SelectionError
-from moe_registry.match import SchemeVerdict, detect_scheme
-from moe_registry.predicates import kernel_checks
-from moe_registry.registry import Registry
-from moe_registry.report import KernelVerdict, Report
-from moe_registry.runtime import RuntimeConfig
-from moe_registry.spec_models import ModelFamilySpec
+from moe_registry.core.errors import SelectionError
+from moe_registry.oracle.contract import Reason, failed
+from moe_registry.oracle.detect import SchemeVerdict, detect_scheme
+from moe_registry.oracle.predicates import kernel_checks
+from moe_registry.oracle.render import KernelVerdict, Report
+from moe_registry.oracle.runtime import RuntimeConfig
+from moe_registry.spec.loader import Registry
+from moe_registry.spec.models import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
 

@@ -16,11 +16,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from moe_registry import guards
-from moe_registry.builder import DTYPES, MoELayer, build
-from moe_registry.errors import ConfigError
-from moe_registry.report import Report
-from moe_registry.routing import Routing, from_given
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError
+from moe_registry.layer.build import DTYPES, MoELayer, build
+from moe_registry.model.routing import Routing, from_given
+from moe_registry.oracle.render import Report
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from moe_registry.checks import Check, Reason, failed, passed
-from moe_registry.guards import bounded_match, bounded_search, same_value
-from moe_registry.keys import QuantKey, parse_quant_key
-from moe_registry.registry import fill_template
-from moe_registry.spec_models import BindRule, FieldRule, SchemeSpec, ScopeRule
+from moe_registry.core.guards import bounded_match, bounded_search, same_value
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.oracle.contract import Check, Reason, failed, passed
+from moe_registry.spec.loader import fill_template
+from moe_registry.spec.models import BindRule, FieldRule, SchemeSpec, ScopeRule
 
 _MISSING = object()
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_registry import guards
-from moe_registry.errors import ConfigError
-from moe_registry.match import _MISSING, check_field, get_path
-from moe_registry.registry import Registry
-from moe_registry.runtime import MoEShape
-from moe_registry.spec_models import FieldRef, ModelFamilySpec
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError
+from moe_registry.oracle.detect import _MISSING, check_field, get_path
+from moe_registry.oracle.runtime import MoEShape
+from moe_registry.spec.loader import Registry
+from moe_registry.spec.models import FieldRef, ModelFamilySpec
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from moe_registry.errors import ConfigError
-from moe_registry.keys import ACTIVATION_DTYPES
+from moe_registry.core.errors import ConfigError
+from moe_registry.core.keys import ACTIVATION_DTYPES
 
 _PLATFORM_RE = re.compile(r"^(cpu|cuda|rocm|xpu)(?::(\d+)\.(\d+))?$")
 

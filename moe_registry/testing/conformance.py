@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from moe_registry.keys import QuantKey, parse_quant_key
-from moe_registry.predicates import check_keys
-from moe_registry.registry import Registry, binding_samples, fill_template
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.oracle.predicates import check_keys
+from moe_registry.spec.loader import Registry, binding_samples, fill_template
 
 # What the generator can build a case for. Adding an option to the spec language means adding it here.
 GENERATABLE = {

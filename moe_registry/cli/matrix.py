@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from moe_registry.keys import parse_quant_key
-from moe_registry.predicates import kernel_checks
-from moe_registry.registry import Registry, binding_samples, fill_template
-from moe_registry.runtime import RuntimeConfig, parse_platform
-from moe_registry.spec_models import SchemeSpec
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.oracle.predicates import kernel_checks
+from moe_registry.oracle.runtime import RuntimeConfig, parse_platform
+from moe_registry.spec.loader import Registry, binding_samples, fill_template
+from moe_registry.spec.models import SchemeSpec
 
 MATRIX_PLATFORMS = ("cpu", "cuda:8.0", "cuda:9.0", "cuda:10.0", "rocm:9.4")
 

@@ -13,11 +13,11 @@ import textwrap
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from moe_registry.checks import Check
+from moe_registry.oracle.contract import Check
 
 if TYPE_CHECKING:
-    from moe_registry.match import SchemeVerdict
-    from moe_registry.oracle import Situation
+    from moe_registry.oracle.detect import SchemeVerdict
+    from moe_registry.oracle.select import Situation
 
 TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
 NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose

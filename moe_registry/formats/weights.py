@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_registry.keys import QuantKey
+from moe_registry.core.keys import QuantKey
 
 
 @dataclass(frozen=True)

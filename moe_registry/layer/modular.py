@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from moe_registry.experts import ActivationFormat, Experts
+from moe_registry.layer.experts import ActivationFormat, Experts
 
 __all__ = [
     "PreparedInput",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from moe_registry.errors import CheckpointError, ConfigError
+from moe_registry.core.errors import CheckpointError, ConfigError
 
 try:  # the parser behind re.compile (public as sre_parse before 3.11)
     from re import _parser as _sre_parse  # type: ignore[attr-defined]

@@ -14,11 +14,11 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from moe_registry.checks import Check, Reason, failed, passed
-from moe_registry.expr import ExprError, parse_expr
-from moe_registry.keys import QuantKey, canonical_pattern
-from moe_registry.runtime import RuntimeConfig
-from moe_registry.spec_models import KernelSpec
+from moe_registry.core.keys import QuantKey, canonical_pattern
+from moe_registry.oracle.contract import Check, Reason, failed, passed
+from moe_registry.oracle.runtime import RuntimeConfig
+from moe_registry.spec.expr import ExprError, parse_expr
+from moe_registry.spec.models import KernelSpec
 
 # Which activation format each all2all backend delivers to the experts. "none" is no EP dispatch.
 ALL2ALL_FORMATS = {

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from moe_registry.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights
 
 ActivationFn = Literal["silu", "gelu", "swigluoai"]
 ActivationFormat = Literal["standard", "batched"]

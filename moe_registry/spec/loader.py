@@ -20,12 +20,12 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from moe_registry import guards
-from moe_registry.errors import ConfigError, SpecError
-from moe_registry.expr import parse_expr
-from moe_registry.keys import KeyError_, parse_quant_key
-from moe_registry.spec_models import SPEC_KINDS, KernelSpec, ModelFamilySpec, SchemeSpec, Strict
-from moe_registry.yamlio import line_of, load_yaml_file
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError, SpecError
+from moe_registry.core.keys import KeyError_, parse_quant_key
+from moe_registry.spec.expr import parse_expr
+from moe_registry.spec.models import SPEC_KINDS, KernelSpec, ModelFamilySpec, SchemeSpec, Strict
+from moe_registry.spec.yamlio import line_of, load_yaml_file
 
 T = TypeVar("T", bound=Strict)
 SPEC_PATH_ENV = "MOE_REGISTRY_SPEC_PATH"

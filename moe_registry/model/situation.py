@@ -10,13 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_registry import guards
-from moe_registry.errors import ConfigError
-from moe_registry.model_config import ModelConfig, config_path, read_json, read_model_config
-from moe_registry.oracle import Situation, expert_modules
-from moe_registry.predicates import ALL2ALL_FORMATS
-from moe_registry.registry import Registry
-from moe_registry.runtime import (
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError
+from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
+from moe_registry.oracle.predicates import ALL2ALL_FORMATS
+from moe_registry.oracle.runtime import (
     MoEShape,
     ParallelConfig,
     RuntimeConfig,
@@ -24,7 +22,9 @@ from moe_registry.runtime import (
     parse_platform,
     parse_runtime_file,
 )
-from moe_registry.yamlio import load_yaml_file
+from moe_registry.oracle.select import Situation, expert_modules
+from moe_registry.spec.loader import Registry
+from moe_registry.spec.yamlio import load_yaml_file
 
 
 @dataclass(frozen=True)

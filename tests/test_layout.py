@@ -1,0 +1,89 @@
+"""The package layout shows the flow: each stage imports only the stages below it, and no module
+imports another that imports it back (DESIGN "Layout"; each sub-package's docstring says what it
+may import)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import moe_registry
+
+PACKAGE = Path(moe_registry.__file__).parent
+# stage -> rank; a module may import its own stage and any stage of a lower rank
+STAGES = {"core": 0, "spec": 1, "oracle": 2, "formats": 3, "model": 4, "layer": 5, "cli": 6, "testing": 6}
+KERNEL_IMPORTS = {"moe_registry.core", "moe_registry.formats", "moe_registry.layer"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every moe_registry module ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    modules = _modules()
+    return {name for name in found if name in modules and name.startswith("moe_registry.")}
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+
+
+def test_every_module_lives_in_a_stage() -> None:
+    loose = [m for m in _modules() if m.count(".") == 1 and _stage(m) is None and m != "moe_registry.__main__"]
+    assert loose == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _modules() if _stage(m)))
+def test_stage_imports_only_lower_stages(module: str) -> None:
+    own = STAGES[_stage(module)]  # type: ignore[index]
+    upward = sorted(i for i in _imports(_modules()[module]) if _stage(i) and STAGES[_stage(i)] > own)  # type: ignore[index]
+    assert upward == [], f"{module} (stage {_stage(module)}) imports a higher stage: {upward}"
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: _imports(p) - {m} for m, p in _modules().items()}
+    # a package's __init__ is not a dependency of its modules' cycle analysis unless it imports them
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(trail[trail.index(nxt):] + [nxt] if nxt in trail else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_kernels_import_only_the_layer_contract() -> None:
+    """The compute (kernels/) sees QuantKeys, the weight layout and the Experts interface only."""
+    kernels = Path(moe_registry.__file__).parent.parent / "kernels"
+    assert kernels.is_dir(), "the tests run from the source tree (pip install -e .)"
+    seen = set()
+    for path in kernels.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_registry."):
+                seen.add(".".join(node.module.split(".")[:2]))
+    assert seen <= KERNEL_IMPORTS, seen - KERNEL_IMPORTS
