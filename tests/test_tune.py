@@ -18,7 +18,7 @@ def _tune(out: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[in
     """tools/tune.py's main() in this process (exit code, stdout)."""
     import tune
 
-    code = tune.main(["--dry-run", "--schemes", "awq", "--out", str(out), *args])
+    code = tune.main(["--dry-run", "--schemes", "awq-w4a16", "--out", str(out), *args])
     return code, capsys.readouterr().out
 
 
@@ -46,7 +46,7 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
         assert set(by_tokens) == {"1"}
         config = by_tokens["1"]
         assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps", "num_stages"} <= set(config)
-    assert "tiny      awq             1" in out
+    assert f"{'tiny':<10}{'awq-w4a16':<26}{1:>6}" in out
 
     # the kernel reads the file for that device name
     from moe_registry_kernels import triton_moe
@@ -65,7 +65,7 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
     # done entries are skipped; a new M is added next to them
     code, out = _tune(tmp_path, capsys, "--m", "1", "8")
     assert code == 0
-    assert "tiny      awq             1" not in out and "tiny      awq             8" in out
+    assert f"{'tiny':<10}{'awq-w4a16':<26}{1:>6}" not in out and f"{'tiny':<10}{'awq-w4a16':<26}{8:>6}" in out
     table = json.loads(files[0].read_text())
     table.pop("meta")
     assert all(set(by_tokens) == {"1", "8"} for by_tokens in table.values())
@@ -86,7 +86,7 @@ def test_prefill_candidates_include_the_swapped_kernel_only_where_it_runs(monkey
     mixtral = tune.bench.SHAPES["mixtral"]
     assert 256 in tune.block_ms(4096, mixtral)
     # compiling ahead skips block sizes without candidates (int8 dots never swap)
-    pairs = tune.all_pairs(mixtral, "w8a8", [4096])
+    pairs = tune.all_pairs(mixtral, tune.bench.registry_schemes()["quark-w8a8-int8"], [4096])
     assert pairs and all(c1["BLOCK_M"] != 256 for c1, _ in pairs)
 
 

@@ -12,10 +12,20 @@ bytes = weights + scales + zero points of the experts the routing hits + activat
 kernel times from the profiler, against a roofline of the weights, the hidden rows in and the
 top-k rows out), and the rest of the layer's kernels as glue.
 
-    python tools/bench.py                       # all shapes, schemes, M
-    python tools/bench.py --shapes qwen3 --m 1 8 64 --schemes bf16 awq
+The schemes are the scheme specs that list the Triton kernel (KERNEL), their keys bound with
+group 128 where the spec allows it; a spec added (MOE_REGISTRY_SPEC_PATH for user specs) is
+benchmarked with no edit here. By default one scheme per distinct key pair runs (the others
+run the same kernel on the same weights; --help lists them); a row fails when its error is past the scheme's
+conformance tolerance.
+
+    python tools/bench.py                       # all shapes, one scheme per key pair, all M
+    python tools/bench.py --shapes qwen3 --m 1 8 64 --schemes unquantized awq-w4a16
     python tools/bench.py --dry-run             # tiny shapes on CPU: checks the tool runs
-Writes bench.json and roofline.png to --out (default: current dir).
+    python tools/bench.py --resume ...          # measure only the cells not yet in --out
+
+Writes bench.json and roofline.png to --out (default: current dir), and bench.jsonl as it goes:
+one line per cell (shape x scheme x M) as soon as it is measured, so a run cut off keeps every
+finished cell and ``--resume`` goes on from there (with the ceilings measured the first time).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -53,18 +64,102 @@ SHAPES = {
 }
 DRY_SHAPES = {"tiny": Shape("tiny", 8, 2, 128, 128)}
 
-# scheme name -> (weight key, activation key, matrix unit whose peak bounds it)
-SCHEMES = {
-    "bf16": ("unquantized", "unquantized", "bf16"),
-    "awq": ("uint4 scale:float16:group(128):static zp:group", "unquantized", "bf16"),
-    "gptq4": ("uint4b8 scale:float16:group(128):static", "unquantized", "bf16"),
-    "int8wo": ("uint8b128 scale:float16:group(128):static", "unquantized", "bf16"),
-    "w8a8": ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic", "int8"),
-    "mxfp8": ("fp8e4m3 scale:e8m0:block(1x32):static", "fp8e4m3 scale:e8m0:block(1x32):dynamic", "bf16"),
-    # the same weights with 16-bit activations: what keeping activations unquantized would cost
-    "mxfp8-a16": ("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized", "bf16"),
-    "fp8block": ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic", "fp8"),
-}
+# the kernel whose schemes are benchmarked (on CPU, --dry-run runs the same schemes on the reference)
+KERNEL = "triton-fused-moe"
+# binding values benchmarked where a scheme's spec allows them (group 128: what checkpoints ship)
+PREFERRED_BINDINGS = {"group": 128, "act_order": False}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A scheme spec as the tools run it: bound keys, the matrix unit whose peak bounds it, and
+    its conformance tolerance per dtype."""
+
+    name: str
+    weight: str  # canonical key text (what the kernel's config files are named by)
+    activation: str
+    unit: str  # "bf16", "int8" or "fp8"
+    tolerance: dict[str, float]
+    bindings: dict[str, object]
+
+    @property
+    def keys(self) -> tuple[str, str]:
+        return self.weight, self.activation
+
+    def tolerance_for(self, dtype: str) -> float:
+        return self.tolerance.get(dtype, max(self.tolerance.values()))
+
+
+def matrix_unit(akey: QuantKey) -> str:
+    """The matrix unit a layer's dots run on: int8 or fp8 activations use theirs; 16-bit ones and
+    MX-scaled (e8m0) fp8, which Triton on Hopper dots in bf16, the bf16 unit."""
+    if not akey.quantized:
+        return "bf16"
+    if akey.dtype.name == "int8":
+        return "int8"
+    if akey.dtype.name.startswith("fp8") and akey.scale is not None and akey.scale.dtype.name != "e8m0":
+        return "fp8"
+    return "bf16"
+
+
+def pick_bindings(spec, preferred: dict[str, object] = PREFERRED_BINDINGS) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The spec's binding sample closest to ``preferred`` (most preferred values; the first sample
+    on a tie)."""
+    from moe_registry.spec.loader import binding_samples
+
+    samples = binding_samples(spec)
+    return max(samples, key=lambda s: sum(k in preferred and s[k] == preferred[k] for k in s))
+
+
+def registry_schemes(kernel: str = KERNEL, registry=None) -> dict[str, Scheme]:  # type: ignore[no-untyped-def]
+    """Every scheme spec that lists ``kernel`` and whose bound keys the kernel claims, by name."""
+    from moe_registry import load_registry
+    from moe_registry.oracle.predicates import check_keys
+    from moe_registry.spec.loader import fill_template
+
+    registry = registry or load_registry()
+    kspec = registry.kernel(kernel)
+    out = {}
+    for name, loaded in sorted(registry.schemes.items()):
+        spec = loaded.spec
+        if kernel not in spec.kernels:
+            continue
+        bindings = pick_bindings(spec)
+        wkey = parse_quant_key(fill_template(spec.weight, bindings))
+        akey = parse_quant_key(fill_template(spec.activation, bindings))
+        if all(c.passed for c in check_keys(kspec, wkey, akey)):
+            out[name] = Scheme(name, str(wkey), str(akey), matrix_unit(akey), dict(spec.tolerance), bindings)
+    return out
+
+
+def same_keys(schemes: dict[str, Scheme]) -> dict[tuple[str, str], list[str]]:
+    """Scheme names by (weight key, activation key), in name order."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for name, s in sorted(schemes.items()):
+        out.setdefault(s.keys, []).append(name)
+    return out
+
+
+def default_schemes(schemes: dict[str, Scheme]) -> list[str]:
+    """One scheme per distinct key pair (the shortest name, then the first): the others run the
+    same kernel on the same weights."""
+    return sorted(min(names, key=lambda n: (len(n), n)) for names in same_keys(schemes).values())
+
+
+def check_names(given: list[str], known: list[str], what: str = "scheme") -> str | None:
+    """A one-line error for the names not in ``known`` (with a guess where one is close), or None."""
+    import difflib
+
+    unknown = [g for g in given if g not in known]
+    if not unknown:
+        return None
+    guesses = []
+    for g in unknown:
+        close = difflib.get_close_matches(g, known, n=1, cutoff=0.5) or [k for k in known if k.startswith(g)][:1]
+        guesses += [f"{g!r} (did you mean {close[0]!r}?)" if close else repr(g)]
+    return f"unknown {what} {', '.join(guesses)}; known: {', '.join(known)}"
+
+
 L2_BYTES = 50 * 1024 * 1024
 # layer calls per timed graph, at least: launching a graph costs a few µs of its own (H100: 3-5 µs
 # of a 30 µs one-call replay), which a model's forward pass pays once for all of its layers
@@ -184,20 +279,20 @@ def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtyp
     return ExpertWeights(p13, p2, wkey, akey)
 
 
-def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, float], device: torch.device,
-              kernel_cls, dry: bool) -> list[Row]:
+def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
+              kernel_cls, dry: bool, check_m: int | None = None) -> Iterator[Row]:
+    """One row per M, each yielded as soon as it is measured (the correctness check on
+    ``check_m`` tokens, default min(max(ms), 64), comes first)."""
     from moe_registry_kernels.reference import ReferenceExperts
 
-    wtext, atext, unit = SCHEMES[scheme]
-    wkey, akey = parse_quant_key(wtext), parse_quant_key(atext)
+    wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
     dtype = torch.float16 if dry else torch.bfloat16
     config = ExpertsConfig()
     base = make_weights(shape, wkey, akey, dtype, device, seed=0)
-    peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[unit]
-    rows = []
+    peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[scheme.unit]
     gen = torch.Generator(device=device).manual_seed(1)
     # correctness first, on the real shape
-    check_m = min(max(ms), 64)
+    check_m = check_m or min(max(ms), 64)
     x = torch.randn(check_m, shape.hidden, device=device, generator=gen).to(dtype)
     logits = torch.randn(check_m, shape.experts, device=device, generator=gen)
     tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
@@ -237,9 +332,8 @@ def bench_one(shape: Shape, scheme: str, ms: list[int], ceilings: dict[str, floa
         # activation's round trip belongs to the layer); same FLOPs
         gemm_bytes = wbytes + m * shape.hidden * x.element_size() * (1 + shape.top_k)
         gemm_roof = max(gemm_bytes / ceilings["copy_bytes_per_s"], flops / peak)
-        rows.append(Row(shape.name, scheme, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel,
-                        gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6))
-    return rows
+        yield Row(shape.name, scheme.name, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel,
+                  gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6)
 
 
 # what the GEMM kernels are called in a profile: the Triton kernel on GPU, the reference's matmuls on CPU
@@ -306,10 +400,10 @@ def _calls(kernels: list, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor): 
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'shape':<18}{'scheme':<10}{'M':>6}{'us':>9}{'roof us':>9}{'GB/s':>7}{'TFLOP/s':>9}"
+    print(f"{'shape':<18}{'scheme':<26}{'M':>6}{'us':>9}{'roof us':>9}{'GB/s':>7}{'TFLOP/s':>9}"
           f"{'% roof':>8}{'gemm us':>9}{'% gemm':>8}{'glue us':>9}{'rel err':>10}")
     for r in rows:
-        print(f"{r.shape:<18}{r.scheme:<10}{r.m:>6}{r.us:>9.1f}{r.roofline_us:>9.1f}{r.gbps:>7.0f}"
+        print(f"{r.shape:<18}{r.scheme:<26}{r.m:>6}{r.us:>9.1f}{r.roofline_us:>9.1f}{r.gbps:>7.0f}"
               f"{r.tflops:>9.1f}{r.pct:>7.0f}%{r.gemm_us:>9.1f}{r.gemm_pct:>7.0f}%{r.glue_us:>9.1f}"
               f"{r.rel_error:>10.2e}")
 
@@ -325,7 +419,7 @@ def plot(rows: list[Row], path: Path) -> bool:
     shapes = sorted({r.shape for r in rows})
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
-        for scheme in SCHEMES:
+        for scheme in dict.fromkeys(r.scheme for r in rows):
             pts = sorted((r.m, r.pct) for r in rows if r.shape == shape and r.scheme == scheme)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=scheme)
@@ -340,31 +434,43 @@ def plot(rows: list[Row], path: Path) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES))
-    parser.add_argument("--m", nargs="*", type=int, default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference kernel)")
-    args = parser.parse_args(argv)
-    dry = args.dry_run or not torch.cuda.is_available()
-    if not args.dry_run and dry:
-        print("no GPU: running the dry run", file=sys.stderr)
-    device = torch.device("cpu" if dry else "cuda")
-    if dry:
-        from moe_registry_kernels.reference import ReferenceExperts as kernel_cls
-        shapes, ms = list(DRY_SHAPES.values()), [1, 8]
-    else:
-        from moe_registry_kernels.triton_moe import TritonExperts as kernel_cls
-        shapes, ms = [SHAPES[s] for s in args.shapes], args.m
-    ceilings = measure_ceilings(device, dry)
-    rows: list[Row] = []
-    for shape in shapes:
-        for scheme in args.schemes:
-            rows += bench_one(shape, scheme, ms, ceilings, device, kernel_cls, dry)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
-    args.out.mkdir(parents=True, exist_ok=True)
+def row_record(r: Row) -> dict:
+    """A row as bench.json holds it: the measured fields and the figures derived from them."""
+    return {**asdict(r), "pct_roofline": r.pct, "gemm_pct_roofline": r.gemm_pct, "gbps": r.gbps, "tflops": r.tflops}
+
+
+def row_from_record(record: dict) -> Row:
+    return Row(**{f: record[f] for f in Row.__dataclass_fields__})
+
+
+def read_progress(out: Path) -> tuple[dict | None, list[dict]]:
+    """The run header ({"env", "ceilings"}) and the rows recorded in ``out``: bench.jsonl (one
+    line per measured cell, written as it is measured), else a finished bench.json. A line cut
+    off by a kill is ignored."""
+    progress, final = out / PROGRESS, out / RESULT
+    if progress.is_file():
+        header, rows = None, []
+        for line in progress.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "row" in record:
+                rows.append(record["row"])
+            elif "ceilings" in record:
+                header = header or record
+        return header, rows
+    if final.is_file():
+        doc = json.loads(final.read_text())
+        return {"env": doc["env"], "ceilings": doc["ceilings"]}, doc["rows"]
+    return None, []
+
+
+def cell(record: dict) -> tuple[str, str, int]:
+    return record["shape"], record["scheme"], int(record["m"])
+
+
+def environment(device: torch.device, dry: bool) -> dict:
     env = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "python": platform.python_version(), "dry_run": dry}
     try:
@@ -373,17 +479,88 @@ def main(argv: list[str] | None = None) -> int:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    result = {"env": env, "ceilings": ceilings,
-              "rows": [{**asdict(r), "pct_roofline": r.pct, "gemm_pct_roofline": r.gemm_pct, "gbps": r.gbps,
-                        "tflops": r.tflops} for r in rows]}
-    (args.out / "bench.json").write_text(json.dumps(result, indent=2))
-    plotted = plot(rows, args.out / "roofline.png")
+    return env
+
+
+RESULT, PROGRESS = "bench.json", "bench.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    schemes = registry_schemes()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--schemes", nargs="*", default=None, metavar="SCHEME",
+                        help=f"scheme spec names (those listing {KERNEL}; MOE_REGISTRY_SPEC_PATH adds "
+                             "user specs); default: one per distinct key pair: "
+                             + ", ".join(default_schemes(schemes)) + "; all: " + ", ".join(schemes))
+    parser.add_argument("--m", nargs="*", type=int, default=None,
+                        help="token counts (default 1 8 64 512 4096; --dry-run: 1 8)")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--resume", action="store_true",
+                        help=f"keep the cells already in --out ({PROGRESS}, else {RESULT}) and measure the rest")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference kernel)")
+    args = parser.parse_args(argv)
+    names = default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
+    bad_names = check_names(names, list(schemes))
+    if bad_names:
+        print(f"bench.py: {bad_names}", file=sys.stderr)
+        return 2
+    dry = args.dry_run or not torch.cuda.is_available()
+    if not args.dry_run and dry:
+        print("no GPU: running the dry run", file=sys.stderr)
+    device = torch.device("cpu" if dry else "cuda")
+    if dry:
+        from moe_registry_kernels.reference import ReferenceExperts as kernel_cls
+        shapes, ms = list(DRY_SHAPES.values()), args.m or [1, 8]
+    else:
+        from moe_registry_kernels.triton_moe import TritonExperts as kernel_cls
+        shapes, ms = [SHAPES[s] for s in args.shapes], args.m or [1, 8, 64, 512, 4096]
+    env = environment(device, dry)
+    header, recorded = read_progress(args.out) if args.resume else (None, [])
+    if header is not None and (header["env"]["device"], header["env"].get("dry_run")) != (env["device"], dry):
+        print(f"{args.out / PROGRESS} was measured on {header['env']['device']} (dry run: "
+              f"{header['env'].get('dry_run')}), this is {env['device']} (dry run: {dry}): run without --resume "
+              "or with another --out", file=sys.stderr)
+        return 2
+    # a resumed run keeps the ceilings its rows' rooflines were computed with
+    ceilings = header["ceilings"] if header is not None else measure_ceilings(device, dry)
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = args.out / PROGRESS
+    with progress.open("w") as f:  # the rows kept, then each new one as it is measured
+        f.write(json.dumps({"env": header["env"] if header else env, "ceilings": ceilings}) + "\n")
+        for record in recorded:
+            f.write(json.dumps({"row": record}) + "\n")
+    rows = {cell(r): row_from_record(r) for r in recorded}
+    skipped = 0
+    for shape in shapes:
+        for name in names:
+            todo = [m for m in ms if (shape.name, name, m) not in rows]
+            skipped += len(ms) - len(todo)
+            if not todo:
+                continue
+            for row in bench_one(shape, schemes[name], todo, ceilings, device, kernel_cls, dry,
+                                 check_m=min(max(ms), 64)):
+                rows[cell(asdict(row))] = row
+                with progress.open("a") as f:
+                    f.write(json.dumps({"row": row_record(row), "at": time.time()}) + "\n")
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    result = {"env": header["env"] if header else env, "ceilings": ceilings,
+              "rows": [row_record(r) for r in rows.values()]}
+    tmp = args.out / (RESULT + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(args.out / RESULT)
+    plotted = plot(list(rows.values()), args.out / "roofline.png")
     print(f"device {env['device']}; copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s, int8 {ceilings['int8_ops'] / 1e12:.0f} TOP/s, "
-          f"fp8 {ceilings['fp8_flops'] / 1e12:.0f} TFLOP/s")
-    print_table(rows)
-    print(f"wrote {args.out / 'bench.json'}" + (f" and {args.out / 'roofline.png'}" if plotted else ""))
-    bad = [r for r in rows if not r.rel_error < 0.1]
+          f"fp8 {ceilings['fp8_flops'] / 1e12:.0f} TFLOP/s" + (f"; {skipped} cells kept" if skipped else ""))
+    print_table(list(rows.values()))
+    print(f"wrote {args.out / RESULT}" + (f" and {args.out / 'roofline.png'}" if plotted else ""))
+    dtype = "float16" if dry else "bfloat16"
+    bad = [r for r in rows.values()
+           if not r.rel_error <= (schemes[r.scheme].tolerance_for(dtype) if r.scheme in schemes else 0.1)]
+    for r in bad:
+        print(f"{r.shape} {r.scheme} M={r.m}: relative error {r.rel_error:.2e} past the scheme's tolerance",
+              file=sys.stderr)
     return 1 if bad else 0
 
 

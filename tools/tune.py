@@ -9,13 +9,17 @@ kernel picks today, and replaces them only if it is still faster by CONFIRM_MARG
 timed once, minutes apart from the incumbent, can win on the GPU's clocks alone. Candidates are
 compiled first by parallel worker processes (Triton's disk cache is shared), then timed in this one.
 
-    python tools/tune.py                                  # every shape, scheme and M (resumes)
-    python tools/tune.py --shapes qwen3 --schemes awq --m 1 8 64
+    python tools/tune.py                                  # every shape, key pair and M (resumes)
+    python tools/tune.py --shapes qwen3 --schemes awq-w4a16 --m 1 8 64
     python tools/tune.py --dry-run                        # tiny shapes through the interpreter
 
-Results go to kernels/configs/<device>__<weight key>__<activation key>.json (``--out`` to put
-them elsewhere), one entry per GEMM shape and token count, written after every entry: an
-interrupted run picks up where it stopped (``--redo`` to tune entries again).
+The schemes are the scheme specs that list the Triton kernel, bound as tools/bench.py binds
+them (``--help`` lists them); schemes with the same keys share a config file, tuned once to the
+strictest of their tolerances. Results go to
+kernels/configs/<device>__<weight key>__<activation key>.json (the canonical keys: the file the
+kernel reads; ``--out`` to put them elsewhere), one entry per GEMM shape and token count,
+rewritten in one step after every entry: an interrupted run keeps every finished entry and picks
+up where it stopped (``--resume``, the default; ``--redo`` to tune entries again).
 """
 
 from __future__ import annotations
@@ -39,11 +43,6 @@ import torch  # noqa: E402
 
 from moe_registry.core.keys import parse_quant_key  # noqa: E402
 from moe_registry.layer.experts import ExpertsConfig  # noqa: E402
-
-# bench scheme -> the spec whose conformance tolerance a tuned config must meet
-SPEC_OF = {"bf16": "unquantized", "awq": "awq-w4a16", "gptq4": "gptq-w4a16", "int8wo": "gptq-w8a16",
-           "w8a8": "quark-w8a8-int8", "mxfp8": "modelopt-mxfp8", "mxfp8-a16": "modelopt-mxfp8",
-           "fp8block": "fp8-block128"}
 
 
 @dataclass(frozen=True)
@@ -110,11 +109,10 @@ CONFIRM_ROUNDS = 3
 class Layer:
     """One shape × scheme: weight copies enough to rotate out of L2, inputs per M, the reference."""
 
-    def __init__(self, shape: bench.Shape, scheme: str, device: torch.device, dry: bool) -> None:
+    def __init__(self, shape: bench.Shape, scheme: bench.Scheme, device: torch.device, dry: bool) -> None:
         from moe_registry_kernels.triton_moe import TritonExperts
 
-        wtext, atext, _ = bench.SCHEMES[scheme]
-        self.wkey, self.akey = parse_quant_key(wtext), parse_quant_key(atext)
+        self.wkey, self.akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
         self.shape, self.scheme, self.device, self.dry = shape, scheme, device, dry
         self.dtype = torch.float16 if dry else torch.bfloat16
         base = bench.make_weights(shape, self.wkey, self.akey, self.dtype, device, seed=0)
@@ -174,7 +172,7 @@ class Layer:
 # compiling ahead, in parallel
 
 
-def _compile_worker(job: tuple[str, str, list[tuple[dict, dict]], bool]) -> int:
+def _compile_worker(job: tuple[str, bench.Scheme, list[tuple[dict, dict]], bool]) -> int:
     """Run a small layer call under each config pair (the kernel does not specialise on the token
     count, so this compiles what the real calls will use)."""
     shape_name, scheme, pairs, dry = job
@@ -195,7 +193,7 @@ def _compile_worker(job: tuple[str, str, list[tuple[dict, dict]], bool]) -> int:
     return done
 
 
-def precompile(shape_name: str, scheme: str, pairs: list[tuple[dict, dict]], dry: bool, workers: int) -> None:
+def precompile(shape_name: str, scheme: bench.Scheme, pairs: list[tuple[dict, dict]], dry: bool, workers: int) -> None:
     if workers <= 1 or dry or len(pairs) < 4:
         return
     chunks = [pairs[i::workers] for i in range(workers)]
@@ -298,13 +296,13 @@ def confirm(layer: Layer, m: int, x, tw, ti, first: tuple, second: tuple,
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict, dict]]:
+def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[tuple[dict, dict]]:
     """Every config pair tune_target may try (for compiling ahead)."""
     from moe_registry_kernels.triton_moe import scheme_from_keys, swappable
 
-    wkey = parse_quant_key(bench.SCHEMES[scheme][0])
+    wkey = parse_quant_key(scheme.weight)
     narrow = wkey.quantized and wkey.dtype.bits <= 8
-    swap = swappable(scheme_from_keys(*bench.SCHEMES[scheme][:2]))
+    swap = swappable(scheme_from_keys(*scheme.keys))
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
         tiles = tile_candidates(bm, narrow, swap=swap)
@@ -315,26 +313,54 @@ def all_pairs(shape: bench.Shape, scheme: str, ms: list[int]) -> list[tuple[dict
     return pairs
 
 
+def tolerance_for_keys(schemes: dict[str, bench.Scheme], keys: tuple[str, str], dtype: str) -> float:
+    """The tolerance a config for these keys must meet: the strictest of the scheme specs that
+    bind them (a tuned config serves every one of them)."""
+    return min(s.tolerance_for(dtype) for s in schemes.values() if s.keys == keys)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` in one step: a run killed mid-write leaves the old file whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
+    schemes = bench.registry_schemes()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="*", default=list(bench.SHAPES), choices=list(bench.SHAPES))
-    parser.add_argument("--schemes", nargs="*", default=[s for s in bench.SCHEMES if s != "mxfp8"],
-                        choices=list(bench.SCHEMES))
+    parser.add_argument("--schemes", nargs="*", default=None, metavar="SCHEME",
+                        help=f"scheme spec names (those listing {bench.KERNEL}; schemes with the same keys share "
+                             "one config file: tuned once, to the strictest of their tolerances); default: one per "
+                             "distinct key pair: " + ", ".join(bench.default_schemes(schemes))
+                             + "; all: " + ", ".join(schemes))
     parser.add_argument("--m", nargs="*", type=int, default=None, help="token counts (default 1 8 64 512 4096)")
     parser.add_argument("--out", type=Path, default=None, help="config directory (default: the kernel's)")
-    parser.add_argument("--redo", action="store_true", help="tune entries that already have a config")
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="skip entries that already have a config (the default)")
+    again.add_argument("--redo", action="store_true", help="tune entries that already have a config")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--budget-s", type=float, default=math.inf,
                         help="start no new entry after this many seconds (run again to go on)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     args = parser.parse_args(argv)
+    names = bench.default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
+    bad_names = bench.check_names(names, list(schemes))
+    if bad_names:
+        print(f"tune.py: {bad_names}", file=sys.stderr)
+        return 2
+    # one run per key pair: the config file is the keys'
+    first_of_keys: dict[tuple[str, str], str] = {}
+    for n in names:
+        first_of_keys.setdefault(schemes[n].keys, n)
+    names = list(first_of_keys.values())
 
     dry = args.dry_run or not torch.cuda.is_available()
     if dry:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from moe_registry_kernels import triton_moe
-
-    from moe_registry.spec.loader import load_registry
 
     device = torch.device("cpu" if dry else "cuda")
     out_dir = args.out or triton_moe.CONFIG_DIR
@@ -342,20 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if not dry else "dry-run"
     shapes = bench.DRY_SHAPES if dry else {k: bench.SHAPES[k] for k in args.shapes}
     ms = args.m or ([1, 8] if dry else [1, 8, 64, 512, 4096])
-    registry = load_registry()
+    dtype = "float16" if dry else "bfloat16"
     # the interpreter is slow: two tile candidates per BLOCK_M, splits 1 and 2
     search = {"limit": 2, "splits": (1, 2)} if dry else {}
 
-    targets = [Target(sn, sc, m) for sn in shapes for sc in args.schemes for m in ms]
+    targets = [Target(sn, sc, m) for sn in shapes for sc in names for m in ms]
     started, done = time.monotonic(), 0
     summary = []
-    for (shape_name, scheme), group in itertools.groupby(targets, key=lambda t: (t.shape, t.scheme)):
+    for (shape_name, name), group in itertools.groupby(targets, key=lambda t: (t.shape, t.scheme)):
         group = list(group)
-        shape = shapes[shape_name]
-        wtext, atext, _ = bench.SCHEMES[scheme]
-        path = out_dir / triton_moe.config_file(wtext, atext, device_name).name
+        shape, scheme = shapes[shape_name], schemes[name]
+        # named by the canonical keys: the file the kernel reads
+        path = out_dir / triton_moe.config_file(scheme.weight, scheme.activation, device_name).name
         table = json.loads(path.read_text()) if path.is_file() else {}
-        table["meta"] = {"device": device_name, "weight_key": wtext, "activation_key": atext}
+        table["meta"] = {"device": device_name, "weight_key": scheme.weight, "activation_key": scheme.activation}
         key1 = triton_moe.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden)
         key2 = triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate)
         todo = [t for t in group if args.redo or str(t.m) not in table.get(key1, {})
@@ -365,32 +391,31 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if time.monotonic() - started > args.budget_s:
             break
-        _progress(done, len(targets), f"{shape_name} {scheme}: compiling", started)
+        _progress(done, len(targets), f"{shape_name} {name}: compiling", started)
         precompile(shape_name, scheme, all_pairs(shape, scheme, [t.m for t in todo]), dry, args.workers)
         layer = Layer(shape, scheme, device, dry)
-        tol = registry.scheme(SPEC_OF[scheme]).tolerance
-        tolerance = tol.get("bfloat16" if not dry else "float16", max(tol.values()))
+        tolerance = tolerance_for_keys(schemes, scheme.keys, dtype)
         for target in todo:
             if time.monotonic() - started > args.budget_s:
                 print(f"\nbudget of {args.budget_s:.0f}s spent: stopping; run again to resume", file=sys.stderr)
                 break
-            _progress(done, len(targets), f"{shape_name} {scheme} M={target.m}", started)
+            _progress(done, len(targets), f"{shape_name} {name} M={target.m}", started)
             log: list[str] = []
             c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, **search)
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
-            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
             done += 1
             refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
-            summary.append((shape_name, scheme, target.m, base_t * 1e6, t * 1e6, refused))
+            summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, refused))
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
     _progress(done, len(targets), "done", started)
     print(file=sys.stderr)
-    print(f"{'shape':<10}{'scheme':<11}{'M':>6}{'before us':>11}{'tuned us':>10}{'speed-up':>10}{'refused':>9}")
-    for shape_name, scheme, m, base_us, us, refused in summary:
-        print(f"{shape_name:<10}{scheme:<11}{m:>6}{base_us:>11.1f}{us:>10.1f}{base_us / us:>9.2f}x{refused:>9}")
+    print(f"{'shape':<10}{'scheme':<26}{'M':>6}{'before us':>11}{'tuned us':>10}{'speed-up':>10}{'refused':>9}")
+    for shape_name, name, m, base_us, us, refused in summary:
+        print(f"{shape_name:<10}{name:<26}{m:>6}{base_us:>11.1f}{us:>10.1f}{base_us / us:>9.2f}x{refused:>9}")
     print(f"configs in {out_dir}")
     return 0
 
