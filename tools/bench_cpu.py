@@ -1,13 +1,14 @@
 """CPU benchmark of a CPU experts kernel for every shipped quantized key pair, against a plain float32 layer.
 
 Rows come from the scheme specs: every scheme that lists ``--kernel`` (default torch-cpu-packed),
-bound with group 128 and no act-order, one row per distinct (weight key, activation key) with the
-schemes that share it. Each row times the kernel and a plain float32 per-expert torch layer of the
-same shape round-robin in the same run (median of ``--repeats``), so load from other processes hits
-both alike: ``x_plain`` = kernel ms / plain ms. ``weight_bytes_resident`` is what the built kernel
-holds for expert weights, scales and zero points; ``weight_bytes_packed`` the checkpoint's bytes
-for the same tensors. Large layers are built from ``--distinct`` random experts copied to E (real
-copies: every expert has its own memory).
+bound as tools/bench.py binds them (group 128 and no act-order where the spec allows it), one row
+per distinct quantized (weight key, activation key) with the schemes that share it. Each row times
+the kernel and a plain float32 per-expert torch layer of the same shape round-robin in the same
+run (median of ``--repeats``), so load from other processes hits both alike: ``x_plain`` = kernel
+ms / plain ms. ``weight_bytes_resident`` is what the built kernel holds for expert weights, scales
+and zero points; ``weight_bytes_packed`` the checkpoint's bytes for the same tensors. Large layers
+are built from ``--distinct`` random experts copied to E (real copies: every expert has its own
+memory).
 
     python tools/bench_cpu.py [--preset small|qwen3-30b-a3b] [--tokens 1,16] [--threads 2]
                               [--repeats 20] [--reference] [--json]
@@ -21,9 +22,13 @@ import gc
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 from moe_registry_kernels.activations import act_and_mul
@@ -36,15 +41,13 @@ from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.build import experts_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.model.routing import softmax_topk
-from moe_registry.oracle.predicates import check_keys
-from moe_registry.spec.loader import fill_template, load_registry
+from moe_registry.spec.loader import load_registry
 
 PRESETS = {  # experts, top-k, hidden, intermediate
     "small": (8, 2, 1024, 512),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-BIND = {"group": 128, "act_order": False}
 
 
 @dataclass(frozen=True)
@@ -121,19 +124,11 @@ def random_weights(wkey: QuantKey, akey: QuantKey, experts: int, distinct: int, 
 
 def key_pairs(kernel: str) -> list[tuple[list[str], QuantKey, QuantKey]]:
     """(schemes, weight key, activation key) for each distinct quantized pair the kernel claims."""
-    registry = load_registry()
-    spec = registry.kernel(kernel)
-    pairs: dict[tuple[str, str], list[str]] = {}
-    for name, loaded in sorted(registry.schemes.items()):
-        scheme = loaded.spec
-        if kernel not in scheme.kernels:
-            continue
-        bind = {k: BIND.get(k, v) for k, v in {k: None for k in scheme.bind}.items()}
-        wkey = parse_quant_key(fill_template(scheme.weight, bind))
-        akey = parse_quant_key(fill_template(scheme.activation, bind))
-        if wkey.quantized and all(c.passed for c in check_keys(spec, wkey, akey)):
-            pairs.setdefault((str(wkey), str(akey)), []).append(name)
-    return [(names, parse_quant_key(w), parse_quant_key(a)) for (w, a), names in pairs.items()]
+    from bench import registry_schemes, same_keys
+
+    pairs = same_keys(registry_schemes(kernel))
+    keys = [(names, parse_quant_key(w), parse_quant_key(a)) for (w, a), names in pairs.items()]
+    return [(names, w, a) for names, w, a in keys if w.quantized]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,237 @@
+"""tools/bench.py and tools/bench_cpu.py read the registry, and bench.py keeps every measured cell.
+
+The schemes, their keys and tolerances come from the scheme specs (a spec added in a user spec
+dir is benchmarked with no edit to the tools); bench.py writes each cell to bench.jsonl as it is
+measured, so a run cut off keeps its finished cells, and ``--resume`` measures only the others.
+Timing is replaced by a counter (each measurement a new value), so a cell measured again is seen
+as a changed number, and no test depends on how long anything takes.
+"""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
+
+ROOT = Path(__file__).resolve().parents[1]
+AWQ = "uint4 scale:float16:group(128):static zp:group"
+# a scheme of keys no shipped spec binds (per-channel AWQ), with its own tolerance
+USER_SCHEME = """\
+scheme: test-w4a16-channel
+summary: per-channel 4-bit weights with zero points, for the tools' tests
+detect:
+  quant_method: {equals: test-awq-channel}
+weight: uint4 scale:float16:channel:static zp:group
+activation: unquantized
+features: {zero_point: true}
+checkpoint:
+  format: awq-gemm
+  tensors:
+    qweight: {dtype: int32, shape: [in, out / 8]}
+    qzeros: {dtype: int32, shape: [1, out / 8]}
+    scales: {dtype: float16, shape: [1, out]}
+kernels: [triton-fused-moe, torch-cpu-packed, torch-reference]
+tolerance: {float16: 3.0e-2, bfloat16: 4.0e-2, float32: 3.0e-2}
+"""
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """tools/bench.py with the shipped specs only, timings from a counter, no profiler."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
+    import bench
+
+    counter = itertools.count(1)
+    monkeypatch.setattr(bench, "_median_time", lambda fn, *args, **kwargs: (fn(), next(counter) * 1e-3)[1])
+    monkeypatch.setattr(bench, "kernel_times", lambda step, calls, device, repeats=3: (1e-6, 2e-6))
+    return bench
+
+
+def user_spec(tmp_path: Path, monkeypatch, name: str, text: str) -> None:
+    d = tmp_path / "user-specs" / "schemes"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.yaml").write_text(text)
+    monkeypatch.setenv(SPEC_PATH_ENV, str(d.parent))
+
+
+def run(bench, out: Path, *args: str) -> int:
+    return bench.main(["--dry-run", "--out", str(out), *args])
+
+
+def progress_rows(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    assert "ceilings" in lines[0] and "env" in lines[0]
+    return [line["row"] for line in lines[1:]]
+
+
+def final_rows(out: Path) -> dict[tuple[str, str, int], dict]:
+    return {(r["shape"], r["scheme"], r["m"]): r for r in json.loads((out / "bench.json").read_text())["rows"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# the schemes are the registry's
+
+
+def test_bench_schemes_are_the_specs_that_list_the_kernel(bench):
+    registry = load_registry()
+    schemes = bench.registry_schemes()
+    assert set(schemes) == {n for n, loaded in registry.schemes.items() if bench.KERNEL in loaded.spec.kernels}
+    for name, scheme in schemes.items():
+        assert scheme.tolerance == registry.scheme(name).tolerance
+    # keys bound with group 128 (the spec allows it), act-order off; the matrix unit from the activation key
+    assert schemes["awq-w4a16"].keys == (AWQ, "unquantized") and schemes["awq-w4a16"].unit == "bf16"
+    assert schemes["gptq-w4a16"].bindings == {"group": 128, "act_order": False}
+    assert schemes["gptq-w8a16"].weight == "uint8b128 scale:float16:group(128):static"
+    assert schemes["quark-w8a8-int8"].unit == "int8" and schemes["fp8-block128"].unit == "fp8"
+    assert schemes["modelopt-mxfp8"].unit == "bf16"
+    # the default runs every distinct key pair once
+    default = bench.default_schemes(schemes)
+    assert sorted(schemes[n].keys for n in default) == sorted({s.keys for s in schemes.values()})
+    assert {"awq-w4a16", "gptq-w4a16", "unquantized"} <= set(default)
+    assert "gptq-v2-w4a16" not in default  # the same keys as gptq-w4a16
+
+
+def test_a_scheme_spec_added_is_benchmarked(bench, tmp_path, monkeypatch, capsys):
+    user_spec(tmp_path, monkeypatch, "test-w4a16-channel", USER_SCHEME)
+    schemes = bench.registry_schemes()
+    added = schemes["test-w4a16-channel"]
+    assert added.keys == ("uint4 scale:float16:channel:static zp:group", "unquantized")
+    assert added.tolerance_for("bfloat16") == 4e-2
+    assert "test-w4a16-channel" in bench.default_schemes(schemes)
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    assert "test-w4a16-channel" in capsys.readouterr().out
+    # run by default, next to the shipped ones
+    monkeypatch.setattr(bench, "bench_one", _spy_bench_one(bench, calls := []))
+    assert run(bench, tmp_path / "out", "--m", "1") == 0
+    assert [name for name, _ in calls] == bench.default_schemes(schemes)
+    assert ("tiny", "test-w4a16-channel", 1) in final_rows(tmp_path / "out")
+
+
+def test_a_row_past_the_specs_tolerance_fails_the_run(bench, tmp_path, monkeypatch, capsys):
+    """The check uses the spec's tolerance, not one of the tool's: a user spec overriding
+    awq-w4a16 with a tolerance no quantized layer meets makes the same run fail."""
+    assert run(bench, tmp_path / "shipped", "--schemes", "awq-w4a16", "--m", "1") == 0
+    rel = final_rows(tmp_path / "shipped")[("tiny", "awq-w4a16", 1)]["rel_error"]
+    assert 0 < rel <= load_registry().scheme("awq-w4a16").tolerance["float16"]
+    strict = (ROOT / "specs/schemes/awq-w4a16.yaml").read_text().replace(
+        "tolerance: {float16: 1.0e-2", f"tolerance: {{float16: {rel / 2:.3e}")
+    assert strict != (ROOT / "specs/schemes/awq-w4a16.yaml").read_text()
+    user_spec(tmp_path, monkeypatch, "awq-w4a16", strict)
+    capsys.readouterr()
+    assert run(bench, tmp_path / "strict", "--schemes", "awq-w4a16", "--m", "1") == 1
+    assert "tiny awq-w4a16 M=1: relative error" in capsys.readouterr().err
+
+
+def test_unknown_scheme_names_are_one_line_listing_the_known(bench, tmp_path, capsys):
+    assert run(bench, tmp_path, "--schemes", "awq", "nonsense") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "unknown scheme 'awq' (did you mean 'awq-w4a16'?), 'nonsense';" in err
+    assert "known: " + ", ".join(bench.registry_schemes()) in err
+    assert not (tmp_path / "bench.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# every cell kept as it is measured; --resume
+
+
+def _spy_bench_one(bench, calls: list):
+    real = bench.bench_one
+
+    def spy(shape, scheme, ms, *args, **kwargs):
+        calls.append((scheme.name, list(ms)))
+        yield from real(shape, scheme, ms, *args, **kwargs)
+
+    return spy
+
+
+def test_a_run_cut_off_keeps_its_finished_cells_and_resume_measures_the_rest(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    cells = ["--schemes", "unquantized", "gptq-w4a16", "--m", "1", "8"]
+    measured = []
+
+    def killed_at_the_third_cell(step, calls, device, repeats=3):
+        measured.append(1)
+        if len(measured) == 3:
+            raise KeyboardInterrupt  # what a time limit's kill leaves: no final JSON
+        return 1e-6, 2e-6
+
+    monkeypatch.setattr(bench, "kernel_times", killed_at_the_third_cell)
+    with pytest.raises(KeyboardInterrupt):
+        run(bench, out, *cells)
+    assert not (out / "bench.json").exists()
+    kept = progress_rows(out)
+    assert [(r["scheme"], r["m"]) for r in kept] == [("unquantized", 1), ("unquantized", 8)]
+    header = json.loads((out / "bench.jsonl").read_text().splitlines()[0])
+
+    monkeypatch.setattr(bench, "kernel_times", lambda step, calls, device, repeats=3: (1e-6, 2e-6))
+    monkeypatch.setattr(bench, "bench_one", _spy_bench_one(bench, calls := []))
+    assert run(bench, out, *cells, "--resume") == 0
+    assert calls == [("gptq-w4a16", [1, 8])]  # unquantized was not built again
+    rows = final_rows(out)
+    assert set(rows) == {("tiny", s, m) for s in ("unquantized", "gptq-w4a16") for m in (1, 8)}
+    for r in kept:  # the cells measured before are there as they were measured
+        assert {k: rows[("tiny", r["scheme"], r["m"])][k] for k in r} == r
+    # with the ceilings of the first run (measuring them again would give other numbers here)
+    assert json.loads((out / "bench.json").read_text())["ceilings"] == header["ceilings"]
+    assert [(r["scheme"], r["m"]) for r in progress_rows(out)] == [
+        ("unquantized", 1), ("unquantized", 8), ("gptq-w4a16", 1), ("gptq-w4a16", 8)]
+
+
+def test_resume_skips_present_cells_and_adds_new_ones(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert run(bench, out, "--schemes", "awq-w4a16", "--m", "1") == 0
+    first = final_rows(out)[("tiny", "awq-w4a16", 1)]
+    final_format = set(first)
+
+    monkeypatch.setattr(bench, "bench_one", _spy_bench_one(bench, calls := []))
+    assert run(bench, out, "--schemes", "awq-w4a16", "unquantized", "--m", "1", "8", "--resume") == 0
+    assert calls == [("awq-w4a16", [8]), ("unquantized", [1, 8])]
+    rows = final_rows(out)
+    assert rows[("tiny", "awq-w4a16", 1)] == first
+    assert len(rows) == 4 and all(set(r) == final_format for r in rows.values())
+
+    # everything present: nothing is measured, and a finished bench.json alone is enough to resume from
+    (out / "bench.jsonl").unlink()
+    calls.clear()
+    assert run(bench, out, "--schemes", "awq-w4a16", "--m", "1", "--resume") == 0
+    assert calls == [] and final_rows(out) == rows
+
+    # without --resume the cell is measured again (the counter gives it another time)
+    assert run(bench, out, "--schemes", "awq-w4a16", "--m", "1") == 0
+    assert calls == [("awq-w4a16", [1])]
+    again = final_rows(out)
+    assert set(again) == {("tiny", "awq-w4a16", 1)} and again[("tiny", "awq-w4a16", 1)]["us"] != first["us"]
+
+
+def test_resume_refuses_cells_measured_on_another_device(bench, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.jsonl").write_text(json.dumps({"env": {"device": "NVIDIA H100 80GB HBM3", "dry_run": False},
+                                                 "ceilings": {}}) + "\n")
+    monkeypatch.setattr(bench, "bench_one", _spy_bench_one(bench, calls := []))
+    assert run(bench, out, "--schemes", "awq-w4a16", "--m", "1", "--resume") == 2
+    assert "was measured on NVIDIA H100 80GB HBM3" in capsys.readouterr().err and calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_cpu.py
+
+
+def test_bench_cpu_rows_are_the_quantized_key_pairs_of_the_specs(bench, tmp_path, monkeypatch):
+    import bench_cpu
+
+    def pairs() -> dict[tuple[str, str], list[str]]:
+        return {(str(w), str(a)): names for names, w, a in bench_cpu.key_pairs("torch-cpu-packed")}
+
+    shipped = pairs()
+    registry = load_registry()
+    listing = {n for n, loaded in registry.schemes.items() if "torch-cpu-packed" in loaded.spec.kernels}
+    assert {n for names in shipped.values() for n in names} == listing  # every one quantized and claimed
+    assert shipped[(AWQ, "unquantized")] == ["awq-w4a16", "gptq-v2-w4a16-asym", "gptq-w4a16-asym"]
+    user_spec(tmp_path, monkeypatch, "test-w4a16-channel", USER_SCHEME)
+    assert pairs()[("uint4 scale:float16:channel:static zp:group", "unquantized")] == ["test-w4a16-channel"]
