@@ -14,6 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 AWQ = "uint4 scale:float16:group(128):static zp:group"
 
 
+def _config_module():
+    """The module whose CONFIG_DIR the kernel's config_file reads (triton_moe, or where it moved)."""
+    import sys
+
+    from moe_registry_kernels import triton_moe
+
+    return sys.modules[triton_moe.config_file.__module__]
+
+
 def _tune(out: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """tools/tune.py's main() in this process (exit code, stdout)."""
     import tune
@@ -51,7 +60,7 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
     # the kernel reads the file for that device name
     from moe_registry_kernels import triton_moe
 
-    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
     triton_moe._load_config_file.cache_clear()
     try:
         got = triton_moe.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "dry-run")
@@ -120,7 +129,7 @@ def test_tuner_keeps_todays_configs_unless_beaten(tmp_path, monkeypatch):
 
     today = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 8,
              "num_stages": 2}
-    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
     triton_moe._load_config_file.cache_clear()
     table = {"E8_top2_N256_K128": {"1": today}, "E8_top2_N128_K128": {"1": today}}
     (tmp_path / triton_moe.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
@@ -155,7 +164,7 @@ def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_p
     import tune
     from moe_registry_kernels import triton_moe
 
-    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
     triton_moe._load_config_file.cache_clear()
     layer = _LuckyCandidates(tune, search_s=0.5, side_by_side_s=side_by_side_s)
     log: list[str] = []
@@ -167,3 +176,111 @@ def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_p
         assert "kept today's configs: 1000000.0 us against 990000.0 us" in log[-1]
     else:
         assert c1 != today and (t, base) == (0.5, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the schemes, keys and tolerances are the registry's; every entry kept as it is tuned
+
+
+class _Searched:
+    """Stands in for the search: records (scheme keys, M, tolerance) and returns configs that name
+    the call that made them; ``kill_at``: the call that raises, as a time limit's kill would."""
+
+    def __init__(self, kill_at: int | None = None) -> None:
+        self.calls: list[tuple[str, int, float]] = []
+        self.kill_at = kill_at
+
+    def __call__(self, layer, m, tolerance, log, **search):
+        self.calls.append((layer.weight, m, tolerance))
+        if len(self.calls) == self.kill_at:
+            raise KeyboardInterrupt
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "call": len(self.calls)}
+        return config, config, 1.0, 2.0
+
+
+@pytest.fixture
+def tune_fake(monkeypatch):
+    """tools/tune.py with the shipped specs, its layer and search replaced (nothing compiled or timed)."""
+    from moe_registry.spec.loader import SPEC_PATH_ENV
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
+    import tune
+
+    monkeypatch.setattr(tune, "Layer", lambda shape, scheme, device, dry: scheme)
+    return tune
+
+
+def _entries(path: Path) -> dict:
+    table = json.loads(path.read_text())
+    table.pop("meta")
+    return table
+
+
+def test_tune_schemes_and_tolerances_come_from_the_specs(tune_fake, tmp_path, monkeypatch, capsys):
+    from moe_registry.spec.loader import SPEC_PATH_ENV
+
+    tune = tune_fake
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    # gptq-w4a16 and gptq-v2-w4a16 share keys (one config file); a user spec makes the second stricter
+    user = tmp_path / "specs" / "schemes"
+    user.mkdir(parents=True)
+    strict = (ROOT / "specs/schemes/gptq-v2-w4a16.yaml").read_text().replace(
+        "tolerance: {float16: 1.0e-2", "tolerance: {float16: 1.0e-3")
+    (user / "gptq-v2-w4a16.yaml").write_text(strict)
+    monkeypatch.setenv(SPEC_PATH_ENV, str(user.parent))
+    code = tune.main(["--dry-run", "--schemes", "gptq-w4a16", "gptq-v2-w4a16", "unquantized", "--m", "1",
+                      "--out", str(tmp_path / "configs")])
+    assert code == 0
+    gptq = "uint4b8 scale:float16:group(128):static"
+    # one search per key pair, to the strictest tolerance of the schemes that bind the keys
+    assert search.calls == [(gptq, 1, 1e-3), ("unquantized", 1, 5e-3)]
+    files = sorted(f.name for f in (tmp_path / "configs").glob("*.json"))
+    assert files == ["dry_run__uint4b8_scale_float16_group_128_static__unquantized.json",
+                     "dry_run__unquantized__unquantized.json"]
+    # unknown names: one line, the known ones listed
+    capsys.readouterr()
+    assert tune.main(["--dry-run", "--schemes", "gptq4", "--out", str(tmp_path / "configs")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "did you mean 'gptq-w4a16'?" in err
+    assert "known: " + ", ".join(tune.bench.registry_schemes()) in err
+
+
+def test_tune_default_is_every_key_pair_the_kernel_runs(tune_fake, tmp_path, monkeypatch):
+    tune = tune_fake
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    assert tune.main(["--dry-run", "--m", "1", "--out", str(tmp_path)]) == 0
+    schemes = tune.bench.registry_schemes()
+    default = tune.bench.default_schemes(schemes)
+    assert sorted(w for w, _, _ in search.calls) == sorted(schemes[n].weight for n in default)
+    assert len(list(tmp_path.glob("*.json"))) == len({s.keys for s in schemes.values()})
+
+
+def test_tune_cut_off_keeps_finished_entries_and_resumes(tune_fake, tmp_path, monkeypatch):
+    tune = tune_fake
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "8", "64", "--out", str(tmp_path)]
+    monkeypatch.setattr(tune, "tune_target", _Searched(kill_at=3))
+    with pytest.raises(KeyboardInterrupt):
+        tune.main(args)
+    (path,) = tmp_path.glob("*.json")
+    assert not list(tmp_path.glob("*.tmp"))
+    kept = _entries(path)
+    assert all({m: c["call"] for m, c in by_tokens.items()} == {"1": 1, "8": 2} for by_tokens in kept.values())
+
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    assert tune.main([*args, "--resume"]) == 0
+    assert [m for _, m, _ in search.calls] == [64]
+    table = _entries(path)
+    for shape, by_tokens in table.items():
+        assert {m: by_tokens[m] for m in ("1", "8")} == kept[shape] and by_tokens["64"]["call"] == 1
+
+    # --redo tunes them all again; --resume and --redo together are refused
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    assert tune.main([*args, "--redo"]) == 0
+    assert [m for _, m, _ in search.calls] == [1, 8, 64]
+    with pytest.raises(SystemExit):
+        tune.main([*args, "--redo", "--resume"])
