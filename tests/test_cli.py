@@ -369,7 +369,7 @@ def test_build_returns_what_the_readme_says(example, caplog):
     from moe_registry.formats.weights import ExpertWeights
     from moe_registry.layer import build as builder
     from moe_registry.layer.modular import FusedMoEKernel
-    from moe_registry.oracle.render import Report
+    from moe_registry.oracle.contract import Report
 
     assert "returns a\n`LayerBuild`: `.report`" in readme()
     builder._LOGGED.clear()

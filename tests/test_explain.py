@@ -15,8 +15,7 @@ import pytest
 from moe_registry.cli import main as cli
 from moe_registry.core.errors import ConfigError, SelectionError
 from moe_registry.model.situation import Flags, situation_for
-from moe_registry.oracle.contract import Reason
-from moe_registry.oracle.render import Report
+from moe_registry.oracle.contract import Reason, Report
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
 

@@ -20,7 +20,7 @@ from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
 from moe_registry.model.routing import Routing, from_given
-from moe_registry.oracle.render import Report
+from moe_registry.oracle.contract import Report
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from moe_registry.model.checkpoint import LayerTensors, open_checkpoint, read_la
 from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
-from moe_registry.oracle.render import Report
+from moe_registry.oracle.contract import Report
 from moe_registry.oracle.runtime import Platform
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import Registry, load_registry

@@ -13,16 +13,20 @@ from typing import Any
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
+from moe_registry.model.machine import probe_environment, probe_platform
+from moe_registry.model.runtime_file import parse_runtime_file
+from moe_registry.oracle.contract import Situation
 from moe_registry.oracle.predicates import ALL2ALL_FORMATS
 from moe_registry.oracle.runtime import (
+    Environment,
     MoEShape,
     ParallelConfig,
+    Platform,
     RuntimeConfig,
     check_dtype,
     parse_platform,
-    parse_runtime_file,
 )
-from moe_registry.oracle.select import Situation, expert_modules
+from moe_registry.oracle.select import expert_modules
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.yamlio import load_yaml_file
 
@@ -72,6 +76,15 @@ def _is_runtime_file(path: Path) -> bool:
     return "runtime" in data or not ({"model_type", "architectures"} & set(data))
 
 
+def target_platform(text: str, registry: Registry) -> tuple[Platform, Environment | None]:
+    """The platform named (``auto``: this machine, probed here once) and, when it is this machine,
+    the environment the kernels' package requirements are read from."""
+    if text.strip().lower() != "auto":
+        return parse_platform(text), None
+    packages = {p for loaded in registry.kernels.values() for p in loaded.spec.requires_packages}
+    return probe_platform(), probe_environment(packages)
+
+
 def _pick(flag: Any, file_value: Any) -> Any:
     return file_value if flag is None else flag
 
@@ -108,8 +121,8 @@ def situation_for_model(model: ModelConfig, registry: Registry, flags: Flags) ->
 
 def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: RuntimeConfig | None) -> Situation:
     layer = pick_layer(model, flags.layer)
-    platform = parse_platform(flags.platform) if flags.platform else (
-        base.platform if base else parse_platform("auto"))
+    platform, environment = (target_platform(flags.platform, registry) if flags.platform else
+                             (base.platform, base.environment) if base else target_platform("auto", registry))
     # A runtime file's own dtype arrives in flags; otherwise the model's dtype wins, as for its config.json.
     dtype = check_dtype(flags.dtype or model.dtype or (base.dtype if base else None) or "bfloat16")
     parallel = ParallelConfig(
@@ -120,7 +133,7 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
     runtime = RuntimeConfig(platform, dtype, model.shape, parallel,
                             _pick(flags.max_tokens, base.max_tokens if base else 8192),
                             (base.router_weight_on_input if base else False)
-                            or bool(model.routing.get("router_weight_on_input", False)))
+                            or bool(model.routing.get("router_weight_on_input", False)), environment)
     family = registry.families[model.family].spec
     return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
                      model.quant_source, model.path, model.family, layer, model.not_runnable)
@@ -144,9 +157,9 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
     path = config_path(target)
     data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
     rf = parse_runtime_file(json.loads(json.dumps(data)), str(path))
-    platform = parse_platform(flags.platform or rf.platform)
-    base = RuntimeConfig(platform, rf.dtype or "bfloat16", None,
-                         ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all), rf.max_tokens, rf.router_weight_on_input)
+    platform, environment = target_platform(flags.platform or rf.platform, registry)
+    base = RuntimeConfig(platform, rf.dtype or "bfloat16", None, ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all),
+                         rf.max_tokens, rf.router_weight_on_input, environment)
     if rf.model is not None:
         model_path = (path.parent / rf.model).resolve()
         model = read_model_config(model_path, registry)
@@ -164,6 +177,6 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
                               _pick(flags.all2all, rf.all2all))
     _check_parallel(parallel, shape)
     runtime = RuntimeConfig(platform, check_dtype(flags.dtype or rf.dtype or "bfloat16"), shape, parallel,
-                            _pick(flags.max_tokens, rf.max_tokens), rf.router_weight_on_input)
+                            _pick(flags.max_tokens, rf.max_tokens), rf.router_weight_on_input, environment)
     return Situation(rf.quantization_config, runtime, quant_source=f"{path.name}:quantization_config",
                      model=str(path))

@@ -1,14 +1,23 @@
-"""Reason codes and the Check value every predicate returns (DESIGN rule 4).
+"""The oracle's contract: what it decides for (Situation), what every check returns (Check with a
+Reason from a closed set, DESIGN rule 4), the verdicts on schemes and kernels, how the kernel was
+selected (SelectedBy) and the Report that holds it all.
 
-The set of codes is closed: programs can switch on them (``--json``), people read ``message``,
-which names the field, the value seen and the value wanted.
+The codes are closed sets: programs switch on them (``--json``); people read ``message``, which
+names the field, the value seen and the value wanted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
+
+from moe_registry.core.keys import QuantKey
+from moe_registry.oracle import render
+from moe_registry.oracle.runtime import RuntimeConfig
+
+NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose
 
 
 class Reason(str, Enum):
@@ -76,3 +85,122 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     return str(value)
+
+
+@dataclass(frozen=True)
+class SchemeVerdict:
+    """Detection of one scheme for one layer, with every check that decided it."""
+
+    scheme: str
+    matched: bool
+    checks: tuple[Check, ...]
+    excluded: bool = False
+    scope_note: str | None = None
+    bindings: Mapping[str, Any] = field(default_factory=dict)
+    weight_key: QuantKey | None = None
+    activation_key: QuantKey | None = None
+    features: Mapping[str, bool] = field(default_factory=dict)
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+
+@dataclass(frozen=True)
+class KernelVerdict:
+    """One candidate kernel and every check run on it."""
+
+    kernel: str
+    eligible: bool
+    checks: tuple[Check, ...]
+
+    @property
+    def failures(self) -> tuple[Check, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the oracle decides for: the layer's quantization config and module names, and the
+    runtime. ``modules`` are the expert projections' full names (for per-layer scoping)."""
+
+    quant_config: Mapping[str, Any] | None
+    runtime: RuntimeConfig
+    modules: tuple[str, ...] = ("model.layers.0.mlp.experts.0.gate_proj",)
+    quant_source: str = "quantization_config"
+    model: str | None = None
+    family: str | None = None
+    layer: int | None = None
+    not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
+
+
+class SelectedBy(str, Enum):
+    """How the chosen kernel (or the failure to choose one) came about."""
+
+    PREFERENCE = "preference"  # the first eligible kernel in the scheme's order
+    PIN = "pin"  # --kernel / pin=: that kernel or an error
+    PREFER = "prefer"  # --prefer / prefer=: that kernel, being eligible
+    FALLBACK = "fallback"  # --prefer named a kernel that is not eligible: the scheme's order decided
+
+
+@dataclass(frozen=True)
+class Report:
+    """Everything the oracle decided for one layer, and why."""
+
+    situation: Situation
+    schemes: tuple[SchemeVerdict, ...]
+    scheme: SchemeVerdict | None
+    excluded_note: str | None = None
+    kernels: tuple[KernelVerdict, ...] = ()
+    chosen: str | None = None
+    selected_by: SelectedBy | None = None  # None when no scheme matched
+    requested: str | None = None  # the kernel named by pin or prefer
+    overrides: tuple[str, ...] = field(default=())
+
+    def with_kernels(self, kernels: tuple[KernelVerdict, ...], chosen: str | None, selected_by: SelectedBy,
+                     requested: str | None) -> Report:
+        return replace(self, kernels=kernels, chosen=chosen, selected_by=selected_by, requested=requested)
+
+    def verdict(self, kernel: str) -> KernelVerdict | None:
+        return next((k for k in self.kernels if k.kernel == kernel), None)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The selection in words (derived from ``selected_by``; programs read that)."""
+        asked = self.requested
+        if self.selected_by is SelectedBy.PIN:
+            return (f"pinned to {asked}",) if self.chosen == asked else (f"pinned kernel {asked} is not eligible",)
+        if self.selected_by is SelectedBy.PREFER:
+            return (f"preferred {asked}",)
+        if self.selected_by is SelectedBy.FALLBACK:
+            v = self.verdict(asked or "")
+            why = "; ".join(c.message for c in v.failures) if v else "unknown kernel"
+            return (f"preferred {asked} is not eligible ({why}); fell back to {self.chosen or 'nothing'}",)
+        return ()
+
+    def turned_down(self) -> list[SchemeVerdict]:
+        """Schemes that did not match, nearest first: excluded-by-scope ones, then by fewest failed
+        and most passed checks, then by name."""
+        chosen = self.scheme.scheme if self.scheme is not None else None
+        rest = [v for v in self.schemes if v.scheme != chosen]
+        return sorted(rest, key=lambda v: (not v.excluded, len(v.failures), -len(v.checks), v.scheme))
+
+    def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]:
+        rest = self.turned_down()
+        return rest if verbose else rest[:NEAREST_SHOWN]
+
+    # rendering lives in render.py; these keep the report's one public face
+    def rows(self) -> list[tuple[str, str]]:
+        return render.head_rows(self)
+
+    def to_dict(self, verbose: bool = False) -> dict[str, Any]:
+        return render.to_dict(self, verbose)
+
+    def to_json(self, verbose: bool = False, indent: int | None = None) -> str:
+        return render.to_json(self, verbose, indent)
+
+    def to_text(self, verbose: bool = False, width: int = render.TEXT_WIDTH) -> str:
+        return render.to_text(self, verbose, width)
+
+    def to_markdown(self, verbose: bool = False) -> str:
+        return render.to_markdown(self, verbose)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from moe_registry.core.guards import bounded_match, bounded_search, same_value
-from moe_registry.core.keys import QuantKey, parse_quant_key
-from moe_registry.oracle.contract import Check, Reason, failed, passed
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.oracle.contract import Check, Reason, SchemeVerdict, failed, passed
 from moe_registry.spec.loader import fill_template
 from moe_registry.spec.models import BindRule, FieldRule, SchemeSpec, ScopeRule
 
@@ -192,23 +192,6 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
 # ---------------------------------------------------------------- detection and binding
 
 
-@dataclass(frozen=True)
-class SchemeVerdict:
-    """Detection of one scheme for one layer, with every check that decided it."""
-
-    scheme: str
-    matched: bool
-    checks: tuple[Check, ...]
-    excluded: bool = False
-    scope_note: str | None = None
-    bindings: Mapping[str, Any] = field(default_factory=dict)
-    weight_key: QuantKey | None = None
-    activation_key: QuantKey | None = None
-    features: Mapping[str, bool] = field(default_factory=dict)
-
-    @property
-    def failures(self) -> tuple[Check, ...]:
-        return tuple(c for c in self.checks if not c.passed)
 
 
 def _detect(config: Mapping[str, Any] | None, scheme: SchemeSpec) -> list[Check]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-import importlib.util
 from collections.abc import Mapping
 from functools import lru_cache
 from importlib import resources
@@ -69,10 +68,10 @@ def check_platform(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
 def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     if not kernel.requires_packages:
         return []
-    if not runtime.platform.live:
+    if runtime.environment is None:
         return [passed("requires_packages", f"needs {', '.join(kernel.requires_packages)} "
                                             "(not checked: the target is not this machine)")]
-    missing = [p for p in kernel.requires_packages if importlib.util.find_spec(p) is None]
+    missing = [p for p in kernel.requires_packages if p not in runtime.environment.installed]
     if missing:
         return [failed(Reason.PACKAGE_MISSING, "requires_packages",
                        f"package {', '.join(missing)} is not installed", seen=missing)]

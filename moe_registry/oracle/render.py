@@ -1,5 +1,5 @@
-"""The oracle's report: chosen kernel, other eligible ones, rejected ones with reasons, and the
-scheme-detection trace; rendered as aligned text, JSON and Markdown.
+"""Rendering the oracle's report (chosen kernel, other eligible ones, rejected ones with reasons,
+the scheme-detection trace) as aligned text, JSON and Markdown.
 
 Text and Markdown read one row list (``rows``), so a new line in the report is one append there.
 Turned-down schemes are many and mostly obvious: by default every format shows their count and
@@ -10,30 +10,12 @@ from __future__ import annotations
 
 import json
 import textwrap
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from moe_registry.oracle.contract import Check
-
-if TYPE_CHECKING:
-    from moe_registry.oracle.detect import SchemeVerdict
-    from moe_registry.oracle.select import Situation
+if TYPE_CHECKING:  # types only: the contract calls these functions
+    from moe_registry.oracle.contract import Check, KernelVerdict, Report, SchemeVerdict
 
 TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
-NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose
-
-
-@dataclass(frozen=True)
-class KernelVerdict:
-    """One candidate kernel and every check run on it."""
-
-    kernel: str
-    eligible: bool
-    checks: tuple[Check, ...]
-
-    @property
-    def failures(self) -> tuple[Check, ...]:
-        return tuple(c for c in self.checks if not c.passed)
 
 
 def wrap(text: str, width: int, indent: int) -> list[str]:
@@ -47,188 +29,159 @@ def _md(text: object) -> str:
     return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "<br>")
 
 
-@dataclass(frozen=True)
-class Report:
-    """Everything the oracle decided for one layer, and why."""
 
-    situation: Situation
-    schemes: tuple[SchemeVerdict, ...]
-    scheme: SchemeVerdict | None
-    excluded_note: str | None = None
-    kernels: tuple[KernelVerdict, ...] = ()
-    chosen: str | None = None
-    notes: tuple[str, ...] = ()
-    overrides: tuple[str, ...] = field(default=())
+def _status(report: Report, k: KernelVerdict) -> str:
+    return "chosen" if k.kernel == report.chosen else ("eligible" if k.eligible else "rejected")
 
-    def with_kernels(self, kernels: tuple[KernelVerdict, ...], chosen: str | None,
-                     notes: tuple[str, ...]) -> Report:
-        return replace(self, kernels=kernels, chosen=chosen, notes=notes)
+def _turned_down_reason(v: SchemeVerdict) -> str:
+    if v.excluded:
+        return f"matches, but {v.scope_note} (layer left unquantized)"
+    return v.failures[0].message if v.failures else "not matched"
 
-    # ------------------------------------------------------------ shared by every format
+def head_rows(report: Report) -> list[tuple[str, str]]:
+    """The report's head as (label, value) rows: situation, decision, notes, overrides."""
+    s = report.situation
+    rt = s.runtime
+    p = rt.parallel
+    rows = []
+    if s.model:
+        layer = f", layer {s.layer}" if s.layer is not None else ""
+        rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
+    plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
+    rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}"))
+    if rt.shape is not None:
+        sh = rt.shape
+        local = rt.local_shape()
+        assert local is not None
+        rows.append(("shape", f"{sh.num_experts} experts (local {local.num_experts}), top-{sh.top_k}, "
+                              f"hidden {sh.hidden}, intermediate {sh.intermediate} "
+                              f"(per rank {local.intermediate}), {sh.activation}"
+                              + (", expert bias" if sh.has_bias else "")))
+        if sh.shared_experts:
+            rows.append(("shared", f"{sh.shared_experts} x {sh.shared_intermediate} (dense MLP, not run here)"))
+    rows += [("not run", why) for why in s.not_runnable]
+    rows.append(("config", s.quant_source))
+    if report.scheme is not None:
+        v = report.scheme
+        rows += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
+        if v.bindings:
+            rows.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
+        if v.scope_note:
+            rows.append(("scope", v.scope_note))
+    else:
+        rows.append(("scheme", "none matched"))
+    if report.excluded_note:
+        rows.append(("excluded", report.excluded_note))
+    if report.scheme is not None:
+        rows.append(("kernel", report.chosen or "none eligible"))
+    rows += [("note", n) for n in report.notes]
+    rows += [("override", o) for o in report.overrides]
+    return rows
 
-    def turned_down(self) -> list[SchemeVerdict]:
-        """Schemes that did not match, nearest first: excluded-by-scope ones, then by fewest failed
-        and most passed checks, then by name."""
-        chosen = self.scheme.scheme if self.scheme is not None else None
-        rest = [v for v in self.schemes if v.scheme != chosen]
-        return sorted(rest, key=lambda v: (not v.excluded, len(v.failures), -len(v.checks), v.scheme))
+# ------------------------------------------------------------ JSON
 
-    def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]:
-        rest = self.turned_down()
-        return rest if verbose else rest[:NEAREST_SHOWN]
+def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
+    """Plain data. Without ``verbose`` the kernels' passed checks and all but the nearest
+    turned-down schemes are left out (``schemes_turned_down`` counts them all)."""
+    s = report.situation
+    rt = s.runtime
+    shape = rt.shape
 
-    def _status(self, k: KernelVerdict) -> str:
-        return "chosen" if k.kernel == self.chosen else ("eligible" if k.eligible else "rejected")
+    def checks(cs: tuple[Check, ...]) -> list[dict[str, Any]]:
+        return [c.to_dict() for c in cs if verbose or not c.passed]
 
-    @staticmethod
-    def _turned_down_reason(v: SchemeVerdict) -> str:
-        if v.excluded:
-            return f"matches, but {v.scope_note} (layer left unquantized)"
-        return v.failures[0].message if v.failures else "not matched"
+    shown = ([report.scheme] if report.scheme is not None else []) + report.shown_turned_down(verbose)
+    return {
+        "model": s.model, "family": s.family, "layer": s.layer, "quant_source": s.quant_source,
+        "runtime": {
+            "platform": str(rt.platform), "device_name": rt.platform.name, "dtype": rt.dtype,
+            "tp": rt.parallel.tp, "ep": rt.parallel.ep, "dp": rt.parallel.dp,
+            "all2all": rt.parallel.all2all, "max_tokens": rt.max_tokens,
+            "shape": None if shape is None else {
+                "num_experts": shape.num_experts, "top_k": shape.top_k, "hidden": shape.hidden,
+                "intermediate": shape.intermediate, "activation": shape.activation,
+                "has_bias": shape.has_bias},
+        },
+        "scheme": None if report.scheme is None else {
+            "name": report.scheme.scheme, "weight_key": str(report.scheme.weight_key),
+            "activation_key": str(report.scheme.activation_key),
+            "bindings": dict(report.scheme.bindings), "features": dict(report.scheme.features),
+            "scope": report.scheme.scope_note},
+        "excluded": report.excluded_note,
+        "chosen_kernel": report.chosen,
+        "selected_by": report.selected_by.value if report.selected_by else None, "requested": report.requested,
+        "eligible_kernels": [k.kernel for k in report.kernels if k.eligible],
+        "kernels": [{"kernel": k.kernel, "eligible": k.eligible, "chosen": k.kernel == report.chosen,
+                     "checks": checks(k.checks)} for k in report.kernels],
+        "schemes": [{"scheme": v.scheme, "matched": v.matched, "excluded": v.excluded,
+                     "checks": checks(v.checks) if not v.matched else [c.to_dict() for c in v.checks]}
+                    for v in shown],
+        "schemes_turned_down": len(report.turned_down()),
+        "notes": list(report.notes), "spec_overrides": list(report.overrides),
+        "not_runnable": list(s.not_runnable),
+    }
 
-    def rows(self) -> list[tuple[str, str]]:
-        """The report's head as (label, value) rows: situation, decision, notes, overrides."""
-        s = self.situation
-        rt = s.runtime
-        p = rt.parallel
-        rows = []
-        if s.model:
-            layer = f", layer {s.layer}" if s.layer is not None else ""
-            rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
-        plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
-        rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}"))
-        if rt.shape is not None:
-            sh = rt.shape
-            local = rt.local_shape()
-            assert local is not None
-            rows.append(("shape", f"{sh.num_experts} experts (local {local.num_experts}), top-{sh.top_k}, "
-                                  f"hidden {sh.hidden}, intermediate {sh.intermediate} "
-                                  f"(per rank {local.intermediate}), {sh.activation}"
-                                  + (", expert bias" if sh.has_bias else "")))
-            if sh.shared_experts:
-                rows.append(("shared", f"{sh.shared_experts} x {sh.shared_intermediate} (dense MLP, not run here)"))
-        rows += [("not run", why) for why in s.not_runnable]
-        rows.append(("config", s.quant_source))
-        if self.scheme is not None:
-            v = self.scheme
-            rows += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
-            if v.bindings:
-                rows.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
-            if v.scope_note:
-                rows.append(("scope", v.scope_note))
-        else:
-            rows.append(("scheme", "none matched"))
-        if self.excluded_note:
-            rows.append(("excluded", self.excluded_note))
-        if self.scheme is not None:
-            rows.append(("kernel", self.chosen or "none eligible"))
-        rows += [("note", n) for n in self.notes]
-        rows += [("override", o) for o in self.overrides]
-        return rows
+def to_json(report: Report, verbose: bool = False, indent: int | None = None) -> str:
+    return json.dumps(to_dict(report, verbose), indent=indent)
 
-    # ------------------------------------------------------------ JSON
+# ------------------------------------------------------------ text
 
-    def to_dict(self, verbose: bool = False) -> dict[str, Any]:
-        """Plain data. Without ``verbose`` the kernels' passed checks and all but the nearest
-        turned-down schemes are left out (``schemes_turned_down`` counts them all)."""
-        s = self.situation
-        rt = s.runtime
-        shape = rt.shape
-
-        def checks(cs: tuple[Check, ...]) -> list[dict[str, Any]]:
-            return [c.to_dict() for c in cs if verbose or not c.passed]
-
-        shown = ([self.scheme] if self.scheme is not None else []) + self.shown_turned_down(verbose)
-        return {
-            "model": s.model, "family": s.family, "layer": s.layer, "quant_source": s.quant_source,
-            "runtime": {
-                "platform": str(rt.platform), "device_name": rt.platform.name, "dtype": rt.dtype,
-                "tp": rt.parallel.tp, "ep": rt.parallel.ep, "dp": rt.parallel.dp,
-                "all2all": rt.parallel.all2all, "max_tokens": rt.max_tokens,
-                "shape": None if shape is None else {
-                    "num_experts": shape.num_experts, "top_k": shape.top_k, "hidden": shape.hidden,
-                    "intermediate": shape.intermediate, "activation": shape.activation,
-                    "has_bias": shape.has_bias},
-            },
-            "scheme": None if self.scheme is None else {
-                "name": self.scheme.scheme, "weight_key": str(self.scheme.weight_key),
-                "activation_key": str(self.scheme.activation_key),
-                "bindings": dict(self.scheme.bindings), "features": dict(self.scheme.features),
-                "scope": self.scheme.scope_note},
-            "excluded": self.excluded_note,
-            "chosen_kernel": self.chosen,
-            "eligible_kernels": [k.kernel for k in self.kernels if k.eligible],
-            "kernels": [{"kernel": k.kernel, "eligible": k.eligible, "chosen": k.kernel == self.chosen,
-                         "checks": checks(k.checks)} for k in self.kernels],
-            "schemes": [{"scheme": v.scheme, "matched": v.matched, "excluded": v.excluded,
-                         "checks": checks(v.checks) if not v.matched else [c.to_dict() for c in v.checks]}
-                        for v in shown],
-            "schemes_turned_down": len(self.turned_down()),
-            "notes": list(self.notes), "spec_overrides": list(self.overrides),
-            "not_runnable": list(s.not_runnable),
-        }
-
-    def to_json(self, verbose: bool = False, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(verbose), indent=indent)
-
-    # ------------------------------------------------------------ text
-
-    def to_text(self, verbose: bool = False, width: int = TEXT_WIDTH) -> str:
-        """Aligned text, no line longer than ``width`` (except single words that are)."""
-        rows = self.rows()
-        lw = max(len(k) for k, _ in rows)
-        lines = []
-        for label, value in rows:
-            for i, part in enumerate(wrap(value, width, lw + 2)):
-                lines.append(f"{(label if i == 0 else '').ljust(lw)}  {part}".rstrip())
-        if self.kernels:
-            lines += ["", "kernels, in the scheme's order of preference:"]
-            kw = max(len(k.kernel) for k in self.kernels)
-            indent = 4 + kw + 2 + 8 + 2
-            for k in self.kernels:
-                mark = "+" if k.eligible else "-"
-                reasons = [c.message for c in k.failures] or ["all constraints met"]
-                first = True
-                for reason in reasons:
-                    for part in wrap(reason, width, indent):
-                        if first:
-                            lines.append(f"  {mark} {k.kernel.ljust(kw)}  {self._status(k):<8}  {part}")
-                            first = False
-                        else:
-                            lines.append(f"{''.ljust(indent)}{part}")
-        rest = self.turned_down()
-        if rest:
-            shown = self.shown_turned_down(verbose)
-            more = "" if len(shown) == len(rest) else f"; the {len(shown)} nearest shown, --verbose lists all"
-            lines += ["", f"schemes turned down ({len(rest)}{more}):"]
-            sw = max(len(v.scheme) for v in shown)
-            indent = 4 + sw + 2
-            for v in shown:
-                for i, part in enumerate(wrap(self._turned_down_reason(v), width, indent)):
-                    lines.append(f"  - {v.scheme.ljust(sw)}  {part}" if i == 0 else f"{''.ljust(indent)}{part}")
-        return "\n".join(lines)
-
-    # ------------------------------------------------------------ Markdown
-
-    def to_markdown(self, verbose: bool = False) -> str:
-        """Markdown tables; every cell escaped so a ``|`` in a reason cannot break a table."""
-        code = {"scheme", "weight", "activation", "kernel"}
-        lines = ["| | |", "| --- | --- |"]
-        for k, v in self.rows():
-            cell = f"`{_md(v)}`" if k in code and v not in ("none matched", "none eligible") else _md(v)
-            lines.append(f"| {k} | {cell} |")
-        if self.kernels:
-            lines += ["", "| kernel | status | reasons |", "| --- | --- | --- |"]
-            for k in self.kernels:
-                why = "<br>".join(_md(c.message) for c in k.failures) or "all constraints met"
-                lines.append(f"| `{_md(k.kernel)}` | {self._status(k)} | {why} |")
-        rest = self.turned_down()
-        shown = self.shown_turned_down(verbose)
-        lines += ["", "| scheme | matched | first reason |", "| --- | --- | --- |"]
-        if self.scheme is not None:
-            lines.append(f"| `{_md(self.scheme.scheme)}` | yes | matched |")
+def to_text(report: Report, verbose: bool = False, width: int = TEXT_WIDTH) -> str:
+    """Aligned text, no line longer than ``width`` (except single words that are)."""
+    rows = head_rows(report)
+    lw = max(len(k) for k, _ in rows)
+    lines = []
+    for label, value in rows:
+        for i, part in enumerate(wrap(value, width, lw + 2)):
+            lines.append(f"{(label if i == 0 else '').ljust(lw)}  {part}".rstrip())
+    if report.kernels:
+        lines += ["", "kernels, in the scheme's order of preference:"]
+        kw = max(len(k.kernel) for k in report.kernels)
+        indent = 4 + kw + 2 + 8 + 2
+        for k in report.kernels:
+            mark = "+" if k.eligible else "-"
+            reasons = [c.message for c in k.failures] or ["all constraints met"]
+            first = True
+            for reason in reasons:
+                for part in wrap(reason, width, indent):
+                    if first:
+                        lines.append(f"  {mark} {k.kernel.ljust(kw)}  {_status(report, k):<8}  {part}")
+                        first = False
+                    else:
+                        lines.append(f"{''.ljust(indent)}{part}")
+    rest = report.turned_down()
+    if rest:
+        shown = report.shown_turned_down(verbose)
+        more = "" if len(shown) == len(rest) else f"; the {len(shown)} nearest shown, --verbose lists all"
+        lines += ["", f"schemes turned down ({len(rest)}{more}):"]
+        sw = max(len(v.scheme) for v in shown)
+        indent = 4 + sw + 2
         for v in shown:
-            lines.append(f"| `{_md(v.scheme)}` | no | {_md(self._turned_down_reason(v))} |")
-        if len(shown) < len(rest):
-            lines += ["", f"{len(rest) - len(shown)} more schemes turned down (`--verbose` lists them)."]
-        return "\n".join(lines)
+            for i, part in enumerate(wrap(_turned_down_reason(v), width, indent)):
+                lines.append(f"  - {v.scheme.ljust(sw)}  {part}" if i == 0 else f"{''.ljust(indent)}{part}")
+    return "\n".join(lines)
+
+# ------------------------------------------------------------ Markdown
+
+def to_markdown(report: Report, verbose: bool = False) -> str:
+    """Markdown tables; every cell escaped so a ``|`` in a reason cannot break a table."""
+    code = {"scheme", "weight", "activation", "kernel"}
+    lines = ["| | |", "| --- | --- |"]
+    for k, v in head_rows(report):
+        cell = f"`{_md(v)}`" if k in code and v not in ("none matched", "none eligible") else _md(v)
+        lines.append(f"| {k} | {cell} |")
+    if report.kernels:
+        lines += ["", "| kernel | status | reasons |", "| --- | --- | --- |"]
+        for k in report.kernels:
+            why = "<br>".join(_md(c.message) for c in k.failures) or "all constraints met"
+            lines.append(f"| `{_md(k.kernel)}` | {_status(report, k)} | {why} |")
+    rest = report.turned_down()
+    shown = report.shown_turned_down(verbose)
+    lines += ["", "| scheme | matched | first reason |", "| --- | --- | --- |"]
+    if report.scheme is not None:
+        lines.append(f"| `{_md(report.scheme.scheme)}` | yes | matched |")
+    for v in shown:
+        lines.append(f"| `{_md(v.scheme)}` | no | {_md(_turned_down_reason(v))} |")
+    if len(shown) < len(rest):
+        lines += ["", f"{len(rest) - len(shown)} more schemes turned down (`--verbose` lists them)."]
+    return "\n".join(lines)

@@ -7,35 +7,16 @@ It imports no kernel code and needs no GPU; building the chosen kernel is in bui
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
-
 from moe_registry.core.errors import SelectionError
-from moe_registry.oracle.contract import Reason, failed
-from moe_registry.oracle.detect import SchemeVerdict, detect_scheme
+from moe_registry.oracle.contract import KernelVerdict, Reason, Report, SchemeVerdict, SelectedBy, Situation, failed
+from moe_registry.oracle.detect import detect_scheme
 from moe_registry.oracle.predicates import kernel_checks
-from moe_registry.oracle.render import KernelVerdict, Report
-from moe_registry.oracle.runtime import RuntimeConfig
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.models import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
 
 
-@dataclass(frozen=True)
-class Situation:
-    """What the oracle decides for: the layer's quantization config and module names, and the
-    runtime. ``modules`` are the expert projections' full names (for per-layer scoping)."""
-
-    quant_config: Mapping[str, Any] | None
-    runtime: RuntimeConfig
-    modules: tuple[str, ...] = ("model.layers.0.mlp.experts.0.gate_proj",)
-    quant_source: str = "quantization_config"
-    model: str | None = None
-    family: str | None = None
-    layer: int | None = None
-    not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
 
 
 def expert_modules(family: ModelFamilySpec, layer: int, num_experts: int) -> tuple[str, ...]:
@@ -99,27 +80,20 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
                              f"{name} (it lists {', '.join(scheme.kernels)})"),) + checks
         verdicts_k.append(KernelVerdict(name, all(c.passed for c in checks), checks))
     eligible = [v.kernel for v in verdicts_k if v.eligible]
-    notes: list[str] = []
-    chosen: str | None = None
+    by_order = eligible[0] if eligible else None
     if pin is not None:
-        if pin in eligible:
-            chosen = pin
-            notes.append(f"pinned to {pin}")
-        else:
-            report = base.with_kernels(tuple(verdicts_k), None, (f"pinned kernel {pin} is not eligible",))
+        report = base.with_kernels(tuple(verdicts_k), pin if pin in eligible else None, SelectedBy.PIN, pin)
+        if report.chosen is None:
             if raise_on_failure:
-                reasons = "; ".join(c.message for v in verdicts_k if v.kernel == pin for c in v.failures)
+                reasons = "; ".join(c.message for c in report.verdict(pin).failures)  # type: ignore[union-attr]
                 raise SelectionError(f"pinned kernel {pin} cannot run this: {reasons}", report)
             return report
-    elif prefer is not None and prefer in eligible:
-        chosen = prefer
-        notes.append(f"preferred {prefer}")
+    elif prefer is not None:
+        report = (base.with_kernels(tuple(verdicts_k), prefer, SelectedBy.PREFER, prefer) if prefer in eligible
+                  else base.with_kernels(tuple(verdicts_k), by_order, SelectedBy.FALLBACK, prefer))
     else:
-        chosen = eligible[0] if eligible else None
-        if prefer is not None:
-            why = "; ".join(c.message for v in verdicts_k if v.kernel == prefer for c in v.failures)
-            notes.append(f"preferred {prefer} is not eligible ({why}); fell back to {chosen or 'nothing'}")
-    report = base.with_kernels(tuple(verdicts_k), chosen, tuple(notes))
+        report = base.with_kernels(tuple(verdicts_k), by_order, SelectedBy.PREFERENCE, None)
+    chosen = report.chosen
     if situation.not_runnable and raise_on_failure:  # the kernels fit the shape, not the model's experts
         raise SelectionError(f"{situation.model}: family {situation.family}: not run here: "
                              f"{'; '.join(situation.not_runnable)}", report)

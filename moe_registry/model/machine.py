@@ -1,0 +1,36 @@
+"""This machine, probed once per situation: its first accelerator (asked of ``nvidia-smi``, so
+explain never imports torch) and which of the packages the kernel specs require are installed.
+The oracle only reads the result (oracle.runtime.Environment)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+
+from moe_registry.oracle.runtime import Environment, Platform
+
+
+def _query(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def probe_platform() -> Platform:
+    """This machine's first accelerator, or the CPU."""
+    if shutil.which("nvidia-smi"):
+        out = _query(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        line = out.strip().splitlines()[0] if out.strip() else ""
+        m = re.match(r"^(.*),\s*(\d+)\.(\d+)\s*$", line)
+        if m:
+            return Platform("cuda", (int(m.group(2)), int(m.group(3))), m.group(1).strip())
+    return Platform("cpu", None, "cpu")
+
+
+def probe_environment(packages: Iterable[str]) -> Environment:
+    """Which of ``packages`` this interpreter can import (found, not imported)."""
+    return Environment(frozenset(p for p in set(packages) if importlib.util.find_spec(p) is not None))
