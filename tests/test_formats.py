@@ -6,20 +6,23 @@ naming the full checkpoint tensor, what was found and what was expected."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from moe_registry_kernels.dequant import dequantize
 
-from moe_registry.core.errors import CheckpointError, MoERegistryError
+from moe_registry.core.errors import CheckpointError, MoERegistryError, SpecError
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats import ConvertContext, get_converter, known_converters
-from moe_registry.formats import registry as registry_module
+from moe_registry.spec.loader import load_registry
 from moe_registry.testing import packers
 
 ROLES = ("gate", "up", "down")
+FORMATS_DIR = Path(__file__).resolve().parent.parent / "moe_registry" / "formats"
 MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
 E, H, INTER = 3, 64, 32
 
@@ -522,17 +525,48 @@ def test_unknown_pair_lists_known_pairs() -> None:
         get_converter("awq-gemm", "kn")
 
 
-def test_registering_two_converters_for_one_pair(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "_CONVERTERS", dict(registry_module._CONVERTERS))
+def test_converters_are_declared_by_format_specs_not_found_by_import() -> None:
+    """Every shipped converter module is named by a format spec, and nothing is registered by
+    importing: the pairs come from specs/formats/*.yaml."""
+    declared = {spec.spec.format: spec.spec for spec in load_registry().formats.values()}
+    assert set(known_converters()) == {(f, c.layout) for f, s in declared.items() for c in s.converters}
+    modules = {c.impl.partition(":")[0] for s in declared.values() for c in s.converters}
+    shipped = {f"moe_registry.formats.{p.stem}" for p in FORMATS_DIR.glob("*.py")} - {
+        f"moe_registry.formats.{name}" for name in ("__init__", "assemble", "bitpack", "checks", "registry", "weights")}
+    assert modules == shipped
 
-    def first(experts, ctx):
-        raise AssertionError
 
-    def second(experts, ctx):
-        raise AssertionError
+def test_a_user_spec_dir_adds_a_converter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format spec in a user dir with its converter in a package inside that dir: found by
+    (format, layout), imported only when asked for."""
+    (tmp_path / "formats").mkdir()
+    package = tmp_path / "my_converters"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "halves.py").write_text(
+        "from moe_registry.formats.unquantized import convert_unquantized\n"
+        "def convert(experts, ctx):\n"
+        "    half = [{r: {n: t / 2 for n, t in ts.items()} for r, ts in e.items()} for e in experts]\n"
+        "    return convert_unquantized(half, ctx)\n")
+    (tmp_path / "formats" / "halves.yaml").write_text(
+        "format: halves\nsummary: weights stored doubled\n"
+        "converters:\n  - {layout: nk, impl: 'my_converters.halves:convert'}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = load_registry([tmp_path])
+    assert ("halves", "nk") in known_converters(registry)
+    assert "my_converters.halves" not in sys.modules  # declared, not imported
+    case = CASE_BY_ID["unquantized"]
+    experts = pack_experts(case, float_weights(2, h=case.h, i=case.i))
+    plain = get_converter("unquantized", "nk", registry)(experts, case.context())
+    halved = get_converter("halves", "nk", registry)(experts, case.context())
+    torch.testing.assert_close(halved.w13.weight.float() * 2, plain.w13.weight.float(), rtol=1e-3, atol=1e-7)
 
-    registry_module.register_converter("test-format", "nk")(first)
-    registry_module.register_converter("test-format", "nk")(first)  # the same function again: fine
-    assert get_converter("test-format", "nk") is first
-    with pytest.raises(MoERegistryError, match="'test-format' -> layout 'nk' is already registered"):
-        registry_module.register_converter("test-format", "nk")(second)
+
+def test_a_converter_outside_the_spec_dir_is_refused_before_import(tmp_path: Path) -> None:
+    (tmp_path / "formats").mkdir()
+    (tmp_path / "formats" / "evil.yaml").write_text(
+        "format: evil\nsummary: x\nconverters:\n  - {layout: nk, impl: 'antigravity:fly'}\n")
+    with pytest.raises(SpecError, match=r"evil.yaml:4: converters.0.impl: format evil converter nk: impl "
+                                        r"antigravity:fly: module antigravity is neither in moe_registry.formats"):
+        load_registry([tmp_path])
+    assert "antigravity" not in sys.modules

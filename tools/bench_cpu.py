@@ -37,6 +37,7 @@ from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import ReferenceExperts
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.core.vocab import ACTIVATION_FNS
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.build import experts_class
 from moe_registry.layer.experts import ExpertsConfig
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="activation dtype")
-    ap.add_argument("--activation", choices=["silu", "gelu", "swigluoai"], default="silu")
+    ap.add_argument("--activation", choices=ACTIVATION_FNS, default="silu")
     ap.add_argument("--reference", action="store_true", help="also time the torch reference (dense float32)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from moe_registry.core.errors import MoERegistryError, SelectionError
-from moe_registry.model.situation import Flags, check_kernel_names, did_you_mean, situation_for
-from moe_registry.oracle.predicates import ALL2ALL_FORMATS
+from moe_registry.core.names import did_you_mean
+from moe_registry.core.vocab import ALL2ALL_BACKENDS
+from moe_registry.model.situation import Flags, check_kernel_names, situation_for
 from moe_registry.spec.loader import load_registry, validate_paths
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -166,7 +167,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def editor_schema() -> dict[str, Any]:
-    """One JSON Schema for any spec file: ``oneOf`` the three kinds, their models under ``$defs``."""
+    """One JSON Schema for any spec file: ``oneOf`` the kinds, their models under ``$defs``."""
     from moe_registry.spec.models import SPEC_KINDS
 
     defs: dict[str, Any] = {}
@@ -179,7 +180,8 @@ def editor_schema() -> dict[str, Any]:
         defs[body["title"]] = body
         refs.append({"$ref": f"#/$defs/{body['title']}"})
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "moe-registry spec",
-            "description": "A scheme, kernel or model-family spec (exactly one of the keys scheme, kernel, family).",
+            "description": "A scheme, kernel, model-family or checkpoint-format spec (exactly one of the keys "
+                           + ", ".join(SPEC_KINDS) + ").",
             "oneOf": refs, "$defs": defs}
 
 
@@ -249,7 +251,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, metavar="N", help="expert-parallel size (default 1), e.g. --ep 8")
     p.add_argument("--dp", type=int, metavar="N", help="data-parallel size (default 1), e.g. --dp 2")
     p.add_argument("--all2all", metavar="BACKEND",
-                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_FORMATS)} (default none; "
+                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; "
                         "explain shows which kernels claim one: none is implemented yet), e.g. --ep 8 --all2all none")
     p.add_argument("--layer", type=int, metavar="N",
                    help="decoder layer (default: the first MoE layer), e.g. --layer 3")

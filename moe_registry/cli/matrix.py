@@ -45,7 +45,7 @@ def support_matrix(registry: Registry, platforms: tuple[str, ...] = MATRIX_PLATF
             runtime = RuntimeConfig(parse_platform(plat), "bfloat16")
             cells[plat] = [k for k in scheme.kernels if k in registry.kernels and all(
                 c.passed for c in kernel_checks(registry.kernel(k), runtime, weight, activation, bindings,
-                                                {}, scheme.checkpoint.format))]
+                                                {}, scheme.checkpoint.format, registry.converters))]
         rows.append({"scheme": name, "weight": key_with_choices(scheme.weight, scheme),
                      "activation": key_with_choices(scheme.activation, scheme), "cells": cells})
     return rows

@@ -449,6 +449,7 @@ def check_quant_sources(inline: Mapping[str, Any], side: Mapping[str, Any], path
 # ---------------------------------------------------------------- specs
 
 KERNEL_PACKAGE = "moe_registry_kernels"
+CONVERTER_PACKAGE = "moe_registry.formats"
 
 
 def check_template(text: str, allowed: tuple[str, ...], what: str) -> None:
@@ -471,20 +472,21 @@ def check_template(text: str, allowed: tuple[str, ...], what: str) -> None:
 def spec_root(spec_path: str | Path) -> Path:
     """The spec dir a spec file belongs to (the dir above schemes/, kernels/ or models/)."""
     parent = Path(spec_path).parent
-    return parent.parent if parent.name in ("schemes", "kernels", "models") else parent
+    return parent.parent if parent.name in ("schemes", "kernels", "models", "formats") else parent
 
 
-def check_impl(impl: str, kernel: str, spec_path: str | Path, builtin: bool) -> None:
-    """A kernel's ``impl`` may name a class in moe_registry_kernels, or (for a user spec) in a
-    package that lives in the spec dir declaring it; checked without importing anything, before
-    the module is imported (importing runs its code)."""
+def check_impl(impl: str, owner: str, spec_path: str | Path, builtin: bool, package: str = KERNEL_PACKAGE) -> None:
+    """An ``impl`` (a kernel's class, a format's converter) may name code in ``package``, or (for a
+    user spec) in a package that lives in the spec dir declaring it; checked without importing
+    anything, before the module is imported (importing runs its code). ``owner`` is e.g.
+    ``kernel my-kernel``."""
     module = impl.partition(":")[0]
     top = module.split(".")[0]
-    if top == KERNEL_PACKAGE:
+    if module == package or module.startswith(package + "."):
         return
-    where = f"kernel {kernel}: impl {impl}"
+    where = f"{owner}: impl {impl}"
     if builtin:
-        raise ConfigError(f"{where}: built-in kernels live in {KERNEL_PACKAGE}")
+        raise ConfigError(f"{where}: built-in code lives in {package}")
     import importlib.util
 
     try:
@@ -496,7 +498,7 @@ def check_impl(impl: str, kernel: str, spec_path: str | Path, builtin: bool) -> 
     if found is not None and found.origin:
         origins.append(Path(found.origin))
     if not origins or not all(o.resolve().is_relative_to(root) for o in origins):
-        raise ConfigError(f"{where}: module {module} is neither in {KERNEL_PACKAGE} nor a package inside the spec "
+        raise ConfigError(f"{where}: module {module} is neither in {package} nor a package inside the spec "
                           f"dir {root} that declares it; refused before importing it")
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moe_registry.core.errors import MoERegistryError
+from moe_registry.core.vocab import DTYPES
 
 MAX_KEY_CHARS = 256
 
@@ -75,7 +76,7 @@ SCALAR_TYPES: dict[str, ScalarType] = {
         ScalarType("float32", 32, True, True),
     )
 }
-ACTIVATION_DTYPES = ("float16", "bfloat16", "float32")
+ACTIVATION_DTYPES = DTYPES
 
 
 def scalar_type(name: str) -> ScalarType:

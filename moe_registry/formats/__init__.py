@@ -1,23 +1,7 @@
-"""Checkpoint format converters. Importing this package registers every shipped converter, so
-:func:`get_converter` finds them without any code naming a format."""
+"""Stage 3, checkpoint formats: the converters that turn a format's tensors into the kernel layout
+(:class:`~moe_registry.formats.weights.ExpertWeights`), declared as data in ``specs/formats/`` and
+imported only when a layer is built. May import: spec, core."""
 
-from moe_registry.formats import (  # noqa: F401  (imported to register)
-    awq_gemm,
-    compressed_tensors_pack,
-    fp8_block,
-    gptq,
-    modelopt_mxfp8,
-    quark_int8,
-    unquantized,
-)
-from moe_registry.formats.registry import (
-    ConvertContext,
-    Converter,
-    ExpertTensors,
-    get_converter,
-    known_converters,
-    register_converter,
-)
+from moe_registry.formats.registry import ConvertContext, Converter, ExpertTensors, get_converter, known_converters
 
-__all__ = ["ConvertContext", "Converter", "ExpertTensors", "get_converter", "known_converters",
-           "register_converter"]
+__all__ = ["ConvertContext", "Converter", "ExpertTensors", "get_converter", "known_converters"]

@@ -13,8 +13,9 @@ import torch
 
 from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.core.keys import PER_CHANNEL, PER_TENSOR, QuantKey
+from moe_registry.core.vocab import ROLES
 from moe_registry.formats.checks import check_finite
-from moe_registry.formats.registry import ROLES, ConvertContext, ExpertTensors
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
 __all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size",

@@ -21,7 +21,7 @@ from moe_registry.formats.assemble import (
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["AWQ_ORDER", "convert_awq_gemm"]
@@ -44,7 +44,6 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     )
 
 
-@register_converter("awq-gemm", "nk")
 def convert_awq_gemm(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """AutoAWQ GEMM (uint4 with per-group zero points) to ``nk``."""
     expect_weight_type(ctx, "awq-gemm", "uint4")

@@ -28,7 +28,7 @@ from moe_registry.formats.assemble import (
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_compressed_tensors_pack", "convert_compressed_tensors_int4"]
@@ -69,14 +69,12 @@ def _int4_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: Conv
     )
 
 
-@register_converter("compressed-tensors-int4", "nk")
 def convert_compressed_tensors_int4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """Symmetric int4 values stored one per int8 (uint4b8 codes after +8, per-group scales) to ``nk``."""
     expect_weight_type(ctx, "compressed-tensors-int4", "uint4b8")
     return assemble(experts, ctx, _int4_projection)
 
 
-@register_converter("compressed-tensors-pack", "nk")
 def convert_compressed_tensors_pack(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """Symmetric int4 pack-quantized (uint4b8 codes, per-group scales) to ``nk``."""
     expect_weight_type(ctx, "compressed-tensors-pack", "uint4b8")

@@ -21,7 +21,7 @@ from moe_registry.formats.assemble import (
     layout_scale_dtype,
 )
 from moe_registry.formats.checks import cast_scales, check_scales, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_fp8_block"]
@@ -52,7 +52,6 @@ def _check_fusable(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> Non
                 )
 
 
-@register_converter("fp8-block", "nk")
 def convert_fp8_block(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """fp8e4m3 weights with float32 block scales to ``nk``."""
     expect_weight_type(ctx, "fp8-block", "fp8e4m3")

@@ -39,7 +39,7 @@ from moe_registry.formats.assemble import (
 )
 from moe_registry.formats.bitpack import add_to_fields, pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_gptq", "convert_gptq_v2", "act_order_perm"]
@@ -142,7 +142,6 @@ def _v2(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -
     return _projection(tensors, name, ctx, zero_offset=0)
 
 
-@register_converter("gptq", "nk")
 def convert_gptq(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """GPTQ v1 (zeros stored − 1), symmetric (uint4b8 / uint8b128) or with zero points (uint4 / uint8
     zp:group), with or without act-order, to ``nk``."""
@@ -150,7 +149,6 @@ def convert_gptq(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> Exper
     return assemble(experts, ctx, _v1)
 
 
-@register_converter("gptq-v2", "nk")
 def convert_gptq_v2(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """GPTQModel's gptq_v2 (zeros stored as they are), otherwise as :func:`convert_gptq`."""
     expect_weight_type(ctx, "gptq-v2", *_TYPES)

@@ -13,7 +13,7 @@ import torch
 from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
 from moe_registry.formats.checks import describe_bad, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_modelopt_mxfp8", "E8M0_NAN"]
@@ -33,7 +33,6 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     return ProjectionPart(weight=weight, scale=scale.to(torch.uint8))
 
 
-@register_converter("modelopt-mxfp8", "nk")
 def convert_modelopt_mxfp8(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """MXFP8 (fp8e4m3 with an E8M0 scale per 32 inputs) to ``nk``."""
     expect_weight_type(ctx, "modelopt-mxfp8", "fp8e4m3")

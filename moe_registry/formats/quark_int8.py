@@ -21,7 +21,7 @@ import torch
 from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
 from moe_registry.formats.checks import check_scales, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_quark_int8"]
@@ -54,7 +54,6 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     return ProjectionPart(weight=weight, scale=scale, input_scale=input_scale)
 
 
-@register_converter("quark-int8", "nk")
 def convert_quark_int8(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """INT8 weights with per-channel or per-tensor scales (static or dynamic activations) to ``nk``."""
     expect_weight_type(ctx, "quark-int8", "int8")

@@ -1,5 +1,6 @@
-"""Converter registry: a checkpoint format is turned into a kernel layout by the function registered
-for that (format, layout) pair, so no code ever chooses a converter with an ``if`` (DESIGN rule 3).
+"""Converters: a checkpoint format is turned into a kernel layout by the function a format spec
+(``specs/formats/*.yaml``) declares for that (format, layout) pair, so no code ever chooses a
+converter with an ``if`` (DESIGN rule 3) and a user spec dir can add one.
 
 A converter receives one :data:`ExpertTensors` per expert, in expert order, whose shapes and
 dtypes the loader has already checked against the scheme spec; it checks the VALUES (scales,
@@ -9,15 +10,18 @@ returns new :class:`ExpertWeights` without touching its inputs.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
 
-from moe_registry.core.errors import MoERegistryError
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError, MoERegistryError
 from moe_registry.core.keys import QuantKey
 from moe_registry.formats.weights import ExpertWeights
+from moe_registry.spec.loader import Registry, load_registry
 
 __all__ = [
     "ExpertTensors",
@@ -25,12 +29,10 @@ __all__ = [
     "ConvertContext",
     "Converter",
     "default_tensor_name",
-    "register_converter",
     "get_converter",
     "known_converters",
 ]
 
-ROLES = ("gate", "up", "down")
 
 ExpertTensors = Mapping[str, Mapping[str, torch.Tensor]]
 """One expert's checkpoint tensors: role ('gate' | 'up' | 'down') -> tensor name as the scheme
@@ -59,51 +61,33 @@ class ConvertContext:
 
 Converter = Callable[[Sequence[ExpertTensors], ConvertContext], ExpertWeights]
 
-_CONVERTERS: dict[tuple[str, str], Converter] = {}
+def _registry(registry: Registry | None) -> Registry:
+    return registry if registry is not None else load_registry()
 
 
-def _same_function(a: Converter, b: Converter) -> bool:
-    """True for the same function defined again (module reloaded), so re-import is harmless."""
-    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
-        getattr(b, "__module__", None),
-        getattr(b, "__qualname__", None),
-    )
+def known_converters(registry: Registry | None = None) -> list[tuple[str, str]]:
+    """Every (format, layout) pair the format specs declare, sorted (the built-in and user specs
+    when no registry is given)."""
+    return sorted(_registry(registry).converters)
 
 
-def register_converter(format: str, layout: str) -> Callable[[Converter], Converter]:
-    """Decorator registering a converter for (checkpoint format, kernel layout).
-
-    Two different functions for one pair would make the choice depend on import order, so that
-    is an error.
-    """
-
-    def decorate(fn: Converter) -> Converter:
-        pair = (format, layout)
-        existing = _CONVERTERS.get(pair)
-        if existing is not None and not _same_function(existing, fn):
-            raise MoERegistryError(
-                f"converter for format {format!r} -> layout {layout!r} is already registered "
-                f"({existing.__module__}.{existing.__qualname__}); refusing "
-                f"{fn.__module__}.{fn.__qualname__}"
-            )
-        _CONVERTERS[pair] = fn
-        return fn
-
-    return decorate
-
-
-def known_converters() -> list[tuple[str, str]]:
-    """Every registered (format, layout) pair, sorted."""
-    return sorted(_CONVERTERS)
-
-
-def get_converter(format: str, layout: str) -> Converter:
-    """The converter for (format, layout); the error lists every known pair."""
-    try:
-        return _CONVERTERS[(format, layout)]
-    except KeyError:
-        known = ", ".join(f"{f} -> {lay}" for f, lay in known_converters()) or "none"
+def get_converter(format: str, layout: str, registry: Registry | None = None) -> Converter:
+    """The converter a format spec declares for (format, layout), imported now (specs never import
+    code while loading); the error lists every declared pair."""
+    reg = _registry(registry)
+    found = reg.converter(format, layout)
+    if found is None:
+        known = ", ".join(f"{f} -> {lay}" for f, lay in sorted(reg.converters)) or "none"
         raise MoERegistryError(
-            f"no converter from checkpoint format {format!r} to kernel layout {layout!r}; "
-            f"known: {known}"
-        ) from None
+            f"no converter from checkpoint format {format!r} to kernel layout {layout!r}; known: {known}")
+    conv, loaded = found
+    owner = f"format {format} converter {layout}"
+    guards.check_impl(conv.impl, owner, loaded.path, loaded.builtin, guards.CONVERTER_PACKAGE)  # before importing
+    module_name, _, fn_name = conv.impl.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{loaded.path}: {owner}: impl {conv.impl} cannot be imported: {err}") from None
+    if not callable(fn):
+        raise ConfigError(f"{loaded.path}: {owner}: impl {conv.impl} is not a function")
+    return fn  # type: ignore[no-any-return]

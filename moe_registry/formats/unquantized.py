@@ -10,7 +10,7 @@ import torch
 from moe_registry.core.errors import MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors, register_converter
+from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_unquantized"]
@@ -20,7 +20,6 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     return ProjectionPart(weight=require(tensors, "weight", name("weight")).to(ctx.activation_dtype))
 
 
-@register_converter("unquantized", "nk")
 def convert_unquantized(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """Plain float weights to ``nk`` in ``ctx.activation_dtype``."""
     if ctx.weight_key.quantized:

@@ -82,13 +82,14 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     scheme = registry.scheme(report.scheme.scheme)
     kernel_spec = registry.kernel(report.chosen)
     runtime = report.situation.runtime
-    convert = get_converter(scheme.checkpoint.format, kernel_spec.layout)
+    convert = get_converter(scheme.checkpoint.format, kernel_spec.layout, registry)
     ctx = ConvertContext(report.scheme.weight_key, report.scheme.activation_key,  # type: ignore[arg-type]
                          DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
     weights = convert(list(tensors.experts), ctx)
     loaded = registry.kernels[report.chosen]
-    guards.check_impl(kernel_spec.impl, kernel_spec.kernel, loaded.path, loaded.builtin)  # before importing it
+    # checked again right before importing it (the spec dir may have changed since loading)
+    guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
     cls = experts_class(kernel_spec)
     shape = runtime.shape
     config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]

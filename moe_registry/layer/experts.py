@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from moe_registry.core.vocab import ActivationFn, ActivationFormat
 from moe_registry.formats.weights import ExpertWeights
-
-ActivationFn = Literal["silu", "gelu", "swigluoai"]
-ActivationFormat = Literal["standard", "batched"]
 
 
 @dataclass(frozen=True)

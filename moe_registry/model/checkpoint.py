@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError
+from moe_registry.core.vocab import ROLES
 from moe_registry.formats.checks import check_all_equal
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.expr import ExprError, parse_expr
@@ -31,7 +32,6 @@ _ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16"
               "I16": "int16", "F64": "float64", "BOOL": "bool"}
 # A projection may carry a bias (gpt-oss style); it is optional for every scheme.
 BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True)
-ROLES = ("gate", "up", "down")
 
 
 @dataclass(frozen=True)

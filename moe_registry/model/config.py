@@ -14,6 +14,7 @@ from typing import Any
 
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
+from moe_registry.core.vocab import ACTIVATION_FNS
 from moe_registry.oracle.detect import _MISSING, check_field, get_path
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.loader import Registry
@@ -234,8 +235,8 @@ def _not_runnable(roots: list[Mapping[str, Any]], family: ModelFamilySpec, shape
     if isinstance(p, int | float) and not isinstance(p, bool) and p != 1:
         out.append(f"routing.renormalize: the kept weights are divided by their {p}-norm; only 1 "
                    "(weights summing to 1) is run here")
-    if shape.activation not in _KERNEL_ACTIVATIONS:
-        out.append(f"activation {shape.activation!r}: the kernels here run {', '.join(_KERNEL_ACTIVATIONS)}")
+    if shape.activation not in ACTIVATION_FNS:
+        out.append(f"activation {shape.activation!r}: the kernels here run {', '.join(ACTIVATION_FNS)}")
     f = family.fields
     if "gated" in f and not resolve_field(roots, f["gated"], "gated", name):
         out.append("experts are not gated (down(act(up(x))), no gate projection); the kernels here run "
@@ -267,7 +268,6 @@ def _requires(roots: list[Mapping[str, Any]], family: ModelFamilySpec) -> list[s
     return out
 
 
-_KERNEL_ACTIVATIONS = ("silu", "gelu", "swigluoai")
 _ACTIVATION_RE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 

@@ -4,11 +4,12 @@ without a model, or a model with runtime overrides. Validated like every file (e
 from __future__ import annotations
 
 import difflib
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from moe_registry.core.errors import ConfigError
+from moe_registry.core.vocab import ActivationFn, Dtype
 
 
 class RuntimeFile(BaseModel):
@@ -17,11 +18,11 @@ class RuntimeFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     platform: str = "auto"
-    dtype: Literal["float16", "bfloat16", "float32"] | None = None
+    dtype: Dtype | None = None
     tp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
-    all2all: str = "none"
+    all2all: str = "none"  # checked with the flags, so a typo gets "did you mean"
     max_tokens: int = Field(default=8192, ge=1)
     router_weight_on_input: bool = False
     model: str | None = None
@@ -29,7 +30,7 @@ class RuntimeFile(BaseModel):
     top_k: int | None = Field(default=None, ge=1)
     hidden: int | None = Field(default=None, ge=1)
     intermediate: int | None = Field(default=None, ge=1)
-    activation: Literal["silu", "gelu", "swigluoai"] = "silu"
+    activation: ActivationFn = "silu"
     has_bias: bool = False
     quantization_config: dict[str, Any] | None = None
 

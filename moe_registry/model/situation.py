@@ -3,7 +3,6 @@ oracle's Situation. Flags override what files say."""
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,11 +11,12 @@ from typing import Any
 
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
+from moe_registry.core.names import unknown_text
+from moe_registry.core.vocab import ALL2ALL_BACKENDS
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.model.machine import probe_environment, probe_platform
 from moe_registry.model.runtime_file import parse_runtime_file
 from moe_registry.oracle.contract import Situation
-from moe_registry.oracle.predicates import ALL2ALL_FORMATS
 from moe_registry.oracle.runtime import (
     Environment,
     MoEShape,
@@ -45,16 +45,10 @@ class Flags:
     max_tokens: int | None = None
 
 
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest known word, or nothing."""
-    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
 
 def unknown_name(flag: str, kind: str, name: str, known: Iterable[str]) -> ConfigError:
     """The one-line error for a name nobody defined: the known names and the closest one."""
-    names = sorted(known)
-    return ConfigError(f"{flag}: unknown {kind} {name!r}{did_you_mean(name, names)}; known: {', '.join(names)}")
+    return ConfigError(f"{flag}: {unknown_text(kind, name, known)}")
 
 
 def check_kernel_names(registry: Registry, **names: str | None) -> None:
@@ -143,8 +137,8 @@ def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
     for name in ("tp", "ep", "dp"):
         if getattr(p, name) < 1:
             raise ConfigError(f"--{name}: got {getattr(p, name)}; wanted a positive integer")
-    if p.all2all not in ALL2ALL_FORMATS:
-        raise unknown_name("--all2all", "all2all backend", p.all2all, ALL2ALL_FORMATS)
+    if p.all2all not in ALL2ALL_BACKENDS:
+        raise unknown_name("--all2all", "all2all backend", p.all2all, ALL2ALL_BACKENDS)
     if shape is None:
         return
     if p.ep > 1 and shape.num_experts % p.ep:

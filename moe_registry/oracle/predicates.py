@@ -6,42 +6,20 @@ failure, so explain shows every reason a kernel was turned down).
 
 from __future__ import annotations
 
-import ast
 import fnmatch
 from collections.abc import Mapping
-from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 from moe_registry.core.keys import QuantKey, canonical_pattern
+from moe_registry.core.vocab import ALL2ALL_DELIVERS
 from moe_registry.oracle.contract import Check, Reason, failed, passed
 from moe_registry.oracle.runtime import RuntimeConfig
 from moe_registry.spec.expr import ExprError, parse_expr
 from moe_registry.spec.models import KernelSpec
 
-# Which activation format each all2all backend delivers to the experts. "none" is no EP dispatch.
-ALL2ALL_FORMATS = {
-    "none": "standard", "naive": "standard", "allgather_reducescatter": "standard",
-    "deepep_high_throughput": "standard", "pplx": "batched", "deepep_low_latency": "batched",
-}
 _OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
         "<": lambda a, b: a < b, "==": lambda a, b: a == b}
 
-
-@lru_cache(maxsize=1)
-def declared_converters() -> frozenset[tuple[str, str]]:
-    """(format, layout) pairs registered in moe_registry/formats, read from the source with ast
-    so that choosing a kernel never imports torch."""
-    pairs: set[tuple[str, str]] = set()
-    for entry in (resources.files("moe_registry") / "formats").iterdir():
-        if not entry.name.endswith(".py"):
-            continue
-        tree = ast.parse(entry.read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_converter"
-                    and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)):
-                pairs.add((str(node.args[0].value), str(node.args[1].value)))  # type: ignore[attr-defined]
-    return frozenset(pairs)
 
 
 def check_platform(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
@@ -109,10 +87,10 @@ def _member(reason: Reason, field: str, value: str, allowed: list[str]) -> Check
 def check_runtime(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     out = [_member(Reason.DTYPE, "dtype", runtime.dtype, list(kernel.dtypes))]
     p = runtime.parallel
-    fmt = ALL2ALL_FORMATS.get(p.all2all)
+    fmt = ALL2ALL_DELIVERS.get(p.all2all)
     if fmt is None:
         out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"unknown all2all backend {p.all2all!r}; "
-                          f"known: {', '.join(ALL2ALL_FORMATS)}", seen=p.all2all))
+                          f"known: {', '.join(ALL2ALL_DELIVERS)}", seen=p.all2all))
     elif p.ep > 1 and p.all2all not in kernel.parallel.all2all:
         out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"all2all {p.all2all}; kernel supports "
                           + ", ".join(kernel.parallel.all2all), seen=p.all2all, wanted=kernel.parallel.all2all))
@@ -177,8 +155,9 @@ def check_features(kernel: KernelSpec, runtime: RuntimeConfig, scheme_features: 
     return [passed("features", f"features {', '.join(sorted(needed))}")] if needed else []
 
 
-def check_converter(kernel: KernelSpec, checkpoint_format: str) -> list[Check]:
-    if (checkpoint_format, kernel.layout) in declared_converters():
+def check_converter(kernel: KernelSpec, checkpoint_format: str, converters: frozenset[tuple[str, str]]) -> list[Check]:
+    """A format spec must declare a converter from the scheme's checkpoint format to the kernel's layout."""
+    if (checkpoint_format, kernel.layout) in converters:
         return []
     return [failed(Reason.CONVERTER, "layout", f"no converter from {checkpoint_format} to layout "
                    f"{kernel.layout}", seen=checkpoint_format, wanted=kernel.layout)]
@@ -186,10 +165,11 @@ def check_converter(kernel: KernelSpec, checkpoint_format: str) -> list[Check]:
 
 def kernel_checks(kernel: KernelSpec, runtime: RuntimeConfig, weight: QuantKey, activation: QuantKey,
                   bindings: Mapping[str, Any], scheme_features: Mapping[str, bool],
-                  checkpoint_format: str) -> tuple[Check, ...]:
-    """Every declared constraint of ``kernel`` against the situation."""
+                  checkpoint_format: str, converters: frozenset[tuple[str, str]]) -> tuple[Check, ...]:
+    """Every declared constraint of ``kernel`` against the situation (``converters``: the registry's
+    declared (format, layout) pairs)."""
     return tuple(check_platform(kernel, runtime) + check_packages(kernel, runtime)
                  + check_keys(kernel, weight, activation) + check_runtime(kernel, runtime)
                  + check_shape(kernel, runtime, bindings)
                  + check_features(kernel, runtime, scheme_features, weight)
-                 + check_converter(kernel, checkpoint_format))
+                 + check_converter(kernel, checkpoint_format, converters))

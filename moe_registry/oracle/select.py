@@ -74,7 +74,7 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
             continue
         checks = kernel_checks(registry.kernel(name), situation.runtime, scheme_v.weight_key,
                                scheme_v.activation_key, scheme_v.bindings, scheme_v.features,
-                               scheme.checkpoint.format)
+                               scheme.checkpoint.format, registry.converters)
         if name not in scheme.kernels:
             checks = (failed(Reason.NOT_LISTED, "kernels", f"scheme {scheme.scheme} does not list "
                              f"{name} (it lists {', '.join(scheme.kernels)})"),) + checks

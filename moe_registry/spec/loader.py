@@ -23,8 +23,17 @@ from pydantic import BaseModel, ValidationError
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, SpecError
 from moe_registry.core.keys import KeyError_, parse_quant_key
+from moe_registry.core.names import unknown_text
 from moe_registry.spec.expr import parse_expr
-from moe_registry.spec.models import SPEC_KINDS, KernelSpec, ModelFamilySpec, SchemeSpec, Strict
+from moe_registry.spec.models import (
+    SPEC_KINDS,
+    ConverterSpec,
+    FormatSpec,
+    KernelSpec,
+    ModelFamilySpec,
+    SchemeSpec,
+    Strict,
+)
 from moe_registry.spec.yamlio import line_of, load_yaml_file
 
 T = TypeVar("T", bound=Strict)
@@ -45,12 +54,24 @@ class Loaded(Generic[T]):
 
 @dataclass(frozen=True)
 class Registry:
-    """Every known scheme, kernel and model family, by name."""
+    """Every known scheme, kernel, model family and checkpoint format, by name."""
 
     schemes: Mapping[str, Loaded[SchemeSpec]]
     kernels: Mapping[str, Loaded[KernelSpec]]
     families: Mapping[str, Loaded[ModelFamilySpec]]
+    formats: Mapping[str, Loaded[FormatSpec]] = field(default_factory=dict)
     problems: tuple[SpecError, ...] = field(default=())
+
+    @property
+    def converters(self) -> frozenset[tuple[str, str]]:
+        """Every declared (format, layout) pair."""
+        return frozenset((name, c.layout) for name, loaded in self.formats.items() for c in loaded.spec.converters)
+
+    def converter(self, format: str, layout: str) -> tuple[ConverterSpec, Loaded[FormatSpec]] | None:
+        """The converter declared for (format, layout) and the spec declaring it, or None."""
+        loaded = self.formats.get(format)
+        found = next((c for c in loaded.spec.converters if c.layout == layout), None) if loaded else None
+        return (found, loaded) if found is not None and loaded is not None else None
 
     def scheme(self, name: str) -> SchemeSpec:
         return self.schemes[name].spec
@@ -133,7 +154,7 @@ def parse_spec(data: Any, path: str) -> Strict:
     kinds = [k for k in SPEC_KINDS if k in data]
     if len(kinds) != 1:
         raise SpecError(path, getattr(data, "line", 1),
-                        "a spec needs exactly one of the top-level keys: scheme, kernel, family")
+                        f"a spec needs exactly one of the top-level keys: {', '.join(SPEC_KINDS)}")
     model = SPEC_KINDS[kinds[0]]
     try:
         return model.model_validate(data)
@@ -170,9 +191,14 @@ def binding_samples(scheme: SchemeSpec) -> list[dict[str, Any]]:
     return samples[:64]
 
 
-def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, Any]) -> list[SpecError]:
+def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, Any],
+                  formats: Mapping[str, Any]) -> list[SpecError]:
     scheme, path = loaded.spec, loaded.path
     problems: list[SpecError] = []
+    if scheme.checkpoint.format not in formats:
+        problems.append(SpecError(path, line_of(data, "checkpoint", "format"),
+                                  unknown_text("checkpoint format", scheme.checkpoint.format, formats),
+                                  field="checkpoint.format"))
     for sample in binding_samples(scheme):
         for fld in ("weight", "activation"):
             text = getattr(scheme, fld)
@@ -214,10 +240,26 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
     return problems
 
 
-def _check_kernel(loaded: Loaded[KernelSpec], data: Any) -> list[SpecError]:
+def _check_format(loaded: Loaded[FormatSpec], data: Any) -> list[SpecError]:
     problems = []
+    for i, conv in enumerate(loaded.spec.converters):
+        try:  # only moe_registry.formats or a package in the declaring spec dir, checked without importing
+            guards.check_impl(conv.impl, f"format {loaded.spec.format} converter {conv.layout}", loaded.path,
+                              loaded.builtin, guards.CONVERTER_PACKAGE)
+        except ConfigError as err:
+            problems.append(SpecError(loaded.path, line_of(data, "converters", i, "impl"), str(err),
+                                      field=f"converters.{i}.impl"))
+    return problems
+
+
+def _check_kernel(loaded: Loaded[KernelSpec], data: Any, layouts: set[str]) -> list[SpecError]:
+    problems = []
+    if loaded.spec.layout not in layouts:
+        problems.append(SpecError(loaded.path, line_of(data, "layout"),
+                                  unknown_text("layout", loaded.spec.layout, layouts)
+                                  + " (the layouts the format specs' converters produce)", field="layout"))
     try:  # impl: only moe_registry_kernels or a package in the declaring spec dir, checked without importing
-        guards.check_impl(loaded.spec.impl, loaded.spec.kernel, loaded.path, loaded.builtin)
+        guards.check_impl(loaded.spec.impl, f"kernel {loaded.spec.kernel}", loaded.path, loaded.builtin)
     except ConfigError as err:
         problems.append(SpecError(loaded.path, line_of(data, "impl"), str(err), field="impl"))
     for dim, limit in loaded.spec.shapes.items():
@@ -237,7 +279,7 @@ def spec_files(directory: Path) -> list[Path]:
     """The spec files of a spec dir: *.yaml and *.yml, in its schemes/, kernels/ and models/ or
     directly in it."""
     files: list[Path] = []
-    for sub in ("", "schemes", "kernels", "models"):
+    for sub in ("", "schemes", "kernels", "models", "formats"):
         d = directory / sub if sub else directory
         if d.is_dir():
             files += sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
@@ -271,7 +313,7 @@ def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> 
     """Validate ``(path, spec root)`` files in order; a later root overrides an earlier one by
     name, while two files of one root defining one name is an error."""
     problems: list[SpecError] = []
-    tables: dict[str, dict[str, Loaded[Any]]] = {"scheme": {}, "kernel": {}, "family": {}}
+    tables: dict[str, dict[str, Loaded[Any]]] = {"scheme": {}, "kernel": {}, "family": {}, "format": {}}
     raw: dict[str, Any] = {}
     roots: dict[str, Path] = {}
     builtin_root = builtin_spec_dir()
@@ -301,19 +343,22 @@ def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> 
         table[name] = Loaded(spec, str(path), line_of(data, kind) or 1, is_builtin, overrides)
         raw[f"{kind}:{name}"] = data
         roots[f"{kind}:{name}"] = root
-    for name, loaded in list(tables["scheme"].items()):
-        found = _check_scheme(loaded, raw[f"scheme:{name}"], tables["kernel"])
-        if found:
+    # every reference is checked against every spec that parsed; then the specs with problems leave
+    layouts = {c.layout for loaded in tables["format"].values() for c in loaded.spec.converters}
+    checks = {"format": lambda loaded, data: _check_format(loaded, data),
+              "kernel": lambda loaded, data: _check_kernel(loaded, data, layouts),
+              "scheme": lambda loaded, data: _check_scheme(loaded, data, tables["kernel"], tables["format"])}
+    bad = []
+    for kind in ("scheme", "kernel", "format"):
+        for name, loaded in tables[kind].items():
+            found = checks[kind](loaded, raw[f"{kind}:{name}"])
             problems += found
-            del tables["scheme"][name]
-    for name, loaded in list(tables["kernel"].items()):
-        found = _check_kernel(loaded, raw[f"kernel:{name}"])
-        if found:
-            problems += found
-            del tables["kernel"][name]
+            bad += [(kind, name)] if found else []
+    for kind, name in bad:
+        del tables[kind][name]
     if problems and strict:
         raise SpecErrors(problems)
-    return Registry(tables["scheme"], tables["kernel"], tables["family"], tuple(problems))
+    return Registry(tables["scheme"], tables["kernel"], tables["family"], tables["format"], tuple(problems))
 
 
 def files_to_validate(paths: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:

@@ -15,14 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from moe_registry.core.guards import check_number, check_template
 from moe_registry.core.keys import SCALAR_TYPES
+from moe_registry.core.vocab import ActivationFn, ActivationFormat, All2All, Device, Dtype, Feature, Role, ShapeDim
 from moe_registry.spec.expr import ExprError, parse_limit, parse_shape_dim
 
-Dtype = Literal["float16", "bfloat16", "float32"]
-ActivationFn = Literal["silu", "gelu", "swigluoai"]
-ActivationFormat = Literal["standard", "batched"]
-Feature = Literal["bias", "zero_point", "act_order", "router_weight_on_input"]
-Device = Literal["cpu", "cuda", "rocm", "xpu"]
-ShapeDim = Literal["hidden", "intermediate", "experts", "top_k", "tokens"]
 NAME_RE = r"^[a-z0-9][a-z0-9._-]*$"
 
 
@@ -280,7 +275,7 @@ class ParallelSpec(Strict):
     tp: bool = True
     ep: bool = False
     dp: bool = True
-    all2all: list[str] = Field(default_factory=lambda: ["none"])
+    all2all: list[All2All] = Field(default_factory=lambda: ["none"])
 
 
 class KernelSpec(Strict):
@@ -288,7 +283,9 @@ class KernelSpec(Strict):
 
     kernel: str = Field(pattern=NAME_RE)
     summary: str
-    impl: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    impl: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description=(
+        "module:Class of the Experts implementation, in moe_registry_kernels or (user specs) a package "
+        "inside the declaring spec dir; imported only when a layer is built"))
     platforms: list[PlatformSpec] = Field(min_length=1)
     requires_packages: list[str] = Field(default_factory=list)
     dtypes: list[Dtype] = Field(min_length=1)
@@ -452,7 +449,7 @@ class ExpertNaming(Strict):
 
     router: str = Field(description="the router module, relative to naming.layer (its weight is <router>.weight)")
     expert: str = Field(description="one expert's module, relative to naming.layer, with {expert}")
-    projections: dict[Literal["gate", "up", "down"], str] = Field(
+    projections: dict[Role, str] = Field(
         description="the gate, up and down projections' module names under the expert")
 
     @model_validator(mode="after")
@@ -476,7 +473,7 @@ class Naming(Strict):
     router: str
     correction_bias: str | None = None
     expert: str | None = None
-    projections: dict[Literal["gate", "up", "down"], str] | None = None
+    projections: dict[Role, str] | None = None
     fused: FusedExperts | None = None
     alternatives: list[ExpertNaming] = Field(default_factory=list, description=(
         "other producers' per-expert names for the same layer (router, expert, projections), tried in order "
@@ -563,9 +560,41 @@ class ModelFamilySpec(Strict):
         return fields
 
 
+# ---------------------------------------------------------------- format specs
+
+IMPL_RE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class ConverterSpec(Strict):
+    """One function turning the format's tensors into one kernel layout."""
+
+    layout: str = Field(pattern=NAME_RE, description="the kernel layout it produces (kernel specs name it in "
+                                                     "`layout`; `nk` is documented in moe_registry/formats/weights.py)")
+    impl: str = Field(pattern=IMPL_RE, description=(
+        "module:function, in moe_registry.formats or (user specs) a package inside the declaring spec dir; "
+        "imported only when a layer is built"))
+
+
+class FormatSpec(Strict):
+    """A checkpoint format: how a scheme's tensors are laid out on disk, and the converters that read
+    it into kernel layouts (found by (format, layout), never chosen by an ``if``)."""
+
+    format: str = Field(pattern=NAME_RE, description="the name scheme specs give in checkpoint.format")
+    summary: str = Field(description="one line: what the producer writes")
+    converters: list[ConverterSpec] = Field(min_length=1, description="one per kernel layout it can produce")
+
+    @field_validator("converters")
+    @classmethod
+    def _one_per_layout(cls, converters: list[ConverterSpec]) -> list[ConverterSpec]:
+        layouts = [c.layout for c in converters]
+        if len(set(layouts)) != len(layouts):
+            raise ValueError("two converters for one layout; the choice would be ambiguous")
+        return converters
+
+
 SPEC_KINDS: dict[str, type[Strict]] = {
-    "scheme": SchemeSpec, "kernel": KernelSpec, "family": ModelFamilySpec,
+    "scheme": SchemeSpec, "kernel": KernelSpec, "family": ModelFamilySpec, "format": FormatSpec,
 }
 
 
-__all__ = ["SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec"]
+__all__ = ["SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec", "FormatSpec"]

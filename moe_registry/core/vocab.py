@@ -1,0 +1,49 @@
+"""The closed vocabulary every stage shares: activation dtypes, activation functions and formats,
+kernel features, devices, shape dimensions and all2all backends. Specs validate against these
+Literals, the runtime and CLI check flags against them, kernels and tools read them; a new word
+is added here once (and, for all2all, only when code implements it: DESIGN rule 5)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Dtype = Literal["float16", "bfloat16", "float32"]
+"""Activation dtypes a layer may run in."""
+
+ActivationFn = Literal["silu", "gelu", "swigluoai"]
+"""Gated activations over the fused gate/up projection (swigluoai: gpt-oss's clamped swiglu)."""
+
+ActivationFormat = Literal["standard", "batched"]
+"""How tokens reach the experts: one [tokens, hidden] tensor with routing, or [experts, max tokens,
+hidden] per expert (what a batched all2all delivers)."""
+
+Feature = Literal["bias", "zero_point", "act_order", "router_weight_on_input"]
+"""Optional parts of a layer a kernel declares it handles."""
+
+Device = Literal["cpu", "cuda", "rocm", "xpu"]
+"""Device kinds a kernel spec may name (``xpu`` is accepted in specs; no shipped kernel runs there)."""
+
+ShapeDim = Literal["hidden", "intermediate", "experts", "top_k", "tokens"]
+"""Dimensions a kernel spec may limit."""
+
+All2All = Literal["none", "naive", "allgather_reducescatter", "deepep_high_throughput", "pplx", "deepep_low_latency"]
+"""Expert-parallel dispatch backends a situation may name (vLLM's names; ``none``: no EP dispatch).
+A kernel spec claims only those this code implements (today: none)."""
+
+Role = Literal["gate", "up", "down"]
+"""An expert's projections."""
+
+DTYPES: tuple[str, ...] = get_args(Dtype)
+ACTIVATION_FNS: tuple[str, ...] = get_args(ActivationFn)
+ACTIVATION_FORMATS: tuple[str, ...] = get_args(ActivationFormat)
+FEATURES: tuple[str, ...] = get_args(Feature)
+DEVICES: tuple[str, ...] = get_args(Device)
+ALL2ALL_BACKENDS: tuple[str, ...] = get_args(All2All)
+ROLES: tuple[str, ...] = get_args(Role)
+
+ALL2ALL_DELIVERS: dict[str, str] = {
+    "none": "standard", "naive": "standard", "allgather_reducescatter": "standard",
+    "deepep_high_throughput": "standard", "pplx": "batched", "deepep_low_latency": "batched",
+}
+"""The activation format each all2all backend hands to the experts."""
+assert set(ALL2ALL_DELIVERS) == set(ALL2ALL_BACKENDS)
