@@ -58,6 +58,9 @@ SWIGLUOAI_LIMIT = tl.constexpr(7.0)
 FP8_MAX = tl.constexpr(448.0)
 INT8_MAX = tl.constexpr(127.0)
 AMAX_FLOOR = tl.constexpr(1e-10)
+# 1.5·2^23: float32 values this large have no fraction bits, so adding and subtracting it rounds
+# to an integer (half to even) for |x| < 2^22
+RINT_SHIFT = tl.constexpr(12582912.0)
 
 # Up to this many (token, k) pairs, alignment is one launch of one program per ALIGN_PART_PAIRS
 # pairs, each recounting all of them (decode); above it, three launches that count chunks once
@@ -407,7 +410,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
 def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
                         num_blocks, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
                         row_scale_ptr, counts_ptr, pieces_ptr,
-                        D, stride_x, stride_out, stride_scale, capacity, num_pieces,
+                        D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows,
                         parts, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
                         CHUNK: tl.constexpr, EXPERT_TILE: tl.constexpr, FILL: tl.constexpr,
                         TILE_B: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr,
@@ -422,9 +425,9 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
         _align_part(pid, parts, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
                     num_blocks, BLOCK_M, PAIRS, BINS, CHUNK, EXPERT_TILE, FILL, TILE_B)
     else:
-        _act_quant_row((pid - parts).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                       counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, 0, D,
-                       ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES)
+        _act_quant_tile((pid - parts).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
+                        counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows,
+                        0, D, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES, 1)
 
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
@@ -451,7 +454,7 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
                                                None)
     parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
     _align_quant_kernel[(parts + x.shape[0],)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args, parts,
+        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args, x.shape[0], parts,
         **align_meta, **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
     return sorted_ids, expert_ids, num_post, out, scale
 
@@ -479,14 +482,14 @@ def _(topk_ids, num_experts, block_m):
 
 
 # ---------------------------------------------------------------------------------------------
-# activation + quantisation, one row per program
+# activation + quantisation: tiles of rows (one row at decode)
 
 
 @triton.jit
 def _rint(x):
     """Round half to even for |x| < 2^22 (adding 1.5·2^23 leaves no fraction bits); larger values
     stay large, which the callers' clamps handle."""
-    return (x + 12582912.0) - 12582912.0
+    return (x + RINT_SHIFT) - RINT_SHIFT
 
 
 @triton.jit
@@ -574,18 +577,6 @@ def gated_act(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _row_values(x_row, cols, mask, half, row_scale, ACTIVATION: tl.constexpr):
-    """float32 values of one row chunk: act(gate) * up over a fused [gate | up] row, or x itself."""
-    if ACTIVATION == "none":
-        out = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    else:
-        gate = tl.load(x_row + cols, mask=mask, other=0.0)
-        up = tl.load(x_row + half + cols, mask=mask, other=0.0)
-        out = gated_act(gate, up, ACTIVATION)
-    return out * row_scale
-
-
-@triton.jit
 def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
                       D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
@@ -595,16 +586,11 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
     whole row for int8_token, whose scale needs it, unless its amax comes in pieces)."""
     grid_dependency(PDL)
     col_lo = tl.program_id(1) * BLOCK
-    if ROWS > 1:
-        _act_quant_tile(tl.program_id(0).to(tl.int64) * ROWS, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
-                        row_scale_ptr, counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity,
-                        num_pieces, num_rows, col_lo, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK,
-                        ONE_READ, PIECES, ROWS)
-    else:
-        col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
-        _act_quant_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr,
-                       counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity, num_pieces, col_lo,
-                       col_hi, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK, ONE_READ, PIECES)
+    col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
+    _act_quant_tile(tl.program_id(0).to(tl.int64) * ROWS, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
+                    row_scale_ptr, counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity,
+                    num_pieces, num_rows, col_lo, col_hi, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK,
+                    ONE_READ, PIECES, ROWS)
 
 
 @triton.jit
@@ -622,13 +608,20 @@ def _tile_values(x_ptr, rows, row_ok, cols, D, stride_x, row_factor, ACTIVATION:
 
 @triton.jit
 def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
-                    D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows, col_lo,
+                    D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows, col_lo, col_hi,
                     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
                     ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr):
-    """_act_quant_row for ROWS rows at once: columns [col_lo, col_lo + BLOCK), or for int8_token
-    without amax pieces the whole row, BLOCK at a time (read once when BLOCK >= D, else an amax
-    pass, then the codes). The prefill form: thousands of rows, each program a few rows of
+    """Rows [row_lo, row_lo + ROWS) (those below num_rows; with counts, the batched format, rows
+    past their expert's count are skipped), columns [col_lo, col_hi), BLOCK at a time: optional
+    gated activation ([2D] -> [D]), optional row factor (router weight on the input), then store
+    as the activation dtype or quantise (see QUANT_MODES).
+
+    int8_token needs each row's amax first: with PIECES > 0 the largest of its num_pieces pieces
+    (read PIECES at a time; any column range can then be quantised alone, and the chunk at
+    column 0 stores the scale); otherwise the kernel passes the whole row, read once when
+    ONE_READ (BLOCK >= D: its values stay in registers between the amax and the codes), else an
+    amax pass, then the codes. Decode runs one row per program (ROWS 1); prefill a few rows of
     chunks that tile them (see _act_quant_launch), so no lanes sit masked off."""
     rows = row_lo + tl.arange(0, ROWS)
     row_ok = rows < num_rows
@@ -637,7 +630,6 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
     row_factor = tl.full([ROWS], 1.0, tl.float32)
     if HAS_ROW_SCALE:
         row_factor = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    col_hi = D if QUANT == "int8_token" and PIECES == 0 else tl.minimum(D, col_lo + BLOCK)
     if QUANT == "int8_token":  # each row's amax: from its pieces, one read, or a first pass
         if PIECES > 0:
             parts = tl.arange(0, PIECES)
@@ -677,84 +669,13 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
             tl.store(out_tile, _int8_codes(v, scale), mask=mask)
         elif QUANT == "fp8_static":
             tl.store(out_tile, _fp8_codes(v, scale), mask=mask)
-        else:  # a scale per GROUP columns, as in _act_quant_row
+        else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
             v = tl.reshape(v, (ROWS, BLOCK // GROUP, GROUP))
             group_scale, stored = _group_scale(tl.max(tl.abs(v), axis=2), QUANT)
             tl.store(out_tile, tl.reshape(_fp8_codes(v, group_scale[:, :, None]), (ROWS, BLOCK)), mask=mask)
             groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + rows[:, None] * stride_scale + groups[None, :], stored,
                      mask=row_ok[:, None] & (groups[None, :] < tl.cdiv(D, GROUP)))
-
-
-@triton.jit
-def _act_quant_row(row, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr, counts_ptr, pieces_ptr,
-                   D, stride_x, stride_out, stride_scale, capacity, num_pieces, col_lo, col_hi,
-                   ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
-                   HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                   ONE_READ: tl.constexpr, PIECES: tl.constexpr):
-    """Columns [col_lo, col_hi) of one row (int8_token without pieces: the whole row), BLOCK at a
-    time: optional gated activation ([2D] -> [D]), optional row factor (router weight on the
-    input), then store as the activation dtype or quantise (see QUANT_MODES). A row of int8_token within
-    one BLOCK is read once (its values stay in registers between the amax and the codes); with
-    PIECES > 0 its amax is the largest of its num_pieces pieces (read PIECES at a time), so any
-    column range can be quantised alone. With counts (batched format), rows past their expert's
-    count are skipped."""
-    if HAS_COUNTS:
-        num_rows = tl.load(counts_ptr + row // capacity)
-        if row % capacity >= num_rows:
-            return
-    x_row = x_ptr + row * stride_x
-    out_row = out_ptr + row * stride_out
-    row_scale = 1.0
-    if HAS_ROW_SCALE:
-        row_scale = tl.load(row_scale_ptr + row).to(tl.float32)
-
-    if QUANT == "int8_token" and PIECES > 0:  # the row's amax from its pieces
-        parts = tl.arange(0, PIECES)
-        amax = tl.zeros([PIECES], dtype=tl.float32)
-        for first in range(0, num_pieces, PIECES):
-            piece = tl.load(pieces_ptr + row * num_pieces + first + parts, mask=first + parts < num_pieces,
-                            other=0.0)
-            amax = tl.maximum(amax, piece)
-        scale = _int8_token_scale(tl.max(amax, axis=0))
-        if col_lo == 0:
-            tl.store(scale_ptr + row * stride_scale, scale)
-    elif QUANT == "int8_token" and ONE_READ:  # the whole row in one block
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
-        scale = _int8_token_scale(tl.max(tl.abs(v), axis=0))
-        tl.store(scale_ptr + row * stride_scale, scale)
-        tl.store(out_row + cols, _int8_codes(v, scale), mask=mask)
-        col_hi = 0  # done: the loop below runs no step
-    elif QUANT == "int8_token":  # first pass: the row's amax
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for d in range(0, D, BLOCK):
-            cols = d + tl.arange(0, BLOCK)
-            v = _row_values(x_row, cols, cols < D, D, row_scale, ACTIVATION)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = _int8_token_scale(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row * stride_scale, scale)
-    elif QUANT == "int8_static" or QUANT == "fp8_static":
-        scale = tl.load(static_scale_ptr).to(tl.float32)
-
-    for d in range(col_lo, col_hi, BLOCK):
-        cols = d + tl.arange(0, BLOCK)
-        mask = cols < D
-        v = _row_values(x_row, cols, mask, D, row_scale, ACTIVATION)
-        if QUANT == "none":
-            tl.store(out_row + cols, v.to(out_ptr.dtype.element_ty), mask=mask)
-        elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_row + cols, _int8_codes(v, scale), mask=mask)
-        elif QUANT == "fp8_static":
-            tl.store(out_row + cols, _fp8_codes(v, scale), mask=mask)
-        else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
-            v = tl.reshape(v, (BLOCK // GROUP, GROUP))
-            scale, stored = _group_scale(tl.max(tl.abs(v), axis=1), QUANT)
-            q = _fp8_codes(v, scale[:, None])
-            tl.store(out_row + cols, tl.reshape(q, (BLOCK,)), mask=mask)
-            groups = d // GROUP + tl.arange(0, BLOCK // GROUP)
-            tl.store(scale_ptr + row * stride_scale + groups, stored, mask=groups < tl.cdiv(D, GROUP))
 
 
 def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: torch.Tensor | None = None,

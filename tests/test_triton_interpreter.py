@@ -36,6 +36,7 @@ from launch_spy import LaunchSpy  # noqa: E402
 from moe_registry_kernels import (  # noqa: E402
     activations,
     quant_ref,
+    tile_config,
     triton_moe,
     triton_ops,
 )
@@ -422,7 +423,7 @@ def test_default_config_splits_k_when_tiles_leave_sms_idle():
 
 
 def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, monkeypatch):
-    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
     triton_moe._load_config_file.cache_clear()
     table = {shape_key(8, 2, 2 * INTER, H): {"1": {"BLOCK_N": 32, "SPLIT_K": 1},
                                                "64": {"BLOCK_N": 128, "num_stages": 2}}}
@@ -446,8 +447,8 @@ def test_untuned_shape_warns_once_per_device_keys_and_shape(tmp_path, monkeypatc
     """A GEMM that falls back to the default tiles says so once (like vLLM's "Using default MoE
     config") on the "moe_registry" logger: no file for the device, no table for the shape, or no
     entry near the token count; a tuned one says nothing."""
-    monkeypatch.setattr(triton_moe, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(triton_moe, "_WARNED_DEFAULT", set())
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tile_config, "_WARNED_DEFAULT", set())
     triton_moe._load_config_file.cache_clear()
     tuned = shape_key(8, 2, 2 * INTER, H)
     config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps({tuned: {"1": {"BLOCK_N": 32}}}))

@@ -1,0 +1,502 @@
+"""The fused MoE GEMM kernels: C[rows of one expert block] = A[rows] @ dequant(B[expert])^T with
+the layer's epilogue (scales, bias, router weight, gated activation, row amax pieces).
+
+Two kernels share one prologue (:func:`_program_block`, :func:`_k_range`, :func:`_weight_rows`,
+:func:`_expert_weight_ptrs`, :func:`_column_zero`) and one per-tile loader of group and MX scales
+(:func:`_group_scales`), and one epilogue (:func:`_finish_tile`):
+
+- :func:`_fused_moe_kernel`: every scheme, standard (aligned (token, k) pairs) and batched
+  (per-expert slabs) formats; int8, fp8 or float dots.
+- :func:`_fused_moe_swap_kernel`: the operands swapped for weights dequantised in registers
+  (16-bit activations, standard format), so the dequantised tile is the dot's register operand.
+
+Both are specialised on the weight type, scale kind and activation quantisation of
+:class:`moe_registry_kernels.scheme.Scheme`; what follows from those (packing, the zero code, the
+dot kind, weight groups per K tile) is derived in the kernel, and what the launcher guarantees
+(:func:`moe_registry_kernels.tile_config._fit_config`) is checked with ``tl.static_assert``.
+Weight tiles become dot operands through :mod:`moe_registry_kernels.dequant_ptx`. The launchers
+are in :mod:`moe_registry_kernels.triton_moe`.
+"""
+
+import triton
+import triton.language as tl
+
+from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
+from .scheme import dot_kind, packed, zero_code
+from .triton_ops import gated_act, grid_release, grid_wait
+
+
+@triton.constexpr_function
+def _groups_per_tile(block_k: int, group: int) -> int:
+    """Weight scale groups one K tile of ``block_k`` columns spans (1 when a group holds the tile,
+    or the weights have no groups)."""
+    return max(block_k // max(group, 1), 1)
+
+
+@triton.constexpr_function
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the prologue both kernels share
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped ordering (Triton matmul tutorial): GROUP_M row blocks share the same weight columns
+    while they are hot in L2."""
+    width = GROUP_M * num_pid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, num_valid, num_experts,
+                 BLOCK_M: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr):
+    """(pairs [BLOCK_M], expert) of row block pid_m; expert -1: the block has no rows (past the
+    aligned pairs, or a foreign expert). Aligned: the block's slice of sorted_ids (padding holds
+    the sentinel num_valid). ONE_PAIR_BLOCKS: block b holds pair b alone and expert_ids are the
+    router's ids (one token: its top-k experts are distinct, so no alignment is needed)."""
+    if ONE_PAIR_BLOCKS:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, -1)
+        pairs = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_valid)
+    else:
+        num_post_padded = tl.load(num_post_padded_ptr)  # a multiple of BLOCK_M
+        pairs = tl.load(sorted_ids_ptr + offs_m, mask=offs_m < num_post_padded, other=num_valid)
+        expert = tl.where(pid_m * BLOCK_M < num_post_padded, tl.load(expert_ids_ptr + pid_m).to(tl.int64), -1)
+    return pairs, expert
+
+
+@triton.jit
+def _program_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
+                   rows_per_expert, num_experts, TOP_K: tl.constexpr, BATCHED: tl.constexpr,
+                   ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """What this program computes: (pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end).
+
+    Program 0 of the grid's first axis is a (row block, column tile) pair in grouped order. Its
+    rows: BATCHED, rows e·T .. e·T + expert_num_tokens[e] of A and C (expert e = program_id(1));
+    otherwise the aligned (token, k) pairs of the block (A row pair // TOP_K, C row the pair;
+    padding holds the sentinel num_valid). ``row_mask``: rows that hold data; ``store_rows``:
+    rows C takes (batched with WRITE_EMPTY: every row of the slab, empty blocks included, which
+    skip the K loop: ``k_end`` 0). ``expert`` -1: nothing to do, the kernel returns."""
+    # with FUSE_ACT a tile holds BLOCK_N / 2 gate rows interleaved with their up rows
+    num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_end = K
+    if BATCHED:
+        expert = tl.program_id(1).to(tl.int64)
+        num_rows = tl.load(expert_num_tokens_ptr + expert)
+        empty = pid_m * BLOCK_M >= num_rows
+        row_mask = offs_m < num_rows
+        a_rows = expert * rows_per_expert + offs_m
+        c_rows = a_rows
+        store_rows = offs_m < rows_per_expert
+        if WRITE_EMPTY:
+            k_end = tl.where(empty, 0, K)  # an empty block skips the loop and writes zeros
+        else:
+            expert = tl.where(empty, -1, expert)
+    else:
+        pairs, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                                     num_valid, num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
+        row_mask = pairs < num_valid
+        a_rows = pairs // TOP_K
+        c_rows = pairs
+        store_rows = row_mask
+    return pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end
+
+
+@triton.jit
+def _k_range(K, k_end, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(split, k_lo, k_hi): SPLIT_K: program_id(2) sums its share of K (whole K tiles) into
+    partial output number ``split``."""
+    split = tl.program_id(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    return split, k_lo, tl.minimum(k_end, k_lo + k_per_split)
+
+
+@triton.jit
+def _weight_rows(pid_n, N, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows [BLOCK_N] of column tile pid_n, wrapped at N so loads need no column mask
+    (the store masks). FUSE_ACT: tile column 2i is gate row c_i, column 2i + 1 up row N/2 + c_i."""
+    if FUSE_ACT != "none":
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        offs_bn = cols % (N // 2) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+    else:
+        offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    return offs_bn
+
+
+@triton.jit
+def _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn, stride_se,
+                        stride_sn, N_AXIS: tl.constexpr):
+    """Pointers to the weight rows ``offs_bn`` of the expert, and to their scales and zero points
+    (which share the scales' strides), laid along N_AXIS of a 2-D tile: [1, BN] or [BN, 1]."""
+    rows = offs_bn[None, :] if N_AXIS == 1 else offs_bn[:, None]
+    w = b_ptr + expert * stride_be + rows * stride_bn
+    scale = b_scale_ptr + expert * stride_se + rows * stride_sn
+    zero = b_zero_ptr + expert * stride_se + rows * stride_sn
+    return w, scale, zero
+
+
+@triton.jit
+def _column_zero(zero_ptrs, dtype, W_ZERO: tl.constexpr, HAS_ZERO: tl.constexpr, W_SCALE: tl.constexpr,
+                 NARROW: tl.constexpr):
+    """The offset zero code (see dequant_ptx._offset_zero) of each weight row, shaped as
+    ``zero_ptrs``: the type's bias, or per-channel zero points."""
+    zero = _offset_zero(tl.full(zero_ptrs.shape, W_ZERO, tl.float32), dtype, NARROW)
+    if HAS_ZERO and W_SCALE == "channel":
+        zero = _offset_zero(tl.load(zero_ptrs).to(tl.float32), dtype, NARROW)
+    return zero
+
+
+@triton.jit
+def _repeat_rows(x, ROWS: tl.constexpr):
+    """Per-group values [G, BN] -> [ROWS, BN], each repeated over ROWS // G consecutive rows
+    (G == 1 is left to broadcasting)."""
+    if x.shape[0] == 1:
+        out = x
+    else:
+        parts = tl.broadcast_to(x[:, None, :], (x.shape[0], ROWS // x.shape[0], x.shape[1]))
+        out = tl.reshape(parts, (ROWS, x.shape[1]))
+    return out
+
+
+@triton.jit
+def _repeat_cols(x, COLS: tl.constexpr):
+    """Per-group values [BM, G] -> [BM, COLS], each repeated over COLS // G consecutive columns."""
+    if x.shape[1] == 1:
+        out = x
+    else:
+        parts = tl.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], COLS // x.shape[1]))
+        out = tl.reshape(parts, (x.shape[0], COLS))
+    return out
+
+
+@triton.jit
+def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, K, stride_sk, dtype, W_SCALE: tl.constexpr,
+                  W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
+                  K_AXIS: tl.constexpr, K_LEN: tl.constexpr):
+    """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
+    one load per group and weight row, repeated over the tile's K_LEN weight elements along
+    K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
+    points with HAS_ZERO, else ``zero``."""
+    w_groups = k_start // W_GROUP + tl.arange(0, W_GROUPS)
+    groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
+    g_mask = groups < tl.cdiv(K, W_GROUP)
+    scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
+    scale = _e8m0(scale) if W_SCALE == "mx" else scale.to(dtype)
+    scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
+    tile_zero = zero
+    if HAS_ZERO:
+        group_zero = _offset_zero(tl.load(zero_ptrs + groups * stride_sk, mask=g_mask, other=0).to(tl.float32),
+                                  dtype, NARROW)
+        tile_zero = _repeat_rows(group_zero, K_LEN) if K_AXIS == 0 else _repeat_cols(group_zero, K_LEN)
+    return scale, tile_zero
+
+
+@triton.jit
+def _dot(a, b, acc):
+    """acc + a @ b; float32 operands use exact fp32 products (no TF32)."""
+    return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels
+
+
+# token counts vary per call: not specialising on them keeps one compiled kernel for every M
+@triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
+def _fused_moe_kernel(
+        # tensors
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
+        topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
+        amax_ptr,
+        # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
+        # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
+        # padded length of sorted_ids (standard) or the per-expert capacity T (batched);
+        # amax_parts: columns of the row-amax pieces [rows, amax_parts] (see AMAX_OUT)
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts, amax_parts,
+        # strides (last dimensions are contiguous; zero points share the scales' strides);
+        # stride_cs steps between split-K partial outputs
+        stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
+        stride_cm, stride_cs,
+        # what the weights and activations are (see Scheme); COMPUTE is the 16-bit (or float32)
+        # activation dtype the float dot runs in; W_GROUP: 0 without groups
+        W_TYPE: tl.constexpr, HAS_ZERO: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr,
+        W_GROUP_N: tl.constexpr, A_QUANT: tl.constexpr, A_GROUP: tl.constexpr, COMPUTE: tl.constexpr,
+        ASM_DEQUANT: tl.constexpr,
+        # layer options; FUSE_ACT: C = act(gate) * up of this GEMM's [gate | up] outputs (N / 2
+        # columns); SPLIT_K: program_id(2) sums its share of K into partial output number pid 2;
+        # AMAX_OUT (with FUSE_ACT): also each stored row's max |C| over this tile, into
+        # amax_ptr[row, pid_n]
+        ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+        TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
+        # tiles
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PDL: tl.constexpr):
+    """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
+    layer: scales, + bias, × router weight (before bias on the input side, after on the output),
+    and the gated activation when fused."""
+    PACKED: tl.constexpr = packed(W_TYPE)  # two 4-bit codes per byte: low nibble column 2i, high 2i + 1
+    W_ZERO: tl.constexpr = zero_code(W_TYPE)
+    DOT: tl.constexpr = dot_kind(A_QUANT)
+    W_GROUPS: tl.constexpr = _groups_per_tile(BLOCK_K, W_GROUP)  # scale groups per K tile
+    W_ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K  # K rows of one weight tile
+    NARROW: tl.constexpr = PACKED  # 4-bit codes: the offset trick works in 16 bits
+    # what _fit_config and scheme_from_keys guarantee
+    tl.static_assert(_is_pow2(BLOCK_K) and _is_pow2(BLOCK_N) and BLOCK_N >= 32)
+    tl.static_assert(not (BATCHED and ONE_PAIR_BLOCKS))
+    tl.static_assert(FUSE_ACT == "none" or SPLIT_K == 1, "the activation needs whole sums")
+    tl.static_assert(not AMAX_OUT or FUSE_ACT != "none", "amax pieces come from the fused activation")
+    tl.static_assert(not PACKED or BLOCK_K >= 32, "each nibble half-dot needs K >= 16")
+    tl.static_assert(W_SCALE != "group" and W_SCALE != "mx" and W_SCALE != "block"
+                     or _is_pow2(W_GROUP) and (W_GROUP % BLOCK_K == 0 or BLOCK_K % W_GROUP == 0),
+                     "a K tile holds whole weight groups or lies in one")
+    tl.static_assert(W_SCALE != "block" or W_GROUP % BLOCK_K == 0, "a K tile lies in one weight block")
+    tl.static_assert(DOT != "int8" or W_TYPE == "int8" and W_SCALE == "channel")
+    tl.static_assert(DOT != "fp8" or W_TYPE == "fp8e4m3" and W_SCALE == "block" and A_GROUP % BLOCK_K == 0,
+                     "a K tile lies in one activation group and one weight block")
+    tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
+    grid_wait(PDL)
+    pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end = _program_block(
+        sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
+        rows_per_expert, num_experts, TOP_K, BATCHED, ONE_PAIR_BLOCKS, WRITE_EMPTY, FUSE_ACT, BLOCK_M, BLOCK_N,
+        GROUP_M)
+    if expert < 0:
+        return
+    split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
+    offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    a_row_ptrs = a_ptr + a_rows.to(tl.int64) * stride_am
+    b_cols, scale_cols, zero_cols = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be,
+                                                        stride_bn, stride_se, stride_sn, 1)  # [1, BN]
+    dtype = COMPUTE
+    # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
+    zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
+
+    # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
+    # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
+    # so no weight is multiplied by a scale and each column's scale is loaded once per tile, not
+    # once per weight. (Measured on an H100: faster at M <= 64 for GPTQ int4 and int8. With zero
+    # points it was no faster (zeros subtracted per weight) or slower (corrected with the input's
+    # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
+    PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
+    FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
+                              and not HAS_ZERO and BLOCK_M <= 32)
+    if DOT == "int8":
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a_cols = offs_k
+        if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
+            a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
+        a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if A_QUANT == "mxfp8":
+            a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
+            a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,
+                            mask=row_mask[:, None] & (a_groups[None, :] < tl.cdiv(K, A_GROUP)), other=127)
+            a = (a.to(tl.float32) * _repeat_cols(_e8m0(a_exp), BLOCK_K)).to(dtype)
+
+        # the weight tile's scale (and zero) groups: one load per group and column
+        tile_zero = zero
+        if FACTORED:
+            group = k_start // W_GROUP
+            scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
+        elif W_SCALE == "group" or W_SCALE == "mx":
+            scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, K, stride_sk, dtype, W_SCALE,
+                                             W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS)
+        elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
+            scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
+                            + (k_start // W_GROUP) * stride_sk)
+        else:
+            scale = 1.0  # none, or per channel: applied after the loop
+
+        if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            if FACTORED:
+                low, high = _dequant_nibbles(packed_codes, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
+                part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+                part = _dot(a_odd, high, part)
+            else:
+                low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
+                acc = _dot(a_even, low, acc)
+                acc = _dot(a_odd, high, acc)
+        else:
+            b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
+            if DOT == "int8":
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            elif DOT == "fp8":
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                                  mask=row_mask, other=0.0)
+                acc += tl.dot(a, b) * a_scale[:, None] * scale
+            else:
+                if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
+                    codes = b.to(tl.uint8, bitcast=True)
+                    if FACTORED:
+                        b = _dequant_byte(codes, zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
+                    else:
+                        b = _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE, ASM_DEQUANT, PER_WEIGHT_SCALE)
+                if FACTORED:
+                    part = _dot(a.to(dtype), b.to(dtype), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+                else:
+                    acc = _dot(a.to(dtype), b.to(dtype), acc)
+        if FACTORED:
+            acc += part * scale
+
+    grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
+    # epilogue
+    acc = acc.to(tl.float32)
+    if DOT == "int8":  # per token (or static: stride 0)
+        acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
+    _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
+                 FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts, AMAX_OUT)
+
+
+@triton.jit
+def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, amax_ptr, amax_parts, AMAX_OUT: tl.constexpr):
+    """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
+    router weight, bias (first split only), the gated activation when fused, and the store; with
+    AMAX_OUT (fused activation only) also each stored row's max |value| over the tile, as stored:
+    a piece of the row's amax, so the per-token quantisation after this GEMM need not find it."""
+    if W_SCALE == "channel":
+        acc *= tl.load(scale_cols).to(tl.float32)
+    if ROUTED_WEIGHT != "none":
+        router = tl.load(topk_weights_ptr + c_rows, mask=row_mask, other=0.0).to(tl.float32)
+    if ROUTED_WEIGHT == "input":  # W (w·x) + b = w·(W x) + b
+        acc *= router[:, None]
+    if HAS_BIAS:  # added by the first split only
+        bias = tl.load(bias_ptr + expert * N + offs_bn).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+    if ROUTED_WEIGHT == "output":  # w·(W x + b)
+        acc *= router[:, None]
+    if WRITE_EMPTY:
+        acc = tl.where(row_mask[:, None], acc, 0.0)
+    c_row_ptrs = c_ptr + split * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm
+    if FUSE_ACT != "none":
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        out = gated_act(gate, up, FUSE_ACT)
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        stored = out.to(c_ptr.dtype.element_ty)
+        tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
+        if AMAX_OUT:
+            magnitude = tl.where(offs_out[None, :] < N // 2, tl.abs(stored.to(tl.float32)), 0.0)
+            tl.store(amax_ptr + c_rows.to(tl.int64) * amax_parts + pid_n, tl.max(magnitude, axis=1),
+                     mask=store_rows)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=store_rows[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
+def _fused_moe_swap_kernel(
+        a_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, topk_weights_ptr,
+        sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts,
+        stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
+        W_TYPE: tl.constexpr, HAS_ZERO: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr,
+        COMPUTE: tl.constexpr, ASM_DEQUANT: tl.constexpr, BYTE_PAIRS: tl.constexpr, ACT_ORDER: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
+        FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        PDL: tl.constexpr):
+    """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
+    activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
+    BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
+    reads from registers, instead of the right one it reads through shared memory (on Hopper the
+    dot then runs asynchronously while the next tile is dequantised, where the right operand
+    would wait for it); the token rows become the dot's N side. 4-bit tiles are interleaved back
+    into K order after unpacking, so the activations load as one contiguous, pipelined tile.
+    BYTE_PAIRS: 8-bit weights take the same route, two columns per 16-bit word (loaded whole
+    into the dot's operand layout, ptxas serialises the matrix unit on sm_90: warning C7515). Same
+    arguments and results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
+    PACKED: tl.constexpr = packed(W_TYPE)
+    W_ZERO: tl.constexpr = zero_code(W_TYPE)
+    W_GROUPS: tl.constexpr = _groups_per_tile(BLOCK_K, W_GROUP)
+    W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED or BYTE_PAIRS else BLOCK_K  # weight columns per load
+    PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx"
+    NARROW: tl.constexpr = PACKED
+    # what _fit_config (swappable schemes) guarantees
+    tl.static_assert(_is_pow2(BLOCK_K) and _is_pow2(BLOCK_N) and BLOCK_N >= 32)
+    tl.static_assert(W_SCALE != "block", "128x128 blocks take the fp8 dot of _fused_moe_kernel")
+    tl.static_assert(FUSE_ACT == "none" or SPLIT_K == 1, "the activation needs whole sums")
+    tl.static_assert(not BYTE_PAIRS or W_TYPE != "float", "byte pairs are 1-byte codes (4-bit: PACKED wins)")
+    tl.static_assert(not PACKED or BLOCK_K >= 32, "each nibble half-dot needs K >= 16")
+    tl.static_assert(W_SCALE != "group" and W_SCALE != "mx"
+                     or _is_pow2(W_GROUP) and (W_GROUP % BLOCK_K == 0 or BLOCK_K % W_GROUP == 0),
+                     "a K tile holds whole weight groups or lies in one")
+    grid_wait(PDL)
+    pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end = _program_block(
+        sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, sorted_ids_ptr, N, K, num_valid, rows_per_expert,
+        num_experts, TOP_K, False, ONE_PAIR_BLOCKS, False, FUSE_ACT, BLOCK_M, BLOCK_N, GROUP_M)
+    if expert < 0:
+        return
+    split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
+    offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    a_col_ptrs = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am  # [1, BM]: A^T's columns
+    w_rows, scale_rows, zero_rows = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be,
+                                                        stride_bn, stride_se, stride_sn, 0)  # [BN, 1]
+    dtype = COMPUTE
+    zero = _column_zero(zero_rows, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k_start in range(k_lo, k_hi, BLOCK_K):
+        tile_zero = zero
+        if W_SCALE == "group" or W_SCALE == "mx":
+            scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, K, stride_sk, dtype, W_SCALE,
+                                             W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS)
+        else:
+            scale = 1.0  # none, or per channel: applied after the loop
+
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        if PACKED:  # low nibbles hold even input columns, high nibbles odd ones: interleaved back
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            packed_codes = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
+            low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
+            b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
+        elif BYTE_PAIRS:  # 8-bit weights read as 16-bit words of two columns, split like nibbles
+            offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
+            words = tl.load(w_rows.to(tl.pointer_type(tl.uint16)) + offs_kp[None, :],
+                            mask=offs_kp[None, :] < K // 2, other=0)
+            if ASM_DEQUANT and W_TYPE != "fp8e4m3":
+                even, odd = _dequant_byte_pairs(words, tile_zero, scale, dtype, W_TYPE == "int8", PER_WEIGHT_SCALE)
+            else:
+                even = _dequant_byte((words & 0xFF).to(tl.uint8), tile_zero, scale, dtype, W_TYPE, False,
+                                     PER_WEIGHT_SCALE)
+                odd = _dequant_byte((words >> 8).to(tl.uint8), tile_zero, scale, dtype, W_TYPE, False,
+                                    PER_WEIGHT_SCALE)
+            b = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+        else:
+            b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+            if W_TYPE != "float":
+                b = _dequant_byte(b.to(tl.uint8, bitcast=True), tile_zero, scale, dtype, W_TYPE, ASM_DEQUANT,
+                                  PER_WEIGHT_SCALE)
+        a_cols = offs_k
+        if ACT_ORDER:
+            a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
+        a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = _dot(b.to(dtype), a_t.to(dtype), acc)
+
+    grid_release(PDL)
+    _, scale_cols, _ = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn,
+                                           stride_se, stride_sn, 1)
+    _finish_tile(tl.trans(acc), expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols,
+                 bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N, c_ptr, 0, False)

@@ -1,0 +1,140 @@
+"""The weight and activation keys read as the Triton MoE kernels' choices.
+
+:class:`Scheme` is what the GEMM kernels (:mod:`moe_registry_kernels.moe_gemm`) are specialised
+on: the weight code type, how weights are scaled (none, per channel, per group, per 128x128
+block, MX e8m0) and how activations are quantised. :func:`scheme_from_keys` reads QuantKey
+strings into one and refuses keys the kernels cannot run; :func:`swappable` says which schemes the
+swapped-operand kernel takes. The few facts that follow from the weight type or the activation
+quantisation alone (:func:`packed`, :func:`zero_code`, :func:`dot_kind`) are constexpr functions:
+the host reads them through Scheme, the kernels derive their constexprs with the same functions.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import triton
+
+from moe_registry.core.keys import QuantKey, parse_quant_key
+
+__all__ = ["Scheme", "scheme_from_keys", "swappable", "packed", "zero_code", "dot_kind"]
+
+# 4-bit code types, two codes per byte (low nibble: the even input column)
+PACKED_TYPES = ("uint4", "uint4b8", "int4")
+# the code of 0 of types with a fixed bias; signed int4 nibbles and int8 bytes are read as offset
+# binary (xor-ed with 8 and 0x80 first), so they share the unsigned types' bias
+ZERO_CODES = {"uint4b8": 8, "int4": 8, "uint8b128": 128, "int8": 128}
+
+
+@triton.constexpr_function
+def packed(weight_type: str) -> bool:
+    """Whether codes of this type come two to a byte."""
+    return weight_type in PACKED_TYPES
+
+
+@triton.constexpr_function
+def zero_code(weight_type: str) -> int:
+    """The code of 0 for types with a fixed bias (0 for the others: no bias, or zero points)."""
+    # (no ZERO_CODES.get: Triton reads this source for its cache key, and refuses method references)
+    return ZERO_CODES[weight_type] if weight_type in ZERO_CODES else 0  # noqa: SIM401
+
+
+@triton.constexpr_function
+def dot_kind(act_quant: str) -> str:
+    """The tensor-core dot for an activation quantisation: int8, fp8 (128-column groups), or
+    float (16-bit activations, weights dequantised in registers; MXFP8 activations too)."""
+    if act_quant.startswith("int8"):
+        return "int8"
+    return "fp8" if act_quant == "fp8_group" else "float"
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """The weight and activation keys, read as the kernel's constexpr choices."""
+
+    weight_type: str  # float | uint4 | uint4b8 | int4 | uint8 | uint8b128 | int8 | fp8e4m3
+    weight_scale: str  # none | group | channel (also per-tensor, stored [E, N, 1]) | block | mx
+    weight_group: int  # input columns sharing a weight scale (group, block, mx); 0 otherwise
+    weight_group_n: int  # output rows sharing a weight scale (block); 1 otherwise
+    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (triton_ops.QUANT_MODES)
+    act_group: int  # input columns sharing an activation scale (fp8_group, mxfp8); 0 otherwise
+
+    @property
+    def packed(self) -> bool:
+        """Two 4-bit codes per byte."""
+        return packed(self.weight_type)
+
+    @property
+    def zero_code(self) -> int:
+        """See :func:`zero_code`."""
+        return zero_code(self.weight_type)
+
+    @property
+    def paired_dequant(self) -> bool:
+        """Whether the dequantisation has a paired 16-bit PTX form (see
+        :mod:`moe_registry_kernels.dequant_ptx`): 4-bit codes, or 8-bit integer codes whose scales
+        are 16-bit (group) or applied to the dot's result (channel); float32 block scales would
+        be rounded by it."""
+        return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8")
+                               and self.weight_scale in ("group", "channel"))
+
+    @property
+    def dot(self) -> str:
+        """See :func:`dot_kind`."""
+        return dot_kind(self.act_quant)
+
+
+def _weight_scale(key: QuantKey) -> tuple[str, int, int]:
+    if not key.quantized:
+        return "none", 0, 1
+    group = key.scale.group
+    if key.scale.dtype.name == "e8m0":
+        return "mx", group.cols, 1
+    if group.rows not in (1, -1):
+        return "block", group.cols, group.rows
+    if group.cols == -1:
+        return "channel", 0, 1
+    return "group", group.cols, 1
+
+
+def _act_quant(key: QuantKey) -> tuple[str, int]:
+    if not key.quantized:
+        return "none", 0
+    spec, name = key.scale, key.dtype.name
+    if name == "int8" and spec.dynamic and spec.group.cols == -1 and spec.group.rows == 1:
+        return "int8_token", 0
+    if name == "int8" and not spec.dynamic and spec.group.rows == -1:
+        return "int8_static", 0
+    if name == "fp8e4m3" and spec.dtype.name == "e8m0" and spec.dynamic and spec.group.cols == 32:
+        return "mxfp8", 32
+    if name == "fp8e4m3" and spec.dtype.name == "float32" and spec.dynamic and spec.group.rows == 1 \
+            and spec.group.cols > 0:
+        return "fp8_group", spec.group.cols
+    raise ValueError(f"the Triton MoE kernel has no activation quantisation for key {key}")
+
+
+@functools.cache
+def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
+    """Read the keys (string form) as kernel choices; ValueError naming the key it cannot run."""
+    wk, ak = parse_quant_key(weight_key), parse_quant_key(activation_key)
+    wtype = wk.dtype.name if wk.quantized else "float"
+    wscale, wgroup, wgroup_n = _weight_scale(wk)
+    aquant, agroup = _act_quant(ak)
+    scheme = Scheme(wtype, wscale, wgroup, wgroup_n, aquant, agroup)
+    for name, value in (("weight", wgroup), ("activation", agroup)):
+        if value and value & (value - 1):
+            raise ValueError(f"{name} group {value} is not a power of two (keys {weight_key!r}, {activation_key!r})")
+    if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel"):
+        raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales, got {weight_key!r}")
+    if scheme.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
+        raise ValueError(f"fp8 group activations need fp8 weights with block scales, got {weight_key!r}")
+    if wtype == "fp8e4m3" and wscale not in ("mx", "block"):
+        raise ValueError(f"fp8 weights need e8m0 per-32 or 128x128 block scales here, got {weight_key!r}")
+    if wtype in ("uint4", "uint8") and wk.zero_point != "group":
+        raise ValueError(f"{wtype} weights need zero points (zp:group), got {weight_key!r}")
+    return scheme
+
+
+def swappable(scheme: Scheme) -> bool:
+    """Whether the swapped-operand kernel runs the scheme: weights dequantised to the 16-bit
+    activation dtype in registers (no int8/fp8 dot, no 128x128 blocks, activations unquantized)."""
+    return scheme.dot == "float" and scheme.act_quant == "none" and scheme.weight_scale != "block"

@@ -1,0 +1,209 @@
+"""Tile configurations of the fused MoE GEMMs: tuned tables, defaults, and the rules that make a
+config legal for a scheme.
+
+:func:`get_config` picks BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps and num_stages for one GEMM:
+the nearest entry of a tuned table (``configs/<device>__<weight key>__<activation key>.json``,
+written by tools/tune.py) over :func:`default_config`'s heuristics. :func:`config_override`
+replaces both for the layers called inside it (tuner, tests). :func:`_fit_config` then makes a
+config legal for a scheme (what the kernels' ``tl.static_assert`` calls check), and
+:func:`_layer_configs` gives a layer's GEMM1 and GEMM2 configs together. The SM count the
+heuristics aim at is the device's own (:func:`_num_sms`).
+"""
+
+import contextlib
+import contextvars
+import functools
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import torch
+import triton
+
+from moe_registry.core.keys import QuantKey, parse_quant_key
+
+from .scheme import Scheme, swappable
+
+__all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override"]
+
+log = logging.getLogger("moe_registry")
+CONFIG_DIR = Path(__file__).parent / "configs"
+# a tuned entry stands for token counts up to this factor away from its own (tables are tuned at
+# 1, 8, 64, 512, 4096: every count lands on one); farther counts take the defaults
+TUNED_REACH = 4.0
+# the SM count where no GPU says one: the interpreter behaves as an H100 would (so CPU tests cover
+# split-K), and so do callers of default_config / get_config that name no count
+INTERPRETER_SMS = 132
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
+
+
+def config_file(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str) -> Path:
+    """Where tuned configs for a scheme on a device live: configs/<device>__<weight>__<act>.json
+    (the activation key is part of it: int8 and fp8 dots are tuned apart from 16-bit ones)."""
+    return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(weight_key))}__{_slug(str(activation_key))}.json"
+
+
+def shape_key(num_experts: int, top_k: int, n: int, k: int) -> str:
+    """A tuned table's shape class: one GEMM (N outputs, K inputs) of a layer with E experts, top-k."""
+    return f"E{num_experts}_top{top_k}_N{n}_K{k}"
+
+
+@functools.cache
+def _load_config_file(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        return json.load(f)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
+                   num_sms: int = INTERPRETER_SMS) -> dict:
+    """Untuned tile config. Decode (few rows per expert): BLOCK_M 16 and 64-wide N tiles for more
+    programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
+    rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes)."""
+    qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
+    narrow = qk.quantized and qk.dtype.bits <= 8
+    pairs = max(tokens * top_k, 1)
+    rows = triton.cdiv(pairs, num_experts)
+    if rows <= 8:  # random routing: an expert often gets twice the mean, and a second block rereads it
+        bm, gm = 16, 1
+    elif rows <= 32:
+        bm, gm = 32, 4
+    elif rows <= 96:
+        bm, gm = 64, 8
+    else:
+        bm, gm = 128, 8
+    bk = 128 if narrow else 64
+    if bm <= 32:
+        config = {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": 4, "num_stages": 4}
+    else:
+        config = {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": gm,
+                  "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+    blocks = min(pairs, num_experts) + pairs // bm  # row blocks: about one per expert hit, + full ones
+    tiles = blocks * triton.cdiv(n, config["BLOCK_N"])
+    split = 1
+    if tiles < num_sms:  # too few programs to keep every SM streaming weights: cut K into pieces
+        split = min(_pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * bk)), 8)
+    config["SPLIT_K"] = max(split, 1)
+    return config
+
+
+def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
+               activation_key: QuantKey | str, device_name: str, num_sms: int = INTERPRETER_SMS) -> dict:
+    """Tile config (BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages) for one MoE GEMM of
+    ``tokens`` tokens, top-k routing over ``num_experts``, projection ``n``×``k``.
+
+    A tuned file (:func:`config_file`) maps :func:`shape_key` to ``{"<tokens>": config}``; the
+    entry with the nearest token count (by ratio, within TUNED_REACH) wins and its keys override
+    :func:`default_config`. Shapes and token counts nobody tuned get the defaults.
+    """
+    config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
+    path = config_file(weight_key, activation_key, device_name)
+    table = _load_config_file(path)
+    shape = shape_key(num_experts, top_k, n, k)
+    by_tokens = (table or {}).get(shape)
+    if not by_tokens:
+        why = f"{path.name} has no {shape} table" if table else f"no tuned config file {path}"
+        _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
+        return config
+    distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
+    nearest = min(distance, key=distance.__getitem__)
+    if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
+        config.update(by_tokens[nearest])
+    else:
+        why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
+        _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
+    return config
+
+
+_WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
+
+
+def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str) -> None:
+    """Say once per (device, keys, shape) that a GEMM runs on untuned tiles (as vLLM's "Using
+    default MoE config"): a shape nobody tuned is often several times slower than a tuned one."""
+    seen = (device_name, weight_key, activation_key, shape)
+    if seen in _WARNED_DEFAULT:
+        return
+    _WARNED_DEFAULT.add(seen)
+    log.warning("Using default MoE config for %s on %s (weight %s, activation %s): %s; performance might be "
+                "sub-optimal (tools/tune.py tunes it)", shape, device_name, weight_key, activation_key, why)
+
+
+_OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)
+
+
+@contextlib.contextmanager
+def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
+    """Run the layers called inside with these tile configs (keys as in :func:`get_config`; GEMM2
+    takes GEMM1's BLOCK_M, since both walk the same aligned blocks). For the tuner and for tests
+    that run tuned configs through the conformance cases."""
+    token = _OVERRIDE.set({"gemm1": gemm1, "gemm2": gemm2})
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
+    """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
+    activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
+    weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
+    SWAP_AB (the swapped-operand kernel) only where it runs the scheme."""
+    config = dict(config)
+    config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
+    bk = config["BLOCK_K"]
+    if scheme.weight_scale == "block":
+        bk = min(bk, scheme.weight_group)
+    if scheme.act_quant == "fp8_group":
+        bk = min(bk, scheme.act_group)
+    if scheme.packed:
+        bk = max(bk, 32)
+    config["BLOCK_K"] = bk
+    config["BLOCK_N"] = max(config["BLOCK_N"], 32)
+    if not can_split:
+        config["SPLIT_K"] = 1
+    config.setdefault("SPLIT_K", 1)
+    return config
+
+
+def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_key: str,
+                   activation_key: str, scheme: Scheme, device: torch.device, *,
+                   split_gemm2: bool) -> tuple[dict, dict]:
+    """GEMM1 and GEMM2 configs (overridden, tuned or default), fitted; GEMM2 shares BLOCK_M.
+    ``w13`` and ``w2`` give each GEMM's shape as ``n`` outputs and ``k`` inputs."""
+    name, sms = _device_name(device), _num_sms(device)
+    override = _OVERRIDE.get() or {}
+    config1 = override.get("gemm1") or get_config(tokens, top_k, num_experts, w13.n, w13.k, weight_key,
+                                                  activation_key, name, sms)
+    config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
+                                                  activation_key, name, sms)
+    # GEMM1 applies the activation: no split; the batched format has no swapped kernel
+    config1 = _fit_config(config1, scheme, can_split=False, can_swap=split_gemm2)
+    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2,
+                          can_swap=split_gemm2)
+    return config1, config2
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The multiprocessors the tiles should keep busy: the GPU's own count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
