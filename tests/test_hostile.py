@@ -247,7 +247,7 @@ spec("yaml-list-top", "- 1\n- 2\n", r"{d}/s\.yaml: a spec must be a mapping")
 spec("yaml-bad-syntax", "a: [1\n", r"{d}/s\.yaml:\d: YAML: .*")
 spec("yaml-tab", "a:\n\tb: 1\n", r"{d}/s\.yaml:2: YAML: .*")
 spec("yaml-two-kinds", SCHEME + "kernel: x\n",
-     r"{d}/s\.yaml:1: a spec needs exactly one of the top-level keys: scheme, kernel, family, format")
+     r"{d}/s\.yaml:1: a spec needs exactly one of the top-level keys: scheme, kernel, family, format, keyset")
 spec("scheme-bad-key", SCHEME.replace("weight: unquantized", "weight: uint4 scale:float16:group(0):static"),
      r"{d}/s\.yaml:5: weight: bad group size 0 in 'group\(0\)'; wanted a positive integer or -1")
 spec("scheme-key-unicode-digit", SCHEME.replace("weight: unquantized", "weight: uint4 scale:float16:group(١٢٨):static"),

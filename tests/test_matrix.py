@@ -94,12 +94,13 @@ def test_matrix_json_and_user_specs(tmp_path, capsys):
 
 
 def test_schema_command(capsys):
-    """Without a kind: one JSON Schema an editor can use for any spec file (oneOf the four kinds)."""
+    """Without a kind: one JSON Schema an editor can use for any spec file (oneOf the five kinds)."""
     assert cli.main(["schema"]) == 0
     top = json.loads(capsys.readouterr().out)
     assert top["$schema"].startswith("https://json-schema.org/")
     assert top["oneOf"] == [{"$ref": "#/$defs/SchemeSpec"}, {"$ref": "#/$defs/KernelSpec"},
-                            {"$ref": "#/$defs/ModelFamilySpec"}, {"$ref": "#/$defs/FormatSpec"}]
+                            {"$ref": "#/$defs/ModelFamilySpec"}, {"$ref": "#/$defs/FormatSpec"},
+                            {"$ref": "#/$defs/KeySetSpec"}]
     schema = {k: top["$defs"][t] for k, t in (("scheme", "SchemeSpec"), ("kernel", "KernelSpec"),
                                               ("family", "ModelFamilySpec"))}
     refs = set(re.findall(r'"#/\$defs/([A-Za-z]+)"', json.dumps(top)))

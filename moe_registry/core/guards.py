@@ -472,7 +472,7 @@ def check_template(text: str, allowed: tuple[str, ...], what: str) -> None:
 def spec_root(spec_path: str | Path) -> Path:
     """The spec dir a spec file belongs to (the dir above schemes/, kernels/ or models/)."""
     parent = Path(spec_path).parent
-    return parent.parent if parent.name in ("schemes", "kernels", "models", "formats") else parent
+    return parent.parent if parent.name in ("schemes", "kernels", "models", "formats", "keysets") else parent
 
 
 def check_impl(impl: str, owner: str, spec_path: str | Path, builtin: bool, package: str = KERNEL_PACKAGE) -> None:

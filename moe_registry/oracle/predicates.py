@@ -62,9 +62,9 @@ def _key_matches(key: QuantKey, patterns: list[str]) -> bool:
 
 
 def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> list[Check]:
-    weight_ok = [p for p in kernel.keys if _key_matches(weight, p.weights())]
+    weight_ok = [p for p in kernel.key_patterns() if _key_matches(weight, p.weights())]
     if not weight_ok:
-        wanted = "; ".join(w for p in kernel.keys for w in p.weights())
+        wanted = "; ".join(w for p in kernel.key_patterns() for w in p.weights())
         return [failed(Reason.WEIGHT_KEY, "weight", f"weight key {weight}; kernel takes {wanted}",
                        seen=str(weight), wanted=wanted)]
     pair_ok = [p for p in weight_ok if _key_matches(activation, p.activations())]

@@ -13,7 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -30,6 +30,8 @@ from moe_registry.spec.models import (
     ConverterSpec,
     FormatSpec,
     KernelSpec,
+    KeyPattern,
+    KeySetSpec,
     ModelFamilySpec,
     SchemeSpec,
     Strict,
@@ -240,6 +242,24 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
     return problems
 
 
+def _expand_keysets(loaded: Loaded[KernelSpec], data: Any,
+                    keysets: Mapping[str, Loaded[KeySetSpec]]) -> tuple[Loaded[KernelSpec], list[SpecError]]:
+    """The kernel with each ``{keyset: name}`` entry replaced by that key set's patterns."""
+    keys: list[KeyPattern] = []
+    problems = []
+    for i, entry in enumerate(loaded.spec.keys):
+        if entry.keyset is None:
+            keys.append(entry)
+        elif entry.keyset in keysets:
+            keys += keysets[entry.keyset].spec.keys
+        else:
+            problems.append(SpecError(loaded.path, line_of(data, "keys", i),
+                                      unknown_text("key set", entry.keyset, keysets), field=f"keys.{i}.keyset"))
+    if problems:
+        return loaded, problems
+    return replace(loaded, spec=loaded.spec.model_copy(update={"keys": keys})), []
+
+
 def _check_format(loaded: Loaded[FormatSpec], data: Any) -> list[SpecError]:
     problems = []
     for i, conv in enumerate(loaded.spec.converters):
@@ -279,7 +299,7 @@ def spec_files(directory: Path) -> list[Path]:
     """The spec files of a spec dir: *.yaml and *.yml, in its schemes/, kernels/ and models/ or
     directly in it."""
     files: list[Path] = []
-    for sub in ("", "schemes", "kernels", "models", "formats"):
+    for sub in ("", "schemes", "kernels", "models", "formats", "keysets"):
         d = directory / sub if sub else directory
         if d.is_dir():
             files += sorted(p for p in d.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
@@ -313,7 +333,7 @@ def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> 
     """Validate ``(path, spec root)`` files in order; a later root overrides an earlier one by
     name, while two files of one root defining one name is an error."""
     problems: list[SpecError] = []
-    tables: dict[str, dict[str, Loaded[Any]]] = {"scheme": {}, "kernel": {}, "family": {}, "format": {}}
+    tables: dict[str, dict[str, Loaded[Any]]] = {kind: {} for kind in SPEC_KINDS}
     raw: dict[str, Any] = {}
     roots: dict[str, Path] = {}
     builtin_root = builtin_spec_dir()
@@ -343,15 +363,20 @@ def build_registry(sources: list[tuple[Path, Path]], *, strict: bool = True) -> 
         table[name] = Loaded(spec, str(path), line_of(data, kind) or 1, is_builtin, overrides)
         raw[f"{kind}:{name}"] = data
         roots[f"{kind}:{name}"] = root
+    bad: list[tuple[str, str]] = []
+    for name, loaded in list(tables["kernel"].items()):  # key sets are put in place first
+        expanded, found = _expand_keysets(loaded, raw[f"kernel:{name}"], tables["keyset"])
+        tables["kernel"][name] = expanded
+        problems += found
+        bad += [("kernel", name)] if found else []
     # every reference is checked against every spec that parsed; then the specs with problems leave
     layouts = {c.layout for loaded in tables["format"].values() for c in loaded.spec.converters}
     checks = {"format": lambda loaded, data: _check_format(loaded, data),
               "kernel": lambda loaded, data: _check_kernel(loaded, data, layouts),
               "scheme": lambda loaded, data: _check_scheme(loaded, data, tables["kernel"], tables["format"])}
-    bad = []
     for kind in ("scheme", "kernel", "format"):
         for name, loaded in tables[kind].items():
-            found = checks[kind](loaded, raw[f"{kind}:{name}"])
+            found = checks[kind](loaded, raw[f"{kind}:{name}"]) if (kind, name) not in bad else []
             problems += found
             bad += [(kind, name)] if found else []
     for kind, name in bad:

@@ -227,13 +227,23 @@ class KeyPattern(Strict):
     """Accepted (weight key, activation key) pairs; ``*`` matches any run of characters of the
     canonical key string, so ``uint4 scale:float16:group(*):static zp:group`` accepts any group."""
 
-    weight: str | list[str]
-    activation: str | list[str]
+    weight: str | list[str] | None = None
+    activation: str | list[str] | None = None
+    keyset: str | None = Field(default=None, pattern=NAME_RE, description=(
+        "instead of weight and activation: a keyset spec's name; its patterns are put here at load"))
+
+    @model_validator(mode="after")
+    def _one_form(self) -> KeyPattern:
+        if self.keyset is not None and (self.weight is not None or self.activation is not None):
+            raise ValueError("give either keyset or weight and activation, not both")
+        if self.keyset is None and (self.weight is None or self.activation is None):
+            raise ValueError("needs weight and activation (or a keyset)")
+        return self
 
     @field_validator("weight", "activation")
     @classmethod
-    def _patterns(cls, value: str | list[str]) -> str | list[str]:
-        for pattern in [value] if isinstance(value, str) else value:
+    def _patterns(cls, value: str | list[str] | None) -> str | list[str] | None:
+        for pattern in [] if value is None else [value] if isinstance(value, str) else value:
             head = pattern.split()[0] if pattern.split() else ""
             if head != "*" and head != "unquantized" and head not in SCALAR_TYPES:
                 raise ValueError(f"key pattern {pattern!r} must start with a scalar type, "
@@ -245,10 +255,10 @@ class KeyPattern(Strict):
         return value
 
     def weights(self) -> list[str]:
-        return [self.weight] if isinstance(self.weight, str) else list(self.weight)
+        return [self.weight] if isinstance(self.weight, str) else list(self.weight or [])
 
     def activations(self) -> list[str]:
-        return [self.activation] if isinstance(self.activation, str) else list(self.activation)
+        return [self.activation] if isinstance(self.activation, str) else list(self.activation or [])
 
 
 class ShapeLimit(Strict):
@@ -296,6 +306,20 @@ class KernelSpec(Strict):
     shapes: dict[ShapeDim, ShapeLimit] = Field(default_factory=dict)
     features: list[Feature] = Field(default_factory=list)
     layout: str = "nk"
+
+    def key_patterns(self) -> list[KeyPattern]:
+        """The accepted (weight, activation) patterns; key set references are expanded at load."""
+        refs = [k.keyset for k in self.keys if k.keyset is not None]
+        assert not refs, f"kernel {self.kernel}: key sets {refs} were not expanded (load it through the loader)"
+        return list(self.keys)
+
+
+class KeySetSpec(Strict):
+    """Named (weight, activation) key patterns that several kernel specs accept, written once."""
+
+    keyset: str = Field(pattern=NAME_RE, description="the name kernel specs use: keys: [{keyset: <name>}]")
+    summary: str = Field(description="one line: which kernels share it and why")
+    keys: list[KeyPattern] = Field(min_length=1, description="the patterns, as in a kernel spec's keys")
 
 
 # ---------------------------------------------------------------- model-family specs
@@ -594,7 +618,8 @@ class FormatSpec(Strict):
 
 SPEC_KINDS: dict[str, type[Strict]] = {
     "scheme": SchemeSpec, "kernel": KernelSpec, "family": ModelFamilySpec, "format": FormatSpec,
+    "keyset": KeySetSpec,
 }
 
 
-__all__ = ["SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec", "FormatSpec"]
+__all__ = ["SPEC_KINDS", "SchemeSpec", "KernelSpec", "ModelFamilySpec", "FormatSpec", "KeySetSpec"]

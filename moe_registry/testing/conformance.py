@@ -158,7 +158,7 @@ def undeclarable_options(registry: Registry) -> list[str]:
         produced = [(parse_quant_key(fill_template(s.spec.weight, b)),
                      parse_quant_key(fill_template(s.spec.activation, b)))
                     for s in registry.schemes.values() if name in s.spec.kernels for b in binding_samples(s.spec)]
-        for i, pattern in enumerate(spec.keys):
+        for i, pattern in enumerate(spec.key_patterns()):
             single = spec.model_copy(update={"keys": [pattern]})
             if not any(all(c.passed for c in check_keys(single, w, a)) for w, a in produced):
                 out.append(f"{loaded.path}:{loaded.line}: keys[{i}]: no scheme that lists {name} binds a key pair "
