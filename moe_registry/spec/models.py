@@ -33,8 +33,8 @@ class Strict(BaseModel):
 class Range(Strict):
     """An inclusive numeric range; either end may be left open."""
 
-    min: float | None = None
-    max: float | None = None
+    min: float | None = Field(default=None, description="smallest accepted value, inclusive; absent: no lower bound")
+    max: float | None = Field(default=None, description="largest accepted value, inclusive; absent: no upper bound")
 
 
 class FieldRule(Strict):
@@ -44,13 +44,18 @@ class FieldRule(Strict):
     field fails every test except ``present: false``.
     """
 
-    equals: Any = None
-    one_of: list[Any] | None = None
-    range: Range | None = None
-    present: bool | None = None
-    default: Any = None
-    aliases: list[str] = Field(default_factory=list)
-    case: Literal["sensitive", "insensitive"] = "sensitive"
+    equals: Any = Field(default=None, description=(
+        "the field must have exactly this value; `equals: null` (written) tests that it is null"))
+    one_of: list[Any] | None = Field(default=None, description="the field must have one of these values")
+    range: Range | None = Field(default=None, description="the field must be a number within this inclusive range")
+    present: bool | None = Field(default=None, description=(
+        "true: the field (or an alias) must be there, whatever its value; false: it must be absent"))
+    default: Any = Field(default=None, description=(
+        "the value tested when the field and all aliases are absent; absent: a missing field fails the test"))
+    aliases: list[str] = Field(default_factory=list, description=(
+        "other names of the same field, tried in order after the mapping key (e.g. AWQ's w_bit for bits)"))
+    case: Literal["sensitive", "insensitive"] = Field(default="sensitive", description=(
+        "insensitive: strings are compared ignoring case (quant_method gptq vs GPTQ); default sensitive"))
 
     @property
     def has_equals(self) -> bool:
@@ -72,8 +77,11 @@ class DetectSpec(Strict):
     In YAML it is written flat: field paths map to rules, plus an optional ``any_of`` list.
     """
 
-    fields: dict[str, FieldRule] = Field(default_factory=dict)
-    any_of: list[dict[str, FieldRule]] = Field(default_factory=list)
+    fields: dict[str, FieldRule] = Field(default_factory=dict, description=(
+        "quantization_config field (a dotted path into nested objects) → the test it must pass; written flat "
+        "in YAML, beside any_of"))
+    any_of: list[dict[str, FieldRule]] = Field(default_factory=list, description=(
+        "alternative rule sets, tried in order; at least one must pass entirely (empty: no alternatives)"))
 
     @model_validator(mode="before")
     @classmethod
@@ -93,12 +101,16 @@ class DetectSpec(Strict):
 class BindRule(Strict):
     """A value taken from the config (or a constant) for use as ``$name`` in the rest of the spec."""
 
-    from_: str | None = Field(default=None, alias="from")
-    aliases: list[str] = Field(default_factory=list)
-    value: Any = None
-    default: Any = None
-    one_of: list[Any] | None = None
-    map: dict[str, Any] | None = None
+    from_: str | None = Field(default=None, alias="from", description=(
+        "the (scoped) quantization_config field to read, a dotted path; excludes value"))
+    aliases: list[str] = Field(default_factory=list, description="other names of that field, tried in order after from")
+    value: Any = Field(default=None, description="a constant instead of a config field; excludes from")
+    default: Any = Field(default=None, description=(
+        "used when the field and its aliases are absent or null; absent: the field is required"))
+    one_of: list[Any] | None = Field(default=None, description=(
+        "the values accepted (after map); another value fails detection, naming the field and the value seen"))
+    map: dict[str, Any] | None = Field(default=None, description=(
+        "config value (as a string) → the value bound; a value not listed fails detection"))
 
     @model_validator(mode="after")
     def _source(self) -> BindRule:
@@ -117,20 +129,32 @@ class ScopeRule(Strict):
     only its quantized layers). The first rule that applies wins, in the order written.
     """
 
-    kind: Literal["exclude", "override", "only"]
-    from_: str = Field(alias="from")
+    kind: Literal["exclude", "override", "only"] = Field(description=(
+        "exclude: a match is not quantized; override: a match's config replaces the subtree at into; "
+        "only: when the patterns exist and none matches, the layer is not quantized"))
+    from_: str = Field(alias="from", description=(
+        "the quantization_config section holding the patterns, a dotted path (e.g. ignore, dynamic)"))
     match: Literal["substring", "component", "glob", "regex", "exact", "type", "gptq-dynamic",
-                   "ct-target"]
-    into: str | None = None
-    types: list[str] = Field(default_factory=list)
+                   "ct-target"] = Field(description=(
+        "how a pattern is matched against a module name: substring, component (whole dotted parts), glob, "
+        "regex, exact (the name or a parent module), type (the pattern is a module type listed in types), "
+        "gptq-dynamic (GPTQ's +:/-: regexes), ct-target (compressed-tensors' names and re: regexes)"))
+    into: str | None = Field(default=None, description=(
+        "for override: the dotted path of the subtree the matched config is merged over; absent: the top level"))
+    types: list[str] = Field(default_factory=list, description=(
+        "for match: type, the module type names the expert projections have (e.g. Linear, torch.nn.Linear)"))
 
 
 class TensorSpec(Strict):
     """One checkpoint tensor of an expert projection: dtype(s) and symbolic shape."""
 
-    dtype: str | list[str]
-    shape: list[int | str]
-    optional: bool = False
+    dtype: str | list[str] = Field(description=(
+        "the torch dtype stored (e.g. int32, float16), or a list of those accepted"))
+    shape: list[int | str] = Field(description=(
+        "one entry per dimension: an integer or an expression over in, out and $bindings, e.g. in / 8, "
+        "\"groups(in, $group)\""))
+    optional: bool = Field(default=False, description=(
+        "true: the tensor may be absent from the checkpoint (e.g. GPTQ's g_idx); default false: it is required"))
     all_equal: int | float | None = Field(
         default=None,
         description="every element must equal this value, checked when the layer is loaded (a different value "
@@ -165,25 +189,38 @@ class TensorSpec(Strict):
 class CheckpointSpec(Strict):
     """What a checkpoint holds per expert projection, and the format converter that reads it."""
 
-    format: str
-    tensors: dict[str, TensorSpec]
+    format: str = Field(description="a format spec's name: its converters read these tensors into kernel layouts")
+    tensors: dict[str, TensorSpec] = Field(description=(
+        "tensor name suffix under each expert projection → its dtype and shape (in/out are the projection's sizes)"))
 
 
 class SchemeSpec(Strict):
     """A named quantization recipe as it appears in checkpoints."""
 
-    scheme: str = Field(pattern=NAME_RE)
-    summary: str
-    detect: DetectSpec
-    scope: list[ScopeRule] = Field(default_factory=list)
-    bind: dict[str, BindRule] = Field(default_factory=dict)
-    weight: str
-    activation: str
-    features: dict[Feature, bool | str] = Field(default_factory=dict)
-    checkpoint: CheckpointSpec
-    kernels: list[str] = Field(min_length=1)
+    scheme: str = Field(pattern=NAME_RE, description=(
+        "the scheme's name (lowercase, digits, . _ -), unique among schemes"))
+    summary: str = Field(description="one line: the producer, the weight and activation formats")
+    detect: DetectSpec = Field(description=(
+        "tests on the (per-layer scoped) quantization_config that recognise the scheme; all must pass"))
+    scope: list[ScopeRule] = Field(default_factory=list, description=(
+        "per-layer exclusions and overrides, applied in order before detect (empty: the config applies as is)"))
+    bind: dict[str, BindRule] = Field(default_factory=dict, description=(
+        "name → a value from the config (or a constant), usable as $name in weight, activation, features "
+        "and tensor shapes"))
+    weight: str = Field(description=(
+        "the weights' QuantKey in its one-line form, e.g. uint4 scale:float16:group($group):static zp:group"))
+    activation: str = Field(description=(
+        "the activations' QuantKey in its one-line form, e.g. int8 scale:float32:token:dynamic, or unquantized"))
+    features: dict[Feature, bool | str] = Field(default_factory=dict, description=(
+        "optional layer parts the kernel must handle → true/false or a $binding that evaluates to one "
+        "(e.g. act_order: $act_order); absent: not needed"))
+    checkpoint: CheckpointSpec = Field(description="the checkpoint format and the tensors each expert projection holds")
+    kernels: list[str] = Field(min_length=1, description="kernel specs' names that may run it, in order of preference")
     tolerance: dict[Dtype, float] = Field(default_factory=lambda: {"float16": 1e-2, "bfloat16": 2e-2,
-                                                                    "float32": 1e-2})
+                                                                    "float32": 1e-2}, description=(
+        "compute dtype → the largest relative error against the reference that conformance and run accept, "
+        "in (0, 1]; "
+        "default float16 1e-2, bfloat16 2e-2, float32 1e-2"))
 
     @field_validator("tolerance")
     @classmethod
@@ -201,8 +238,9 @@ _CAP_RE = re.compile(r"^\s*(>=|<=|>|<|==)\s*(\d+)\.(\d+)\s*$")
 class PlatformSpec(Strict):
     """A device kind and, for GPUs, a capability range such as ``">=8.0,<10.0"``."""
 
-    device: Device
-    capability: str | None = None
+    device: Device = Field(description="the device kind: cpu, cuda, rocm or xpu")
+    capability: str | None = Field(default=None, description=(
+        "GPU compute capability range, comma-separated bounds such as \">=8.0,<10.0\"; absent: any"))
 
     @field_validator("capability")
     @classmethod
@@ -227,8 +265,10 @@ class KeyPattern(Strict):
     """Accepted (weight key, activation key) pairs; ``*`` matches any run of characters of the
     canonical key string, so ``uint4 scale:float16:group(*):static zp:group`` accepts any group."""
 
-    weight: str | list[str] | None = None
-    activation: str | list[str] | None = None
+    weight: str | list[str] | None = Field(default=None, description=(
+        "accepted weight key pattern(s), a canonical key string where * matches any run of characters"))
+    activation: str | list[str] | None = Field(default=None, description=(
+        "activation key pattern(s) accepted with those weights, e.g. unquantized"))
     keyset: str | None = Field(default=None, pattern=NAME_RE, description=(
         "instead of weight and activation: a keyset spec's name; its patterns are put here at load"))
 
@@ -264,9 +304,10 @@ class KeyPattern(Strict):
 class ShapeLimit(Strict):
     """Limits on one MoE dimension; values may be expressions over the scheme's $bindings."""
 
-    multiple_of: int | str | None = None
-    min: int | str | None = None
-    max: int | str | None = None
+    multiple_of: int | str | None = Field(default=None, description=(
+        "the dimension must be a multiple of this (an integer or an expression); absent: any"))
+    min: int | str | None = Field(default=None, description="smallest accepted size, inclusive; absent: no lower bound")
+    max: int | str | None = Field(default=None, description="largest accepted size, inclusive; absent: no upper bound")
 
     @field_validator("multiple_of", "min", "max", mode="before")  # before: `true` would become 1
     @classmethod
@@ -282,30 +323,39 @@ class ShapeLimit(Strict):
 class ParallelSpec(Strict):
     """Which parallel modes the kernel runs under."""
 
-    tp: bool = True
-    ep: bool = False
-    dp: bool = True
-    all2all: list[All2All] = Field(default_factory=lambda: ["none"])
+    tp: bool = Field(default=True, description="runs under tensor parallelism (tp > 1); default true")
+    ep: bool = Field(default=False, description="runs under expert parallelism (ep > 1); default false")
+    dp: bool = Field(default=True, description="runs under data parallelism (dp > 1); default true")
+    all2all: list[All2All] = Field(default_factory=lambda: ["none"], description=(
+        "expert-parallel dispatch backends it works with (vLLM's names); default [none]"))
 
 
 class KernelSpec(Strict):
     """An experts implementation and everything it supports (DESIGN rule 1: written only here)."""
 
-    kernel: str = Field(pattern=NAME_RE)
-    summary: str
+    kernel: str = Field(pattern=NAME_RE, description=(
+        "the kernel's name (lowercase, digits, . _ -), as scheme specs list it in kernels"))
+    summary: str = Field(description="one line: the implementation and the schemes it runs")
     impl: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description=(
         "module:Class of the Experts implementation, in moe_registry_kernels or (user specs) a package "
         "inside the declaring spec dir; imported only when a layer is built"))
-    platforms: list[PlatformSpec] = Field(min_length=1)
-    requires_packages: list[str] = Field(default_factory=list)
-    dtypes: list[Dtype] = Field(min_length=1)
-    keys: list[KeyPattern] = Field(min_length=1)
-    activations: list[ActivationFn] = Field(min_length=1)
-    activation_formats: list[ActivationFormat] = Field(default_factory=lambda: ["standard"])
-    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
-    shapes: dict[ShapeDim, ShapeLimit] = Field(default_factory=dict)
-    features: list[Feature] = Field(default_factory=list)
-    layout: str = "nk"
+    platforms: list[PlatformSpec] = Field(min_length=1, description="the devices (and capability ranges) it runs on")
+    requires_packages: list[str] = Field(default_factory=list, description=(
+        "Python packages that must be installed on the target (e.g. triton); empty: none"))
+    dtypes: list[Dtype] = Field(min_length=1, description="the compute (activation) dtypes it supports")
+    keys: list[KeyPattern] = Field(min_length=1, description=(
+        "accepted (weight, activation) key patterns, or {keyset: name} references to shared ones"))
+    activations: list[ActivationFn] = Field(min_length=1, description="the expert activation functions it implements")
+    activation_formats: list[ActivationFormat] = Field(default_factory=lambda: ["standard"], description=(
+        "how tokens reach it: standard ([tokens, hidden] plus routing) or batched (per expert); default [standard]"))
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec, description=(
+        "the parallel modes it runs under; default tp and dp, no ep"))
+    shapes: dict[ShapeDim, ShapeLimit] = Field(default_factory=dict, description=(
+        "dimension (hidden, intermediate, experts, top_k, tokens) → limits on its size; empty: no limits"))
+    features: list[Feature] = Field(default_factory=list, description=(
+        "optional layer parts it handles (bias, zero_point, act_order, router_weight_on_input); empty: none"))
+    layout: str = Field(default="nk", description=(
+        "the weight layout it reads, produced by a format spec's converter; default nk"))
 
     def key_patterns(self) -> list[KeyPattern]:
         """The accepted (weight, activation) patterns; key set references are expanded at load."""
@@ -328,8 +378,11 @@ class KeySetSpec(Strict):
 class FieldRef(Strict):
     """Where a value sits in ``config.json``: the first present of ``from`` names, else default."""
 
-    from_: list[str] = Field(default_factory=list, alias="from")
-    default: Any = None
+    from_: list[str] = Field(default_factory=list, alias="from", description=(
+        "config.json names (dotted paths allowed), tried in order in the top level and each config_root; "
+        "a bare name or list is short for this"))
+    default: Any = Field(default=None, description=(
+        "the value when no name is present (or all are null); absent: the field is required"))
     length: bool = Field(default=False, description=(
         "the value is the length of the named per-layer list or string (Nemotron-H's layers_block_type or "
         "hybrid_override_pattern, where transformers writes no num_hidden_layers)"))
@@ -349,8 +402,10 @@ class FieldRef(Strict):
 class FamilyMatch(Strict):
     """How to recognise a family: any listed model_type or architecture."""
 
-    model_type: list[str] = Field(default_factory=list)
-    architectures: list[str] = Field(default_factory=list)
+    model_type: list[str] = Field(default_factory=list, description=(
+        "config.json model_type values of the family (the top level or a sub-config's)"))
+    architectures: list[str] = Field(default_factory=list, description=(
+        "config.json architectures entries of the family, e.g. MixtralForCausalLM"))
 
 
 class PerLayer(Strict):
@@ -493,12 +548,17 @@ class Naming(Strict):
     when producers differ (the checkpoint decides: fused when its ``gate_up`` tensor is there).
     The router's weight is ``<router>.weight``; a ``<router>.bias`` beside it is added to the logits."""
 
-    layer: str = "model.layers.{layer}"
-    router: str
-    correction_bias: str | None = None
-    expert: str | None = None
-    projections: dict[Role, str] | None = None
-    fused: FusedExperts | None = None
+    layer: str = Field(default="model.layers.{layer}", description=(
+        "prefix of one decoder layer's tensors, with {layer}; default model.layers.{layer}"))
+    router: str = Field(description="the router module, relative to naming.layer (its weight is <router>.weight)")
+    correction_bias: str | None = Field(default=None, description=(
+        "the router's per-expert selection bias tensor, relative to naming.layer; absent: none"))
+    expert: str | None = Field(default=None, description=(
+        "one expert's module, relative to naming.layer, with {expert}; needs projections"))
+    projections: dict[Role, str] | None = Field(default=None, description=(
+        "the gate, up and down projections' module names under the expert"))
+    fused: FusedExperts | None = Field(default=None, description=(
+        "the experts as a few stacked tensors instead of (or beside) expert + projections"))
     alternatives: list[ExpertNaming] = Field(default_factory=list, description=(
         "other producers' per-expert names for the same layer (router, expert, projections), tried in order "
         "after expert + projections: the checkpoint decides, by the first naming whose first expert's "
@@ -544,10 +604,12 @@ RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group"
 class ModelFamilySpec(Strict):
     """How a model family's config.json names MoE fields and how its checkpoints name tensors."""
 
-    family: str = Field(pattern=NAME_RE)
-    summary: str
-    match: FamilyMatch
-    config_root: list[str] = Field(default_factory=list)
+    family: str = Field(pattern=NAME_RE, description=(
+        "the family's name (lowercase, digits, . _ -), unique among families"))
+    summary: str = Field(description="one line: the models and what sets their MoE layers apart")
+    match: FamilyMatch = Field(description="the config.json model_type or architectures that select this family")
+    config_root: list[str] = Field(default_factory=list, description=(
+        "sub-configs also searched for fields, after the top level (e.g. text_config); empty: the top level only"))
     fields: dict[FieldName, FieldRef] = Field(description=(
         "where the MoE shape sits in config.json (a name may be a dotted path into a sub-object, e.g. "
         "ffn_config.moe_num_experts): num_experts, top_k, hidden, intermediate (one routed expert's), num_layers, "
@@ -557,7 +619,8 @@ class ModelFamilySpec(Strict):
         "Nemotron-H), latent_size (the experts run in a latent space of this width between two projections, "
         "Nemotron-H's moe_latent_size; absent or null: none), zero_experts (how many zero-compute identity "
         "experts the router scores beside the routed ones, LongCat's zero_expert_num)"))
-    moe_layers: MoELayers = Field(default_factory=MoELayers)
+    moe_layers: MoELayers = Field(default_factory=MoELayers, description=(
+        "which decoder layers are MoE; default every layer"))
     routing: dict[RoutingWord, FieldRef] = Field(default_factory=dict, description=(
         "how the router picks and weighs experts, as the family's modeling code fixes it: scoring "
         "(softmax, sigmoid; other words name routings no kernel here reproduces, e.g. sparsemixer, "
@@ -573,7 +636,7 @@ class ModelFamilySpec(Strict):
         "uses but the kernels here fix, each a detect-style test: e.g. gpt-oss's swiglu_limit: {equals: 7.0, "
         "default: 7.0} (the swigluoai kernels clamp at 7). A config failing one is reported not runnable by "
         "explain and refused by run, naming the field, the value seen and the value wanted"))
-    naming: Naming
+    naming: Naming = Field(description="how checkpoints name a MoE layer's router and expert tensors")
 
     @field_validator("fields")
     @classmethod
