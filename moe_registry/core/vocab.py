@@ -30,6 +30,9 @@ All2All = Literal["none", "naive", "allgather_reducescatter", "deepep_high_throu
 """Expert-parallel dispatch backends a situation may name (vLLM's names; ``none``: no EP dispatch).
 A kernel spec claims only those this code implements (today: none)."""
 
+KernelAll2All = Literal["none"]
+"""The all2all backends this code implements: the only ones a kernel spec may claim (DESIGN rule 5)."""
+
 Role = Literal["gate", "up", "down"]
 """An expert's projections."""
 

@@ -15,7 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from moe_registry.core.guards import check_number, check_template
 from moe_registry.core.keys import SCALAR_TYPES
-from moe_registry.core.vocab import ActivationFn, ActivationFormat, All2All, Device, Dtype, Feature, Role, ShapeDim
+from moe_registry.core.vocab import (
+    ActivationFn,
+    ActivationFormat,
+    Device,
+    Dtype,
+    Feature,
+    KernelAll2All,
+    Role,
+    ShapeDim,
+)
 from moe_registry.spec.expr import ExprError, parse_limit, parse_shape_dim
 
 NAME_RE = r"^[a-z0-9][a-z0-9._-]*$"
@@ -326,7 +335,7 @@ class ParallelSpec(Strict):
     tp: bool = Field(default=True, description="runs under tensor parallelism (tp > 1); default true")
     ep: bool = Field(default=False, description="runs under expert parallelism (ep > 1); default false")
     dp: bool = Field(default=True, description="runs under data parallelism (dp > 1); default true")
-    all2all: list[All2All] = Field(default_factory=lambda: ["none"], description=(
+    all2all: list[KernelAll2All] = Field(default_factory=lambda: ["none"], description=(
         "expert-parallel dispatch backends it works with (vLLM's names); default [none]"))
 
 
