@@ -6,6 +6,7 @@ only through here, so a layout has exactly one meaning.
 from __future__ import annotations
 
 import torch
+from moe_registry_kernels.fp4 import e2m1_to_float
 
 from moe_registry.core.keys import GroupShape, QuantKey
 from moe_registry.formats.weights import ProjectionWeights
@@ -88,6 +89,16 @@ def _codes(proj: ProjectionWeights, key: QuantKey, k: int) -> torch.Tensor:
     raise ValueError(f"no integer decoding for weight type {st.name}")
 
 
+def _e2m1_values(w: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed FP4 codes uint8 [E, N, K/2] -> their e2m1 values [E, N, K] in ``dtype``."""
+    if w.dtype != torch.uint8:
+        raise ValueError(f"e2m1 weight must be packed uint8 codes, got {w.dtype}")
+    codes = unpack_int4(w)
+    if codes.shape[-1] != k:
+        raise ValueError(f"packed e2m1 weight unpacks to K={codes.shape[-1]}, expected {k}")
+    return e2m1_to_float(codes, dtype)
+
+
 def _logical_k(proj: ProjectionWeights, key: QuantKey) -> int:
     k = int(proj.weight.shape[-1])
     return 2 * k if key.quantized and key.dtype.bits == 4 else k
@@ -96,8 +107,10 @@ def _logical_k(proj: ProjectionWeights, key: QuantKey) -> int:
 def dequantize(proj: ProjectionWeights, key: QuantKey, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Real-valued weights [E, N, K] (``dtype``, default float32) in the ORIGINAL input-column order.
 
-    value = (code - type bias - zero) * scale for integer types, fp8 * scale for fp8, with e8m0
-    scales read as 2**(e-127); act-order ``perm`` is undone (stored column j -> column perm[j]).
+    value = (code - type bias - zero) * scale for integer types, fp8 * scale for fp8, e2m1 value *
+    (scale * scale2) for FP4 (the product of the group and global scales first, as ModelOpt's
+    NVFP4QTensor.dequantize), with e8m0 scales read as 2**(e-127); act-order ``perm`` is undone
+    (stored column j -> column perm[j]).
     ``proj`` is not modified. Bias and input_scale are not applied here.
     """
     w = proj.weight
@@ -109,10 +122,8 @@ def dequantize(proj: ProjectionWeights, key: QuantKey, *, dtype: torch.dtype = t
     if not key.quantized:
         out = w.to(dtype)
     else:
-        if key.scale2 is not None:
-            raise ValueError(
-                f"weight key {key} has a second-level scale, which ProjectionWeights cannot hold"
-            )
+        if key.scale2 is not None and proj.scale2 is None:
+            raise ValueError(f"weight key {key} has a second-level scale but the projection has no scale2")
         if proj.scale is None:
             raise ValueError(f"weight key {key} is quantized but the projection has no scale")
         group = key.scale.group
@@ -122,9 +133,13 @@ def dequantize(proj: ProjectionWeights, key: QuantKey, *, dtype: torch.dtype = t
             scale = e8m0_to_float(proj.scale, dtype)
         else:
             scale = proj.scale.to(dtype)
+        if key.scale2 is not None:  # the global scale [E, N, 1] times each group scale first, as ModelOpt does
+            scale = scale * proj.scale2.to(dtype).reshape(e, n, 1)
         scale = expand_groups(scale, n, k, group, "scale")
 
-        if key.dtype.is_float:
+        if key.dtype.name == "e2m1":
+            out = _e2m1_values(w, k, dtype) * scale
+        elif key.dtype.is_float:
             if key.dtype.name != "fp8e4m3":
                 raise ValueError(f"no decoding for float weight type {key.dtype.name}")
             if w.dtype != torch.float8_e4m3fn:

@@ -1,7 +1,7 @@
 """The fused MoE GEMM kernels: C[rows of one expert block] = A[rows] @ dequant(B[expert])^T with
 the layer's epilogue (scales, bias, router weight, gated activation, row amax pieces).
 
-Two kernels share one prologue (:func:`_program_block`, :func:`_k_range`, :func:`_weight_rows`,
+Two kernels share one prologue (:func:`_program_block`, :func:`_block_rows`, :func:`_k_range`, :func:`_weight_rows`,
 :func:`_expert_weight_ptrs`, :func:`_column_zero`) and one per-tile loader of group and MX scales
 (:func:`_group_scales`), and one epilogue (:func:`_finish_tile`):
 
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
+from .fp4_dequant import _dequant_e2m1, _e4m3_value
 from .scheme import dot_kind, packed, zero_code
 from .triton_ops import gated_act, grid_release, grid_wait
 
@@ -76,14 +77,15 @@ def _program_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_n
                    rows_per_expert, num_experts, TOP_K: tl.constexpr, BATCHED: tl.constexpr,
                    ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """What this program computes: (pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end).
+    """What this program computes: (pid_n, offs_m, expert, rows, k_end); ``expert`` -1: nothing to do,
+    the kernel returns before :func:`_block_rows` reads ``rows`` (computing the row masks first
+    measured 2% slower on Mixtral AWQ at M = 64, H100).
 
     Program 0 of the grid's first axis is a (row block, column tile) pair in grouped order. Its
-    rows: BATCHED, rows e·T .. e·T + expert_num_tokens[e] of A and C (expert e = program_id(1));
-    otherwise the aligned (token, k) pairs of the block (A row pair // TOP_K, C row the pair;
-    padding holds the sentinel num_valid). ``row_mask``: rows that hold data; ``store_rows``:
-    rows C takes (batched with WRITE_EMPTY: every row of the slab, empty blocks included, which
-    skip the K loop: ``k_end`` 0). ``expert`` -1: nothing to do, the kernel returns."""
+    rows: BATCHED, rows e·T .. e·T + expert_num_tokens[e] of A and C (expert e = program_id(1);
+    ``rows`` is that count); otherwise the aligned (token, k) pairs of the block (``rows``: the
+    pairs; padding holds the sentinel num_valid). Batched with WRITE_EMPTY, empty blocks skip the
+    K loop (``k_end`` 0) and still write their zeros."""
     # with FUSE_ACT a tile holds BLOCK_N / 2 gate rows interleaved with their up rows
     num_pid_n = tl.cdiv(N // 2, BLOCK_N // 2) if FUSE_ACT != "none" else tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), tl.cdiv(rows_per_expert, BLOCK_M), num_pid_n, GROUP_M)
@@ -91,24 +93,34 @@ def _program_block(sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_n
     k_end = K
     if BATCHED:
         expert = tl.program_id(1).to(tl.int64)
-        num_rows = tl.load(expert_num_tokens_ptr + expert)
-        empty = pid_m * BLOCK_M >= num_rows
-        row_mask = offs_m < num_rows
-        a_rows = expert * rows_per_expert + offs_m
-        c_rows = a_rows
-        store_rows = offs_m < rows_per_expert
+        rows = tl.load(expert_num_tokens_ptr + expert)
+        empty = pid_m * BLOCK_M >= rows
         if WRITE_EMPTY:
             k_end = tl.where(empty, 0, K)  # an empty block skips the loop and writes zeros
         else:
             expert = tl.where(empty, -1, expert)
     else:
-        pairs, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-                                     num_valid, num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
-        row_mask = pairs < num_valid
-        a_rows = pairs // TOP_K
-        c_rows = pairs
+        rows, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                                    num_valid, num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
+    return pid_n, offs_m, expert, rows, k_end
+
+
+@triton.jit
+def _block_rows(offs_m, expert, rows, num_valid, rows_per_expert, TOP_K: tl.constexpr, BATCHED: tl.constexpr):
+    """(a_rows, c_rows, row_mask, store_rows) of the block :func:`_program_block` chose: the A and C
+    rows (batched: the expert's slab; otherwise A row pair // TOP_K, C row the pair), the rows that
+    hold data, and the rows C takes (batched: every row of the slab, so empty rows get zeros)."""
+    if BATCHED:
+        row_mask = offs_m < rows
+        a_rows = expert * rows_per_expert + offs_m
+        c_rows = a_rows
+        store_rows = offs_m < rows_per_expert
+    else:
+        row_mask = rows < num_valid
+        a_rows = rows // TOP_K
+        c_rows = rows
         store_rows = row_mask
-    return pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end
+    return a_rows, c_rows, row_mask, store_rows
 
 
 @triton.jit
@@ -191,7 +203,12 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, K, stride_sk, dtype, W_S
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
     g_mask = groups < tl.cdiv(K, W_GROUP)
     scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
-    scale = _e8m0(scale) if W_SCALE == "mx" else scale.to(dtype)
+    if W_SCALE == "mx":
+        scale = _e8m0(scale)
+    elif scale.dtype == tl.uint8:  # e4m3 group scales (NVFP4) come as bytes (fp4_dequant._e4m3_value)
+        scale = _e4m3_value(scale).to(dtype)
+    else:
+        scale = scale.to(dtype)
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
     tile_zero = zero
     if HAS_ZERO:
@@ -199,6 +216,15 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, K, stride_sk, dtype, W_S
                                   dtype, NARROW)
         tile_zero = _repeat_rows(group_zero, K_LEN) if K_AXIS == 0 else _repeat_cols(group_zero, K_LEN)
     return scale, tile_zero
+
+
+@triton.jit
+def _int4_as_int8_tile(packed_codes, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_K // 2, BN] bytes of uint4b8 nibbles (low: even column) -> [BLOCK_K, BN] int8 values
+    code - 8 in K order, the operand of an int8 dot (W4A8)."""
+    low = (packed_codes & 0xF).to(tl.int8) - 8
+    high = (packed_codes >> 4).to(tl.int8) - 8
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -241,7 +267,10 @@ def _fused_moe_kernel(
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr,
+        # W_SCALE2: a second-level weight scale per (expert, weight row), float32 [E, N] (NVFP4's global
+        # scale), multiplied into the dot's result before the epilogue
+        b_scale2_ptr, W_SCALE2: tl.constexpr):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -261,17 +290,23 @@ def _fused_moe_kernel(
                      or _is_pow2(W_GROUP) and (W_GROUP % BLOCK_K == 0 or BLOCK_K % W_GROUP == 0),
                      "a K tile holds whole weight groups or lies in one")
     tl.static_assert(W_SCALE != "block" or W_GROUP % BLOCK_K == 0, "a K tile lies in one weight block")
-    tl.static_assert(DOT != "int8" or W_TYPE == "int8" and W_SCALE == "channel")
+    tl.static_assert(DOT != "int8" or W_TYPE == "int8" and W_SCALE == "channel"
+                     or W_TYPE == "uint4b8" and (W_SCALE == "channel" or W_SCALE == "group" and W_GROUP % BLOCK_K == 0),
+                     "int8 dots take int8 per-channel weights, or int4 (W4A8) with a K tile in one group")
     tl.static_assert(DOT != "fp8" or W_TYPE == "fp8e4m3" and W_SCALE == "block" and A_GROUP % BLOCK_K == 0,
                      "a K tile lies in one activation group and one weight block")
     tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
+    tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
+                     "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
     grid_wait(PDL)
-    pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end = _program_block(
+    pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
         rows_per_expert, num_experts, TOP_K, BATCHED, ONE_PAIR_BLOCKS, WRITE_EMPTY, FUSE_ACT, BLOCK_M, BLOCK_N,
         GROUP_M)
     if expert < 0:
         return
+    a_rows, c_rows, row_mask, store_rows = _block_rows(offs_m, expert, rows, num_valid, rows_per_expert, TOP_K,
+                                                       BATCHED)
     split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
     offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
     a_row_ptrs = a_ptr + a_rows.to(tl.int64) * stride_am
@@ -290,7 +325,9 @@ def _fused_moe_kernel(
     PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
                               and not HAS_ZERO and BLOCK_M <= 32)
-    if DOT == "int8":
+    # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
+    INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"
+    if DOT == "int8" and not INT8_GROUPS:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -309,7 +346,7 @@ def _fused_moe_kernel(
 
         # the weight tile's scale (and zero) groups: one load per group and column
         tile_zero = zero
-        if FACTORED:
+        if FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
@@ -325,7 +362,18 @@ def _fused_moe_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            if FACTORED:
+            if DOT == "int8":  # W4A8: int4 codes as int8 in K order, one int8 dot (int32)
+                part = tl.dot(a, _int4_as_int8_tile(packed_codes, BLOCK_K, BLOCK_N),
+                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), out_dtype=tl.int32)
+                if INT8_GROUPS:
+                    acc += part.to(tl.float32) * scale
+                else:
+                    acc += part
+            elif W_TYPE == "e2m1":  # FP4 codes (fp4_dequant): never FACTORED (mx or 16-column groups)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype)
+                acc = _dot(a_even, low, acc)
+                acc = _dot(a_odd, high, acc)
+            elif FACTORED:
                 low, high = _dequant_nibbles(packed_codes, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)
@@ -337,6 +385,8 @@ def _fused_moe_kernel(
             b = tl.load(b_cols + offs_k[:, None], mask=k_mask[:, None], other=0.0)
             if DOT == "int8":
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+            elif DOT == "fp8_outer":  # fp8 x fp8 into float32; token and channel scales after the loop
+                acc = tl.dot(a, b, acc)
             elif DOT == "fp8":
                 a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
                                   mask=row_mask, other=0.0)
@@ -358,8 +408,10 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if DOT == "int8":  # per token (or static: stride 0)
+    if DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
+    if W_SCALE2:
+        acc *= tl.load(b_scale2_ptr + expert * N + offs_bn)[None, :]
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
                  FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts, AMAX_OUT)
@@ -415,7 +467,7 @@ def _fused_moe_swap_kernel(
         HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -442,11 +494,12 @@ def _fused_moe_swap_kernel(
                      or _is_pow2(W_GROUP) and (W_GROUP % BLOCK_K == 0 or BLOCK_K % W_GROUP == 0),
                      "a K tile holds whole weight groups or lies in one")
     grid_wait(PDL)
-    pid_n, expert, a_rows, c_rows, row_mask, store_rows, k_end = _program_block(
+    pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, sorted_ids_ptr, N, K, num_valid, rows_per_expert,
         num_experts, TOP_K, False, ONE_PAIR_BLOCKS, False, FUSE_ACT, BLOCK_M, BLOCK_N, GROUP_M)
     if expert < 0:
         return
+    a_rows, c_rows, row_mask, store_rows = _block_rows(offs_m, expert, rows, num_valid, rows_per_expert, TOP_K, False)
     split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
     offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
     a_col_ptrs = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am  # [1, BM]: A^T's columns
@@ -469,7 +522,10 @@ def _fused_moe_swap_kernel(
         if PACKED:  # low nibbles hold even input columns, high nibbles odd ones: interleaved back
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
-            low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
+            if W_TYPE == "e2m1":  # FP4 codes (fp4_dequant)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype)
+            else:
+                low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
         elif BYTE_PAIRS:  # 8-bit weights read as 16-bit words of two columns, split like nibbles
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
@@ -495,6 +551,8 @@ def _fused_moe_swap_kernel(
         acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
     grid_release(PDL)
+    if W_SCALE2:  # [BN, BM] here: the weight rows run down
+        acc *= tl.load(b_scale2_ptr + expert * N + offs_bn)[:, None]
     _, scale_cols, _ = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn,
                                            stride_se, stride_sn, 1)
     _finish_tile(tl.trans(acc), expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols,

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from moe_registry_kernels.dequant import e8m0_to_float, pack_int4
+from moe_registry_kernels.fp4 import E2M1_MAX, float_to_e2m1
 
 from moe_registry.core.keys import GroupShape, QuantKey
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
@@ -256,8 +257,10 @@ def quantize_weight_to_layout(w: torch.Tensor, key: QuantKey, *, act_order: bool
         wf = wf.gather(2, perm.to(torch.int64).unsqueeze(1).expand(e, n, k))
     if not key.quantized:
         return ProjectionWeights(weight=wf.to(dtype), perm=perm)
+    if key.dtype.name == "e2m1":
+        return _quantize_e2m1(wf, key, perm)
     if key.scale2 is not None:
-        raise ValueError(f"weight key {key} has a second-level scale, which ProjectionWeights cannot hold")
+        raise ValueError(f"weight key {key} has a second-level scale; only e2m1 (NVFP4) weights take one here")
 
     group, st, sdt = key.scale.group, key.dtype, key.scale.dtype
     if st.bits == 4 and k % 2:
@@ -311,6 +314,36 @@ def quantize_weight_to_layout(w: torch.Tensor, key: QuantKey, *, act_order: bool
     else:
         weight = codes.to(torch.uint8)
     return ProjectionWeights(weight=weight, scale=s_stored, zero=zero_stored, perm=perm)
+
+
+def _quantize_e2m1(wf: torch.Tensor, key: QuantKey, perm: torch.Tensor | None) -> ProjectionWeights:
+    """FP4 weights [E, N, K] float32 -> packed e2m1 codes with their scales, as the producers do:
+    MXFP4 an e8m0 exponent floor(log2 amax) - 2 per group (OCP MX); NVFP4 an e4m3 scale amax / 6
+    per group, divided by the expert's global scale amax / (6 * 448) when the key has scale2."""
+    e, n, k = wf.shape
+    group, sdt = key.scale.group, key.scale.dtype.name
+    if k % 2:
+        raise ValueError(f"4-bit weights need an even K, got {k}")
+    amax = _block_reduce(wf, group, "amax")
+    scale2 = None
+    if sdt == "e8m0":
+        if key.scale2 is not None:
+            raise ValueError(f"weight key {key}: e8m0 (MX) scales take no second-level scale")
+        ex = e8m0_exponent(amax, emax=2)
+        s_stored = (ex + 127).to(torch.uint8)
+        s_real = torch.exp2(ex.float())
+    elif sdt == "fp8e4m3":
+        g = torch.ones(e, 1, 1)
+        if key.scale2 is not None:
+            g = (wf.abs().amax(dim=(1, 2), keepdim=True) / (E2M1_MAX * FP8_MAX)).clamp(min=AMAX_FLOOR)
+            scale2 = g.expand(e, n, 1).contiguous()
+        s_stored = (amax / E2M1_MAX / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+        s_real = s_stored.float() * g
+    else:
+        raise ValueError(f"e2m1 weights take e8m0 or fp8e4m3 group scales, got {key}")
+    full = _expand_full(s_real, group, n, k)
+    codes = float_to_e2m1(torch.where(full > 0, wf / full.clamp(min=AMAX_FLOOR), torch.zeros_like(wf)))
+    return ProjectionWeights(weight=pack_int4(codes), scale=s_stored, perm=perm, scale2=scale2)
 
 
 def _expand_full(s: torch.Tensor, group: GroupShape, n: int, k: int) -> torch.Tensor:

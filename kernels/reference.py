@@ -10,7 +10,10 @@ Per expert e and each token row x routed to it::
     y = a @ W2[e]^T + b2[e]
     out[token] += w_router * y     (unless the weight was applied on the input)
 
-``fake_quant`` is :func:`quant_ref.fake_quantize_activation` (identity when unquantized). The
+``fake_quant`` is :func:`quant_ref.fake_quantize_activation` (identity when unquantized). A
+per-tensor dynamic activation key (``quant_method: fp8`` dynamic) has one scale per GEMM input, as
+vLLM's fp8 MoE quantises it: one amax over the whole hidden state (router weight applied when it
+goes on the input) for GEMM1, one over every routed pair's intermediate for GEMM2. The
 float32 path (:class:`ReferenceExperts`) is what every kernel is checked against; the float64 path
 (:func:`reference_moe`) runs the same code and checks the reference itself. This is a reference:
 it reads expert token counts on the host, so it synchronises with the device.
@@ -18,12 +21,13 @@ it reads expert token counts on the host, so it synchronises with the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.dequant import dequantize
-from moe_registry_kernels.quant_ref import fake_quantize_activation
+from moe_registry_kernels.quant_ref import fake_quantize_activation, quantize_activation
 
 from moe_registry.core.keys import QuantKey
 from moe_registry.formats.weights import ExpertWeights
@@ -87,6 +91,37 @@ def _expert_mlp(dense: DenseExperts, e: int, x: torch.Tensor, activation: str,
     return y
 
 
+def _per_tensor_dynamic(key: QuantKey) -> bool:
+    """One activation scale per GEMM input found at run time: its amax runs over every row of it
+    (all tokens, all experts' intermediates), as vLLM's fp8 MoE quantises, so experts cannot be
+    computed one at a time from end to end."""
+    return key.quantized and key.scale.dynamic and key.scale.group.rows == -1 and key.scale.group.cols == -1
+
+
+def _run_experts(dense: DenseExperts, jobs: list[tuple[int, torch.Tensor]], activation: str,
+                 dtype: torch.dtype, gemm1_input: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each (expert, rows) job through its expert MLP -> [rows, H] in ``dtype``. Per-tensor dynamic
+    activation keys: GEMM1's scale from ``gemm1_input`` (default: all jobs' inputs), GEMM2's from
+    all the jobs' intermediates."""
+    key = dense.activation_key
+    if not _per_tensor_dynamic(key):
+        return [_expert_mlp(dense, e, x, activation, dtype) for e, x in jobs]
+    if not jobs:
+        return []
+    static = dataclasses.replace(key, scale=dataclasses.replace(key.scale, dynamic=False))
+    s13 = quantize_activation(torch.cat([x for _, x in jobs]) if gemm1_input is None else gemm1_input, key).scale
+    inter = []
+    for e, x in jobs:
+        h = fake_quantize_activation(x, static, s13, dtype) @ dense.w13[e].T
+        inter.append(act_and_mul(h if dense.b13 is None else h + dense.b13[e], activation))
+    s2 = quantize_activation(torch.cat(inter), key).scale
+    out = []
+    for (e, _), a in zip(jobs, inter, strict=True):
+        y = fake_quantize_activation(a, static, s2, dtype) @ dense.w2[e].T
+        out.append(y if dense.b2 is None else y + dense.b2[e])
+    return out
+
+
 def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
          config: ExpertsConfig, dtype: torch.dtype) -> torch.Tensor:
     """Standard-format layer [M, H] -> [M, H] in ``dtype``; pairs with id FOREIGN_EXPERT add zero."""
@@ -109,17 +144,21 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
     router = topk_weights.reshape(-1)[order].to(dtype)
     counts = torch.bincount(flat_ids[flat_ids >= 0], minlength=num_experts).tolist()
     start = num_foreign
+    jobs, placed = [], []
     for e, n in enumerate(counts):
         if n == 0:
             continue
         tok, w = tokens[start:start + n], router[start:start + n, None]
         start += n
         x = hidden[tok].to(dtype)
-        if config.apply_router_weight_on_input:
-            y = _expert_mlp(dense, e, x * w, config.activation, dtype)
-        else:
-            y = _expert_mlp(dense, e, x, config.activation, dtype) * w
-        out.index_add_(0, tok, y)
+        jobs.append((e, x * w if config.apply_router_weight_on_input else x))
+        placed.append((tok, w))
+    # GEMM1's input is the whole hidden state (router weight applied; tokens of foreign experts too)
+    whole = hidden.to(dtype)
+    if config.apply_router_weight_on_input:
+        whole = whole * topk_weights.reshape(m, 1).to(dtype)
+    for (tok, w), y in zip(placed, _run_experts(dense, jobs, config.activation, dtype, whole), strict=True):
+        out.index_add_(0, tok, y if config.apply_router_weight_on_input else y * w)
     return out
 
 
@@ -132,11 +171,14 @@ def _moe_batched(dense: DenseExperts, x: torch.Tensor, expert_num_tokens: torch.
     if expert_num_tokens.shape != (num_experts,):
         raise ValueError(f"expert_num_tokens must be [{num_experts}], got {tuple(expert_num_tokens.shape)}")
     out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    jobs = []
     for e, n in enumerate(expert_num_tokens.tolist()):
         if n < 0 or n > x.shape[1]:
             raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {x.shape[1]}]")
         if n:
-            out[e, :n] = _expert_mlp(dense, e, x[e, :n].to(dtype), config.activation, dtype)
+            jobs.append((e, x[e, :n].to(dtype)))
+    for (e, rows), y in zip(jobs, _run_experts(dense, jobs, config.activation, dtype), strict=True):
+        out[e, :rows.shape[0]] = y
     return out
 
 

@@ -18,11 +18,15 @@ from moe_registry.core.keys import QuantKey, parse_quant_key
 
 __all__ = ["Scheme", "scheme_from_keys", "swappable", "packed", "zero_code", "dot_kind"]
 
-# 4-bit code types, two codes per byte (low nibble: the even input column)
-PACKED_TYPES = ("uint4", "uint4b8", "int4")
+# 4-bit code types, two codes per byte (low nibble: the even input column); e2m1 is FP4
+PACKED_TYPES = ("uint4", "uint4b8", "int4", "e2m1")
 # the code of 0 of types with a fixed bias; signed int4 nibbles and int8 bytes are read as offset
 # binary (xor-ed with 8 and 0x80 first), so they share the unsigned types' bias
 ZERO_CODES = {"uint4b8": 8, "int4": 8, "uint8b128": 128, "int8": 128}
+# fp8 activations with one scale per token or per tensor (static, or dynamic: fp8_tensor is one
+# amax over the whole GEMM input, as vLLM's fp8 MoE quantises it): an fp8 x fp8 dot accumulating in
+# float32 over all of K, the token and channel scales applied once after the loop
+FP8_OUTER_QUANTS = ("fp8_static", "fp8_token", "fp8_tensor")
 
 
 @triton.constexpr_function
@@ -40,10 +44,13 @@ def zero_code(weight_type: str) -> int:
 
 @triton.constexpr_function
 def dot_kind(act_quant: str) -> str:
-    """The tensor-core dot for an activation quantisation: int8, fp8 (128-column groups), or
-    float (16-bit activations, weights dequantised in registers; MXFP8 activations too)."""
+    """The tensor-core dot for an activation quantisation: int8, fp8 (128-column groups), fp8_outer
+    (per-token or per-tensor fp8: scales applied after the K loop, as int8), or float (16-bit
+    activations, weights dequantised in registers; MXFP8 activations too)."""
     if act_quant.startswith("int8"):
         return "int8"
+    if act_quant in FP8_OUTER_QUANTS:
+        return "fp8_outer"
     return "fp8" if act_quant == "fp8_group" else "float"
 
 
@@ -55,8 +62,10 @@ class Scheme:
     weight_scale: str  # none | group | channel (also per-tensor, stored [E, N, 1]) | block | mx
     weight_group: int  # input columns sharing a weight scale (group, block, mx); 0 otherwise
     weight_group_n: int  # output rows sharing a weight scale (block); 1 otherwise
-    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (triton_ops.QUANT_MODES)
+    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (triton_ops.QUANT_MODES) | fp8_token |
+    #                 fp8_tensor (fp8_act) | fp8_static
     act_group: int  # input columns sharing an activation scale (fp8_group, mxfp8); 0 otherwise
+    weight_scale2: bool = False  # a per-expert global weight scale (NVFP4), applied to the dot's result
 
     @property
     def packed(self) -> bool:
@@ -104,6 +113,11 @@ def _act_quant(key: QuantKey) -> tuple[str, int]:
         return "int8_token", 0
     if name == "int8" and not spec.dynamic and spec.group.rows == -1:
         return "int8_static", 0
+    fp8_scaled = name == "fp8e4m3" and spec.dtype.name == "float32" and spec.group.cols == -1
+    if fp8_scaled and not spec.dynamic and spec.group.rows == -1:
+        return "fp8_static", 0
+    if fp8_scaled and spec.dynamic and spec.group.rows in (1, -1):  # per token / per tensor
+        return ("fp8_token" if spec.group.rows == 1 else "fp8_tensor"), 0
     if name == "fp8e4m3" and spec.dtype.name == "e8m0" and spec.dynamic and spec.group.cols == 32:
         return "mxfp8", 32
     if name == "fp8e4m3" and spec.dtype.name == "float32" and spec.dynamic and spec.group.rows == 1 \
@@ -119,19 +133,37 @@ def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
     wtype = wk.dtype.name if wk.quantized else "float"
     wscale, wgroup, wgroup_n = _weight_scale(wk)
     aquant, agroup = _act_quant(ak)
-    scheme = Scheme(wtype, wscale, wgroup, wgroup_n, aquant, agroup)
+    scheme = Scheme(wtype, wscale, wgroup, wgroup_n, aquant, agroup, wk.scale2 is not None)
     for name, value in (("weight", wgroup), ("activation", agroup)):
         if value and value & (value - 1):
             raise ValueError(f"{name} group {value} is not a power of two (keys {weight_key!r}, {activation_key!r})")
-    if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel"):
-        raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales, got {weight_key!r}")
+    if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel") and not _w4a8(scheme):
+        raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales (or uint4b8 with "
+                         f"float32 group or channel scales), got {weight_key!r}")
     if scheme.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
         raise ValueError(f"fp8 group activations need fp8 weights with block scales, got {weight_key!r}")
-    if wtype == "fp8e4m3" and wscale not in ("mx", "block"):
-        raise ValueError(f"fp8 weights need e8m0 per-32 or 128x128 block scales here, got {weight_key!r}")
+    if scheme.dot == "fp8_outer" and (wtype != "fp8e4m3" or wscale != "channel"):
+        raise ValueError(f"per-token/per-tensor fp8 activations need fp8 weights with per-channel/tensor scales, "
+                         f"got {weight_key!r}")
+    if wtype == "fp8e4m3" and wscale == "channel" and scheme.dot != "fp8_outer":
+        raise ValueError(f"fp8 weights with per-channel/tensor scales run with fp8 activations here, got "
+                         f"{activation_key!r}")
+    if wtype == "fp8e4m3" and wscale not in ("mx", "block", "channel"):
+        raise ValueError(f"fp8 weights need e8m0 per-32, 128x128 block or per-channel/tensor scales here, "
+                         f"got {weight_key!r}")
+    if wtype == "e2m1" and (wscale not in ("mx", "group") or aquant != "none"):
+        raise ValueError(f"e2m1 weights need e8m0 or e4m3 group scales and 16-bit activations, got "
+                         f"{weight_key!r}, {activation_key!r}")
+    if wk.scale2 is not None and (wtype != "e2m1" or wk.scale2.group.cols != -1 or wk.scale2.group.rows != -1):
+        raise ValueError(f"a second-level weight scale is run here for e2m1 per tensor only, got {weight_key!r}")
     if wtype in ("uint4", "uint8") and wk.zero_point != "group":
         raise ValueError(f"{wtype} weights need zero points (zp:group), got {weight_key!r}")
     return scheme
+
+
+def _w4a8(scheme: Scheme) -> bool:
+    """int4 weights on the int8 dot: symmetric codes (uint4b8), per-channel or per-group scales."""
+    return scheme.weight_type == "uint4b8" and scheme.weight_scale in ("channel", "group")
 
 
 def swappable(scheme: Scheme) -> bool:

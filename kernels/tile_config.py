@@ -166,6 +166,8 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
         bk = min(bk, scheme.weight_group)
     if scheme.act_quant == "fp8_group":
         bk = min(bk, scheme.act_group)
+    if scheme.dot == "int8" and scheme.weight_scale == "group":
+        bk = min(bk, scheme.weight_group)  # W4A8: a K tile's int32 dot takes one group's scale
     if scheme.packed:
         bk = max(bk, 32)
     config["BLOCK_K"] = bk

@@ -23,6 +23,10 @@ constexprs that say how a weight tile becomes something a ``tl.dot`` takes:
   same way, so the numerics are the scheme's.
 - fp8 with 128×128 block scales (W8A8): fp8 dot per K tile, scaled there by the token-group and
   weight-block scales (they change every 128 columns).
+- fp8 with per-tensor or per-channel weight scales (W8A8: AutoFP8, ModelOpt FP8, compressed-tensors
+  FP8 / FP8_DYNAMIC): fp8 × fp8 dot accumulating in float32 over all of K; the activation scale
+  (static per tensor, dynamic per token or per tensor, see :mod:`moe_registry_kernels.fp8_act`) and
+  the per-channel scale are applied once after the loop, as for int8.
 
 Where the rest lives: the keys read as kernel choices in :mod:`moe_registry_kernels.scheme`, tile
 configs in :mod:`moe_registry_kernels.tile_config`, the GEMM kernels in
@@ -53,6 +57,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
     _offset_zero,
     _paired_halves,
 )
+from .fp8_act import FP8_DYNAMIC_MODES, quant_fp8_dynamic
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .scheme import Scheme, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
@@ -107,6 +112,7 @@ class _Proj:
     input_scale: torch.Tensor | None
     n: int
     k: int
+    scale2: torch.Tensor | None = None  # second-level weight scale per (expert, row), float32 [E, N, 1] (NVFP4)
 
 
 @dataclass(frozen=True)
@@ -157,6 +163,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     bm, bn, split_k = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
     dummy = w.weight
     scale = w.scale if w.scale is not None else dummy
+    if scale.dtype == torch.float8_e4m3fn and scheme.weight_scale == "group":  # NVFP4's e4m3 group scales
+        scale = scale.view(torch.uint8)  # as bytes (see moe_gemm._group_scales)
     s_strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if w.scale is not None else (0, 0, 0)
     if a_scale is None or a_scale.numel() == 1:
         as_strides = (0, 0)
@@ -190,7 +198,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
-            **triton_ops.pdl_launch(pdl))
+            **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -211,7 +219,16 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **triton_ops.pdl_launch(pdl))
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **_scale2_args(w, scheme, dummy),
+        **triton_ops.pdl_launch(pdl))
+
+
+def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:
+    """The GEMM kernels' second-level weight scale arguments (NVFP4's global scale, [E, N, 1] float32)."""
+    if scheme.weight_scale2 != (w.scale2 is not None):
+        raise ValueError(f"weight key {'has' if scheme.weight_scale2 else 'has no'} second-level scale, but the "
+                         f"projection {'has none' if w.scale2 is None else 'has one'}")
+    return {"b_scale2_ptr": w.scale2 if w.scale2 is not None else dummy, "W_SCALE2": scheme.weight_scale2}
 
 
 def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj,
@@ -236,16 +253,19 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
     triton_ops.act_quant."""
     if scheme.act_quant == "none":
         return x, None
+    if scheme.act_quant in FP8_DYNAMIC_MODES:  # per-token / per-tensor dynamic fp8 (fp8_act)
+        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"),
+                                 pdl=kwargs.get("pdl", False))
     return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
                                 group=scheme.act_group or 128, **kwargs)
 
 
 def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_perm, w13_bias,
                  w13_input_scale, w2: torch.Tensor, w2_scale, w2_zero, w2_perm, w2_bias,
-                 w2_input_scale) -> tuple[_Proj, _Proj]:
+                 w2_input_scale, w13_scale2=None, w2_scale2=None) -> tuple[_Proj, _Proj]:
     n13 = w13.shape[1]
-    return (_Proj(w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale, n13, hidden_size),
-            _Proj(w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w2.shape[1], n13 // 2))
+    return (_Proj(w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale, n13, hidden_size, w13_scale2),
+            _Proj(w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w2.shape[1], n13 // 2, w2_scale2))
 
 
 def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -284,6 +304,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
         a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
+    elif scheme.act_quant in FP8_DYNAMIC_MODES:  # alignment, then fp8_act's quantisation
+        sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, config1["BLOCK_M"], pdl=pdl)
+        a1, a1_scale = _quantize(hidden, scheme, None, row_scale=row_scale, pdl=pdl)
+        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     else:
         sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
@@ -296,7 +320,11 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl)
 
-    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
+    if scheme.act_quant in FP8_DYNAMIC_MODES:  # pairs of another rank's expert left their rows unwritten
+        flat_ids = topk_ids.reshape(-1)
+        a2, a2_scale = _quantize(inter, scheme, None, rows=(flat_ids >= 0) & (flat_ids < num_experts), pdl=pdl)
+    else:
+        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
@@ -345,11 +373,12 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                   w2_perm: torch.Tensor | None, w2_bias: torch.Tensor | None,
                   w2_input_scale: torch.Tensor | None,
                   weight_key: str, activation_key: str, activation: str,
-                  router_weight_on_input: bool) -> torch.Tensor:
+                  router_weight_on_input: bool, w13_scale2: torch.Tensor | None = None,
+                  w2_scale2: torch.Tensor | None = None) -> torch.Tensor:
     """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
     fields, flattened); the keys are QuantKey strings."""
     p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
-                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale)
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2)
     return _fused_experts(hidden, topk_weights, topk_ids, p13, p2, weight_key, activation_key, activation,
                           router_weight_on_input)
 
@@ -367,11 +396,13 @@ def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
                           w2: torch.Tensor, w2_scale: torch.Tensor | None, w2_zero: torch.Tensor | None,
                           w2_perm: torch.Tensor | None, w2_bias: torch.Tensor | None,
                           w2_input_scale: torch.Tensor | None,
-                          weight_key: str, activation_key: str, activation: str) -> torch.Tensor:
+                          weight_key: str, activation_key: str, activation: str,
+                          w13_scale2: torch.Tensor | None = None, w2_scale2: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """The batched-format layer: x [E, T, H] with expert_num_tokens [E] -> [E, T, H] (rows past a
     count are zero; no router weights)."""
     p13, p2 = _projections(x.shape[2], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
-                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale)
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2)
     return _fused_experts_batched(x, expert_num_tokens, p13, p2, weight_key, activation_key, activation)
 
 
@@ -405,6 +436,9 @@ class _TritonBase(Experts):
         self.activation_key = str(weights.activation_key)
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
         self._tensors = _kernel_tensors(weights.w13) + _kernel_tensors(weights.w2)
+        # second-level weight scales (NVFP4), [E, N] float32: passed by keyword, absent for every other key
+        self._scale2 = {f"{name}_scale2": p.scale2.reshape(p.scale2.shape[0], -1).to(torch.float32).contiguous()
+                        for name, p in (("w13", weights.w13), ("w2", weights.w2)) if p.scale2 is not None}
 
 
 class TritonExperts(_TritonBase):
@@ -414,7 +448,7 @@ class TritonExperts(_TritonBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._scale2)
 
 
 class TritonBatchedExperts(_TritonBase):
@@ -425,11 +459,11 @@ class TritonBatchedExperts(_TritonBase):
         rows past the count zero. No router weights (finalize applies them)."""
         return torch.ops.moe_registry.fused_experts_batched(
             x, expert_num_tokens.to(torch.int32), *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation)
+            self.config.activation, **self._scale2)
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """The standard format through the same weights (for callers that hold both formats)."""
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._scale2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Without a GPU, Triton kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The spec cache of a test run lives and dies with it (tests/test_spec_cache.py tests the cache itself).
+os.environ.setdefault("MOE_REGISTRY_CACHE_DIR", tempfile.mkdtemp(prefix="moe-registry-test-cache-"))
 sys.path.insert(0, str(ROOT / "tools"))
 
 

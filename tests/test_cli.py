@@ -301,7 +301,7 @@ def test_validate_counts_files(capsys, tmp_path):
 
 
 def test_markdown_escapes_pipes_and_shows_bindings(capsys):
-    code, out, _ = run_cli(capsys, "explain", AWQ_CONFIG, "--platform", "cpu", "--markdown")
+    code, out, _ = run_cli(capsys, "explain", AWQ_CONFIG, "--platform", "cpu", "--markdown", "--verbose")
     assert code == 0
     assert "| bindings | group=128 |" in out
     # modelopt-mxfp8's reason joins alternatives with ' | ': escaped, so its row keeps three cells

@@ -51,7 +51,7 @@ CASES = {
     "compressed_tensors/qwen3-w8a8-int8": Case("compressed-tensors-w8a8-int8", "int8_token", "int8_whole_bf16", True),
     "compressed_tensors/qwen3-w4a16": Case("compressed-tensors-w4a16", None, None, True),
     "compressed_tensors/qwen3-w4a8": Case("compressed-tensors-w4a8-int-quantized", "int8_token", "int8_whole_bf16",
-                                          False),
+                                          True),
 }
 
 
@@ -296,7 +296,7 @@ def test_nonzero_quark_input_zero_point_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "tensor", "needs"), [
     ("quark/qwen3-w8a8-int8-channel", "weight_scale", "weight, weight_scale, weight_zero_point"),
-    ("compressed_tensors/qwen3-w4a16", "weight_scale", "weight_packed, weight_scale, weight_shape"),
+    ("compressed_tensors/qwen3-w4a16", "weight_scale", "weight_g_idx, weight_packed, weight_scale, weight_shape"),
     ("modelopt/qwen3-mxfp8", "weight_scale", "weight, weight_scale"),
 ])
 def test_missing_scale_is_refused(tmp_path: Path, name: str, tensor: str, needs: str) -> None:

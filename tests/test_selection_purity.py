@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from moe_registry.model import machine
 from moe_registry.model import situation as situation_module
 from moe_registry.model.situation import Flags, situation_for
 from moe_registry.oracle.contract import Reason, SelectedBy
@@ -31,7 +31,7 @@ def _no_probing(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("selection probed the machine")
 
     monkeypatch.setattr(importlib.util, "find_spec", refuse)
-    monkeypatch.setattr(machine.subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "run", refuse)
 
 
 def test_auto_probes_once_and_selection_only_reads_it(registry, monkeypatch):

@@ -11,7 +11,8 @@ import yaml
 
 from moe_registry.cli import main as cli
 from moe_registry.core.errors import SpecError
-from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry, validate_paths
+from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
+from moe_registry.spec.validation import validate_paths
 from moe_registry.spec.yamlio import MAX_SPEC_BYTES, load_yaml_text
 
 CORPUS = Path(__file__).parent / "spec_corpus"

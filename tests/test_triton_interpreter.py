@@ -399,8 +399,8 @@ def test_compiles_without_graph_break():
 
 
 def test_unsupported_keys_are_refused():
-    with pytest.raises(ValueError, match="int8 activations"):
-        scheme_from_keys("uint4b8 scale:float16:group(128):static", INT8_TOKEN)
+    with pytest.raises(ValueError, match="int8 activations"):  # W4A8 takes symmetric codes only
+        scheme_from_keys("uint4 scale:float16:group(128):static zp:group", INT8_TOKEN)
 
 
 AWQ = "uint4 scale:float16:group(128):static zp:group"

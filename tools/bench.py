@@ -126,7 +126,7 @@ def registry_schemes(kernel: str = KERNEL, registry=None) -> dict[str, Scheme]: 
             continue
         bindings = pick_bindings(spec)
         wkey = parse_quant_key(fill_template(spec.weight, bindings))
-        akey = parse_quant_key(fill_template(spec.activation, bindings))
+        akey = parse_quant_key(fill_template(spec.run_activation, bindings))
         if all(c.passed for c in check_keys(kspec, wkey, akey)):
             out[name] = Scheme(name, str(wkey), str(akey), matrix_unit(akey), dict(spec.tolerance), bindings)
     return out

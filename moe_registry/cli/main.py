@@ -27,7 +27,7 @@ from moe_registry.core.errors import MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
 from moe_registry.core.vocab import ALL2ALL_BACKENDS
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for
-from moe_registry.spec.loader import load_registry, validate_paths
+from moe_registry.spec.loader import load_registry
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 KIND_WORDS = {"scheme": "scheme", "schemes": "scheme", "kernel": "kernel", "kernels": "kernel",
@@ -137,6 +137,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     files, empty = files_to_validate(args.paths)
     problems: list[dict[str, Any]] = []
+    from moe_registry.spec.validation import validate_paths
+
     for p in validate_paths(args.paths):
         problems.append({"text": str(p), "path": p.path, "line": p.line, "field": p.field, "message": p.message})
     problems += [{"text": f"validate: no spec files found in {d}", "path": str(d), "line": None, "field": None,
@@ -270,16 +272,27 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "and, with --json, every passed check")
 
 
-def build_parser() -> Parser:
-    from moe_registry import __version__
+class _VersionAction(argparse.Action):
+    """``--version``, reading the installed version only when asked (importlib.metadata is slow to import)."""
 
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from moe_registry import __version__
+
+        print(f"moe-registry {__version__}")
+        parser.exit()
+
+
+def build_parser() -> Parser:
     parser = Parser(prog="moe-registry", description="Declarative quantized-MoE kernel registry: which scheme and "
                     "kernel run a checkpoint here, and why.", formatter_class=argparse.RawDescriptionHelpFormatter,
                     epilog=_examples(f"moe-registry explain {EXAMPLE_CONFIG} --platform cuda:9.0",
                                      f"moe-registry run {EXAMPLE_MODEL} --layer 1",
                                      "moe-registry <command> --help"))
-    parser.add_argument("--version", action="version", version=f"moe-registry {__version__}",
-                        help="print the version and exit")
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     parser.subparsers_by_name = {}
 

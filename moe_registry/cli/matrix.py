@@ -6,7 +6,7 @@ from moe_registry.core.keys import parse_quant_key
 from moe_registry.oracle.predicates import kernel_checks
 from moe_registry.oracle.runtime import RuntimeConfig, parse_platform
 from moe_registry.spec.loader import Registry, binding_samples, fill_template
-from moe_registry.spec.models import SchemeSpec
+from moe_registry.spec.view import SchemeSpec
 
 MATRIX_PLATFORMS = ("cpu", "cuda:8.0", "cuda:9.0", "cuda:10.0", "rocm:9.4")
 
@@ -39,7 +39,7 @@ def support_matrix(registry: Registry, platforms: tuple[str, ...] = MATRIX_PLATF
         scheme = loaded.spec
         bindings = binding_samples(scheme)[0]
         weight = parse_quant_key(fill_template(scheme.weight, bindings))
-        activation = parse_quant_key(fill_template(scheme.activation, bindings))
+        activation = parse_quant_key(fill_template(scheme.run_activation, bindings))
         cells = {}
         for plat in platforms:
             runtime = RuntimeConfig(parse_platform(plat), "bfloat16")
@@ -47,7 +47,8 @@ def support_matrix(registry: Registry, platforms: tuple[str, ...] = MATRIX_PLATF
                 c.passed for c in kernel_checks(registry.kernel(k), runtime, weight, activation, bindings,
                                                 {}, scheme.checkpoint.format, registry.converters))]
         rows.append({"scheme": name, "weight": key_with_choices(scheme.weight, scheme),
-                     "activation": key_with_choices(scheme.activation, scheme), "cells": cells})
+                     "activation": key_with_choices(scheme.activation, scheme)
+                     + (f" (runs as {scheme.emulation.activation})" if scheme.emulation else ""), "cells": cells})
     return rows
 
 

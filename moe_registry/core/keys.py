@@ -11,6 +11,8 @@ One-line string form (round-trips through :func:`parse_quant_key` and ``str``)::
     int8 scale:float32:token:dynamic
     fp8e4m3 scale:e8m0:block(1x32):static
     fp8e4m3 scale:float32:block(128x128):static
+    e2m1 scale:e8m0:group(32):static
+    e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static
 
 ``block(1xN)`` is written back as ``group(N)``, and a dynamic ``channel`` scale as ``token``
 (they are the same shapes); parse(str(key)) == key always holds.
@@ -70,6 +72,7 @@ SCALAR_TYPES: dict[str, ScalarType] = {
         ScalarType("uint8", 8, False, False),
         ScalarType("uint8b128", 8, False, False, bias=128),
         ScalarType("fp8e4m3", 8, True, True),
+        ScalarType("e2m1", 4, True, True),  # FP4 (OCP MX / NVFP4): 1 sign, 2 exponent, 1 mantissa bit, max 6
         ScalarType("e8m0", 8, True, False),
         ScalarType("float16", 16, True, True),
         ScalarType("bfloat16", 16, True, True),

@@ -41,10 +41,11 @@ class ProjectionPart:
     perm_tensor: str | None = None
     bias: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
+    scale2: torch.Tensor | None = None  # second-level (global) weight scale, float32 [out, 1] (NVFP4)
 
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "e8m0": torch.uint8}
+                 "e8m0": torch.uint8, "fp8e4m3": torch.float8_e4m3fn}
 
 
 def layout_scale_dtype(key: QuantKey) -> torch.dtype:
@@ -159,6 +160,7 @@ def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: N
         perm_tensor=gate.perm_tensor or up.perm_tensor,
         bias=_cat(gate.bias, up.bias),
         input_scale=torch.stack(scales).max() if scales else None,
+        scale2=_cat(gate.scale2, up.scale2),
     )
 
 
@@ -182,4 +184,5 @@ def _stack(parts: list[ProjectionPart]) -> ProjectionWeights:
         perm=perm,
         bias=stacked("bias"),
         input_scale=input_scale,
+        scale2=stacked("scale2"),
     )

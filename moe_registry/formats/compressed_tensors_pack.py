@@ -1,9 +1,14 @@
-"""compressed-tensors int4 checkpoints (W4A16 / W4A8) -> ``nk``, in the two formats it saves them.
+"""compressed-tensors integer checkpoints (W4A16 / W8A16 / W4A8) -> ``nk``, in the two formats it saves them.
 
-'pack-quantized': weight_packed int32 [out, in/8], eight 4-bit values along the input per word, low
-nibble first, each a signed int4 stored offset by +8 (so the codes are uint4b8); weight_scale
-[out, in/g] (bf16/fp16); weight_shape [2] (the unpacked shape; redundant, ignored); optional
-weight_zero_point, which must be all zero: only symmetric checkpoints are supported.
+'pack-quantized' (compressed-tensors' PackedQuantizationCompressor): weight_packed int32
+[out, in·bits/32], 32/bits values along the input per word, low bits first, each a signed value
+stored offset by 2^(bits-1) (so symmetric codes are uint4b8 / uint8b128); weight_scale
+[out, groups] (bf16/fp16; one column per channel); weight_shape [2] (the unpacked shape; redundant,
+ignored). Asymmetric schemes (key uint4 / uint8 with zp:group) read weight_zero_point: signed zero
+points packed the same way but along the OUTPUT, int32 [out·bits/32, groups]; offset like the
+weights, each field is the layout's zero code. Symmetric schemes refuse a non-zero
+weight_zero_point. Optional weight_g_idx int32 [in] (actorder 'group', written by
+compressed-tensors before 0.19): columns are stored sorted by group, as GPTQ act-order is.
 
 'int-quantized' with 4-bit weights (what llm-compressor 0.14 writes for its W4A8 preset): weight
 int8 [out, in] holding the signed int4 values -8..7 unpacked, weight_scale as above.
@@ -24,30 +29,58 @@ from moe_registry.formats.assemble import (
     ProjectionPart,
     assemble,
     expect_weight_type,
+    group_size,
     layout_scale_dtype,
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
+from moe_registry.formats.gptq import act_order_perm
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_compressed_tensors_pack", "convert_compressed_tensors_int4"]
 
 
+def _zero_points(tensors: Mapping[str, torch.Tensor], name: Namer, bits: int, n: int,
+                 groups: int) -> torch.Tensor:
+    """weight_zero_point packed along the output -> uint8 zero codes [N, groups]."""
+    zp = require(tensors, "weight_zero_point", name("weight_zero_point"))
+    per_word = 32 // bits
+    want = (-(-n // per_word), groups)
+    if zp.dtype != torch.int32 or tuple(zp.shape) != want:
+        raise CheckpointError(
+            f"{name('weight_zero_point')}: {str(zp.dtype).removeprefix('torch.')} {list(zp.shape)}; expected "
+            f"int32 {list(want)} ({bits}-bit zero points packed {per_word} per word along the {n} outputs)")
+    return unpack_int32(zp, bits, dim=0)[:n].to(torch.uint8).contiguous()
+
+
 def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    key = ctx.weight_key
+    bits = key.dtype.bits
     packed = require(tensors, "weight_packed", name("weight_packed"))
     scales = require(tensors, "weight_scale", name("weight_scale"))
     check_scales(scales, name("weight_scale"))
-    zp = tensors.get("weight_zero_point")
-    if zp is not None and bool((zp != 0).any()):
+    codes = unpack_int32(packed, bits, dim=1)  # [N, K] codes offset by 2^(bits-1)
+    n, k = int(codes.shape[0]), int(codes.shape[1])
+    zero = None
+    if key.zero_point == "group":
+        zero = _zero_points(tensors, name, bits, n, int(scales.shape[-1]))
+    elif (zp := tensors.get("weight_zero_point")) is not None and bool((zp != 0).any()):
         raise CheckpointError(
             f"{name('weight_zero_point')}: asymmetric zero points: {describe_bad(zp, zp != 0, 'non-zero')}; "
-            "expected all 0 (only symmetric pack-quantized checkpoints are supported)"
+            "expected all 0 (this scheme is symmetric: symmetric: false checkpoints bind a zp:group key)"
         )
-    codes = unpack_int32(packed, 4, dim=1)  # [N, K] uint4b8 codes
+    perm = None
+    if "weight_g_idx" in tensors:
+        perm = act_order_perm(tensors["weight_g_idx"], k, group_size(key, k), name("weight_g_idx"))
+    if perm is not None:
+        codes = codes[:, perm]
     return ProjectionPart(
-        weight=pack_nibbles(codes),
-        scale=cast_scales(scales, layout_scale_dtype(ctx.weight_key), name("weight_scale")).contiguous(),
+        weight=pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous(),
+        scale=cast_scales(scales, layout_scale_dtype(key), name("weight_scale")).contiguous(),
+        zero=zero,
+        perm=perm,
+        perm_tensor=None if perm is None else "weight_g_idx",
     )
 
 
@@ -76,6 +109,7 @@ def convert_compressed_tensors_int4(experts: Sequence[ExpertTensors], ctx: Conve
 
 
 def convert_compressed_tensors_pack(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
-    """Symmetric int4 pack-quantized (uint4b8 codes, per-group scales) to ``nk``."""
-    expect_weight_type(ctx, "compressed-tensors-pack", "uint4b8")
+    """pack-quantized 4/8-bit, symmetric (uint4b8 / uint8b128) or with zero points (uint4 / uint8
+    zp:group), per group or channel, with or without weight_g_idx, to ``nk``."""
+    expect_weight_type(ctx, "compressed-tensors-pack", "uint4b8", "uint8b128", "uint4", "uint8")
     return assemble(experts, ctx, _projection)

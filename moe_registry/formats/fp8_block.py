@@ -1,9 +1,18 @@
-"""FP8 block-scaled checkpoints (DeepSeek-V3) -> ``nk``.
+"""FP8 block-scaled checkpoints (DeepSeek-V3) and FP8 per-tensor / per-channel checkpoints (AutoFP8,
+ModelOpt FP8, compressed-tensors FP8 / FP8_DYNAMIC) -> ``nk``.
 
 Per projection: weight float8_e4m3fn [out, in]; weight_scale_inv float32 [ceil(out/128),
 ceil(in/128)], the multiplier of each 128x128 block (despite the name, value = fp8 · scale_inv).
 Fusing gate and up along N concatenates their block rows, which is only exact when the
 intermediate size is a multiple of the block's rows; otherwise one block would straddle both.
+
+Per-tensor / per-channel (:func:`convert_fp8_scaled`): weight float8_e4m3fn [out, in]; weight_scale
+[] / [1] (per tensor) or [out] / [out, 1] (per channel), float32 or bfloat16 (compressed-tensors),
+the multiplier of the codes; optional input_scale [] / [1], the static activation scale. Weight
+scales are widened to float32 (exact) and stored expanded as [N, 1], so a per-tensor gate and up
+keep their own scales after fusion (vLLM requantises w13 to one scale instead). Static input scales
+are read only when the bound activation key is static and collapse over gate/up and experts by max
+(the one scale the fused kernel applies, as vLLM does).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
-__all__ = ["convert_fp8_block"]
+__all__ = ["convert_fp8_block", "convert_fp8_block_ct", "convert_fp8_scaled"]
 
 
 def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
@@ -35,6 +44,13 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
         weight=weight,
         scale=cast_scales(scale, layout_scale_dtype(ctx.weight_key), name("weight_scale_inv")),
     )
+
+
+def _projection_ct(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    """compressed-tensors FP8_BLOCK names the block multipliers weight_scale (DeepSeek: weight_scale_inv)."""
+    return _projection({"weight": require(tensors, "weight", name("weight")),
+                        "weight_scale_inv": require(tensors, "weight_scale", name("weight_scale"))},
+                       lambda t: name("weight_scale") if t == "weight_scale_inv" else name(t), ctx)
 
 
 def _check_fusable(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> None:
@@ -57,3 +73,44 @@ def convert_fp8_block(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> 
     expect_weight_type(ctx, "fp8-block", "fp8e4m3")
     _check_fusable(experts, ctx)
     return assemble(experts, ctx, _projection)
+
+
+def convert_fp8_block_ct(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
+    """compressed-tensors FP8_BLOCK: as :func:`convert_fp8_block`, the scales named weight_scale."""
+    expect_weight_type(ctx, "compressed-tensors-fp8-block", "fp8e4m3")
+    _check_fusable(experts, ctx)
+    return assemble(experts, ctx, _projection_ct)
+
+
+def _scaled_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    weight = require(tensors, "weight", name("weight"))
+    if weight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{name('weight')}: dtype {str(weight.dtype).removeprefix('torch.')}; "
+                              "expected float8_e4m3fn")
+    ws = require(tensors, "weight_scale", name("weight_scale"))
+    check_scales(ws, name("weight_scale"))
+    n = int(weight.shape[0])
+    if ws.numel() == 1:
+        scale = ws.to(torch.float32).reshape(1, 1).expand(n, 1).clone()
+    elif ws.numel() == n and ws.dim() in (1, 2):
+        scale = ws.to(torch.float32).reshape(n, 1)
+    else:
+        raise CheckpointError(
+            f"{name('weight_scale')}: shape {list(ws.shape)} is neither per-tensor ([] or [1]) nor "
+            f"per-channel ([{n}] or [{n}, 1]) for {name('weight')} of shape {list(weight.shape)}")
+    act = ctx.activation_key.scale
+    input_scale = None
+    if act is not None and not act.dynamic:
+        s = require(tensors, "input_scale", name("input_scale"))
+        check_scales(s, name("input_scale"))
+        if s.numel() != 1:
+            raise CheckpointError(f"{name('input_scale')}: shape {list(s.shape)}; expected one per-tensor scale "
+                                  "([] or [1]) for the static activation key")
+        input_scale = s.to(torch.float32).reshape(())
+    return ProjectionPart(weight=weight, scale=scale, input_scale=input_scale)
+
+
+def convert_fp8_scaled(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
+    """fp8e4m3 weights with per-tensor or per-channel scales (static or dynamic fp8 activations) to ``nk``."""
+    expect_weight_type(ctx, "fp8-scaled", "fp8e4m3")
+    return assemble(experts, ctx, _scaled_projection)

@@ -12,6 +12,8 @@ Per weight scalar type (``ExpertWeights.weight_key.dtype``):
   the low nibble for even k, the high nibble for odd k. Stored values are raw codes.
 - int8: int8 [E, N, K]. uint8b128: uint8 [E, N, K] raw codes (value = code − 128).
 - fp8e4m3: torch.float8_e4m3fn [E, N, K].
+- e2m1 (FP4): uint8 [E, N, K/2] as the 4-bit integer types (low nibble: even k); each nibble is an
+  e2m1 code (value table in ``moe_registry_kernels.fp4``).
 
 ``scale``: [E, N/rows, K/cols] rounded up, in the key's scale dtype (e8m0 as raw uint8 exponents,
 value 2^(e−127)); per-channel and per-tensor weight scales are both stored expanded as [E, N, 1]
@@ -19,6 +21,9 @@ float32, which is exact and lets a per-tensor gate and up keep their own scales 
 ``zero``: uint8 [E, N, K/group] raw zero-point codes (value = (code − zero) · scale).
 ``perm``: act-order; int32 [E, K]; stored column j holds original input column perm[j], so groups
 are contiguous in stored order (group of stored column j is j // group) and out = x[:, perm] @ Wᵀ.
+fp8e4m3 group scales (NVFP4) are stored as torch.float8_e4m3fn.
+``scale2``: a second-level (global) weight scale, float32 [E, N, 1] (per expert, expanded over rows as
+per-tensor scales are, so gate and up keep their own); value = code value · scale · scale2.
 ``bias``: [E, N] float32. ``input_scale``: static activation scale, float32 [1] (the largest
 over experts, as the checkpoint's per-expert scales are collapsed to one).
 """
@@ -42,6 +47,7 @@ class ProjectionWeights:
     perm: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
+    scale2: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ProjectionWeights:
         """A copy on ``device`` (new tensors; this one is left as it is)."""

@@ -28,7 +28,7 @@ from moe_registry.oracle.contract import Report
 from moe_registry.oracle.runtime import Platform
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import Registry, load_registry
-from moe_registry.spec.models import KernelSpec
+from moe_registry.spec.view import KernelSpec
 
 log = logging.getLogger("moe_registry")
 _LOGGED: set[tuple[str, str, str, str]] = set()

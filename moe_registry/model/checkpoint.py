@@ -24,14 +24,14 @@ from moe_registry.core.vocab import ROLES
 from moe_registry.formats.checks import check_all_equal
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.expr import ExprError, parse_expr
-from moe_registry.spec.models import ModelFamilySpec, SchemeSpec, TensorSpec
+from moe_registry.spec.view import ModelFamilySpec, SchemeSpec, TensorSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 _ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16": "float16",
               "BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu",
               "I16": "int16", "F64": "float64", "BOOL": "bool"}
 # A projection may carry a bias (gpt-oss style); it is optional for every scheme.
-BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True)
+BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True, all_equal=None)
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ class FusedNames:
     gate: str | None = None
     up: str | None = None
     down_layout: tuple[str, ...] | None = None
+    tensor_names: str | None = None  # the scheme's checkpoint.fused_names ('_{tensor}'), once read with it
 
     def of(self, what: str) -> str | None:
         """'gate_up', 'gate', 'up', 'down', 'gate_up_bias' or 'down_bias' -> full name (None: not named)."""
@@ -135,6 +136,8 @@ class LayerNames:
             return f"{self.projection(expert, role)}.{tensor}"
         fused = self.fused.holder(role)
         name = self.fused.of(f"{fused}_bias" if tensor == "bias" else fused)
+        if tensor != "bias" and self.fused.tensor_names is not None:
+            name = f"{name}{self.fused.tensor_names.format(tensor=tensor)}"
         return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
 
@@ -213,6 +216,10 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
     """Check then load every expert tensor of ``layer`` (and its router)."""
     names = layer_names(family, layer, index)
+    if names.fused is not None and scheme.checkpoint.fused_names is not None:
+        names = replace(names, fused=replace(names.fused, tensor_names=scheme.checkpoint.fused_names))
+        experts, has_bias = _read_fused_stacked(index, names, layer, scheme, shape, bindings)
+        return _with_router(index, names, shape, experts, has_bias)
     if names.fused is not None:
         experts, has_bias = _read_fused(index, names, layer, scheme, shape)
         return _with_router(index, names, shape, experts, has_bias)
@@ -385,6 +392,59 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
     experts = tuple({"gate": role(gate, gate_b, x), "up": role(up, up_b, x), "down": role(down, down_b, x)}
                     for x in range(e))
     return experts, "gate_up_bias" in loaded
+
+
+def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec, shape: MoEShape,
+                        bindings: Mapping[str, Any]
+                        ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
+    """Per-expert tensors of a fused family whose scheme stores every declared tensor stacked over
+    experts (``checkpoint.fused_names``): ``<fused name><template>`` is [E, *shape] with out first, so
+    gate and up are split along dim 1 in the family's gate_up_order; biases as :func:`_read_fused`."""
+    assert names.fused is not None and names.fused.tensor_names is not None
+    fused = names.fused
+    if fused.gate_up is None:
+        raise CheckpointError(f"{fused.down}: scheme {scheme.scheme} reads stacked tensors (checkpoint.fused_names) "
+                              "of a family with one gate_up tensor; this family names gate and up apart")
+    e, i = shape.num_experts, shape.intermediate
+    values_b = {f"${k}": v for k, v in bindings.items() if isinstance(v, int) and not isinstance(v, bool)}
+    dims = {"gate_up": {"in": shape.hidden, "out": 2 * i}, "down": {"in": i, "out": shape.hidden}}
+    loaded: dict[tuple[str, str], torch.Tensor] = {}
+    for what in ("gate_up", "down"):
+        for tname, tspec in scheme.checkpoint.tensors.items():
+            full = f"{fused.of(what)}{fused.tensor_names.format(tensor=tname)}"
+            if full not in index.tensors:
+                if tspec.optional:
+                    continue
+                raise CheckpointError(f"{full}: missing (scheme {scheme.scheme} stores "
+                                      f"{', '.join(sorted(scheme.checkpoint.tensors))} stacked over experts)")
+            stacked = TensorSpec(dtype=tspec.dtype, shape=[e, *tspec.shape], optional=False, all_equal=None)
+            _check_tensor(full, index.tensors[full], stacked, {**dims[what], **values_b})
+            loaded[(what, tname)] = _load_checked(index, full, tspec, scheme.scheme)
+    biases = {}
+    for what in ("gate_up", "down"):
+        bias_name = fused.of(f"{what}_bias")
+        if bias_name and bias_name in index.tensors:
+            binfo = index.tensors[bias_name]
+            _check_tensor(bias_name, binfo, TensorSpec(dtype=BIAS_SPEC.dtype, shape=[e, "out"], optional=False,
+                                                       all_equal=None), dims[what])
+            biases[what] = index.load(bias_name)
+    if len(biases) == 1:
+        have, lack = ("gate_up", "down") if "gate_up" in biases else ("down", "gate_up")
+        raise CheckpointError(f"{fused.of(lack + '_bias') or 'naming.fused.' + lack + '_bias'}: missing while "
+                              f"{fused.of(have + '_bias')} exists; expected a bias on both fused projections "
+                              "or on neither")
+    per_role: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    for (what, tname), t in loaded.items():
+        if what == "gate_up":
+            per_role["gate"][tname], per_role["up"][tname] = _split_gate_up(t, i, fused.gate_up_order)
+        else:
+            per_role["down"][tname] = t
+    if biases:
+        per_role["gate"]["bias"], per_role["up"]["bias"] = _split_gate_up(biases["gate_up"], i, fused.gate_up_order)
+        per_role["down"]["bias"] = biases["down"]
+    experts = tuple({role: {t: v[x] for t, v in tensors.items()} for role, tensors in per_role.items()}
+                    for x in range(e))
+    return experts, bool(biases)
 
 
 def _to_nk(t: torch.Tensor, layout: tuple[str, ...], e: int) -> torch.Tensor:

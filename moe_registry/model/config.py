@@ -18,7 +18,7 @@ from moe_registry.core.vocab import ACTIVATION_FNS
 from moe_registry.oracle.detect import _MISSING, check_field, get_path
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.loader import Registry
-from moe_registry.spec.models import FieldRef, ModelFamilySpec
+from moe_registry.spec.view import FieldRef, ModelFamilySpec
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",

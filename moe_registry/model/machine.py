@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
-import subprocess
 from collections.abc import Iterable
 
 from moe_registry.oracle.runtime import Environment, Platform
 
 
 def _query(cmd: list[str]) -> str:
+    import subprocess  # only when asked: subprocess costs a cached explain's start time
+
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
     except (OSError, subprocess.SubprocessError):

@@ -15,7 +15,6 @@ from moe_registry.core.names import unknown_text
 from moe_registry.core.vocab import ALL2ALL_BACKENDS
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.model.machine import probe_environment, probe_platform
-from moe_registry.model.runtime_file import parse_runtime_file
 from moe_registry.oracle.contract import Situation
 from moe_registry.oracle.runtime import (
     Environment,
@@ -28,7 +27,6 @@ from moe_registry.oracle.runtime import (
 )
 from moe_registry.oracle.select import expert_modules
 from moe_registry.spec.loader import Registry
-from moe_registry.spec.yamlio import load_yaml_file
 
 
 @dataclass(frozen=True)
@@ -149,6 +147,9 @@ def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
 
 def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situation:
     path = config_path(target)
+    from moe_registry.model.runtime_file import parse_runtime_file  # pydantic: only with a runtime file
+    from moe_registry.spec.yamlio import load_yaml_file
+
     data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
     rf = parse_runtime_file(json.loads(json.dumps(data)), str(path))
     platform, environment = target_platform(flags.platform or rf.platform, registry)

@@ -100,6 +100,19 @@ class SchemeVerdict:
     weight_key: QuantKey | None = None
     activation_key: QuantKey | None = None
     features: Mapping[str, bool] = field(default_factory=dict)
+    # a scheme with emulation: activation_key is the key the kernels run, this the checkpoint's, and why
+    checkpoint_activation_key: QuantKey | None = None
+    emulation_reason: str | None = None
+
+    @property
+    def emulation_note(self) -> str | None:
+        """One line saying which activations run instead of the checkpoint's, and why (None: no emulation)."""
+        if self.checkpoint_activation_key is None or self.activation_key is None:
+            return None
+        run = ("in the 16-bit activation dtype (weight-only emulation)" if not self.activation_key.quantized
+               else f"as {self.activation_key} (emulation)")
+        return (f"the checkpoint's activations are {self.checkpoint_activation_key}; they run {run}: "
+                f"{self.emulation_reason}")
 
     @property
     def failures(self) -> tuple[Check, ...]:

@@ -15,7 +15,7 @@ from moe_registry.core.guards import bounded_match, bounded_search, same_value
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.oracle.contract import Check, Reason, SchemeVerdict, failed, passed
 from moe_registry.spec.loader import fill_template
-from moe_registry.spec.models import BindRule, FieldRule, SchemeSpec, ScopeRule
+from moe_registry.spec.view import BindRule, FieldRule, SchemeSpec, ScopeRule
 
 _MISSING = object()
 
@@ -264,8 +264,9 @@ def detect_scheme(scheme: SchemeSpec, config: Mapping[str, Any] | None,
     if not all(c.passed for c in checks):
         return SchemeVerdict(scheme.scheme, False, tuple(checks), scope_note=first.note)
     weight = parse_quant_key(fill_template(scheme.weight, bindings))
-    activation = parse_quant_key(fill_template(scheme.activation, bindings))
+    activation = parse_quant_key(fill_template(scheme.run_activation, bindings))
     features = {name: (v if isinstance(v, bool) else fill_template(v, bindings) == "true")
                 for name, v in scheme.features.items()}
+    emulated = None if scheme.emulation is None else parse_quant_key(fill_template(scheme.activation, bindings))
     return SchemeVerdict(scheme.scheme, True, tuple(checks), False, first.note, bindings, weight,
-                         activation, features)
+                         activation, features, emulated, scheme.emulation.reason if scheme.emulation else None)

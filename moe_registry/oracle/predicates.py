@@ -13,9 +13,9 @@ from typing import Any
 from moe_registry.core.keys import QuantKey, canonical_pattern
 from moe_registry.core.vocab import ALL2ALL_DELIVERS
 from moe_registry.oracle.contract import Check, Reason, failed, passed
-from moe_registry.oracle.runtime import RuntimeConfig
+from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.spec.expr import ExprError, parse_expr
-from moe_registry.spec.models import KernelSpec
+from moe_registry.spec.view import KernelSpec, PlatformSpec
 
 _OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
         "<": lambda a, b: a < b, "==": lambda a, b: a == b}
@@ -61,7 +61,20 @@ def _key_matches(key: QuantKey, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(text, canonical_pattern(p)) for p in patterns)
 
 
-def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> list[Check]:
+def _admits(platforms: list[PlatformSpec], plat: Platform) -> bool:
+    """Whether one of ``platforms`` takes ``plat`` (device, and capability where bounded)."""
+    for p in platforms:
+        bounds = p.capability_bounds()
+        if p.device == plat.device and (not bounds or plat.capability is not None
+                                        and all(_OPS[op](plat.capability, ver) for op, ver in bounds)):
+            return True
+    return False
+
+
+def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey,
+               platform: Platform | None = None) -> list[Check]:
+    """The key pair against the kernel's patterns; with ``platform``, also the platforms a matching
+    pattern narrows the kernel to (e.g. fp8 dots on cuda >=8.9)."""
     weight_ok = [p for p in kernel.key_patterns() if _key_matches(weight, p.weights())]
     if not weight_ok:
         wanted = "; ".join(w for p in kernel.key_patterns() for w in p.weights())
@@ -74,6 +87,13 @@ def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey) -> li
                 failed(Reason.ACTIVATION_KEY, "activation",
                        f"activation key {activation} with that weight; kernel takes {wanted}",
                        seen=str(activation), wanted=wanted)]
+    if platform is not None and not any(not p.platforms or _admits(p.platforms, platform) for p in pair_ok):
+        wanted = "; ".join(f"{q.device}{' ' + q.capability if q.capability else ''}"
+                           for p in pair_ok for q in p.platforms)
+        cap = f" capability {platform.capability[0]}.{platform.capability[1]}" if platform.capability else ""
+        return [passed("keys", f"weight {weight}, activation {activation}"),
+                failed(Reason.CAPABILITY, "keys.platforms", f"{platform.device}{cap}; these keys run on {wanted}",
+                       seen=f"{platform.device}{cap}", wanted=wanted)]
     return [passed("keys", f"weight {weight}, activation {activation}")]
 
 
@@ -168,8 +188,10 @@ def kernel_checks(kernel: KernelSpec, runtime: RuntimeConfig, weight: QuantKey, 
                   checkpoint_format: str, converters: frozenset[tuple[str, str]]) -> tuple[Check, ...]:
     """Every declared constraint of ``kernel`` against the situation (``converters``: the registry's
     declared (format, layout) pairs)."""
-    return tuple(check_platform(kernel, runtime) + check_packages(kernel, runtime)
-                 + check_keys(kernel, weight, activation) + check_runtime(kernel, runtime)
+    platform = check_platform(kernel, runtime)
+    on_platform = runtime.platform if all(c.passed for c in platform) else None  # else that one reason says it
+    return tuple(platform + check_packages(kernel, runtime)
+                 + check_keys(kernel, weight, activation, on_platform) + check_runtime(kernel, runtime)
                  + check_shape(kernel, runtime, bindings)
                  + check_features(kernel, runtime, scheme_features, weight)
                  + check_converter(kernel, checkpoint_format, converters))

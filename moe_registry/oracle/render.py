@@ -64,6 +64,8 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
     if report.scheme is not None:
         v = report.scheme
         rows += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
+        if v.emulation_note:
+            rows.append(("emulation", v.emulation_note))
         if v.bindings:
             rows.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
         if v.scope_note:
@@ -105,6 +107,9 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
         "scheme": None if report.scheme is None else {
             "name": report.scheme.scheme, "weight_key": str(report.scheme.weight_key),
             "activation_key": str(report.scheme.activation_key),
+            "checkpoint_activation_key": (None if report.scheme.checkpoint_activation_key is None
+                                          else str(report.scheme.checkpoint_activation_key)),
+            "emulation": report.scheme.emulation_note,
             "bindings": dict(report.scheme.bindings), "features": dict(report.scheme.features),
             "scope": report.scheme.scope_note},
         "excluded": report.excluded_note,

@@ -12,7 +12,7 @@ from moe_registry.oracle.contract import KernelVerdict, Reason, Report, SchemeVe
 from moe_registry.oracle.detect import detect_scheme
 from moe_registry.oracle.predicates import kernel_checks
 from moe_registry.spec.loader import Registry
-from moe_registry.spec.models import ModelFamilySpec
+from moe_registry.spec.view import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
 

@@ -35,6 +35,11 @@ class Strict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    @property
+    def fields_set(self) -> frozenset[str]:
+        """The fields the spec file wrote (as the runtime view records them)."""
+        return frozenset(self.model_fields_set)
+
 
 # ---------------------------------------------------------------- scheme specs
 
@@ -69,7 +74,7 @@ class FieldRule(Strict):
     @property
     def has_equals(self) -> bool:
         """``equals`` was written, ``equals: null`` included (compressed-tensors' ``input_activations: null``)."""
-        return "equals" in self.model_fields_set
+        return "equals" in self.fields_set
 
     @model_validator(mode="after")
     def _one_test(self) -> FieldRule:
@@ -201,6 +206,32 @@ class CheckpointSpec(Strict):
     format: str = Field(description="a format spec's name: its converters read these tensors into kernel layouts")
     tensors: dict[str, TensorSpec] = Field(description=(
         "tensor name suffix under each expert projection → its dtype and shape (in/out are the projection's sizes)"))
+    fused_names: str | None = Field(default=None, description=(
+        "how a fused family's checkpoint (naming.fused) stores these tensors: each stacked over experts as "
+        "[E, *shape] (out first, gate and up in the family's gate_up_order) under the fused tensor's name with "
+        "this template appended, {tensor} the declared name, e.g. '_{tensor}' (gpt-oss MXFP4: "
+        "gate_up_proj_blocks); absent: only a single 'weight' tensor, read in the family's layout"))
+
+    @field_validator("fused_names")
+    @classmethod
+    def _fused_names(cls, template: str | None) -> str | None:
+        if template is not None and (template.count("{tensor}") != 1 or re.fullmatch(r"[\w.{}]+", template) is None
+                                     or template.replace("{tensor}", "").count("{") + template.count("}") != 1):
+            raise ValueError(f"fused_names {template!r}: wanted one {{tensor}} among letters, digits, _ and ., "
+                             "e.g. '_{tensor}'")
+        return template
+
+
+class EmulationSpec(Strict):
+    """Activations the kernels run instead of the checkpoint's (weight-only emulation of a W4A4-style
+    scheme on hardware without its dot), said out loud: explain prints both keys and the reason."""
+
+    activation: str = Field(description=(
+        "the activation QuantKey every kernel of the scheme runs instead of the scheme's activation key, "
+        "e.g. unquantized: 16-bit activations, weights dequantised in the kernel"))
+    reason: str = Field(min_length=1, description=(
+        "why the checkpoint's activation key is not run, in one line (explain prints it), e.g. no FP4 "
+        "tensor-core dot before Blackwell"))
 
 
 class SchemeSpec(Strict):
@@ -223,6 +254,9 @@ class SchemeSpec(Strict):
     features: dict[Feature, bool | str] = Field(default_factory=dict, description=(
         "optional layer parts the kernel must handle → true/false or a $binding that evaluates to one "
         "(e.g. act_order: $act_order); absent: not needed"))
+    emulation: EmulationSpec | None = Field(default=None, description=(
+        "the kernels run other activations than the checkpoint declares (activation), and why: the run key is "
+        "matched against kernels, converted to and tested; explain reports both; absent: activation is run"))
     checkpoint: CheckpointSpec = Field(description="the checkpoint format and the tensors each expert projection holds")
     kernels: list[str] = Field(min_length=1, description="kernel specs' names that may run it, in order of preference")
     tolerance: dict[Dtype, float] = Field(default_factory=lambda: {"float16": 1e-2, "bfloat16": 2e-2,
@@ -230,6 +264,11 @@ class SchemeSpec(Strict):
         "compute dtype → the largest relative error against the reference that conformance and run accept, "
         "in (0, 1]; "
         "default float16 1e-2, bfloat16 2e-2, float32 1e-2"))
+
+    @property
+    def run_activation(self) -> str:
+        """The activation key template the kernels run: emulation.activation when the scheme emulates."""
+        return self.emulation.activation if self.emulation is not None else self.activation
 
     @field_validator("tolerance")
     @classmethod
@@ -280,11 +319,15 @@ class KeyPattern(Strict):
         "activation key pattern(s) accepted with those weights, e.g. unquantized"))
     keyset: str | None = Field(default=None, pattern=NAME_RE, description=(
         "instead of weight and activation: a keyset spec's name; its patterns are put here at load"))
+    platforms: list[PlatformSpec] = Field(default_factory=list, description=(
+        "the platforms these key pairs run on, narrowing the kernel's own (e.g. fp8 tensor-core dots: "
+        "[{device: cuda, capability: \">=8.9\"}]); empty: wherever the kernel runs"))
 
     @model_validator(mode="after")
     def _one_form(self) -> KeyPattern:
-        if self.keyset is not None and (self.weight is not None or self.activation is not None):
-            raise ValueError("give either keyset or weight and activation, not both")
+        if self.keyset is not None and (self.weight is not None or self.activation is not None
+                                        or self.platforms):
+            raise ValueError("give either keyset or weight and activation (and platforms), not both")
         if self.keyset is None and (self.weight is None or self.activation is None):
             raise ValueError("needs weight and activation (or a keyset)")
         return self

@@ -105,7 +105,7 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
             kdtypes = [d for d in kernel.dtypes if dtypes is None or d in set(dtypes)]
             for n_sample, sample in enumerate(binding_samples(scheme)):
                 weight = parse_quant_key(fill_template(scheme.weight, sample))
-                activation = parse_quant_key(fill_template(scheme.activation, sample))
+                activation = parse_quant_key(fill_template(scheme.run_activation, sample))
                 if not all(c.passed for c in check_keys(kernel, weight, activation)):
                     continue
                 features = {n: (v if isinstance(v, bool) else fill_template(v, sample) == "true")
@@ -156,10 +156,10 @@ def undeclarable_options(registry: Registry) -> list[str]:
                     out.append(f"{loaded.path}:{loaded.line}: {option}: {value!r} is declared by kernel {name} "
                                "but the conformance suite cannot generate a case for it")
         produced = [(parse_quant_key(fill_template(s.spec.weight, b)),
-                     parse_quant_key(fill_template(s.spec.activation, b)))
+                     parse_quant_key(fill_template(s.spec.run_activation, b)))
                     for s in registry.schemes.values() if name in s.spec.kernels for b in binding_samples(s.spec)]
         for i, pattern in enumerate(spec.key_patterns()):
-            single = spec.model_copy(update={"keys": [pattern]})
+            single = spec.replace(keys=[pattern])
             if not any(all(c.passed for c in check_keys(single, w, a)) for w, a in produced):
                 out.append(f"{loaded.path}:{loaded.line}: keys[{i}]: no scheme that lists {name} binds a key pair "
                            f"matching {pattern.weight!r} / {pattern.activation!r}, so no conformance case tests it")

@@ -1,0 +1,442 @@
+"""FP4 checkpoints read as their producers mean them (tests/fixtures/fp4, made by tools/make_fixtures_fp4.py;
+versions in VERSIONS.json), and the Triton FP4 paths (interpreter, float16).
+
+NVFP4 and compressed-tensors MXFP4: a tiny Qwen3-MoE quantized and saved by ModelOpt 0.47 (NVFP4, both
+config forms) and llm-compressor 0.14 / compressed-tensors 0.19 (presets NVFP4, NVFP4A16, MXFP4,
+MXFP4A16); ref.safetensors holds the producer's own dequantisation of experts 0 and 1. W4A4 checkpoints
+run weight-only (the schemes' ``emulation``), which explain must say.
+
+gpt-oss MXFP4: blocks and scales laid out as OpenAI's checkpoints lay them out; ref.safetensors holds
+what transformers' own reader (``Mxfp4Config(dequantize=True)``) made of them: its dequantised fused
+expert tensors and its GptOssMLP's output with the routing it chose. The float64 MoE here is written
+from modeling_gpt_oss (x @ W + b, gate/up interleaved, gate clamped at 7 above, up at +-7, (up + 1) *
+gate * sigmoid(1.702 gate)), not from our activation code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import moe_registry
+from moe_registry.cli.main import main
+from moe_registry.core.errors import CheckpointError
+from moe_registry.layer.experts import ExpertsConfig
+
+try:  # the Triton decoders, for the exhaustive test below (a jit function resolves names in module globals)
+    import triton
+    import triton.language as tl
+    from moe_registry_kernels.fp4_dequant import _e2m1_value, _e4m3_value
+except ImportError:
+    triton = None
+else:
+    @triton.jit
+    def _decode_fp4_codes(e4m3_ptr, e4m3_out, e2m1_ptr, e2m1_out):
+        offs = tl.arange(0, 256)
+        tl.store(e4m3_out + offs, _e4m3_value(tl.load(e4m3_ptr + offs)))
+        tl.store(e2m1_out + tl.arange(0, 16), _e2m1_value(tl.load(e2m1_ptr + tl.arange(0, 16))))
+
+FIXTURES = Path(__file__).parent / "fixtures" / "fp4"
+MXFP4 = FIXTURES / "gpt-oss-mxfp4"
+PREFIX = "model.layers.0.mlp.experts."
+E, H, INTER = 4, 64, 64
+MXFP4_KEY = "e2m1 scale:e8m0:group(32):static"
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+@pytest.fixture(scope="module")
+def mxfp4_ref() -> dict[str, torch.Tensor]:
+    return load_file(str(MXFP4 / "ref.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def mxfp4_built():
+    return moe_registry.build(MXFP4, platform="cpu", layer=0, dtype="float32", kernel="torch-reference")
+
+
+def _gpt_oss_moe64(gate_up: torch.Tensor, gate_up_b: torch.Tensor, down: torch.Tensor, down_b: torch.Tensor,
+                   x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, limit: float = 7.0,
+                   alpha: float = 1.702) -> torch.Tensor:
+    """modeling_gpt_oss's GptOssExperts in float64 on transformers-layout tensors ([E, in, out])."""
+    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = x[t] @ gate_up[e].double() + gate_up_b[e].double()
+            gate, up = gu[::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += float(w[t, j]) * (h @ down[e].double() + down_b[e].double())
+    return out
+
+
+def _transformers_moe64(ref: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                        w: torch.Tensor) -> torch.Tensor:
+    ckpt = load_file(str(MXFP4 / "model.safetensors"))
+    return _gpt_oss_moe64(ref["experts.gate_up_proj"], ckpt[PREFIX + "gate_up_proj_bias"], ref["experts.down_proj"],
+                          ckpt[PREFIX + "down_proj_bias"], x, ids, w)
+
+
+# ------------------------------------------------------------------------------------- MXFP4 (gpt-oss)
+
+
+def test_versions_name_the_producer() -> None:
+    versions = json.loads((FIXTURES / "VERSIONS.json").read_text())
+    wanted = {"gpt-oss-mxfp4": "transformers", "modelopt-qwen3-nvfp4": "nvidia-modelopt",
+              **{n: "compressed-tensors" for n in QWEN_FP4 if n.startswith("ct-")}}
+    assert set(versions["fixtures"]) == set(wanted) == {p.name for p in FIXTURES.iterdir() if p.is_dir()}
+    for fixture, producer in wanted.items():
+        run = versions["packages"][fixture]
+        assert run[producer] and run["transformers"].startswith("5.") and run["torch"], fixture
+
+
+@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-reference")])
+def test_mxfp4_explain_picks_a_kernel_with_the_exact_keys(platform: str, kernel: str, capsys) -> None:
+    assert main(["explain", str(MXFP4), "--platform", platform, "--dtype", "bfloat16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheme"]["name"] == "mxfp4"
+    assert report["scheme"]["weight_key"] == MXFP4_KEY and report["scheme"]["activation_key"] == "unquantized"
+    assert report["chosen_kernel"] == kernel
+
+
+def test_gpt_oss_20b_config_picks_triton(tmp_path: Path, capsys) -> None:
+    """openai/gpt-oss-20b's config.json as published (its shape and quantization_config): the Triton kernel
+    on an H100 with the swigluoai clamp and biases, at hidden 2880 (no power of two: masked K tiles)."""
+    config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+              "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
+              "num_hidden_layers": 24, "hidden_act": "silu", "swiglu_limit": 7.0, "torch_dtype": "bfloat16",
+              "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 201088,
+              "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+                  "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["explain", str(tmp_path / "config.json"), "--platform", "cuda:9.0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheme"]["name"] == "mxfp4" and report["scheme"]["weight_key"] == MXFP4_KEY
+    assert report["chosen_kernel"] == "triton-fused-moe"
+    assert report["runtime"]["shape"]["activation"] == "swigluoai" and report["runtime"]["shape"]["has_bias"]
+
+
+def test_mxfp4_dequantised_weights_equal_transformers(mxfp4_built, mxfp4_ref) -> None:
+    """Bit-exact: our packed codes and scales, dequantised, are transformers' bfloat16 weights (gate and up
+    taken from its interleaved columns; w13 holds gate rows then up rows)."""
+    from moe_registry_kernels.dequant import dequantize
+
+    weights = mxfp4_built.weights
+    assert str(weights.weight_key) == MXFP4_KEY and weights.w13.weight.dtype == torch.uint8
+    assert tuple(weights.w13.weight.shape) == (E, 2 * INTER, H // 2)  # still packed: the kernels read the codes
+    gu = mxfp4_ref["experts.gate_up_proj"].float()  # [E, H, 2I]
+    want13 = torch.cat((gu[:, :, 0::2].transpose(1, 2), gu[:, :, 1::2].transpose(1, 2)), dim=1)
+    want2 = mxfp4_ref["experts.down_proj"].float().transpose(1, 2)
+    assert torch.equal(dequantize(weights.w13, weights.weight_key), want13)
+    assert torch.equal(dequantize(weights.w2, weights.weight_key), want2)
+
+
+def test_mxfp4_layer_matches_transformers_block(mxfp4_built, mxfp4_ref) -> None:
+    """transformers' GptOssMLP output (its routing, bfloat16) is reproduced by the float64 MoE on its
+    weights, and our layer (torch reference) is within the scheme's tolerance of it."""
+    x, ids, w = mxfp4_ref["hidden_states"].float(), mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"].float()
+    want64 = _transformers_moe64(mxfp4_ref, x, ids, w)
+    assert _rel(want64, mxfp4_ref["layer.output"]) < 1.5e-2
+    got = mxfp4_built.kernel(x, w, ids)
+    assert _rel(got, want64) < 1e-5  # float32 reference on the same (exact) weights
+    assert _rel(got, mxfp4_ref["layer.output"]) <= mxfp4_built.tolerance
+
+
+def test_mxfp4_router_routes_as_transformers(mxfp4_ref) -> None:
+    """The full layer module (router + experts) picks transformers' experts on its hidden states."""
+    layer = moe_registry.load_layer(MXFP4, layer=0, device="cpu")
+    x = mxfp4_ref["hidden_states"].float()
+    with torch.no_grad():
+        out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    want64 = _transformers_moe64(mxfp4_ref, x, mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"].float())
+    assert _rel(out, want64) < 1e-2
+
+
+def test_mxfp4_triton_kernel_matches_float64_moe_float16(mxfp4_built, mxfp4_ref) -> None:
+    """The Triton fused kernel (interpreter, float16 activations) on the packed e2m1 weights, with the
+    clamped swiglu and biases in its epilogue."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels.triton_moe import TritonExperts
+
+    x = mxfp4_ref["hidden_states"].to(torch.float16)
+    ids, w = mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"].float()
+    want64 = _transformers_moe64(mxfp4_ref, x.float(), ids, w)
+    got = TritonExperts(mxfp4_built.weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    tol = moe_registry.load_registry().scheme("mxfp4").tolerance["float16"]
+    assert got.dtype == torch.float16 and _rel(got, want64) <= tol, f"{_rel(got, want64):.2e} > {tol}"
+
+
+# ------------------------------------------------------------------------------------- NVFP4
+
+
+NVFP4_KEY = "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static"
+NVFP4_ACT = "e2m1 scale:fp8e4m3:group(16):dynamic scale2:float32:tensor:static"
+MXFP4_ACT = "e2m1 scale:e8m0:group(32):dynamic"
+# per-expert FP4 checkpoints of the tiny Qwen3-MoE: scheme, weight key, the checkpoint's activation key
+# when the scheme emulates it (runs 16-bit activations instead), else None
+QWEN_FP4 = {
+    "modelopt-qwen3-nvfp4": ("modelopt-nvfp4", NVFP4_KEY, NVFP4_ACT),
+    "ct-qwen3-nvfp4": ("compressed-tensors-nvfp4", NVFP4_KEY, NVFP4_ACT),
+    "ct-qwen3-nvfp4a16": ("compressed-tensors-nvfp4a16", NVFP4_KEY, None),
+    "ct-qwen3-mxfp4": ("compressed-tensors-mxfp4", MXFP4_KEY, MXFP4_ACT),
+    "ct-qwen3-mxfp4a16": ("compressed-tensors-mxfp4a16", MXFP4_KEY, None),
+}
+QWEN_PREFIX = "model.layers.0.mlp.experts."
+
+
+def _nvfp4_dirs(tmp_path: Path) -> dict[str, Path]:
+    """Every config form: ModelOpt's export (hf_quant_config.json and config.json's quantization_config),
+    each of its two forms alone, and compressed-tensors'."""
+    out = {name: FIXTURES / name for name in QWEN_FP4}
+    only_config = tmp_path / "modelopt-config-json-only"
+    shutil.copytree(FIXTURES / "modelopt-qwen3-nvfp4", only_config)
+    (only_config / "hf_quant_config.json").unlink()
+    only_hf = tmp_path / "modelopt-hf-quant-config-only"
+    shutil.copytree(FIXTURES / "modelopt-qwen3-nvfp4", only_hf)
+    config = json.loads((only_hf / "config.json").read_text())
+    del config["quantization_config"]
+    (only_hf / "config.json").write_text(json.dumps(config))
+    return {**out, "modelopt-config-json-only": only_config, "modelopt-hf-quant-config-only": only_hf}
+
+
+@pytest.mark.parametrize("form", [*QWEN_FP4, "modelopt-config-json-only", "modelopt-hf-quant-config-only"])
+@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-reference")])
+def test_fp4_explain_reports_exact_keys_and_emulation(form: str, platform: str, kernel: str, tmp_path: Path,
+                                                      capsys) -> None:
+    """The checkpoint's keys are reported exactly; W4A4 checkpoints run weight-only, and explain says so
+    (W4A16 ones have nothing to say)."""
+    model = _nvfp4_dirs(tmp_path)[form]
+    name, weight_key, checkpoint_act = QWEN_FP4["modelopt-qwen3-nvfp4" if form.startswith("modelopt") else form]
+    assert main(["explain", str(model), "--platform", platform, "--dtype", "bfloat16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    scheme = report["scheme"]
+    assert scheme["name"] == name and scheme["weight_key"] == weight_key
+    assert scheme["activation_key"] == "unquantized" and scheme["checkpoint_activation_key"] == checkpoint_act
+    assert report["chosen_kernel"] == kernel
+    assert main(["explain", str(model), "--platform", platform]) == 0
+    text = capsys.readouterr().out
+    if checkpoint_act is None:
+        assert scheme["emulation"] is None and "emulation" not in text
+        return
+    assert "16-bit activation dtype (weight-only emulation)" in scheme["emulation"]
+    assert "tensor-core dot before Blackwell" in scheme["emulation"]
+    assert "emulation   the checkpoint's activations are e2m1" in text
+
+
+@pytest.fixture(scope="module")
+def nvfp4_built() -> dict[str, object]:
+    return {n: moe_registry.build(FIXTURES / n, platform="cpu", layer=0, dtype="float32", kernel="torch-reference")
+            for n in QWEN_FP4}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_FP4))
+def test_fp4_dequantised_weights_equal_the_producers(name: str, nvfp4_built) -> None:
+    """Bit-exact in the producer's dtype: ModelOpt's NVFP4QTensor.dequantize (float32: code x (scale x
+    weight_scale_2)), compressed-tensors' decompressors (bfloat16: code x (scale / weight_global_scale), or
+    code x 2^(e - 127))."""
+    from moe_registry_kernels.dequant import dequantize
+
+    weights = nvfp4_built[name].weights
+    assert str(weights.weight_key) == QWEN_FP4[name][1] and weights.w13.weight.dtype == torch.uint8
+    if QWEN_FP4[name][1] == NVFP4_KEY:
+        assert weights.w13.scale.dtype == torch.float8_e4m3fn and tuple(weights.w13.scale2.shape) == (E, 2 * INTER, 1)
+    ref = load_file(str(FIXTURES / name / "ref.safetensors"))
+    w13, w2 = dequantize(weights.w13, weights.weight_key), dequantize(weights.w2, weights.weight_key)
+    for e in range(2):
+        for role, mine in (("gate", w13[e, :INTER]), ("up", w13[e, INTER:]), ("down", w2[e])):
+            theirs = ref[f"experts.{e}.{role}.dequant"]
+            diff = mine.to(theirs.dtype).float() != theirs.float()
+            assert not bool(diff.any()), f"{name} expert {e} {role}: {int(diff.sum())} of {diff.numel()} differ"
+
+
+def _qwen_moe64(ref: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE experts (silu(gate) * up, no bias) in float64 on the producer's dequantised weights."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate = x[t].double() @ ref[f"experts.{e}.gate.dequant"].double().T
+            up = x[t].double() @ ref[f"experts.{e}.up.dequant"].double().T
+            down = ref[f"experts.{e}.down.dequant"].double()
+            out[t] += float(w[t, j]) * ((torch.nn.functional.silu(gate) * up) @ down.T)
+    return out
+
+
+def _routing(seed: int, m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-2 over experts 0 and 1: the experts whose producer-dequantised weights are kept."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(2, generator=g) for _ in range(m)]).to(torch.int32)
+    w = torch.rand(m, 2, generator=g) + 0.1
+    return ids, (w / w.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_FP4))
+def test_fp4_layer_matches_float64_moe_on_the_producers_weights(name: str, nvfp4_built) -> None:
+    ref, layer = load_file(str(FIXTURES / name / "ref.safetensors")), nvfp4_built[name]
+    ids, w = _routing(7)
+    x = ref["hidden_states"].float()
+    # ModelOpt's dequantisation is float32 (our weights exactly: float32 sums differ only); compressed-tensors
+    # returns bfloat16 weights, 2^-9 from ours: there the scheme's tolerance
+    tol = 1e-4 if ref["experts.0.gate.dequant"].dtype == torch.float32 else layer.tolerance
+    assert _rel(layer.kernel(x, w, ids), _qwen_moe64(ref, x, ids, w)) <= tol
+
+
+@pytest.mark.parametrize("name", sorted(QWEN_FP4))
+def test_fp4_triton_kernel_matches_float64_moe_float16(name: str, nvfp4_built) -> None:
+    """The Triton fused kernel (interpreter, float16 activations): e2m1 x e4m3 in registers, the global
+    scale on the dot's result."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels.triton_moe import TritonExperts
+
+    ref, layer = load_file(str(FIXTURES / name / "ref.safetensors")), nvfp4_built[name]
+    ids, w = _routing(11)
+    x = ref["hidden_states"].to(torch.float16)
+    got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
+    tol = moe_registry.load_registry().scheme(QWEN_FP4[name][0]).tolerance["float16"]
+    want = _qwen_moe64(ref, x.float(), ids, w)
+    assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
+
+
+# ---------------------------------------------------------------- Triton FP4 paths the default tiles do not take
+
+
+def test_triton_fp4_and_e4m3_decoders_are_exact_for_every_code() -> None:
+    """The in-register bit moves (fp4_dequant) against the producers' tables: all 16 e2m1 codes (ModelOpt's
+    e2m1_values, transformers' FP4_VALUES) and all 254 finite e4m3 codes (torch's float8_e4m3fn)."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+    from moe_registry_kernels.fp4 import E2M1_VALUES
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    e4m3, e2m1 = torch.empty(256), torch.empty(16)
+    _decode_fp4_codes[(1,)](codes, e4m3, codes[:16].clone(), e2m1)
+    want = codes.view(torch.float8_e4m3fn).float()
+    finite = ~torch.isnan(want)
+    assert int(finite.sum()) == 254 and torch.equal(e4m3[finite], want[finite])
+    assert torch.equal(e2m1, torch.tensor(E2M1_VALUES)) and torch.equal(torch.signbit(e2m1)[8], torch.tensor(True))
+
+
+SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+           "num_stages": 2, "SWAP_AB": True}
+SPLIT = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
+
+
+MASKED_K = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("key", [MXFP4_KEY, NVFP4_KEY])
+@pytest.mark.parametrize("config", ["swapped", "split-k", "swapped-split-k", "masked-k", "swapped-masked-k"])
+def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
+    """The swapped-operand kernel (the dequantised FP4 tile as the dot's register operand), split-K
+    GEMM2 (the global scale applied to each piece) and K tiles past the end of K (hidden 96 in 64-wide
+    tiles, as gpt-oss's 2880 in 128-wide ones: codes and scales masked) against the float64 reference."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+    from moe_registry_kernels.reference import reference_moe
+
+    from moe_registry.core.keys import parse_quant_key
+
+    hidden, inter = (96, 96) if config.endswith("masked-k") else (128, 64)
+    weights = make_random_expert_weights(parse_quant_key(key), parse_quant_key("unquantized"), num_experts=4,
+                                         hidden=hidden, intermediate=inter, dtype=torch.float16, bias=True, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(7, hidden, generator=gen).to(torch.float16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)]).to(torch.int32)
+    w = torch.rand(7, 2, generator=gen) + 0.1
+    gemm1 = {"swapped-masked-k": SWAPPED, "masked-k": MASKED_K}.get(config, SWAPPED if config.startswith("swapped")
+                                                                     else None)
+    gemm2 = {"swapped-split-k": {**SWAPPED, "SPLIT_K": 2}, "split-k": SPLIT, "masked-k": MASKED_K}.get(config, SWAPPED)
+    with triton_moe.config_override(gemm1, gemm2):
+        got = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
+    assert _rel(got, want) <= 1e-2, f"{config}: {_rel(got, want):.2e}"
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _broken(tmp_path: Path, src: Path, change: dict[str, torch.Tensor]) -> Path:
+    dest = tmp_path / src.name
+    shutil.copytree(src, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    tensors.update(change)
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_mxfp4_nan_scale_code_is_refused(tmp_path: Path) -> None:
+    scales = load_file(str(MXFP4 / "model.safetensors"))[PREFIX + "down_proj_scales"].clone()
+    scales[2, 5, 1] = 255
+    dest = _broken(tmp_path, MXFP4, {PREFIX + "down_proj_scales": scales})
+    with pytest.raises(CheckpointError, match=r"down_proj_scales\[2\]: 1 of .* are 255, the E8M0 NaN encoding.*"
+                                              r"expected exponents 0\.\.254"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+def test_mxfp4_missing_stacked_tensor_is_refused(tmp_path: Path) -> None:
+    dest = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(MXFP4, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    del tensors[PREFIX + "gate_up_proj_scales"]
+    save_file(tensors, str(dest / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_scales: missing \(scheme mxfp4 stores blocks, scales "
+                                              r"stacked over experts\)"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+def test_mxfp4_blocks_of_the_wrong_shape_are_refused(tmp_path: Path) -> None:
+    blocks = load_file(str(MXFP4 / "model.safetensors"))[PREFIX + "gate_up_proj_blocks"]
+    dest = _broken(tmp_path, MXFP4, {PREFIX + "gate_up_proj_blocks": blocks.reshape(E, 2 * INTER, H // 2)})
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_blocks: shape \[4, 128, 32\]; expected \[4, 128, 2, 16\]"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+def test_nvfp4_nan_scale_code_is_refused(tmp_path: Path) -> None:
+    src = FIXTURES / "modelopt-qwen3-nvfp4"
+    scale = load_file(str(src / "model.safetensors"))[QWEN_PREFIX + "1.up_proj.weight_scale"].clone()
+    scale.view(torch.uint8)[3, 2] = 0x7F
+    dest = _broken(tmp_path, src, {QWEN_PREFIX + "1.up_proj.weight_scale": scale})
+    with pytest.raises(CheckpointError, match=r"experts\.1\.up_proj\.weight_scale: 1 of 256 values are the fp8 "
+                                              r"e4m3fn NaN encoding .*first at \[3, 2\] = 0x7f"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+@pytest.mark.parametrize(("name", "tensor", "value", "seen"), [
+    ("modelopt-qwen3-nvfp4", "weight_scale_2", 0.0, "global scale 0.0"),
+    ("modelopt-qwen3-nvfp4", "weight_scale_2", -1.0, "global scale -1.0"),
+    ("modelopt-qwen3-nvfp4", "weight_scale_2", float("nan"), "1 of 1 values are NaN or infinite"),
+    ("ct-qwen3-nvfp4", "weight_global_scale", 0.0, "global scale 0.0"),
+    ("ct-qwen3-nvfp4", "weight_global_scale", float("inf"), "1 of 1 values are NaN or infinite"),
+])
+def test_nvfp4_bad_global_scale_is_refused(tmp_path: Path, name: str, tensor: str, value: float, seen: str) -> None:
+    src = FIXTURES / name
+    full = f"{QWEN_PREFIX}2.down_proj.{tensor}"
+    old = load_file(str(src / "model.safetensors"))[full]
+    dest = _broken(tmp_path, src, {full: torch.full_like(old, value)})
+    with pytest.raises(CheckpointError, match=rf"{full.replace('.', '[.]')}: {re.escape(seen)}.*expected"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+def test_compressed_tensors_mxfp4_nan_scale_code_is_refused(tmp_path: Path) -> None:
+    src = FIXTURES / "ct-qwen3-mxfp4a16"
+    full = QWEN_PREFIX + "3.gate_proj.weight_scale"
+    scale = load_file(str(src / "model.safetensors"))[full].clone()
+    scale[7, 1] = 255
+    dest = _broken(tmp_path, src, {full: scale})
+    with pytest.raises(CheckpointError, match=rf"{re.escape(full)}: 1 of 128 values are 255, the E8M0 NaN encoding"):
+        moe_registry.build(dest, platform="cpu", layer=0)
+
+
+def test_fixtures_stay_small() -> None:
+    total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
+    assert total < 1024 * 1024, total

@@ -1,0 +1,264 @@
+"""Write the FP8 W8A8 fixtures under tests/fixtures/fp8/ with the producers themselves.
+
+Run by hand (not in CI), once per producer, each in its own venv (they pin different transformers):
+
+    /work/producers/llmc/bin/python     tools/make_fixtures_fp8.py llmc       # llm-compressor 0.14.0.1,
+                                                                             # compressed-tensors 0.19.0
+    /work/producers/modelopt/bin/python tools/make_fixtures_fp8.py modelopt   # nvidia-modelopt 0.47.0
+
+(both venvs: torch 2.13.0 CPU, transformers 5.x; see VERSIONS.json for the exact versions used.)
+
+``quant_method: fp8`` without ``weight_block_size`` (AutoFP8 / Mixtral-FP8 style) has no fixture
+here: AutoFP8 is not on PyPI (``pip download auto-fp8`` and ``pip download autofp8`` find no
+distribution) and ``pip download git+https://github.com/neuralmagic/AutoFP8`` could not resolve
+github.com from this machine, so tests/test_producers_fp8.py
+writes that checkpoint itself with torch from the public facts of vLLM's Fp8Config (see its docstring).
+
+Each fixture is a tiny Qwen3-MoE (transformers' own config class and model, bfloat16, one layer,
+4 experts, hidden 128, moe_intermediate 128: whole 128x128 blocks for FP8_BLOCK) quantized and saved
+by the library on the CPU. Only config.json (+ hf_quant_config.json where the library writes one)
+and the first MoE layer's router and expert tensors are kept, with the names and dtypes the library
+wrote. ref.safetensors holds the library's OWN numbers:
+
+- ``experts.0.{role}.dequant``: expert 0's weights as the library dequantises them, the first 16
+  output rows of each projection (the fixture budget: 1 MB for all fixtures);
+- ``experts.{e}.{role}.output``: the library's quantized linear on ``hidden_states`` (gate/up) or
+  ``intermediate_states`` (down), with its activation quantisation (experts 0 and 1);
+- ``layer.output`` (llm-compressor): the library's quantized MoE block on ``hidden_states``, with
+  the routing it chose (``layer.topk_ids``, ``layer.topk_weights``).
+
+Nothing here imports moe_registry: the fixture tensors are the producers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "fp8"
+SEED = 4321
+TOKENS = 8
+LAYER = "model.layers.0.mlp."
+SHAPE = {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}
+ROLES = ("gate", "up", "down")
+OUTPUT_EXPERTS = 2  # producer linear outputs kept for experts 0..1
+DEQUANT_EXPERTS = 1  # producer dequantised weights kept for expert 0 ...
+DEQUANT_ROWS = 16  # ... its first 16 output rows of each projection (all fixtures together stay under 1 MB)
+
+
+def tiny_qwen3_moe() -> torch.nn.Module:
+    """A random one-layer Qwen3-MoE in bfloat16 from transformers' own config class."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(SEED)
+    cfg = Qwen3MoeConfig(vocab_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=128, norm_topk_prob=True,
+                         dtype="bfloat16", **SHAPE)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.config.architectures = ["Qwen3MoeForCausalLM"]
+    return model
+
+
+def inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED + 1)
+    return {"hidden_states": torch.randn(TOKENS, SHAPE["hidden_size"], generator=g).to(torch.bfloat16),
+            "intermediate_states": torch.randn(TOKENS, SHAPE["moe_intermediate_size"], generator=g).to(torch.bfloat16)}
+
+
+def calibration() -> torch.Tensor:
+    return torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(SEED + 2))
+
+
+def layer_output(block: torch.nn.Module, experts: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(_m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        seen["ids"], seen["weights"] = args[1], args[2]
+
+    handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        out = block(x.unsqueeze(0))
+    handle.remove()
+    out = out[0] if isinstance(out, tuple) else out
+    return {"layer.output": out.reshape(x.shape).contiguous(),
+            "layer.topk_ids": seen["ids"].to(torch.int32).contiguous(),
+            "layer.topk_weights": seen["weights"].contiguous()}
+
+
+def keep_layer(export_dir: Path, dest: Path, extra_files: tuple[str, ...] = ()) -> dict[str, object]:
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for name in ("config.json", *extra_files):
+        if (export_dir / name).is_file():
+            shutil.copy(export_dir / name, dest / name)
+    kept: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] | None = None
+    for path in sorted(export_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = metadata or f.metadata()
+            for name in f.keys():  # noqa: SIM118
+                if name.startswith(LAYER):
+                    kept[name] = f.get_tensor(name)
+    save_file(kept, str(dest / "model.safetensors"), metadata=metadata)
+    return {"tensors": len(kept), "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in kept.values()}),
+            "files": sorted(p.name for p in dest.iterdir())}
+
+
+def save_ref(dest: Path, ref: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.detach().contiguous() for k, v in ref.items()}, str(dest / "ref.safetensors"))
+
+
+# ---------------------------------------------------------------- llm-compressor / compressed-tensors
+
+
+def make_llmc() -> None:
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    presets = {"llmc-fp8": "FP8", "llmc-fp8-dynamic": "FP8_DYNAMIC", "llmc-fp8-block": "FP8_BLOCK"}
+    ignore = ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]
+    fixtures: dict[str, object] = {}
+    cal = calibration()
+    with tempfile.TemporaryDirectory() as base:
+        tiny_qwen3_moe().save_pretrained(base)
+        for name, preset in presets.items():
+            scheme = preset_name_to_scheme(preset, ["Linear"])
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+            recipe = QuantizationModifier(config_groups={"group_0": scheme}, ignore=ignore)
+            static = not scheme.input_activations.dynamic
+            if static:  # static input scales need calibration data
+                ds = Dataset.from_dict({"input_ids": cal.tolist(), "attention_mask": torch.ones_like(cal).tolist()})
+                model = oneshot(model=model, recipe=recipe, dataset=ds, num_calibration_samples=len(cal),
+                                max_seq_length=cal.shape[1])
+            else:
+                model = oneshot(model=model, recipe=recipe)
+            block = model.model.layers[0].mlp
+            experts = block.experts  # llm-compressor's linearised experts: experts[e].gate_proj ...
+            x = inputs()
+            ref: dict[str, torch.Tensor] = dict(x)
+            with torch.no_grad():
+                for e in range(SHAPE["num_experts"]):
+                    for role in ROLES:
+                        lin = getattr(experts[e], f"{role}_proj")
+                        if e < DEQUANT_EXPERTS:
+                            ref[f"experts.{e}.{role}.dequant"] = forward_quantize(
+                                lin, lin.weight.data, "weight", lin.quantization_scheme.weights)[:DEQUANT_ROWS]
+                        if e < OUTPUT_EXPERTS:
+                            src = x["intermediate_states"] if role == "down" else x["hidden_states"]
+                            ref[f"experts.{e}.{role}.output"] = lin(src)
+            ref.update(layer_output(block, experts, x["hidden_states"]))
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp, save_compressed=True)
+                dest = ROOT / name
+                fixtures[name] = {"preset": preset, "calibrated": static, **keep_layer(Path(tmp), dest)}
+            save_ref(dest, ref)
+    _merge_versions("llmc", ["llmcompressor", "compressed-tensors", "transformers", "torch", "safetensors"],
+                    fixtures, {
+                        "recipe": "oneshot(QuantizationModifier(config_groups={group_0: preset_name_to_scheme(preset, "
+                                  "[Linear])})); FP8 (static input scales) calibrated on 4 x 32 random token ids, "
+                                  "the dynamic presets data-free",
+                        "dequant": "compressed_tensors forward_quantize(module, weight, 'weight', scheme.weights)",
+                        "output": "the quantized Linear's own forward (its input QDQ: static per-tensor, dynamic "
+                                  "per-token or per-group-128 fp8)",
+                    })
+
+
+# ---------------------------------------------------------------- NVIDIA ModelOpt
+
+
+def make_modelopt() -> None:
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = tiny_qwen3_moe()
+    cal = calibration()
+
+    def loop(m: torch.nn.Module) -> None:
+        for row in cal:
+            m(row.unsqueeze(0))
+
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
+    experts = model.model.layers[0].mlp.experts  # transformers 5 fused experts under ModelOpt's _QuantFusedExperts
+    x = inputs()
+    with torch.no_grad():  # ModelOpt's input quantizers (the export removes them)
+        qdq = {"hidden_states": experts.gate_up_proj_input_quantizer(x["hidden_states"]).float(),
+               "intermediate_states": experts.down_proj_input_quantizer(x["intermediate_states"]).float()}
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf_checkpoint(model, export_dir=tmp)
+        dest = ROOT / "modelopt-fp8"
+        fixtures = {"modelopt-fp8": keep_layer(Path(tmp), dest, ("hf_quant_config.json",))}
+    ref: dict[str, torch.Tensor] = dict(x)
+    ref.update(_modelopt_refs(dest, qdq))
+    save_ref(dest, ref)
+    _merge_versions("modelopt", ["nvidia-modelopt", "transformers", "torch", "safetensors"], fixtures, {
+        "config": "mtq.FP8_DEFAULT_CFG (weights and inputs fp8 e4m3 per tensor, max calibration on 4 x 32 random "
+                  "token ids), export_hf_checkpoint",
+        "dequant": "ModelOpt's FP8QTensor(exported codes).dequantize(dtype=float32, scale=exported weight_scale): "
+                   "the exported checkpoint as ModelOpt's real-quant tensor reads it (its fake quant of the same "
+                   "weights picks a different code for ~2.5% of them, so the checkpoint, which is what a server "
+                   "loads, is the reference)",
+        "output": "F.linear(ModelOpt's input quantizer(x) (static per-tensor fake quant), that weight), float32",
+    })
+
+
+def _modelopt_refs(dest: Path, qdq: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ModelOpt's dequantisation of the exported projections and its linear on its quantized inputs."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+
+    ref: dict[str, torch.Tensor] = {}
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    h, i = qdq["hidden_states"], qdq["intermediate_states"]
+    with torch.no_grad():
+        for e in range(OUTPUT_EXPERTS):
+            for role in ROLES:
+                name = f"{LAYER}experts.{e}.{role}_proj"
+                q, s = tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"]
+                w = FP8QTensor(q.shape, torch.float32, q).dequantize(dtype=torch.float32, scale=s)
+                if e < DEQUANT_EXPERTS:
+                    ref[f"experts.{e}.{role}.dequant"] = w[:DEQUANT_ROWS]
+                ref[f"experts.{e}.{role}.output"] = torch.nn.functional.linear(i if role == "down" else h, w)
+    return ref
+
+
+def _merge_versions(producer: str, packages: list[str], fixtures: dict[str, object], notes: dict[str, str]) -> None:
+    """VERSIONS.json is shared by the producers: each run replaces its own entry only."""
+    path = ROOT / "VERSIONS.json"
+    ROOT.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.is_file() else {
+        "producer": "tools/make_fixtures_fp8.py", "seed": SEED, "tokens": TOKENS, "dequant_experts": DEQUANT_EXPERTS,
+        "dequant_rows": DEQUANT_ROWS, "output_experts": OUTPUT_EXPERTS,
+        "model": "Qwen3MoeForCausalLM, bfloat16, 1 layer, " + ", ".join(f"{k}={v}" for k, v in SHAPE.items()),
+        "producers": {}}
+    data["producers"][producer] = {"python": platform.python_version(), **{p: version(p) for p in packages},
+                                   "notes": notes, "fixtures": fixtures}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+PRODUCERS = {"llmc": make_llmc, "modelopt": make_modelopt}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in PRODUCERS:
+        print(f"usage: make_fixtures_fp8.py {{{'|'.join(PRODUCERS)}}}", file=sys.stderr)
+        return 2
+    PRODUCERS[argv[0]]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
