@@ -86,7 +86,6 @@ ROW_TILE_MIN_CHUNK = 64
 # amax pieces of an int8_token row read per step (a GEMM epilogue leaves one per column tile)
 PIECES_STEP = 128
 
-ACTIVATIONS = ("silu", "gelu", "swigluoai")
 # act_quant modes: how the rows are quantised after the (optional) activation.
 QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
 
@@ -684,7 +683,7 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
               capacity: int = 1, amax_pieces: torch.Tensor | None = None,
               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
-    ACTIVATIONS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
+    core.vocab.ACTIVATION_FNS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
     [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. With
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.

@@ -204,6 +204,33 @@ def test_ignore_regex_matching_the_experts_excludes_the_layer(tmp_path: Path, ca
     assert report["excluded"], report
 
 
+def test_targets_are_names_class_names_or_regexes() -> None:
+    """compressed-tensors targets a module by its name, its class name (``Linear``: what llm-compressor's
+    presets write) or ``re:`` over the name; the class names come from the scope rule's ``types``."""
+    expert = f"{LAYER}.0.gate_proj"
+    assert pattern_matches("ct-target", "Linear", expert, ("Linear",))
+    assert not pattern_matches("ct-target", "Linear", expert, ())
+    assert pattern_matches("ct-target", "re:.*experts.*", expert, ())
+    assert not pattern_matches("ct-target", "re:.*self_attn.*", expert, ("Linear",))
+
+
+def test_targets_that_miss_the_experts_leave_them_unquantized(tmp_path: Path, capsys) -> None:
+    """A config group whose targets match no expert projection quantizes none of them: explain says so
+    (the layer is unquantized, naming the field), and a checkpoint that nevertheless holds packed expert
+    tensors is refused in one line naming the tensor, not read as something else."""
+    dest = _with_config(tmp_path, "w4a16-g128",
+                        lambda q: q["config_groups"]["group_0"].update(targets=["re:.*self_attn.*"]))
+    assert main(["explain", str(dest), "--platform", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheme"]["name"] == "unquantized", report["scheme"]
+    assert report["excluded"] == ("compressed-tensors-w4a16 checkpoint, but this layer is excluded: "
+                                  f"{LAYER}.0.gate_proj is not listed in config_groups.group_0.targets")
+    assert main(["run", str(dest), "--layer", "0", "--platform", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {LAYER}.0.gate_proj.weight_packed: unexpected tensor for scheme unquantized "
+                   "(expected weight)"), err
+
+
 # ------------------------------------------------------------------------------- bad input
 
 

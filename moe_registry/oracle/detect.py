@@ -124,10 +124,10 @@ def pattern_matches(kind: str, pattern: str, name: str, types: Sequence[str]) ->
         return name == pattern or name.startswith(pattern + ".")
     if kind == "type":
         return pattern in types
-    if kind == "ct-target":
+    if kind == "ct-target":  # compressed-tensors: the module's name or class name, or re: over the name
         if pattern.startswith("re:"):
             return bounded_match(pattern[3:], name, "quantization_config ct-target pattern")
-        return name == pattern
+        return name == pattern or pattern in types
     if kind == "gptq-dynamic":
         return _gptq_dynamic(pattern, name) is not None
     raise ValueError(f"unknown matcher {kind!r}")
@@ -140,7 +140,7 @@ class ScopeOutcome:
     config: Mapping[str, Any] | None
     excluded: bool = False
     note: str | None = None
-    claimed: bool = False  # an `only` rule excluded it: the config is this scheme's dialect
+    claimed: bool = False  # an `only` rule that claims excluded it: the config is this scheme's dialect
 
 
 def _merge(base: Mapping[str, Any], into: str | None, value: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
         if rule.kind == "only":
             patterns = list(source) if isinstance(source, list | Mapping) else [source]
             if not any(isinstance(p, str) and pattern_matches(rule.match, p, module, rule.types) for p in patterns):
-                return ScopeOutcome(None, True, f"{module} is not listed in {rule.from_}", claimed=True)
+                return ScopeOutcome(None, True, f"{module} is not listed in {rule.from_}", claimed=rule.claims)
             continue
         if rule.kind == "exclude":
             patterns = list(source) if isinstance(source, list | Mapping) else [source]

@@ -152,11 +152,17 @@ class ScopeRule(Strict):
                    "ct-target"] = Field(description=(
         "how a pattern is matched against a module name: substring, component (whole dotted parts), glob, "
         "regex, exact (the name or a parent module), type (the pattern is a module type listed in types), "
-        "gptq-dynamic (GPTQ's +:/-: regexes), ct-target (compressed-tensors' names and re: regexes)"))
+        "gptq-dynamic (GPTQ's +:/-: regexes), ct-target (compressed-tensors' targets: a module name, a class "
+        "name listed in types, or re: regexes over the name)"))
     into: str | None = Field(default=None, description=(
         "for override: the dotted path of the subtree the matched config is merged over; absent: the top level"))
     types: list[str] = Field(default_factory=list, description=(
-        "for match: type, the module type names the expert projections have (e.g. Linear, torch.nn.Linear)"))
+        "for match: type and ct-target, the module type names the expert projections have (e.g. Linear, "
+        "torch.nn.Linear)"))
+    claims: bool = Field(default=True, description=(
+        "for only: a layer the patterns leave out marks the config as this scheme's own even when its detect "
+        "rules fail (ModelOpt MIXED_PRECISION names the algorithm per layer); false: only when they pass "
+        "(compressed-tensors targets, where every CT scheme has the rule)"))
 
 
 class TensorSpec(Strict):

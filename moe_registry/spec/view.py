@@ -85,6 +85,7 @@ class ScopeRule(SpecRecord):
                    "ct-target"]
     into: str | None
     types: list[str]
+    claims: bool
 
 
 class TensorSpec(SpecRecord):
