@@ -54,6 +54,13 @@ class ProjectionWeights:
         moved = {k: (None if v is None else v.to(device)) for k, v in self.__dict__.items()}
         return ProjectionWeights(**moved)
 
+    def subset(self, experts: torch.Tensor) -> ProjectionWeights:
+        """The projection of ``experts`` (int64 global ids, in that order) alone: every per-expert tensor
+        indexed along its first dimension; the layer-wide ``input_scale`` kept."""
+        picked = {k: (v if v is None or k == "input_scale" else v.index_select(0, experts.to(v.device)))
+                  for k, v in self.__dict__.items()}
+        return ProjectionWeights(**picked)
+
 
 @dataclass(frozen=True)
 class ExpertWeights:
@@ -83,4 +90,9 @@ class ExpertWeights:
 
     def to(self, device: torch.device | str) -> ExpertWeights:
         return ExpertWeights(self.w13.to(device), self.w2.to(device), self.weight_key,
+                             self.activation_key, self.layout)
+
+    def subset(self, experts: torch.Tensor) -> ExpertWeights:
+        """The weights of ``experts`` alone, in that order (the experts one expert-parallel rank holds)."""
+        return ExpertWeights(self.w13.subset(experts), self.w2.subset(experts), self.weight_key,
                              self.activation_key, self.layout)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from moe_registry.layer.experts import ActivationFormat, Experts
+
+if TYPE_CHECKING:
+    from moe_registry.layer.all2all import GatheredTokens
 
 __all__ = [
     "PreparedInput",
@@ -55,7 +58,7 @@ class PreparedInput:
     topk_ids: torch.Tensor
     activation_format: ActivationFormat
     expert_num_tokens: torch.Tensor | None = None
-    dispatch: BatchedDispatch | None = None
+    dispatch: BatchedDispatch | GatheredTokens | None = None
 
 
 class PrepareFinalize(abc.ABC):
@@ -157,7 +160,8 @@ class FusedMoEKernel(torch.nn.Module):
             )
         if fmt == "batched" and not callable(getattr(experts, "apply_batched", None)):
             raise ValueError(f"{type(experts).__name__} has no apply_batched for the batched format")
-        pf_experts = getattr(prepare_finalize, "num_experts", None)
+        # the experts this rank holds (local) and the ids routing may name (global: all ranks' experts)
+        pf_experts = getattr(prepare_finalize, "local_experts", getattr(prepare_finalize, "num_experts", None))
         if pf_experts is not None and pf_experts != experts.weights.num_experts:
             raise ValueError(
                 f"{type(prepare_finalize).__name__} has num_experts = {pf_experts} but the experts "
@@ -166,9 +170,11 @@ class FusedMoEKernel(torch.nn.Module):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.validate = validate
+        self.num_experts = getattr(prepare_finalize, "global_experts", experts.weights.num_experts)
 
     def _check(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
         w = self.experts.weights
+        num_experts = self.num_experts
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be 2-D [M, H], got shape {tuple(hidden.shape)}")
         if hidden.dtype not in _HIDDEN_DTYPES:
@@ -196,8 +202,8 @@ class FusedMoEKernel(torch.nn.Module):
             raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {top_k}")
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= w.num_experts:
-                raise ValueError(f"topk_ids must be in [0, {w.num_experts}), got values in [{lo}, {hi}]")
+            if lo < 0 or hi >= num_experts:
+                raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
             if top_k > 1:
                 s = torch.sort(topk_ids, dim=1).values
                 if bool((s[:, 1:] == s[:, :-1]).any()):

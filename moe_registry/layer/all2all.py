@@ -1,0 +1,157 @@
+"""Expert parallelism over torch.distributed (issue #20): a PrepareFinalize that moves tokens between
+the ranks of a process group (NCCL on GPUs, gloo on CPUs), each rank holding a share of the experts.
+
+``AllGatherReduceScatter`` is vLLM's ``allgather_reducescatter`` backend: every rank gathers every
+rank's tokens and routing, runs its own experts on the (token, expert) pairs routed to them (the
+others' pairs carry the foreign id -1, which the experts kernels skip), and a reduce-scatter sums the
+partial outputs back onto the ranks the tokens came from. Shapes are fixed by ``max_tokens`` (each
+rank's tokens padded to it), so the forward never reads a count on the host and a CUDA graph can
+hold it where the backend allows. It sends world × max_tokens rows where an all-to-all would send
+each pair once; it is the simple, synchronisation-free first backend.
+
+Not yet wired into the oracle: no kernel spec claims an all2all backend but ``none`` until the
+selection, loading and ``run`` under torchrun are built on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from moe_registry.core.errors import MoERegistryError
+from moe_registry.layer.experts import ActivationFormat
+from moe_registry.layer.modular import PreparedInput, PrepareFinalize
+
+FOREIGN_EXPERT = -1
+"""The expert id of a pair another rank computes: the experts kernels add nothing for it."""
+
+REDUCE_SCATTER_BACKENDS = frozenset({"nccl"})
+"""Backends with a reduce-scatter; on others (gloo) the partial outputs are all-reduced and each rank
+keeps its rows, which moves world times the bytes but gives the same sums."""
+
+
+T = TypeVar("T")
+
+
+class ExpertParallelError(MoERegistryError, RuntimeError):
+    """A collective failed: a rank died, or the group's timeout passed while waiting for one."""
+
+
+def _collective(what: str, rank: int, world: int, call: Callable[[], T]) -> T:
+    """Run one collective; a failure (a dead peer, the group's timeout) becomes one line naming it."""
+    try:
+        return call()
+    except (RuntimeError, dist.DistError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExpertParallelError(f"expert parallelism: rank {rank} of {world}: {what} failed (a rank died or "
+                                  f"did not answer within the process group's timeout): {first[:200]}") from None
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank owns which expert: contiguous (rank r holds experts [r·n, (r+1)·n)) or round-robin
+    (expert e lives on rank e mod world)."""
+
+    num_experts: int
+    world_size: int
+    rank: int
+    round_robin: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of world size {self.world_size}: wanted 0 <= rank < world size")
+        if self.num_experts % self.world_size:
+            raise ValueError(f"{self.num_experts} experts do not split evenly over {self.world_size} ranks; "
+                             f"wanted a world size that divides {self.num_experts}")
+
+    @property
+    def local_count(self) -> int:
+        return self.num_experts // self.world_size
+
+    def owner(self, expert: int) -> int:
+        return expert % self.world_size if self.round_robin else expert // self.local_count
+
+    def local_experts(self) -> torch.Tensor:
+        """The global ids this rank holds, in its local order (int64)."""
+        if self.round_robin:
+            return torch.arange(self.rank, self.num_experts, self.world_size, dtype=torch.int64)
+        return torch.arange(self.rank * self.local_count, (self.rank + 1) * self.local_count, dtype=torch.int64)
+
+    def local_ids(self) -> torch.Tensor:
+        """Global id -> local id on this rank, FOREIGN_EXPERT for another rank's expert (int64 [E])."""
+        table = torch.full((self.num_experts,), FOREIGN_EXPERT, dtype=torch.int64)
+        table[self.local_experts()] = torch.arange(self.local_count, dtype=torch.int64)
+        return table
+
+
+@dataclass(frozen=True)
+class GatheredTokens:
+    """What finalize needs: how many of this rank's rows were real (the rest was padding)."""
+
+    num_tokens: int
+
+
+class AllGatherReduceScatter(PrepareFinalize):
+    """Standard format across ranks: gather every rank's tokens, run the local experts on the pairs
+    routed to them, reduce-scatter the sums back (see the module docstring)."""
+
+    activation_format: ClassVar[ActivationFormat] = "standard"
+
+    def __init__(self, placement: ExpertPlacement, max_tokens: int,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if not dist.is_initialized():
+            raise ValueError("expert parallelism needs a torch.distributed process group: start the ranks with "
+                             "torchrun (or call torch.distributed.init_process_group) first")
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if (world, rank) != (placement.world_size, placement.rank):
+            raise ValueError(f"placement is for rank {placement.rank} of {placement.world_size}, but this process "
+                             f"is rank {rank} of {world}")
+        self.placement = placement
+        self.max_tokens = max_tokens
+        self.group = group
+        self.global_experts = placement.num_experts
+        self.local_experts = placement.local_count
+        self._local_ids = placement.local_ids()
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.placement.world_size)]
+        _collective("all_gather", self.placement.rank, self.placement.world_size,
+                    lambda: dist.all_gather(parts, t.contiguous(), group=self.group))
+        return torch.cat(parts)
+
+    def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                apply_router_weight_on_input: bool = False) -> PreparedInput:
+        m, top_k = topk_ids.shape
+        if m > self.max_tokens:
+            raise ValueError(f"{m} tokens on rank {self.placement.rank}, more than max_tokens = {self.max_tokens}")
+        rows = hidden.new_zeros(self.max_tokens, hidden.shape[1])
+        rows[:m] = hidden
+        weights = topk_weights.new_zeros(self.max_tokens, top_k)
+        weights[:m] = topk_weights
+        ids = torch.full((self.max_tokens, top_k), FOREIGN_EXPERT, dtype=torch.int64, device=topk_ids.device)
+        ids[:m] = topk_ids
+        all_rows, all_weights, all_ids = self._gather(rows), self._gather(weights), self._gather(ids)
+        table = self._local_ids.to(all_ids.device)
+        local = torch.where(all_ids >= 0, table[all_ids.clamp(min=0)], FOREIGN_EXPERT)
+        return PreparedInput(all_rows, all_weights, local, "standard", dispatch=GatheredTokens(m))
+
+    def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
+        d = prepared.dispatch
+        if not isinstance(d, GatheredTokens):
+            raise ValueError("finalize got a PreparedInput that AllGatherReduceScatter.prepare did not make")
+        world, rank = self.placement.world_size, self.placement.rank
+        if dist.get_backend(self.group) in REDUCE_SCATTER_BACKENDS:
+            mine = expert_output.new_empty(self.max_tokens, expert_output.shape[1])
+            _collective("reduce_scatter", rank, world,
+                        lambda: dist.reduce_scatter_tensor(mine, expert_output.contiguous(), group=self.group))
+        else:
+            summed = expert_output.contiguous().clone()
+            _collective("all_reduce", rank, world, lambda: dist.all_reduce(summed, group=self.group))
+            mine = summed.view(world, self.max_tokens, -1)[rank]
+        return mine[:d.num_tokens].clone()

@@ -1,0 +1,136 @@
+"""Expert parallelism over torch.distributed (issue #20, the CPU/gloo half of part 1 and part 5): the
+all-gather / reduce-scatter PrepareFinalize across 2 and 4 processes gives the single-process layer's
+output within float32 round-off, with tokens sharded over the ranks (one rank with none), experts
+placed contiguously or round-robin, and experts that receive no tokens."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from moe_registry_kernels.reference import ReferenceExperts
+from safetensors.torch import load_file, save_file
+
+from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertParallelError, ExpertPlacement
+from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+
+E, TOP_K, H, INTER = 8, 2, 32, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int
+    round_robin: bool
+    shards: tuple[int, ...]  # tokens per rank (a 0: a rank with no tokens)
+    max_tokens: int
+    activation: str = "silu"
+
+
+CASES = {
+    "2-contiguous": Case(2, False, (5, 3), 8),
+    "2-round-robin-empty-rank": Case(2, True, (0, 6), 6),
+    "4-contiguous-empty-rank": Case(4, False, (3, 0, 4, 1), 4),
+    "4-round-robin-gelu": Case(4, True, (2, 2, 3, 1), 3, "gelu"),
+}
+
+
+def _problem(case: Case) -> tuple[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random unquantized experts and routing; expert E-1 receives no token."""
+    g = torch.Generator().manual_seed(7)
+    unq = parse_quant_key("unquantized")
+    weights = ExpertWeights(ProjectionWeights(torch.randn(E, 2 * INTER, H, generator=g) / H ** 0.5),
+                            ProjectionWeights(torch.randn(E, H, INTER, generator=g) / INTER ** 0.5), unq, unq)
+    m = sum(case.shards)
+    hidden = torch.randn(m, H, generator=g)
+    ids = torch.stack([torch.randperm(E - 1, generator=g)[:TOP_K] for _ in range(m)])
+    topk_weights = torch.softmax(torch.randn(m, TOP_K, generator=g), dim=-1)
+    return weights, hidden, topk_weights, ids
+
+
+def _rank(rank: int, case: Case, init: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=case.world,
+                            timeout=timedelta(seconds=60))
+    try:
+        weights, hidden, topk_weights, ids = _problem(case)
+        placement = ExpertPlacement(E, case.world, rank, round_robin=case.round_robin)
+        experts = ReferenceExperts(weights.subset(placement.local_experts()), ExpertsConfig(case.activation))
+        kernel = FusedMoEKernel(AllGatherReduceScatter(placement, case.max_tokens), experts)
+        lo = sum(case.shards[:rank])
+        hi = lo + case.shards[rank]
+        out = kernel(hidden[lo:hi], topk_weights[lo:hi], ids[lo:hi])
+        save_file({"out": out.contiguous()}, str(Path(out_dir) / f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_expert_parallel_layer_equals_the_single_process_layer(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    mp.spawn(_rank, args=(case, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=case.world)
+    weights, hidden, topk_weights, ids = _problem(case)
+    whole = FusedMoEKernel(LocalPrepareFinalize(), ReferenceExperts(weights, ExpertsConfig(case.activation)))
+    expected = whole(hidden, topk_weights, ids)
+    got = torch.cat([load_file(str(tmp_path / f"rank{r}.safetensors"))["out"] for r in range(case.world)])
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(expected, torch.zeros_like(expected))
+
+
+def _rank_that_dies(rank: int, init: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=5))
+    if rank == 1:
+        os._exit(0)  # gone before the layer's first collective, without a word to the group
+    case = Case(2, False, (2, 2), 2)
+    weights, hidden, topk_weights, ids = _problem(case)
+    placement = ExpertPlacement(E, 2, 0)
+    kernel = FusedMoEKernel(AllGatherReduceScatter(placement, 2),
+                            ReferenceExperts(weights.subset(placement.local_experts()), ExpertsConfig()))
+    try:
+        kernel(hidden[:2], topk_weights[:2], ids[:2])
+        message = "no error"
+    except ExpertParallelError as err:
+        message = str(err)
+    Path(out_dir, "rank0.txt").write_text(message)
+    os._exit(0)  # the group cannot be destroyed cleanly with a dead member
+
+
+def test_a_rank_that_dies_fails_the_others_with_one_line(tmp_path: Path) -> None:
+    started = time.monotonic()
+    mp.spawn(_rank_that_dies, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message.startswith("expert parallelism: rank 0 of 2: all_gather failed (a rank died or did not answer "
+                              "within the process group's timeout): "), message
+    assert "\n" not in message
+    assert time.monotonic() - started < 60
+
+
+def test_placement_owns_each_expert_once() -> None:
+    for round_robin in (False, True):
+        owned = [ExpertPlacement(E, 4, r, round_robin).local_experts().tolist() for r in range(4)]
+        assert sorted(e for experts in owned for e in experts) == list(range(E))
+        for r, experts in enumerate(owned):
+            assert all(ExpertPlacement(E, 4, r, round_robin).owner(e) == r for e in experts)
+            assert ExpertPlacement(E, 4, r, round_robin).local_ids()[experts].tolist() == list(range(len(experts)))
+    assert ExpertPlacement(E, 4, 1, round_robin=True).local_experts().tolist() == [1, 5]
+
+
+def test_a_world_size_that_does_not_divide_the_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^8 experts do not split evenly over 3 ranks; wanted a world size "
+                                         r"that divides 8$"):
+        ExpertPlacement(E, 3, 0)
+
+
+def test_without_a_process_group_it_says_how_to_start_the_ranks() -> None:
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="needs a torch.distributed process group: start the ranks with torchrun"):
+        AllGatherReduceScatter(ExpertPlacement(E, 2, 0), 4)
