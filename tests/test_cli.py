@@ -226,12 +226,12 @@ def test_spec_dir_that_is_a_file(capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--dp", "2"], "--dp 2: run is one process and joins no process group; 2 ranks would each be started by "
-                    "e.g. `torchrun --nproc-per-node 2 ...` (use `moe-registry explain --dp 2` to see the kernel "
-                    "choice)"),
-    (["--ep", "4"], "--ep 4: run is one process and joins no process group; 4 ranks would each be started by "
-                    "e.g. `torchrun --nproc-per-node 4 ...` (use `moe-registry explain --ep 4` to see the kernel "
-                    "choice)"),
+    (["--dp", "2"], "--dp 2: run is one process and joins no process group; start 2 ranks (e.g. `torchrun "
+                    "--nproc-per-node 2 ...`) that each run their own tokens (use `moe-registry explain --dp 2` to "
+                    "see the kernel choice)"),
+    (["--ep", "4"], "--ep 4: run is one process and joins no process group; start 4 ranks (e.g. `torchrun "
+                    "--nproc-per-node 4 ...`) that each call moe_registry.build(..., ep=4, "
+                    "all2all='allgather_reducescatter') (use `moe-registry explain --ep 4` to see the kernel choice)"),
     (["--all2all", "naive"], "--all2all naive: an all2all dispatches between expert-parallel ranks; run is one "
                              "process (ep=1), so only 'none' applies"),
     (["--repeat", "0"], "--repeat: got 0; wanted at least 1"),

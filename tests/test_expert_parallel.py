@@ -18,11 +18,14 @@ import torch.multiprocessing as mp
 from moe_registry_kernels.reference import ReferenceExperts
 from safetensors.torch import load_file, save_file
 
+import moe_registry
+from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertParallelError, ExpertPlacement
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.spec.loader import load_registry
 
 E, TOP_K, H, INTER = 8, 2, 32, 16
 
@@ -93,9 +96,9 @@ def _rank_that_dies(rank: int, init: str, out_dir: str) -> None:
     case = Case(2, False, (2, 2), 2)
     weights, hidden, topk_weights, ids = _problem(case)
     placement = ExpertPlacement(E, 2, 0)
-    kernel = FusedMoEKernel(AllGatherReduceScatter(placement, 2),
-                            ReferenceExperts(weights.subset(placement.local_experts()), ExpertsConfig()))
-    try:
+    try:  # the first collective: the ranks' agreement on the layer, as the dispatcher is made
+        kernel = FusedMoEKernel(AllGatherReduceScatter(placement, 2),
+                                ReferenceExperts(weights.subset(placement.local_experts()), ExpertsConfig()))
         kernel(hidden[:2], topk_weights[:2], ids[:2])
         message = "no error"
     except ExpertParallelError as err:
@@ -112,6 +115,69 @@ def test_a_rank_that_dies_fails_the_others_with_one_line(tmp_path: Path) -> None
                               "within the process group's timeout): "), message
     assert "\n" not in message
     assert time.monotonic() - started < 60
+
+
+def _rank_that_disagrees(rank: int, init: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    try:
+        AllGatherReduceScatter(ExpertPlacement(E, 2, rank), 4 if rank == 0 else 8, agreement="mixtral awq-w4a16")
+        message = "no error"
+    except ExpertParallelError as err:
+        message = str(err)
+    Path(out_dir, f"rank{rank}.txt").write_text(message)
+    dist.destroy_process_group()
+
+
+def test_ranks_that_disagree_on_the_layer_fail_together(tmp_path: Path) -> None:
+    mp.spawn(_rank_that_disagrees, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == (
+            "expert parallelism: ranks 1 build another layer than rank 0 (config, scheme, kernel, placement or "
+            "max_tokens differ); wanted every rank to run the same layer")
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "compressed_tensors_presets" / "w4a16-g128"  # llm-compressor, 4 experts
+EP_KERNELS = sorted(name for name, k in load_registry().kernels.items()
+                    if "allgather_reducescatter" in k.spec.parallel.all2all)
+
+
+def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(m, 128, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(m)])
+    return hidden, torch.softmax(torch.randn(m, 2, generator=g), dim=-1), ids
+
+
+def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        layer = moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", kernel=kernel, ep=2,
+                                   all2all="allgather_reducescatter", max_tokens=4)
+        hidden, topk_weights, ids = _inputs(7)
+        lo, hi = (0, 4) if rank == 0 else (4, 7)
+        out = layer.kernel(hidden[lo:hi], topk_weights[lo:hi], ids[lo:hi])
+        save_file({"out": out.contiguous(), "local": torch.tensor([layer.weights.num_experts])},
+                  str(Path(out_dir) / f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kernel", EP_KERNELS)
+def test_every_kernel_claiming_the_backend_runs_it_through_build(kernel: str, tmp_path: Path) -> None:
+    """What a kernel spec claims, this runs: build(ep=2, all2all=allgather_reducescatter) in two gloo ranks,
+    on a checkpoint llm-compressor wrote, equals the single-process layer."""
+    mp.spawn(_rank_builds, args=(kernel, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    whole = moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", kernel=kernel)
+    expected = whole.kernel(*_inputs(7))
+    parts = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
+    assert [int(p["local"]) for p in parts] == [2, 2]  # each rank holds its half of the experts
+    torch.testing.assert_close(torch.cat([p["out"] for p in parts]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_build_with_a_dispatch_and_no_process_group_says_how_to_start_the_ranks() -> None:
+    with pytest.raises(ConfigError, match=r"^ep=2, all2all allgather_reducescatter: no torch.distributed process "
+                                          r"group; start the 2 ranks with torchrun --nproc-per-node 2"):
+        moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", ep=2, all2all="allgather_reducescatter")
 
 
 def test_placement_owns_each_expert_once() -> None:

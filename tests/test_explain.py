@@ -560,7 +560,7 @@ def test_all2all_backend_delivering_batched_format(registry):
     assert report.chosen is None
     assert reasons(report, "triton-fused-moe") == {Reason.ALL2ALL}
     assert reasons(report, "torch-reference") == {Reason.ALL2ALL}
-    # no all2all is implemented yet (issue 20): the specs claim only "none", so every backend is refused ...
+    # naive is not implemented (issue 20): no spec claims it, so every kernel is refused ...
     report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
                                             Flags(platform="cuda:9.0", ep=8, all2all="naive")),
                     raise_on_failure=False)
@@ -569,6 +569,10 @@ def test_all2all_backend_delivering_batched_format(registry):
     report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
                                             Flags(platform="cuda:9.0", ep=8, all2all="none")))
     assert report.chosen == "triton-fused-moe"
+    # ... and allgather_reducescatter runs on the kernels whose specs claim it (the CPU ones, tested over gloo)
+    report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
+                                            Flags(platform="cuda:9.0", ep=8, all2all="allgather_reducescatter")))
+    assert report.chosen == "torch-reference" and reasons(report, "triton-fused-moe") == {Reason.ALL2ALL}
 
 
 @pytest.mark.parametrize("args,message", [

@@ -83,8 +83,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, the flags one process cannot honour and bad values."""
     for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
         if value is not None and value > 1:
-            raise ConfigError(f"{flag} {value}: run is one process and joins no process group; {value} ranks "
-                              f"would each be started by e.g. `torchrun --nproc-per-node {value} ...` "
+            how = ("that each call moe_registry.build(..., ep={v}, all2all='allgather_reducescatter')"
+                   if flag == "--ep" else "that each run their own tokens").format(v=value)
+            raise ConfigError(f"{flag} {value}: run is one process and joins no process group; start {value} ranks "
+                              f"(e.g. `torchrun --nproc-per-node {value} ...`) {how} "
                               f"(use `moe-registry explain {flag} {value}` to see the kernel choice)")
     if args.all2all not in (None, "none"):
         raise ConfigError(f"--all2all {args.all2all}: an all2all dispatches between expert-parallel ranks; "

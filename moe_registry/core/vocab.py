@@ -28,10 +28,12 @@ ShapeDim = Literal["hidden", "intermediate", "experts", "top_k", "tokens"]
 
 All2All = Literal["none", "naive", "allgather_reducescatter", "deepep_high_throughput", "pplx", "deepep_low_latency"]
 """Expert-parallel dispatch backends a situation may name (vLLM's names; ``none``: no EP dispatch).
-A kernel spec claims only those this code implements (today: none)."""
+A kernel spec claims only those this code implements (KernelAll2All)."""
 
-KernelAll2All = Literal["none"]
-"""The all2all backends this code implements: the only ones a kernel spec may claim (DESIGN rule 5)."""
+KernelAll2All = Literal["none", "allgather_reducescatter"]
+"""The all2all backends this code implements: the only ones a kernel spec may claim (DESIGN rule 5).
+``none``: the layer moves no tokens (its caller hands each rank its experts' pairs);
+``allgather_reducescatter``: moe_registry.layer.all2all.AllGatherReduceScatter over torch.distributed."""
 
 Role = Literal["gate", "up", "down"]
 """An expert's projections."""

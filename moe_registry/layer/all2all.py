@@ -102,7 +102,7 @@ class AllGatherReduceScatter(PrepareFinalize):
     activation_format: ClassVar[ActivationFormat] = "standard"
 
     def __init__(self, placement: ExpertPlacement, max_tokens: int,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, agreement: str = "") -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if not dist.is_initialized():
@@ -115,9 +115,25 @@ class AllGatherReduceScatter(PrepareFinalize):
         self.placement = placement
         self.max_tokens = max_tokens
         self.group = group
+        self._agree(f"{agreement}|experts={placement.num_experts}|round_robin={placement.round_robin}|"
+                    f"max_tokens={max_tokens}")
         self.global_experts = placement.num_experts
         self.local_experts = placement.local_count
         self._local_ids = placement.local_ids()
+
+    def _agree(self, what: str) -> None:
+        """Every rank must build the same layer (config, scheme, kernel, placement, max_tokens): a digest of
+        ``what`` is gathered once, here, so a rank that differs fails every rank with one line instead of
+        mismatched collectives later."""
+        import hashlib
+
+        digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8).clone()
+        digests = self._gather(digest).view(self.placement.world_size, -1)
+        differ = [r for r in range(self.placement.world_size) if not torch.equal(digests[r], digests[0])]
+        if differ:
+            raise ExpertParallelError(f"expert parallelism: ranks {', '.join(map(str, differ))} build another layer "
+                                      f"than rank 0 (config, scheme, kernel, placement or max_tokens differ); "
+                                      f"wanted every rank to run the same layer")
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(self.placement.world_size)]
@@ -155,3 +171,7 @@ class AllGatherReduceScatter(PrepareFinalize):
             _collective("all_reduce", rank, world, lambda: dist.all_reduce(summed, group=self.group))
             mine = summed.view(world, self.max_tokens, -1)[rank]
         return mine[:d.num_tokens].clone()
+
+
+DISPATCHERS: dict[str, type[AllGatherReduceScatter]] = {"allgather_reducescatter": AllGatherReduceScatter}
+"""The PrepareFinalize of each all2all backend a kernel spec may claim besides none (core.vocab.KernelAll2All)."""

@@ -19,7 +19,7 @@ from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
-from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
 from moe_registry.model.checkpoint import LayerTensors, open_checkpoint, read_layer
 from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
@@ -87,6 +87,7 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
                          DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
     weights = convert(list(tensors.experts), ctx)
+    prepare_finalize, weights = _dispatch(report, weights)
     loaded = registry.kernels[report.chosen]
     # checked again right before importing it (the spec dir may have changed since loading)
     guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
@@ -101,7 +102,33 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
         _LOGGED.add(key)
         log.info("moe-registry: scheme %s runs on kernel %s (%s, %s)", *key)
     tol = scheme.tolerance.get(runtime.dtype, max(scheme.tolerance.values()))  # type: ignore[call-overload]
-    return BuiltKernel(report, weights, FusedMoEKernel(LocalPrepareFinalize(), experts), tol)
+    return BuiltKernel(report, weights, FusedMoEKernel(prepare_finalize, experts), tol)
+
+
+def _dispatch(report: Report, weights: ExpertWeights) -> tuple[PrepareFinalize, ExpertWeights]:
+    """The PrepareFinalize the situation's all2all backend names and the experts this rank holds: all of
+    them with no dispatch, its share of them (contiguous placement) under an all2all over the process
+    group, which must already exist with ep ranks."""
+    runtime = report.situation.runtime
+    p = runtime.parallel
+    if p.all2all == "none":
+        return LocalPrepareFinalize(), weights
+    import torch.distributed as dist
+
+    from moe_registry.layer.all2all import DISPATCHERS, ExpertPlacement
+
+    if not dist.is_initialized():
+        raise ConfigError(f"ep={p.ep}, all2all {p.all2all}: no torch.distributed process group; start the {p.ep} "
+                          f"ranks with torchrun --nproc-per-node {p.ep} (or call torch.distributed.init_process_group "
+                          "in each) first")
+    if dist.get_world_size() != p.ep:
+        raise ConfigError(f"ep={p.ep}, but the process group has {dist.get_world_size()} ranks; wanted {p.ep}")
+    placement = ExpertPlacement(weights.num_experts, p.ep, dist.get_rank())
+    scheme = report.scheme
+    agreement = (f"{runtime.shape}|{runtime.dtype}|{p}|{scheme.scheme if scheme else ''}|"
+                 f"{dict(scheme.bindings) if scheme else ''}|{report.chosen}")
+    return (DISPATCHERS[p.all2all](placement, runtime.max_tokens, agreement=agreement),
+            weights.subset(placement.local_experts()))
 
 
 @dataclass(frozen=True)
@@ -137,16 +164,19 @@ class LayerBuild:
 def build(model_dir: str | Path, *, layer: int | None = None, platform: str | None = None,
           dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
-          tp: int | None = None, ep: int | None = None, max_tokens: int | None = None) -> LayerBuild:
+          tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
+          all2all: str | None = None) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
-    SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input."""
+    SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
+    With ``ep`` > 1 and ``all2all="allgather_reducescatter"``, call it in each of ep ranks of an existing
+    torch.distributed process group: each rank's kernel holds its experts and takes its own tokens."""
     registry = load_registry(spec_dirs)
     check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
     if not target.exists():
         raise ConfigError(f"{target}: no such file or directory")
-    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens)
+    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens, all2all=all2all)
     model = read_model_config(target, registry)
     situation = situation_for_model(model, registry, flags)
     device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors

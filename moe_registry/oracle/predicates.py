@@ -113,7 +113,8 @@ def check_runtime(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
                           f"known: {', '.join(ALL2ALL_DELIVERS)}", seen=p.all2all))
     elif p.ep > 1 and p.all2all not in kernel.parallel.all2all:
         out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"all2all {p.all2all}; kernel supports "
-                          + ", ".join(kernel.parallel.all2all), seen=p.all2all, wanted=kernel.parallel.all2all))
+                          + (", ".join(kernel.parallel.all2all) or "no all2all backend"), seen=p.all2all,
+                          wanted=kernel.parallel.all2all))
     elif fmt not in kernel.activation_formats:
         out.append(failed(Reason.ACTIVATION_FORMAT, "activation_format",
                           f"all2all {p.all2all} delivers the {fmt} format; kernel takes "
