@@ -177,3 +177,12 @@ def test_the_encoding_keeps_keys_a_spec_wrote_apart_from_its_own_tags():
     assert back == rule and back.fields_set == {"equals"} and back.default == (1, "a")
     with pytest.raises(ValueError, match="not a spec"):
         from_json('{"$record": "FieldRule", "fields": {}}', view.RECORDS)
+
+
+def test_a_write_that_fails_half_way_leaves_nothing_behind(cache_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    def refuse(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache.os, "replace", refuse)
+    assert _same(load_registry(), _validated())
+    assert list(cache_dir.iterdir()) == []

@@ -90,16 +90,21 @@ def write(key: str, registry: Registry) -> None:
     header = json.dumps({"format": FORMAT, "key": key, "sha256": hashlib.sha256(body).hexdigest()}).encode()
     import tempfile  # only when writing: a cached start never needs it
 
+    tmp = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".registry-", suffix=".tmp")
         with os.fdopen(fd, "wb") as out:
             out.write(header + b"\n" + body)
         os.replace(tmp, _file(directory, key))
+        tmp = None
         for old in sorted(directory.glob("registry-*.json"), key=lambda p: p.stat().st_mtime)[:-KEEP]:
             old.unlink(missing_ok=True)
     except OSError:
         return
+    finally:
+        if tmp is not None:  # a write that failed half-way leaves no temporary file behind
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _cacheable(registry: Registry) -> bool:
