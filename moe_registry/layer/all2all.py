@@ -2,9 +2,10 @@
 the ranks of a process group (NCCL on GPUs, gloo on CPUs), each rank holding a share of the experts.
 
 ``AllGatherReduceScatter`` is vLLM's ``allgather_reducescatter`` backend: every rank gathers every
-rank's tokens and routing, runs its own experts on the (token, expert) pairs routed to them (the
-others' pairs carry the foreign id -1, which the experts kernels skip), and a reduce-scatter sums the
-partial outputs back onto the ranks the tokens came from. Shapes are fixed by ``max_tokens`` (each
+rank's tokens and routing (one all-gather into a tensor), runs its own experts on the (token, expert)
+pairs routed to them (the others' pairs carry the foreign id -1, which the experts kernels skip), and a
+reduce-scatter sums the partial outputs back onto the ranks the tokens came from (NCCL and gloo both
+have both collectives). Shapes are fixed by ``max_tokens`` (each
 rank's tokens padded to it), so the forward never reads a count on the host and a CUDA graph can
 hold it where the backend allows. It sends world × max_tokens rows where an all-to-all would send
 each pair once; it is the simple, synchronisation-free first backend.
@@ -29,9 +30,9 @@ from moe_registry.layer.modular import PreparedInput, PrepareFinalize
 FOREIGN_EXPERT = -1
 """The expert id of a pair another rank computes: the experts kernels add nothing for it."""
 
-REDUCE_SCATTER_BACKENDS = frozenset({"nccl"})
-"""Backends with a reduce-scatter; on others (gloo) the partial outputs are all-reduced and each rank
-keeps its rows, which moves world times the bytes but gives the same sums."""
+# torch 2.13 renamed the tensor forms of the two collectives (the old names warn); older torch has only those
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 T = TypeVar("T")
@@ -117,9 +118,13 @@ class AllGatherReduceScatter(PrepareFinalize):
         self.group = group
         self._agree(f"{agreement}|experts={placement.num_experts}|round_robin={placement.round_robin}|"
                     f"max_tokens={max_tokens}")
-        self.global_experts = placement.num_experts
-        self.local_experts = placement.local_count
-        self._local_ids = placement.local_ids()
+        self._local_ids = {torch.device("cpu"): placement.local_ids()}  # per device: no copy in the forward
+
+    def num_global_experts(self, local_experts: int) -> int:
+        if local_experts != self.placement.local_count:
+            raise ValueError(f"this rank's experts hold {local_experts} experts but the placement gives it "
+                             f"{self.placement.local_count}")
+        return self.placement.num_experts
 
     def _agree(self, what: str) -> None:
         """Every rank must build the same layer (config, scheme, kernel, placement, max_tokens): a digest of
@@ -136,10 +141,10 @@ class AllGatherReduceScatter(PrepareFinalize):
                                       f"wanted every rank to run the same layer")
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(self.placement.world_size)]
+        out = t.new_empty(self.placement.world_size * t.shape[0], *t.shape[1:])
         _collective("all_gather", self.placement.rank, self.placement.world_size,
-                    lambda: dist.all_gather(parts, t.contiguous(), group=self.group))
-        return torch.cat(parts)
+                    lambda: _ALL_GATHER(out, t.contiguous(), group=self.group))
+        return out
 
     def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 apply_router_weight_on_input: bool = False) -> PreparedInput:
@@ -153,7 +158,9 @@ class AllGatherReduceScatter(PrepareFinalize):
         ids = torch.full((self.max_tokens, top_k), FOREIGN_EXPERT, dtype=torch.int64, device=topk_ids.device)
         ids[:m] = topk_ids
         all_rows, all_weights, all_ids = self._gather(rows), self._gather(weights), self._gather(ids)
-        table = self._local_ids.to(all_ids.device)
+        table = self._local_ids.get(all_ids.device)
+        if table is None:  # the first call on this device (outside any CUDA graph it is captured in later)
+            table = self._local_ids[all_ids.device] = self._local_ids[torch.device("cpu")].to(all_ids.device)
         local = torch.where(all_ids >= 0, table[all_ids.clamp(min=0)], FOREIGN_EXPERT)
         return PreparedInput(all_rows, all_weights, local, "standard", dispatch=GatheredTokens(m))
 
@@ -161,16 +168,10 @@ class AllGatherReduceScatter(PrepareFinalize):
         d = prepared.dispatch
         if not isinstance(d, GatheredTokens):
             raise ValueError("finalize got a PreparedInput that AllGatherReduceScatter.prepare did not make")
-        world, rank = self.placement.world_size, self.placement.rank
-        if dist.get_backend(self.group) in REDUCE_SCATTER_BACKENDS:
-            mine = expert_output.new_empty(self.max_tokens, expert_output.shape[1])
-            _collective("reduce_scatter", rank, world,
-                        lambda: dist.reduce_scatter_tensor(mine, expert_output.contiguous(), group=self.group))
-        else:
-            summed = expert_output.contiguous().clone()
-            _collective("all_reduce", rank, world, lambda: dist.all_reduce(summed, group=self.group))
-            mine = summed.view(world, self.max_tokens, -1)[rank]
-        return mine[:d.num_tokens].clone()
+        mine = expert_output.new_empty(self.max_tokens, expert_output.shape[1])
+        _collective("reduce_scatter", self.placement.rank, self.placement.world_size,
+                    lambda: _REDUCE_SCATTER(mine, expert_output.contiguous(), group=self.group))
+        return mine[:d.num_tokens]
 
 
 DISPATCHERS: dict[str, type[AllGatherReduceScatter]] = {"allgather_reducescatter": AllGatherReduceScatter}

@@ -75,6 +75,11 @@ class PrepareFinalize(abc.ABC):
     def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
         """Turn the experts' output back into [M, H] in the hidden dtype."""
 
+    def num_global_experts(self, local_experts: int) -> int:
+        """The expert ids routing may name when the experts hold ``local_experts``: the same number in
+        one process; a dispatcher over ranks returns every rank's total (and refuses a wrong share)."""
+        return local_experts
+
 
 class LocalPrepareFinalize(PrepareFinalize):
     """Standard format on one device: nothing to move, the experts weight and sum top-k."""
@@ -160,8 +165,7 @@ class FusedMoEKernel(torch.nn.Module):
             )
         if fmt == "batched" and not callable(getattr(experts, "apply_batched", None)):
             raise ValueError(f"{type(experts).__name__} has no apply_batched for the batched format")
-        # the experts this rank holds (local) and the ids routing may name (global: all ranks' experts)
-        pf_experts = getattr(prepare_finalize, "local_experts", getattr(prepare_finalize, "num_experts", None))
+        pf_experts = getattr(prepare_finalize, "num_experts", None)
         if pf_experts is not None and pf_experts != experts.weights.num_experts:
             raise ValueError(
                 f"{type(prepare_finalize).__name__} has num_experts = {pf_experts} but the experts "
@@ -170,7 +174,7 @@ class FusedMoEKernel(torch.nn.Module):
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.validate = validate
-        self.num_experts = getattr(prepare_finalize, "global_experts", experts.weights.num_experts)
+        self.num_experts = prepare_finalize.num_global_experts(experts.weights.num_experts)
 
     def _check(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
         w = self.experts.weights
