@@ -1,6 +1,5 @@
 """FP4 (e2m1) weight tiles dequantised in registers, for the GEMM kernels of
-:mod:`moe_registry_kernels.moe_gemm`: bit moves and one float32 multiply per weight, no table in
-memory.
+:mod:`moe_registry_kernels.moe_gemm`: bit moves and multiplies, no table in memory.
 
 An e2m1 code's sign (bit 3) goes to float16's sign bit and its 3 magnitude bits (2 exponent, 1
 mantissa) to float16 bits 9..11, the top of the exponent field and of the mantissa: the half then
@@ -9,10 +8,19 @@ float16-to-float32 convert keeps). Times 2^14 (exact) it is the code's value; ti
 scale (e8m0 power of two, or e4m3) it is exact in float32 and rounds once to the 16-bit
 activation dtype, where a 2-bit or 6-bit significand is exact too: the tile equals the torch
 reference's dequantised weights bit for bit (the NVFP4 global scale is applied after the dot).
+
+On the GPU the same moves run as paired PTX (:func:`_e2m1_asm`), two weights per instruction in
+16-bit halves, as :mod:`moe_registry_kernels.dequant_ptx` does for integer codes: the half times
+2^14 (float16) or 2^126 (bfloat16, 8 exponent bits) is the code's value exactly, and one paired
+multiply by the scale rounds once -- the same value again. The group scale arrives in the 16-bit
+dtype (an e4m3 scale is exact in either; an e8m0 power of two is exact in bfloat16 and in float16
+from 2^-24 to 2^15, which holds every float16 weight but those below 2^-24).
 """
 
 import triton
 import triton.language as tl
+
+from .dequant_ptx import _asm_constraints, _asm_result_dtype, _immediate
 
 E2M1_SIGN_SHIFT = tl.constexpr(12)  # code bit 3 -> float16 bit 15
 E2M1_MAGNITUDE_SHIFT = tl.constexpr(9)  # code bits 0..2 -> float16 bits 9..11
@@ -42,11 +50,58 @@ def _e4m3_value(codes):
     return bits.to(tl.float16, bitcast=True).to(tl.float32) * E4M3_UNSCALE
 
 
+# the paired form: a code moved to the top nibble of a 16-bit half (bits 12..15) keeps its sign
+# bit there and shifts its 3 magnitude bits down into the exponent's low bits and the mantissa's top
+E2M1_TOP_SIGN = tl.constexpr(0x8000)
+E2M1_TOP_MAGNITUDE = tl.constexpr(0x7000)
+E2M1_F16_SHIFT = tl.constexpr(3)  # bits 12..14 -> float16 bits 9..11
+E2M1_BF16_SHIFT = tl.constexpr(6)  # bits 12..14 -> bfloat16 bits 6..8
+E2M1_F16_UNSCALE_BITS = tl.constexpr(0x7400)  # 2^14 in float16
+E2M1_BF16_UNSCALE_BITS = tl.constexpr(0x7E80)  # 2^126 in bfloat16
+# the same as PTX immediates, one per 16-bit half
+E2M1_TOP_SIGN_PAIR = _immediate(E2M1_TOP_SIGN, 2)
+E2M1_TOP_MAGNITUDE_PAIR = _immediate(E2M1_TOP_MAGNITUDE, 2)
+E2M1_F16_UNSCALE_PAIR = _immediate(E2M1_F16_UNSCALE_BITS, 2)
+E2M1_BF16_UNSCALE_PAIR = _immediate(E2M1_BF16_UNSCALE_BITS, 2)
+
+
+@triton.constexpr_function
+def _e2m1_asm(half: str) -> str:
+    """PTX turning 4 packed bytes (8 e2m1 codes) into value * scale for the low and the high
+    nibbles, two at a time in 16-bit pairs: each byte is moved to the high byte of a half (prmt),
+    a nibble's sign kept and its magnitude shifted into place (and, shr, lop3), then one paired
+    multiply by 2^14 or 2^126 (exact) and one by the scale. Operands: $0 $1 low pairs, $2 $3 high
+    pairs, $4 the bytes, $5 $6 the scales in ``half`` (Triton's pack=4 register order)."""
+    sign, magnitude = E2M1_TOP_SIGN_PAIR, E2M1_TOP_MAGNITUDE_PAIR
+    shift = E2M1_BF16_SHIFT.value if half == "bf16" else E2M1_F16_SHIFT.value
+    unscale = E2M1_BF16_UNSCALE_PAIR if half == "bf16" else E2M1_F16_UNSCALE_PAIR
+    lines = ["{", ".reg .b32 z, k, t0, t1, v0, v1, m0, m1;", "mov.b32 z, 0;", f"mov.b32 k, {unscale};",
+             "prmt.b32 t0, $4, z, 0x1404;", "prmt.b32 t1, $4, z, 0x3424;"]  # bytes 0, 1 and 2, 3
+    for out in (0, 2):  # (no tuple targets: Triton 3.6 reads this source for its cache key)
+        if out == 0:  # the low nibble up into bits 12..15 (the high one lands in the next half's bits 0..3: masked)
+            lines += ["shl.b32 v0, t0, 4;", "shl.b32 v1, t1, 4;"]
+        else:
+            lines += ["mov.b32 v0, t0;", "mov.b32 v1, t1;"]
+        for i in range(2):
+            lines += [f"and.b32 m{i}, v{i}, {magnitude};", f"shr.b32 m{i}, m{i}, {shift};",
+                      f"lop3.b32 v{i}, v{i}, {sign}, m{i}, 0xEA;",  # (v & sign) | m
+                      f"mul.rn.{half}x2 v{i}, v{i}, k;", f"mul.rn.{half}x2 ${out + i}, v{i}, ${5 + i};"]
+    return "\n".join([*lines, "}"])
+
+
 @triton.jit
-def _dequant_e2m1(packed, scale, dtype):
+def _dequant_e2m1(packed, scale, dtype, ASM: tl.constexpr = False):
     """(low, high): a packed FP4 tile (uint8, low nibble the even input column) times ``scale``
-    (broadcast to the tile; float32 e8m0 values or 16-bit e4m3 values), in the 16-bit ``dtype``."""
-    s = scale.to(tl.float32)
-    low = (_e2m1_value(packed & 0xF) * s).to(dtype)
-    high = (_e2m1_value(packed >> 4) * s).to(dtype)
+    (broadcast to the tile; e8m0 or e4m3 values in ``dtype``), in the 16-bit ``dtype``. ASM: the
+    paired PTX of _e2m1_asm (GPU); else plain Triton (the same values)."""
+    if ASM:
+        program: tl.constexpr = _e2m1_asm("bf16" if dtype == tl.bfloat16 else "f16")
+        result: tl.constexpr = _asm_result_dtype(dtype, 2)
+        scale_t = tl.broadcast_to(scale.to(dtype), packed.shape)
+        low, high = tl.inline_asm_elementwise(program, _asm_constraints(4, 2, (8, 16)), [packed, scale_t],
+                                              dtype=result.value, is_pure=True, pack=4)
+    else:
+        s = scale.to(tl.float32)
+        low = (_e2m1_value(packed & 0xF) * s).to(dtype)
+        high = (_e2m1_value(packed >> 4) * s).to(dtype)
     return low, high

@@ -205,6 +205,8 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, K, stride_sk, dtype, W_S
     scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
     if W_SCALE == "mx":
         scale = _e8m0(scale)
+        if NARROW:  # e2m1 tiles take the power of two in the 16-bit dtype (fp4_dequant: exact where it matters)
+            scale = scale.to(dtype)
     elif scale.dtype == tl.uint8:  # e4m3 group scales (NVFP4) come as bytes (fp4_dequant._e4m3_value)
         scale = _e4m3_value(scale).to(dtype)
     else:
@@ -327,7 +329,12 @@ def _fused_moe_kernel(
                               and not HAS_ZERO and BLOCK_M <= 32)
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"
-    if DOT == "int8" and not INT8_GROUPS:
+    # W4A8 on few rows: int8 activation codes and int4 weight codes are exact in 16 bits and so is
+    # their float32 dot while |sum| < 2^24 (127 * 8 * K: K <= 16512), so the nibbles' paired
+    # dequantisation and a 16-bit dot give the int32 dot's value without widening the nibbles to
+    # int8 in K order (a register shuffle per weight); on 64+ row tiles the int8 dot's rate wins
+    W4A8_FLOAT: tl.constexpr = DOT == "int8" and PACKED and BLOCK_M <= 32
+    if DOT == "int8" and not INT8_GROUPS and not W4A8_FLOAT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -362,7 +369,14 @@ def _fused_moe_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            if DOT == "int8":  # W4A8: int4 codes as int8 in K order, one int8 dot (int32)
+            if W4A8_FLOAT:  # W4A8 on few rows: code - 8 in 16 bits, a float dot of the int8 codes (exact)
+                low, high = _dequant_nibbles(packed_codes, zero, 1.0, dtype, False, ASM_DEQUANT, False)
+                part = _dot(a_even.to(dtype), low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+                part = _dot(a_odd.to(dtype), high, part)
+                if INT8_GROUPS:
+                    part = part * scale
+                acc += part
+            elif DOT == "int8":  # W4A8: int4 codes as int8 in K order, one int8 dot (int32)
                 part = tl.dot(a, _int4_as_int8_tile(packed_codes, BLOCK_K, BLOCK_N),
                               tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), out_dtype=tl.int32)
                 if INT8_GROUPS:
@@ -370,7 +384,7 @@ def _fused_moe_kernel(
                 else:
                     acc += part
             elif W_TYPE == "e2m1":  # FP4 codes (fp4_dequant): never FACTORED (mx or 16-column groups)
-                low, high = _dequant_e2m1(packed_codes, scale, dtype)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT)
                 acc = _dot(a_even, low, acc)
                 acc = _dot(a_odd, high, acc)
             elif FACTORED:
@@ -523,7 +537,7 @@ def _fused_moe_swap_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
             if W_TYPE == "e2m1":  # FP4 codes (fp4_dequant)
-                low, high = _dequant_e2m1(packed_codes, scale, dtype)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT)
             else:
                 low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))

@@ -254,8 +254,7 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
     if scheme.act_quant == "none":
         return x, None
     if scheme.act_quant in FP8_DYNAMIC_MODES:  # per-token / per-tensor dynamic fp8 (fp8_act)
-        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"),
-                                 pdl=kwargs.get("pdl", False))
+        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"))
     return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
                                 group=scheme.act_group or 128, **kwargs)
 

@@ -388,6 +388,47 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
 
 
 # ---------------------------------------------------------------------------------------------
+# the PTX e2m1 (FP4) dequantisation against the plain Triton one and the code table, bit for bit
+
+
+@pytest.mark.parametrize("scales", ["e8m0", "e4m3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_e2m1_asm_matches_plain_dequant(dtype, scales):
+    import triton
+    import triton.language as tl
+    from moe_registry_kernels.fp4 import e2m1_to_float
+    from moe_registry_kernels.fp4_dequant import _dequant_e2m1
+
+    @triton.jit
+    def dequant(p_ptr, s_ptr, lo_ptr, hi_ptr, DT: tl.constexpr, ASM: tl.constexpr):
+        offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
+        low, high = _dequant_e2m1(tl.load(p_ptr + offs), scale, DT, ASM)
+        tl.store(lo_ptr + offs, low)
+        tl.store(hi_ptr + offs, high)
+
+    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+        pytest.skip("paired 16-bit arithmetic unavailable here")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    packed = torch.arange(256, device=DEVICE, dtype=torch.uint8).repeat(8).view(64, 32)  # every byte, 8 times
+    if scales == "e8m0":  # powers of two 2^-14 .. 2^9: float16's range for every code (fp4_dequant)
+        scale = torch.exp2(torch.randint(-14, 10, (64,), generator=gen, device=DEVICE).float())
+    else:  # e4m3 values, subnormals included
+        scale = torch.randint(1, 127, (64,), generator=gen, device=DEVICE, dtype=torch.uint8).view(
+            torch.float8_e4m3fn).float()
+    scale = scale.to(dtype)
+    outs = {}
+    for asm in (False, True):
+        low, high = torch.empty(64, 32, dtype=dtype, device=DEVICE), torch.empty(64, 32, dtype=dtype, device=DEVICE)
+        dequant[(1,)](packed, scale, low, high, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, ASM=asm)
+        outs[asm] = (low, high)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    # and both are the code table times the scale, rounded once
+    for codes, got in (((packed & 0xF), outs[True][0]), ((packed >> 4), outs[True][1])):
+        assert torch.equal(got, (e2m1_to_float(codes) * scale.float()[:, None]).to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------
 # the PTX byte dequantisation against the plain Triton one, bit for bit
 
 
