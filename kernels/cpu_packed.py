@@ -1,7 +1,8 @@
 """CPU experts that keep weights quantized: the GEMMs read packed weights through the ops torch ships
 for CPUs, and only the experts the routing hits are computed, each on its own tokens.
 
-Per weight key (what the layer holds; built once from the ``nk`` layout, one expert at a time):
+Per weight key (what the layer holds; built once from the ``nk`` layout, one expert at a time; the
+Experts' ``weights`` keep shapes and keys only, so nothing pins the converted tensors):
 
 - 4-bit (uint4 + zero point, uint4b8): ``torch._convert_weight_to_int4pack_for_cpu`` codes [N, K/2]
   per expert and a bfloat16 ``[G, N, 2]`` scale-and-zero table per expert, computed by
@@ -11,44 +12,64 @@ Per weight key (what the layer holds; built once from the ``nk`` layout, one exp
   takes group sizes 32..256; per-channel scales are repeated over 256/128/64/32-column groups.
 - 8-bit integer (int8, uint8b128 as ``code - 128``): int8 codes; per-channel/per-tensor scales go
   through one ``torch._weight_int8pack_mm`` with unit scales and a float32 scale after it; group
-  scales (GPTQ 8-bit) through one call per group on codes stored [G, N, g] (contiguous blocks).
-- fp8e4m3: the checkpoint's bytes, viewed as int8, dequantised one row tile at a time into a reused
-  float32 buffer by integer ops (sign-extend, ``<< 20``, mask: the float32 bits of ``fp8 * 2^-120``,
-  exact for normals and subnormals) times a per-row scale factor, then a float32 matmul.
+  scales (GPTQ / compressed-tensors 8-bit) through one call per group on codes stored [G, N, g]
+  (torch has no group-scaled int8 op; the exact alternative, ``q + 128 = 16 hi + lo`` as one int4pack
+  weight [hi | lo] along K with scales 16 s and s, was no faster at 2 threads and slower at 1: below).
+- fp8e4m3: the checkpoint's bytes, viewed as int8, dequantised a row tile at a time into a reused
+  int32 buffer by integer ops (sign-extend, ``<< 20``, mask: the float32 bits of ``fp8 * 2^-120``,
+  exact for normals and subnormals, which stay float32 subnormals in the matmul). block(128x128)
+  scales are folded into the activations (one scaled copy of x per 128-row block, one bmm per tile)
+  while an expert has fewer than 128 rows; otherwise, and for 1x32 MX scales, the tile is multiplied
+  by the scales before a float32 matmul.
 
 Activations: the 4- and 8-bit ops are fast on this CPU only in bfloat16, so they get bfloat16
 hidden states. No int8 activations: feeding int8 codes (exact in bfloat16) works, but the ops round
 each integer dot product to bfloat16 and requantising GEMM1's output then flips codes (2.0e-2 from
-the reference measured; issue 21). fp8 activations are fake-quantised by
-``quant_ref.fake_quantize_activation``, the function the reference calls. Everything between the
-GEMMs (bias, act-and-mul, router weight) is float32.
+the reference measured; issue 21). ``torch.ops.quantized.linear_dynamic`` (fbgemm, onednn and x86
+engines) takes the N=1536 K=2048 GEMM in 0.21-0.72 ms at M=1, but fed integer codes (padded with two
+columns so its per-tensor range is [-128, 127]) it gave 1.8e-1 relative error, and torch 2.13 deprecates
+quantized tensors: W8A8/W4A8 stay on the reference.
+fp8 activations are fake-quantised by ``quant_ref.fake_quantize_activation``, the function the reference
+calls. Everything between the GEMMs (bias, act-and-mul, router weight) is float32.
 
-Measured on the 2-core AMD EPYC (AVX2, no AVX-512/VNNI/AMX) with torch 2.13.0+cpu, one thread,
-one expert GEMM N=1536 K=2048 (Qwen3-30B-A3B's w13), 12 rotating weight copies, median of 15,
-time over a float32 ``x @ W.T`` in the same run (load average 5-8 from other jobs: +-30%):
+Measured on the 2-core AMD EPYC (AVX2, no AVX-512/VNNI/AMX; L2 512 KiB per core, L3 32 MiB), torch
+2.13.0+cpu, 2 threads, load average 1-3 from other jobs (repeat runs differ by 10-20%), one expert
+GEMM N=1536 K=2048 (Qwen3-30B-A3B's w13), 12 rotating weight copies, time over a float32 ``x @ W.T``
+in the same run (the issue 21 session's one-thread column, load 5-8, in brackets):
 
-=========================================  =======  =======  =======
-op (weights resident)                       M=1      M=4      M=16
-=========================================  =======  =======  =======
-float32 ``x @ W.T`` (4 B/weight)            1.00     1.00     1.00
-bfloat16 ``x @ W.T`` (2 B)                  1.00     1.14     5.66
-int4pack_mm_for_cpu, bfloat16 x (0.5 B)     0.56-0.75  0.17-0.50  1.3-2.2
-int4pack_mm_for_cpu, float32 / float16 x    18-26    11-25    25-66
-int8pack_mm, bfloat16 x (1 B)               0.60-0.77  0.18-0.53  1.3-2.2
-int8pack_mm, one call per 128-group, bf16   0.57-0.73  0.47     --
-int8pack_mm, float32 / float16 x            3.5-10   5-12     10-32
-_int_mm int8 x int8 -> int32                2.6-15   3.7-10   21
-_scaled_mm fp8 (any scales)                 49-66    7-10     5-8
-fp8 ``.to(float32)`` then mm                 37-61    7-8      3.4-11
-fp8 256-entry lookup table, row tiles        9.7      2.0      1.3
-fp8 int16 bit trick -> fp16 -> fp32, tiles  9.1      1.8      1.2
-fp8 int32 bit trick, 128..512-row tiles     2.3-2.4  1.4-2.6  --
-=========================================  =======  =======  =======
+================================================  ===========  ===========  ===========
+op (weights resident)                              M=1          M=4          M=16
+================================================  ===========  ===========  ===========
+float32 ``x @ W.T`` (4 B/weight)                   1.00         1.00         1.00
+int4pack_mm_for_cpu, bfloat16 x (0.5 B)            0.28-0.31    0.15-0.17    0.43-0.59
+int8pack_mm per channel, bfloat16 x (1 B)          0.38-0.41    0.20-0.23    0.44-0.62
+int8, one int8pack call per 128-group              0.75-1.03    0.35-0.37    1.1-1.7
+int8 as two int4pack calls (hi, lo planes)         0.63-0.64    0.31-0.32    0.77-1.13
+int8 as one int4pack call, [hi | lo] along K       0.56-0.62    0.29-0.32    0.77-0.87
+  the same three at 1 thread: per group 0.80-0.86, two calls 0.99-1.10, one call 0.97-1.08
+int8 per group, activations masked to G rows       2.5-3.5      --           --
+int4/int8pack, float32 / float16 x                 (3.5-26)     (5-25)       (10-66)
+``_int_mm`` int8 x int8 -> int32                   (2.6-15)     (3.7-10)     (21)
+``_scaled_mm`` fp8 (any scales)                    (49-66)      (7-10)       (5-8)
+fp8 ``copy_`` to float32 (torch's conversion)      7-8.5        --           --
+fp8 int32 bit trick, scales on 256-row tiles       1.53-1.65    1.02-1.09    --
+fp8 int32 bit trick, 512-row tiles                 1.32         0.93-1.01    --
+fp8 bit trick, block scales on x, bmm, 512 rows    1.08         0.72-0.76    --
+fp8 bit trick, block scales on x, bmm, 1536 rows   0.90-1.21    0.70-0.73    --
+fp8 int16 bit trick to bfloat16, bf16 bmm          1.28-1.49    --           --
+================================================  ===========  ===========  ===========
 
-So: bfloat16 int4/int8 packed ops; no ``_int_mm`` (no VNNI here: int8 x int8 is slower than
-feeding int8 codes as bfloat16 to int8pack_mm); fp8 stays about 2x the float32 GEMM on this CPU
-(dequantisation is the cost; the weights take a quarter of float32's memory). The packed ops lose
-to float32 above ~8 rows per expert (prefill); at decode and small batches they win.
+In the Qwen3-30B-A3B layer at M=1 (``tools/bench_cpu.py`` shape, same run, x over the float32 layer)
+group-scaled int8 took 0.63-0.67 per group and 0.63-0.64 as one [hi | lo] int4pack call at 2 threads,
+0.74-0.79 and 1.06-1.12 at 1 thread; per-channel int8pack 0.40-0.43 (1 thread 0.68), AWQ int4
+0.36-0.39. So: bfloat16 int4/int8 packed ops; one int8pack call per group. fp8 is bound
+by the dequantisation passes (copy, shift, mask: about 0.25 ns per weight, the float32 GEMM of the
+same weights 0.3 ns when they come from DRAM): in the Qwen3-30B-A3B layer at M=1 those passes took 55%
+of the time, the matmuls on the cache-hot tile 16%. Layer tile sweep (M=1, x over the float32 layer):
+2^18 elements 2.3-2.8, 2^19 1.8-2.1, 2^20 1.5-1.7, 2^21 1.7-2.1, 2^22 1.9-2.4; 2^20 is used. Against
+the earlier 2 MiB tiles with scales on the weights (same run): block(128x128) 1.92 -> 1.53 at M=1 and
+1.51 -> 1.29 at M=16, MX 1.57 -> 1.45 at M=1. Still slower than float32: no torch CPU op reads fp8.
+Layer results (``tools/bench_cpu.py``) are in issue 21's closing note.
 """
 
 from __future__ import annotations
@@ -70,10 +91,11 @@ __all__ = ["CpuPackedExperts"]
 
 FOREIGN_EXPERT = -1  # expert parallelism: a pair routed to another rank's expert adds nothing here
 INT4_OP_GROUPS = (256, 128, 64, 32)  # group sizes torch._weight_int4pack_mm_for_cpu takes
-FP8_TILE_ELEMENTS = 1 << 19  # float32 dequantisation tile: 2 MiB, rows = this // K
+FP8_TILE_ELEMENTS = 1 << 20  # dequantisation tile: 4 MiB, rows = this // K (fastest of 2^18..2^22 measured)
 FP8_BITS_SHIFT = 20  # e4m3 exponent+mantissa (7 bits) land at float32 bits 20..26: value * 2^-120
 FP8_BITS_MASK = 0x87FFFFFF - (1 << 32)  # keep the sign and those 7 bits of the sign-extended int8
 FP8_BITS_UNSCALE = 2.0 ** 120
+FP8_FOLD = 2.0 ** 60  # half of 2^120 on the activations, half on the output: both stay in float32's range
 
 
 def _pad_cols(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -185,11 +207,18 @@ class _Int8:
 
 @dataclass(frozen=True)
 class _Fp8:
-    """fp8e4m3 bytes (a view of the checkpoint's, as int8) and float32 [E, N, ceil(K/cols)] factors;
-    ``unscale`` says whether 2^120 is folded into the factors or multiplied into each tile."""
+    """fp8e4m3 bytes (a view of the checkpoint's, as int8) and float32 [E, ceil(N/rows), ceil(K/cols)] scales.
+
+    Each row tile is dequantised by integer ops to float32 bits of ``fp8 * 2^-120`` (exact, fp8 subnormals
+    become float32 subnormals). Scales shared by ``rows`` > 1 weight rows (block(128x128)) and fewer
+    activation rows than that are folded into the activations instead of the weights: one copy of x per
+    row block, times ``s * 2^60`` group by group, one bmm over the tile's row blocks, the output times
+    2^60 (no pass over the weight tile). Otherwise the tile is multiplied by ``s * 2^120`` per group
+    (``unscale``: by 2^120 first, then ``s``, where ``s * 2^120`` overflows float32)."""
 
     codes: torch.Tensor
-    factor: torch.Tensor
+    scale: torch.Tensor
+    rows: int
     cols: int
     unscale: bool
     k: int
@@ -197,35 +226,54 @@ class _Fp8:
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey) -> _Fp8:
         e, n, k = (int(d) for d in proj.weight.shape)
-        assert key.scale is not None
-        scale = _scale_per_group(proj, key, n, k)
-        cols = k if scale.shape[2] == 1 else key.scale.group.cols
-        folded = scale.double() * FP8_BITS_UNSCALE
-        if bool(torch.isfinite(folded.float()).all()):
-            return _Fp8(proj.weight.view(torch.int8), folded.float().contiguous(), cols, False, k)
-        return _Fp8(proj.weight.view(torch.int8), scale.contiguous(), cols, True, k)
+        assert key.scale is not None and proj.scale is not None
+        s = e8m0_to_float(proj.scale) if key.scale.dtype.name == "e8m0" else proj.scale.float()
+        rows = 1 if s.shape[1] == n else key.scale.group.rows
+        cols = k if s.shape[2] == 1 else key.scale.group.cols
+        unscale = not bool(torch.isfinite((s.double() * FP8_BITS_UNSCALE).float()).all())
+        return _Fp8(proj.weight.view(torch.int8), s.contiguous(), rows, cols, unscale, k)
 
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.factor.nbytes
+        return self.codes.nbytes + self.scale.nbytes
+
+    def tile_rows(self, k_padded: int, n: int) -> int:
+        """Rows per dequantised tile: about FP8_TILE_ELEMENTS, whole scale row blocks, at most the layer's N."""
+        rows = max(self.rows, FP8_TILE_ELEMENTS // k_padded // self.rows * self.rows)
+        return min(rows, -(-n // self.rows) * self.rows)
 
     def matmul(self, e: int, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        n, k = int(self.codes.shape[1]), self.k
-        groups = int(self.factor.shape[2])
+        n, k, m = int(self.codes.shape[1]), self.k, int(x.shape[0])
+        groups = int(self.scale.shape[2])
         kp = groups * self.cols
         x = _pad_cols(x, kp)
-        rows = int(buf.shape[0])
-        out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for r in range(0, n, rows):
-            t = min(rows, n - r)
+        xs = None
+        if self.rows > 1 and m < self.rows:  # fold: [blocks, M, kp] activations times s * 2^60 per group
+            xs = (x.view(1, m, groups, self.cols) * (self.scale[e] * FP8_FOLD)[:, None, :, None]).view(-1, m, kp)
+            if not bool(torch.isfinite(xs).all()):
+                xs = None
+        step = int(buf.shape[0])
+        out = torch.empty(m, n, dtype=torch.float32)
+        for r in range(0, n, step):
+            t = min(step, n - r)
             tile = buf[:t]
             tile[:, :k].copy_(self.codes[e, r:r + t])  # sign-extending int8 -> int32
-            tile.bitwise_left_shift_(FP8_BITS_SHIFT).bitwise_and_(FP8_BITS_MASK)
-            w = tile.view(torch.float32)
+            w = tile.bitwise_left_shift_(FP8_BITS_SHIFT).bitwise_and_(FP8_BITS_MASK).view(torch.float32)
+            if xs is not None:
+                whole = t // self.rows * self.rows
+                b0 = r // self.rows
+                if whole:
+                    y = torch.bmm(xs[b0:b0 + whole // self.rows], w[:whole].view(-1, self.rows, kp).transpose(1, 2))
+                    out[:, r:r + whole] = y.transpose(0, 1).reshape(m, whole)
+                if whole < t:  # the layer's last, partial row block
+                    torch.mm(xs[b0 + whole // self.rows], w[whole:].T, out=out[:, r + whole:r + t])
+                continue
             if self.unscale:
                 w.mul_(FP8_BITS_UNSCALE)
-            w.view(t, groups, self.cols).mul_(self.factor[e, r:r + t, :, None])
+            f = self.scale[e, r // self.rows:-(-(r + t) // self.rows)]
+            f = f.repeat_interleave(self.rows, dim=0)[r % self.rows:r % self.rows + t] if self.rows > 1 else f
+            w.view(t, groups, self.cols).mul_((f if self.unscale else f * FP8_BITS_UNSCALE)[:, :, None])
             torch.mm(x, w.T, out=out[:, r:r + t])
-        return out
+        return out.mul_(FP8_FOLD) if xs is not None else out
 
 
 def _build_proj(proj: ProjectionWeights, key: QuantKey) -> _Int4 | _Int8 | _Fp8:
@@ -263,17 +311,17 @@ class CpuPackedExperts(Experts):
         self._perm = tuple(None if p.perm is None else p.perm.to(torch.int64) for p in (weights.w13, weights.w2))
         self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))
         self._input_scale = (weights.w13.input_scale, weights.w2.input_scale)
-        self._fp8_bufs: dict[int, torch.Tensor] = {}
+        self._fp8_bufs: dict[tuple[int, int], torch.Tensor] = {}
 
     def resident_weight_bytes(self) -> int:
         """Bytes held for expert weights, scales and zero points (biases, perm and input scales not counted)."""
         return self.w13.nbytes() + self.w2.nbytes()
 
-    def _fp8_buffer(self, k_padded: int) -> torch.Tensor:
-        buf = self._fp8_bufs.get(k_padded)
+    def _fp8_buffer(self, rows: int, k_padded: int) -> torch.Tensor:
+        """The dequantisation tile for this shape, made once and reused (workspace, not weights)."""
+        buf = self._fp8_bufs.get((rows, k_padded))
         if buf is None:
-            rows = max(16, FP8_TILE_ELEMENTS // k_padded)
-            buf = self._fp8_bufs[k_padded] = torch.zeros(rows, k_padded, dtype=torch.int32)
+            buf = self._fp8_bufs[(rows, k_padded)] = torch.zeros(rows, k_padded, dtype=torch.int32)
         return buf
 
     def _gemm(self, which: int, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +335,8 @@ class CpuPackedExperts(Experts):
         if perm is not None:
             x = x.index_select(1, perm[e])
         if isinstance(proj, _Fp8):
-            y = proj.matmul(e, x.float(), self._fp8_buffer(int(proj.factor.shape[2]) * proj.cols))
+            kp = int(proj.scale.shape[2]) * proj.cols
+            y = proj.matmul(e, x.float(), self._fp8_buffer(proj.tile_rows(kp, int(proj.codes.shape[1])), kp))
         else:
             y = proj.matmul(e, x.to(torch.bfloat16))
         bias = self._bias[which]

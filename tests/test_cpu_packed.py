@@ -4,6 +4,8 @@ reference as the fallback."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from moe_registry_kernels.cpu_packed import CpuPackedExperts, packed_checkpoint_bytes
@@ -13,6 +15,7 @@ from moe_registry_kernels.reference import reference_moe
 from moe_registry.cli.main import main as cli_main
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.resident import reachable_tensor_bytes
 
 KEYS = [
     ("uint4 scale:float16:group(128):static zp:group", "unquantized"),
@@ -37,6 +40,9 @@ def test_resident_bytes_within_a_quarter_of_the_checkpoint(wkey: str, akey: str)
     experts = CpuPackedExperts(w, ExpertsConfig())
     ratio = experts.resident_weight_bytes() / packed_checkpoint_bytes(w)
     assert 0.99 <= ratio <= 1.25, f"{wkey}: resident / checkpoint bytes = {ratio:.3f}"
+    del w  # what the Experts object itself keeps reachable, the nk tensors gone
+    walked = reachable_tensor_bytes(experts) / packed_checkpoint_bytes(_weights(wkey, akey))
+    assert walked <= 1.25, f"{wkey}: reachable / checkpoint bytes = {walked:.3f}"
     # the Experts object does not pin the nk tensors it was built from
     assert experts.weights.w13.weight.untyped_storage().nbytes() <= 8
 
@@ -103,3 +109,46 @@ def test_explain_cpu_falls_back_to_reference_when_packed_cannot_run(tmp_path, ca
     assert "kernel      torch-reference" in out
     packed = next(ln for ln in out.splitlines() if "torch-cpu-packed" in ln)
     assert "rejected" in packed and "multiple of 16" in out
+
+
+# unquantized activations: fp8 activation codes flip on float32 rounding differences (1e-4 here), which
+# would hide a scale applied to the wrong block (the conformance suite runs the claimed fp8 activations)
+FP8_BLOCK = ("fp8e4m3 scale:float32:block(128x128):static", "unquantized")
+FP8_MX = ("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized")
+
+
+@pytest.mark.parametrize("tokens", [3, 160], ids=["scales-on-activations", "scales-on-weight-tiles"])
+@pytest.mark.parametrize("tile", [None, 1 << 14], ids=["one-tile", "many-tiles"])
+@pytest.mark.parametrize("keys", [FP8_BLOCK, FP8_MX], ids=["block128", "mx"])
+def test_fp8_paths_match_the_reference(monkeypatch, keys, tile, tokens: int) -> None:
+    """Both ways of applying fp8 scales (folded into the activations below 128 rows per expert, multiplied
+    into the weight tile otherwise), over one or several tiles, with a partial 128-row block (N = 400)
+    and a partial column group (K = 200): float32-exact against the float64 reference."""
+    import moe_registry_kernels.cpu_packed as cp
+
+    if tile is not None:
+        monkeypatch.setattr(cp, "FP8_TILE_ELEMENTS", tile)
+    w = make_random_expert_weights(parse_quant_key(keys[0]), parse_quant_key(keys[1]), num_experts=2, hidden=256,
+                                   intermediate=200, dtype=torch.float32, seed=3)
+    experts = CpuPackedExperts(w, ExpertsConfig())
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[1, 0]] * tokens, dtype=torch.int32)
+    topk_w = torch.full((tokens, 2), 0.5)
+    out = experts.apply(x, topk_w, ids)
+    ref = reference_moe(x, topk_w, ids, w, ExpertsConfig())
+    assert float((out.double() - ref).norm() / ref.norm()) < 1e-5
+
+
+def test_fp8_huge_scales_take_the_unscaled_tile_path() -> None:
+    """Scales whose product with 2^120 overflows float32 (e8m0 up to 2^127) still compute exactly."""
+    w = make_random_expert_weights(parse_quant_key(FP8_MX[0]), parse_quant_key(FP8_MX[1]), num_experts=2,
+                                   hidden=64, intermediate=64, dtype=torch.float32, seed=4)
+    big = torch.full_like(w.w13.scale, 127 + 20)  # 2^20 per block
+    w = dataclasses.replace(w, w13=dataclasses.replace(w.w13, scale=big))
+    experts = CpuPackedExperts(w, ExpertsConfig())
+    assert experts.w13.unscale and not experts.w2.unscale
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)) * 1e-6
+    ids = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    topk_w = torch.full((5, 2), 0.5)
+    ref = reference_moe(x, topk_w, ids, w, ExpertsConfig())
+    assert float((experts.apply(x, topk_w, ids).double() - ref).norm() / ref.norm()) < 1e-5

@@ -5,8 +5,10 @@ bound as tools/bench.py binds them (group 128 and no act-order where the spec al
 per distinct quantized (weight key, activation key) with the schemes that share it. Each row times
 the kernel and a plain float32 per-expert torch layer of the same shape round-robin in the same
 run (median of ``--repeats``), so load from other processes hits both alike: ``x_plain`` = kernel
-ms / plain ms. ``weight_bytes_resident`` is what the built kernel holds for expert weights, scales
-and zero points; ``weight_bytes_packed`` the checkpoint's bytes for the same tensors. Large layers
+ms / plain ms. ``weight_bytes_resident`` is every tensor storage reachable from the built kernel right
+after building (``moe_registry.layer.resident``: weights, scales, zero points and anything else it keeps;
+the fp8 dequantisation tile, made at the first call, is workspace and not counted);
+``weight_bytes_packed`` the checkpoint's bytes for the expert weights, scales and zero points. Large layers
 are built from ``--distinct`` random experts copied to E (real copies: every expert has its own
 memory).
 
@@ -41,6 +43,7 @@ from moe_registry.core.vocab import ACTIVATION_FNS
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.build import experts_class
 from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.resident import reachable_tensor_bytes
 from moe_registry.model.routing import softmax_topk
 from moe_registry.spec.loader import load_registry
 
@@ -176,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         weights = random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype)
         packed_bytes = packed_checkpoint_bytes(weights)
         experts_obj = cls(weights, config)
-        resident = int(experts_obj.resident_weight_bytes()) if hasattr(experts_obj, "resident_weight_bytes") \
-            else packed_bytes
         del weights
+        gc.collect()
+        resident = reachable_tensor_bytes(experts_obj)  # every tensor the built kernel keeps reachable
         ref = None
         if args.reference:
             ref = ReferenceExperts(random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype),

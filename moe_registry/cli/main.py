@@ -207,8 +207,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """One process, or, started by torchrun with several ranks (or with --ep above 1), this rank's part."""
     from moe_registry.cli.run import run_layer_command
+    from moe_registry.cli.run_ep import run_ep_command, torchrun_env
 
+    env = torchrun_env()
+    if env is not None and (env.world_size > 1 or (args.ep or 1) > 1):
+        return run_ep_command(args, env)
     return run_layer_command(args)
 
 
@@ -253,8 +258,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, metavar="N", help="expert-parallel size (default 1), e.g. --ep 8")
     p.add_argument("--dp", type=int, metavar="N", help="data-parallel size (default 1), e.g. --dp 2")
     p.add_argument("--all2all", metavar="BACKEND",
-                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; "
-                        "explain shows which kernels claim one: none is implemented yet), e.g. --ep 8 --all2all none")
+                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; run under "
+                        "torchrun: allgather_reducescatter, the one implemented; explain shows which kernels claim "
+                        "it), e.g. --ep 8 --all2all allgather_reducescatter")
     p.add_argument("--layer", type=int, metavar="N",
                    help="decoder layer (default: the first MoE layer), e.g. --layer 3")
     p.add_argument("--max-tokens", type=int, dest="max_tokens", metavar="N",
@@ -310,7 +316,8 @@ def build_parser() -> Parser:
     p = _add(parser, sub, "run", "load one MoE layer of a checkpoint, run it, compare with float64 and time it",
              (f"moe-registry run {EXAMPLE_MODEL} --layer 1",
               f"moe-registry run {EXAMPLE_MODEL} --tokens 64 --repeat 20 --threads 1 --json",
-              f"moe-registry run {EXAMPLE_MODEL} --inputs in.safetensors --save-output out.safetensors"))
+              f"moe-registry run {EXAMPLE_MODEL} --inputs in.safetensors --save-output out.safetensors",
+              f"torchrun --nproc-per-node 2 -m moe_registry run {EXAMPLE_MODEL} --ep 2 --json   # expert parallel"))
     p.add_argument("target", help="a model dir (config.json and its safetensors)")
     _add_runtime_flags(p)
     p.add_argument("--tokens", type=int, default=16, metavar="M",

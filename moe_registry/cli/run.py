@@ -21,6 +21,7 @@ from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
 from moe_registry.model.routing import Routing, from_given
 from moe_registry.oracle.contract import Report
+from moe_registry.oracle.runtime import MoEShape
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,12 @@ def default_threads() -> int:
 
 def check_run_flags(args: argparse.Namespace) -> None:
     """Refuse, before loading anything, the flags one process cannot honour and bad values."""
+    check_one_process_flags(args)
+    check_common_flags(args)
+
+
+def check_one_process_flags(args: argparse.Namespace) -> None:
+    """Outside torchrun, run is one process: no expert or data parallelism, no all2all."""
     for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
         if value is not None and value > 1:
             how = ("that each call moe_registry.build(..., ep={v}, all2all='allgather_reducescatter')"
@@ -91,6 +98,10 @@ def check_run_flags(args: argparse.Namespace) -> None:
     if args.all2all not in (None, "none"):
         raise ConfigError(f"--all2all {args.all2all}: an all2all dispatches between expert-parallel ranks; "
                           "run is one process (ep=1), so only 'none' applies")
+
+
+def check_common_flags(args: argparse.Namespace) -> None:
+    """Values every run must have right, one process or many."""
     for flag, value in (("--repeat", args.repeat), ("--tokens", args.tokens), ("--threads", args.threads),
                         ("--max-tokens", args.max_tokens)):
         if value is not None and value < 1:
@@ -119,6 +130,16 @@ def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor
         torch.set_num_threads(before)
 
 
+def layer_inputs(args: argparse.Namespace, shape: MoEShape, tokens: int) -> tuple[torch.Tensor, Routing | None]:
+    """The hidden states (float32) and the routing, if given: ``--inputs``, checked, or ``tokens`` seeded random
+    rows (the same on every rank)."""
+    if not args.inputs:
+        return torch.randn(tokens, shape.hidden, generator=torch.Generator().manual_seed(args.seed)), None
+    x, routing = read_inputs(Path(args.inputs), shape.hidden, shape.num_experts)
+    guards.check_run_inputs(Path(args.inputs), x, None if routing is None else routing.topk_ids, shape.top_k)
+    return x, routing
+
+
 def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResult, torch.Tensor]:
     from moe_registry_kernels.reference import reference_moe
 
@@ -129,13 +150,7 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     dtype = DTYPES[runtime.dtype]
     device = built.kernel.experts.weights.device
     shape = layer.model.shape
-    routing: Routing | None = None
-    if args.inputs:
-        x, routing = read_inputs(Path(args.inputs), shape.hidden, shape.num_experts)
-        guards.check_run_inputs(Path(args.inputs), x, None if routing is None else routing.topk_ids, shape.top_k)
-    else:
-        gen = torch.Generator().manual_seed(args.seed)
-        x = torch.randn(args.tokens, shape.hidden, generator=gen)
+    x, routing = layer_inputs(args, shape, args.tokens)
     if x.shape[0] > runtime.max_tokens:
         raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {runtime.max_tokens}")
     x = x.to(device, dtype)
@@ -168,7 +183,8 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
 
 
 def run_layer_command(args: argparse.Namespace) -> int:
-    """``moe-registry run``: exit 0 within the scheme's tolerance, 1 outside it."""
+    """``moe-registry run`` in one process: exit 0 within the scheme's tolerance, 1 outside it (under torchrun
+    ``cli.run_ep`` runs instead)."""
     report, result, out = run_layer(args)
     if args.save_output:
         save_file({"output": out.detach().cpu().contiguous()}, args.save_output, metadata={"format": "pt"})

@@ -10,14 +10,18 @@ rank's tokens padded to it), so the forward never reads a count on the host and 
 hold it where the backend allows. It sends world × max_tokens rows where an all-to-all would send
 each pair once; it is the simple, synchronisation-free first backend.
 
-Not yet wired into the oracle: no kernel spec claims an all2all backend but ``none`` until the
-selection, loading and ``run`` under torchrun are built on it.
+The kernel specs that claim it say so (``parallel.all2all``) and the oracle chooses it; ``build`` reads only a
+rank's own experts (``model.checkpoint.read_layer(experts=...)``) and ``moe-registry run`` under torchrun runs
+it. ``counters`` (:class:`DispatchCounters`) say what each forward handed to the collectives.
+
+Why not ``all_to_all_single``: it takes per-rank split sizes as host integers, so a forward would have to
+copy the routed counts to the host (a device sync) before sending; this backend's sizes are fixed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 import torch
@@ -31,8 +35,8 @@ FOREIGN_EXPERT = -1
 """The expert id of a pair another rank computes: the experts kernels add nothing for it."""
 
 # torch 2.13 renamed the tensor forms of the two collectives (the old names warn); older torch has only those
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 T = TypeVar("T")
@@ -42,7 +46,7 @@ class ExpertParallelError(MoERegistryError, RuntimeError):
     """A collective failed: a rank died, or the group's timeout passed while waiting for one."""
 
 
-def _collective(what: str, rank: int, world: int, call: Callable[[], T]) -> T:
+def collective(what: str, rank: int, world: int, call: Callable[[], T]) -> T:
     """Run one collective; a failure (a dead peer, the group's timeout) becomes one line naming it."""
     try:
         return call()
@@ -90,6 +94,31 @@ class ExpertPlacement:
 
 
 @dataclass(frozen=True)
+class DispatchCounters:
+    """What one dispatcher handed to its collectives, summed over its forwards (``calls``): the bytes of this
+    rank's all-gather inputs (its padded rows, router weights and ids) and of its reduce-scatter input. Counted
+    from tensor sizes known on the host, so counting costs no collective and no device sync (a CUDA graph
+    replay does not run the Python that counts)."""
+
+    world_size: int
+    calls: int = 0
+    gathered_bytes: int = 0
+    scattered_bytes: int = 0
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes that leave this rank: each peer needs its all-gather inputs ((world - 1) x) and its share of
+        every other rank's reduce-scatter slice ((world - 1) / world of its input), as a ring or a direct
+        exchange sends them."""
+        w = self.world_size
+        return (w - 1) * self.gathered_bytes + (w - 1) * self.scattered_bytes // w
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
 class GatheredTokens:
     """What finalize needs: how many of this rank's rows were real (the rest was padding)."""
 
@@ -119,6 +148,7 @@ class AllGatherReduceScatter(PrepareFinalize):
         self._agree(f"{agreement}|experts={placement.num_experts}|round_robin={placement.round_robin}|"
                     f"max_tokens={max_tokens}")
         self._local_ids = {torch.device("cpu"): placement.local_ids()}  # per device: no copy in the forward
+        self.counters = DispatchCounters(placement.world_size)
 
     def num_global_experts(self, local_experts: int) -> int:
         if local_experts != self.placement.local_count:
@@ -133,7 +163,9 @@ class AllGatherReduceScatter(PrepareFinalize):
         import hashlib
 
         digest = torch.frombuffer(bytearray(hashlib.sha256(what.encode()).digest()), dtype=torch.uint8).clone()
-        digests = self._gather(digest).view(self.placement.world_size, -1)
+        if dist.get_backend(self.group) == "nccl":  # an NCCL-only group moves CUDA tensors alone
+            digest = digest.to(torch.device("cuda", torch.cuda.current_device()))
+        digests = self._gather(digest).view(self.placement.world_size, -1).cpu()
         differ = [r for r in range(self.placement.world_size) if not torch.equal(digests[r], digests[0])]
         if differ:
             raise ExpertParallelError(f"expert parallelism: ranks {', '.join(map(str, differ))} build another layer "
@@ -142,8 +174,8 @@ class AllGatherReduceScatter(PrepareFinalize):
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_empty(self.placement.world_size * t.shape[0], *t.shape[1:])
-        _collective("all_gather", self.placement.rank, self.placement.world_size,
-                    lambda: _ALL_GATHER(out, t.contiguous(), group=self.group))
+        collective("all_gather", self.placement.rank, self.placement.world_size,
+                    lambda: ALL_GATHER(out, t.contiguous(), group=self.group))
         return out
 
     def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
@@ -158,6 +190,8 @@ class AllGatherReduceScatter(PrepareFinalize):
         ids = torch.full((self.max_tokens, top_k), FOREIGN_EXPERT, dtype=torch.int64, device=topk_ids.device)
         ids[:m] = topk_ids
         all_rows, all_weights, all_ids = self._gather(rows), self._gather(weights), self._gather(ids)
+        c = self.counters
+        self.counters = replace(c, calls=c.calls + 1, gathered_bytes=c.gathered_bytes + _nbytes(rows, weights, ids))
         table = self._local_ids.get(all_ids.device)
         if table is None:  # the first call on this device (outside any CUDA graph it is captured in later)
             table = self._local_ids[all_ids.device] = self._local_ids[torch.device("cpu")].to(all_ids.device)
@@ -169,10 +203,14 @@ class AllGatherReduceScatter(PrepareFinalize):
         if not isinstance(d, GatheredTokens):
             raise ValueError("finalize got a PreparedInput that AllGatherReduceScatter.prepare did not make")
         mine = expert_output.new_empty(self.max_tokens, expert_output.shape[1])
-        _collective("reduce_scatter", self.placement.rank, self.placement.world_size,
-                    lambda: _REDUCE_SCATTER(mine, expert_output.contiguous(), group=self.group))
+        collective("reduce_scatter", self.placement.rank, self.placement.world_size,
+                    lambda: REDUCE_SCATTER(mine, expert_output.contiguous(), group=self.group))
+        self.counters = replace(self.counters, scattered_bytes=self.counters.scattered_bytes + _nbytes(expert_output))
         return mine[:d.num_tokens]
 
+
+DEFAULT_BACKEND = "allgather_reducescatter"
+"""The backend ``run`` under torchrun and ``load_layer(ep=N)`` use when none is named (the only one here)."""
 
 DISPATCHERS: dict[str, type[AllGatherReduceScatter]] = {"allgather_reducescatter": AllGatherReduceScatter}
 """The PrepareFinalize of each all2all backend a kernel spec may claim besides none (core.vocab.KernelAll2All)."""

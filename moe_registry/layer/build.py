@@ -4,31 +4,35 @@ check runs before the kernel is constructed."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from moe_registry.core import guards
-from moe_registry.core.errors import CheckpointError, ConfigError
+from moe_registry.core.errors import CheckpointError, ConfigError, MoERegistryError
 from moe_registry.formats import get_converter
-from moe_registry.formats.registry import ConvertContext
-from moe_registry.formats.weights import ExpertWeights
+from moe_registry.formats.registry import ConvertContext, Converter
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
-from moe_registry.model.checkpoint import LayerTensors, open_checkpoint, read_layer
+from moe_registry.model.checkpoint import LAYER_WIDE, LayerTensors, open_checkpoint, read_layer
 from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
 from moe_registry.oracle.contract import Report
-from moe_registry.oracle.runtime import Platform
+from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import Registry, load_registry
 from moe_registry.spec.view import KernelSpec
+
+if TYPE_CHECKING:
+    from moe_registry.layer.all2all import ExpertPlacement
 
 log = logging.getLogger("moe_registry")
 _LOGGED: set[tuple[str, str, str, str]] = set()
@@ -49,12 +53,23 @@ def experts_class(kernel: KernelSpec) -> type[Experts]:
 
 @dataclass(frozen=True)
 class BuiltKernel:
-    """The oracle's report, the converted weights and the ready kernel."""
+    """The oracle's report, the converted weights and the ready kernel. ``converted`` is None when the
+    kernel keeps its own copy of the weights (a packed or device copy): holding the converted tensors too
+    would double the layer's memory, so ``weights`` converts again from the checkpoint when asked."""
 
     report: Report
-    weights: ExpertWeights
+    converted: ExpertWeights | None
     kernel: FusedMoEKernel
     tolerance: float
+    reconvert: Callable[[], ExpertWeights] | None = None
+
+    @property
+    def weights(self) -> ExpertWeights:
+        """The converted expert weights, in the chosen kernel's layout (this rank's experts)."""
+        if self.converted is not None:
+            return self.converted
+        assert self.reconvert is not None
+        return self.reconvert()
 
 
 def device_for(platform: Platform, device: str | torch.device | None) -> torch.device:
@@ -75,9 +90,11 @@ def device_for(platform: Platform, device: str | torch.device | None) -> torch.d
 
 
 def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors, *,
-                       device: str | torch.device | None = None, tensor_name: Any = None) -> BuiltKernel:
+                       device: str | torch.device | None = None, tensor_name: Any = None,
+                       reread: Callable[[], LayerTensors] | None = None) -> BuiltKernel:
     """Convert checked checkpoint tensors with the converter for (format, kernel layout) and wrap
-    the chosen kernel."""
+    the chosen kernel. With ``reread`` (reads the same tensors again), a kernel that keeps its own copy
+    of the weights is returned without the converted ones (``BuiltKernel.weights`` converts again)."""
     assert report.scheme is not None and report.chosen is not None
     scheme = registry.scheme(report.scheme.scheme)
     kernel_spec = registry.kernel(report.chosen)
@@ -86,8 +103,8 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     ctx = ConvertContext(report.scheme.weight_key, report.scheme.activation_key,  # type: ignore[arg-type]
                          DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
-    weights = convert(list(tensors.experts), ctx)
-    prepare_finalize, weights = _dispatch(report, weights)
+    full = convert_layer(convert, tensors, ctx)
+    prepare_finalize, weights = _dispatch(report, full, tensors.expert_ids)
     loaded = registry.kernels[report.chosen]
     # checked again right before importing it (the spec dir may have changed since loading)
     guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
@@ -102,20 +119,63 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
         _LOGGED.add(key)
         log.info("moe-registry: scheme %s runs on kernel %s (%s, %s)", *key)
     tol = scheme.tolerance.get(runtime.dtype, max(scheme.tolerance.values()))  # type: ignore[call-overload]
-    return BuiltKernel(report, weights, FusedMoEKernel(prepare_finalize, experts), tol)
+    fused = FusedMoEKernel(prepare_finalize, experts)
+    # a rank's share taken out of every expert's (not read alone) is not what reread gives: kept
+    if reread is None or weights is not full or _same_storage(experts.weights, weights):
+        return BuiltKernel(report, weights, fused, tol)
+    return BuiltKernel(report, None, fused, tol, lambda: convert_layer(convert, reread(), ctx))
 
 
-def _dispatch(report: Report, weights: ExpertWeights) -> tuple[PrepareFinalize, ExpertWeights]:
-    """The PrepareFinalize the situation's all2all backend names and the experts this rank holds: all of
-    them with no dispatch, its share of them (contiguous placement) under an all2all over the process
-    group, which must already exist with ep ranks."""
-    runtime = report.situation.runtime
+def _same_storage(held: ExpertWeights, converted: ExpertWeights) -> bool:
+    """Whether the kernel holds the converted weight tensors themselves (then keeping them costs nothing)."""
+    return all(a.weight.untyped_storage().data_ptr() == b.weight.untyped_storage().data_ptr()
+               for a, b in ((held.w13, converted.w13), (held.w2, converted.w2)))
+
+
+def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext) -> ExpertWeights:
+    """Convert the experts ``tensors`` holds. Read for a subset of them (an expert-parallel rank), messages
+    name experts by their global ids, and the layer-wide ``input_scale`` (the largest over ALL experts in the
+    single-process layer) is taken over every expert's checkpoint scale (``tensors.layer_wide``), so each
+    rank quantizes activations exactly as the single-process layer does."""
+    ids = tensors.expert_ids
+    if ids is None:
+        return convert(list(tensors.experts), ctx)
+    name = ctx.tensor_name
+    weights = convert(list(tensors.experts), replace(ctx, tensor_name=lambda e, role, t: name(ids[e], role, t)))
+    return replace(weights, w13=_layer_wide(weights.w13, tensors, ("gate", "up"), name),
+                   w2=_layer_wide(weights.w2, tensors, ("down",), name))
+
+
+def _layer_wide(proj: ProjectionWeights, tensors: LayerTensors, roles: tuple[str, ...],
+                name: Any) -> ProjectionWeights:
+    """``proj`` with its input_scale the largest over every expert's ``roles`` checkpoint scale (float32, as
+    the converters take it). Checked: over this rank's experts it must be the converter's own value, so a
+    converter that derives the scale otherwise fails here instead of giving ranks a wrong one."""
+    if proj.input_scale is None:  # the converter keeps no static activation scale (e.g. weight-only runs)
+        return proj
+    assert tensors.expert_ids is not None
+    found = {(e, r): t.to(torch.float32).reshape(()) for e, wide in enumerate(tensors.layer_wide) for r in roles
+             for key, t in wide.get(r, {}).items() if key in LAYER_WIDE}
+    for (e, r), v in found.items():
+        if not (float(v) > 0 and float(v) != float("inf")):
+            raise CheckpointError(f"{name(e, r, 'input_scale')}: {float(v)}; expected a finite scale > 0")
+    own = [v for (e, _), v in found.items() if e in tensors.expert_ids]
+    if not own or not torch.equal(torch.stack(own).max().reshape(1), proj.input_scale.to(torch.float32)):
+        raise MoERegistryError(f"expert parallelism: the converter's input_scale {proj.input_scale.tolist()} is not "
+                               f"the largest checkpoint input_scale of this rank's experts; wanted the converter to "
+                               f"take it as stored, so every rank can use the layer's largest")
+    return replace(proj, input_scale=torch.stack(list(found.values())).max().reshape(1).to(proj.input_scale.dtype))
+
+
+def _placement(runtime: RuntimeConfig) -> ExpertPlacement | None:
+    """The experts this rank holds under an all2all (contiguous placement over the process group, which must
+    already exist with ep ranks); None without one (every expert is local)."""
     p = runtime.parallel
     if p.all2all == "none":
-        return LocalPrepareFinalize(), weights
+        return None
     import torch.distributed as dist
 
-    from moe_registry.layer.all2all import DISPATCHERS, ExpertPlacement
+    from moe_registry.layer.all2all import ExpertPlacement
 
     if not dist.is_initialized():
         raise ConfigError(f"ep={p.ep}, all2all {p.all2all}: no torch.distributed process group; start the {p.ep} "
@@ -123,22 +183,51 @@ def _dispatch(report: Report, weights: ExpertWeights) -> tuple[PrepareFinalize, 
                           "in each) first")
     if dist.get_world_size() != p.ep:
         raise ConfigError(f"ep={p.ep}, but the process group has {dist.get_world_size()} ranks; wanted {p.ep}")
-    placement = ExpertPlacement(weights.num_experts, p.ep, dist.get_rank())
-    scheme = report.scheme
+    assert runtime.shape is not None
+    try:
+        return ExpertPlacement(runtime.shape.num_experts, p.ep, dist.get_rank())
+    except ValueError as err:
+        raise ConfigError(f"--ep: {err}") from None
+
+
+def _dispatch(report: Report, weights: ExpertWeights,
+              read: tuple[int, ...] | None = None) -> tuple[PrepareFinalize, ExpertWeights]:
+    """The PrepareFinalize the situation's all2all backend names and the experts this rank holds: all of
+    them with no dispatch, its share of them under an all2all: ``weights`` as they are when they were read
+    for exactly that share (``read``: the global ids), else the share taken out of every expert's."""
+    runtime = report.situation.runtime
+    placement = _placement(runtime)
+    if placement is None:
+        return LocalPrepareFinalize(), weights
+    from moe_registry.layer.all2all import DISPATCHERS
+
+    owned = placement.local_experts()
+    if read is not None and read != tuple(owned.tolist()):
+        raise ConfigError(f"the tensors were read for experts {list(read)}, but rank {placement.rank} of "
+                          f"{placement.world_size} holds experts {owned.tolist()}")
+    p, scheme = runtime.parallel, report.scheme
     agreement = (f"{runtime.shape}|{runtime.dtype}|{p}|{scheme.scheme if scheme else ''}|"
                  f"{dict(scheme.bindings) if scheme else ''}|{report.chosen}")
     return (DISPATCHERS[p.all2all](placement, runtime.max_tokens, agreement=agreement),
-            weights.subset(placement.local_experts()))
+            weights if read is not None else weights.subset(owned))
 
 
 @dataclass(frozen=True)
 class LayerBuild:
     """A built layer with what is needed to route tokens to it: ``report``, ``weights``, ``kernel``
-    and ``tolerance`` (shortcuts into ``built``), the model's config and the layer's tensors."""
+    and ``tolerance`` (shortcuts into ``built``), the model's config and the layer's tensors. It keeps
+    the router's tensors, not the experts' checkpoint tensors (the kernel holds its own copy of those):
+    ``tensors`` reads them again."""
 
     built: BuiltKernel
     model: ModelConfig
-    tensors: LayerTensors
+    router_tensors: LayerTensors
+    reread: Callable[[], LayerTensors]
+
+    @property
+    def tensors(self) -> LayerTensors:
+        """The layer's checkpoint tensors, router included, read again from the checkpoint."""
+        return self.reread()
 
     @property
     def report(self) -> Report:
@@ -187,13 +276,18 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     family = registry.families[model.family].spec
     shape = situation.runtime.shape
     assert shape is not None
-    tensors = read_layer(index, family, situation.layer, scheme, report.scheme.bindings, shape)
+    placement = _placement(situation.runtime)  # an expert-parallel rank reads only its own experts
+    owned = None if placement is None else tuple(placement.local_experts().tolist())
+    reread = functools.partial(read_layer, index, family, situation.layer, scheme, report.scheme.bindings, shape,
+                               owned)
+    tensors = reread()
     if tensors.has_bias and not shape.has_bias:
         # The checkpoint carries expert biases the config did not announce: decide again with them.
         runtime = replace(situation.runtime, shape=replace(shape, has_bias=True))
         report = select(registry, replace(situation, runtime=runtime), prefer=prefer, pin=kernel)
-    built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensors.names.tensor)
-    return LayerBuild(built, model, tensors)
+    built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensors.names.tensor,
+                               reread=reread)
+    return LayerBuild(built, model, replace(tensors, experts=()), reread)
 
 
 class MoELayer(torch.nn.Module):
@@ -201,16 +295,17 @@ class MoELayer(torch.nn.Module):
 
     def __init__(self, layer: LayerBuild) -> None:
         super().__init__()
-        if layer.tensors.router is None:
-            raise CheckpointError(f"{layer.tensors.names.router}: missing (the router is needed to route tokens; "
+        tensors = layer.router_tensors
+        if tensors.router is None:
+            raise CheckpointError(f"{tensors.names.router}: missing (the router is needed to route tokens; "
                                   "pass topk_ids/topk_weights to the kernel instead)")
         self.build = layer.built
         self.kernel = layer.built.kernel
         dev = layer.built.kernel.experts.weights.device
-        self.register_buffer("router_weight", layer.tensors.router.to(dev, torch.float32))
-        bias = layer.tensors.correction_bias
+        self.register_buffer("router_weight", tensors.router.to(dev, torch.float32))
+        bias = tensors.correction_bias
         self.register_buffer("correction_bias", None if bias is None else bias.to(dev, torch.float32))
-        rb = layer.tensors.router_bias
+        rb = tensors.router_bias
         self.register_buffer("router_bias", None if rb is None else rb.to(dev, torch.float32))
         self.top_k = layer.model.shape.top_k
         self.routing_params = dict(layer.model.routing)
@@ -236,5 +331,12 @@ class MoELayer(torch.nn.Module):
 
 def load_layer(model_dir: str | Path, layer: int | None = None, device: str | torch.device | None = None,
                **kwargs: Any) -> MoELayer:
-    """One MoE layer of a checkpoint as an nn.Module (router + fused experts), ready to call."""
+    """One MoE layer of a checkpoint as an nn.Module (router + fused experts), ready to call. With ``ep=N`` (> 1),
+    call it in each of N ranks of a torch.distributed process group: the module holds the rank's share of the
+    experts (read alone from the checkpoint) and is called with the rank's own tokens (at most ``max_tokens``);
+    ``all2all`` defaults to the one backend implemented (``layer.all2all.DEFAULT_BACKEND``)."""
+    if (kwargs.get("ep") or 1) > 1 and kwargs.get("all2all") is None:
+        from moe_registry.layer.all2all import DEFAULT_BACKEND
+
+        kwargs = {**kwargs, "all2all": DEFAULT_BACKEND}
     return MoELayer(build(model_dir, layer=layer, device=device, **kwargs))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,11 @@ _ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16"
               "I16": "int16", "F64": "float64", "BOOL": "bool"}
 # A projection may carry a bias (gpt-oss style); it is optional for every scheme.
 BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True, all_equal=None)
+LAYER_WIDE = frozenset({"input_scale"})
+"""Per-expert checkpoint tensors that conversion collapses over ALL experts into one layer-wide value
+(``ProjectionWeights.input_scale``: the largest static activation scale, as vLLM does). A rank that reads only
+its own experts still reads these (one scalar per projection) for every expert, so that its layer-wide value
+is the single-process layer's, not the largest over its own experts."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,26 @@ class CheckpointIndex:
         with safe_open(str(info.file), framework="pt") as f:
             tensor = f.get_tensor(name)
         guards.check_tensor_values(name, tensor)  # NaN/inf, fp8/e8m0 NaN codes: refused at load
+        return tensor
+
+    def load_experts(self, name: str, experts: Sequence[int] | None, rows: int = 1) -> torch.Tensor:
+        """A tensor stacked over experts along dim 0 (``rows`` rows per expert), only ``experts``' slices in
+        that order (``None``: the whole tensor). Runs of consecutive experts are read as one slice
+        (``get_slice``), so no other expert's bytes are read."""
+        if experts is None:
+            return self.load(name)
+        runs: list[list[int]] = []
+        for e in experts:
+            if runs and e == runs[-1][1]:
+                runs[-1][1] = e + 1
+            else:
+                runs.append([e, e + 1])
+        info = self.tensors[name]
+        with safe_open(str(info.file), framework="pt") as f:
+            sl = f.get_slice(name)
+            parts = [sl[lo * rows:hi * rows] for lo, hi in runs]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        guards.check_tensor_values(name, tensor)
         return tensor
 
 
@@ -183,7 +208,9 @@ def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex) -> 
 
 @dataclass(frozen=True)
 class LayerTensors:
-    """One layer's raw checkpoint tensors: per expert, role → tensor name → tensor."""
+    """One layer's raw checkpoint tensors: per expert, role → tensor name → tensor. Read for a subset of the
+    experts (an expert-parallel rank), ``experts`` holds those of ``expert_ids`` (global ids, in that order)
+    and ``layer_wide`` every expert's :data:`LAYER_WIDE` tensors; read whole, ``expert_ids`` is None."""
 
     experts: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]
     router: torch.Tensor | None
@@ -191,6 +218,8 @@ class LayerTensors:
     names: LayerNames
     has_bias: bool
     router_bias: torch.Tensor | None = None
+    expert_ids: tuple[int, ...] | None = None
+    layer_wide: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...] = ()
 
 
 def _dims(role: str, shape: MoEShape) -> dict[str, int]:
@@ -213,16 +242,19 @@ def _check_tensor(name: str, info: TensorInfo, spec: TensorSpec, values: dict[st
 
 
 def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, scheme: SchemeSpec,
-               bindings: Mapping[str, Any], shape: MoEShape) -> LayerTensors:
-    """Check then load every expert tensor of ``layer`` (and its router)."""
+               bindings: Mapping[str, Any], shape: MoEShape, experts: Sequence[int] | None = None) -> LayerTensors:
+    """Check every expert tensor's header of ``layer``, then load its router and the tensors of ``experts``
+    (global ids, in that order; default all): per-expert tensors by name, fused ones by slice. With a subset,
+    every expert's :data:`LAYER_WIDE` tensors are loaded too (``LayerTensors.layer_wide``)."""
+    ids = _expert_ids(experts, shape.num_experts)
     names = layer_names(family, layer, index)
     if names.fused is not None and scheme.checkpoint.fused_names is not None:
         names = replace(names, fused=replace(names.fused, tensor_names=scheme.checkpoint.fused_names))
-        experts, has_bias = _read_fused_stacked(index, names, layer, scheme, shape, bindings)
-        return _with_router(index, names, shape, experts, has_bias)
-    if names.fused is not None:
-        experts, has_bias = _read_fused(index, names, layer, scheme, shape)
-        return _with_router(index, names, shape, experts, has_bias)
+        got, has_bias, wide = _read_fused_stacked(index, names, layer, scheme, shape, bindings, ids)
+        return replace(_with_router(index, names, shape, got, has_bias), expert_ids=ids, layer_wide=wide)
+    if names.fused is not None:  # one 'weight' tensor per projection: nothing layer-wide
+        got, has_bias = _read_fused(index, names, layer, scheme, shape, ids)
+        return replace(_with_router(index, names, shape, got, has_bias), expert_ids=ids)
     projections = names.projections
     assert names.expert_prefix is not None and projections is not None
     declared = {**scheme.checkpoint.tensors, "bias": BIAS_SPEC}
@@ -269,14 +301,36 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
         plan.append(roles)
     if len(bias_flags) > 1:
         raise CheckpointError(f"layer {layer}: some expert projections have a bias and others do not")
-    experts = tuple({role: {t: _load_checked(index, full, declared[t], scheme.scheme) for t, full in tensors.items()}
-                     for role, tensors in roles.items()} for roles in plan)
-    return _with_router(index, names, shape, experts, bias_flags == {True})
+    wanted = range(shape.num_experts) if ids is None else ids
+    loaded = {e: {role: {t: _load_checked(index, full, declared[t], scheme.scheme) for t, full in tensors.items()}
+                  for role, tensors in plan[e].items()} for e in wanted}
+    wide: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...] = ()
+    if ids is not None:  # every expert's layer-wide scalars; an owned expert's are already loaded
+        wide = tuple({role: {t: (loaded[e][role][t] if e in loaded else
+                                 _load_checked(index, full, declared[t], scheme.scheme))
+                             for t, full in tensors.items() if t in LAYER_WIDE}
+                      for role, tensors in plan[e].items()} for e in range(shape.num_experts))
+    tensors_out = _with_router(index, names, shape, tuple(loaded[e] for e in wanted), bias_flags == {True})
+    return replace(tensors_out, expert_ids=ids, layer_wide=wide)
 
 
-def _load_checked(index: CheckpointIndex, full: str, spec: TensorSpec, scheme: str) -> torch.Tensor:
-    """Load one tensor; one whose value the scheme fixes (``all_equal``) must hold it everywhere."""
-    t = index.load(full)
+def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> tuple[int, ...] | None:
+    """The experts to read as a tuple of distinct ids in [0, num_experts) (None: all)."""
+    if experts is None:
+        return None
+    ids = tuple(int(e) for e in experts)
+    bad = [e for e in ids if not 0 <= e < num_experts]
+    if bad or len(set(ids)) != len(ids):
+        raise CheckpointError(f"experts to read {list(ids)}: wanted distinct ids in [0, {num_experts}) "
+                              f"({num_experts} experts in config.json)")
+    return ids
+
+
+def _load_checked(index: CheckpointIndex, full: str, spec: TensorSpec, scheme: str,
+                  ids: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Load one tensor (of a stacked one, only the slices of ``ids``); one whose value the scheme fixes
+    (``all_equal``) must hold it everywhere."""
+    t = index.load(full) if ids is None else index.load_experts(full, ids)
     if spec.all_equal is not None:
         check_all_equal(t, spec.all_equal, full, f"scheme {scheme} fixes this tensor")
     return t
@@ -304,9 +358,11 @@ def _per_expert(index: CheckpointIndex, name: str | None, shape: MoEShape) -> to
     return index.load(name).reshape(shape.num_experts)
 
 
-def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec,
-                shape: MoEShape) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
-    """Per-expert [out, in] views of a fused family's stacked tensors, shapes and dtypes checked first.
+def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec, shape: MoEShape,
+                ids: tuple[int, ...] | None = None
+                ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
+    """Per-expert [out, in] views of a fused family's stacked tensors, shapes and dtypes checked first
+    (of every expert, or of ``ids`` alone: only their slices are read).
 
     The fused tensors are the scheme's one ``weight`` tensor for every expert at once, so only
     schemes that declare exactly that per projection are read this way. With several declared
@@ -362,7 +418,11 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
             for lay in dict.fromkeys(order(what, lay) for lay in fused.layouts))
         raise CheckpointError(f"{fused.of(what)}: shape {list(infos[what].shape)}; expected {options}, "
                               f"from config.json and naming.fused.{'down_layout' if order(what, ()) else 'layout'}")
-    loaded = {what: index.load(fused.of(what)) for what in parts}  # type: ignore[arg-type]
+    def rows(what: str, first: str) -> int:  # rows per expert along dim 0: 1 for [E, ...], n for a 2-D [E*n, ...]
+        return dims[what][first[2:]] if first.startswith("E*") else 1
+
+    loaded = {what: index.load_experts(fused.of(what), ids, rows(what, order(what, layout)[0]))  # type: ignore[arg-type]
+              for what in parts}
     for what in ("gate_up", "down"):
         bias_name = fused.of(f"{what}_bias")
         if bias_name and bias_name in index.tensors:
@@ -372,13 +432,14 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
             if binfo.shape != (e, dims[what]["out"]):
                 raise CheckpointError(f"{bias_name}: shape {list(binfo.shape)}; expected [{e}, {dims[what]['out']}] "
                                       f"([E, out] with E={e}, out={dims[what]['out']})")
-            loaded[f"{what}_bias"] = index.load(bias_name)
+            loaded[f"{what}_bias"] = index.load_experts(bias_name, ids)
     if ("gate_up_bias" in loaded) != ("down_bias" in loaded):
         have, lack = ("gate_up_bias", "down_bias") if "gate_up_bias" in loaded else ("down_bias", "gate_up_bias")
         raise CheckpointError(f"{fused.of(lack) or 'naming.fused.' + lack}: missing while {fused.of(have)} exists; "
                               "expected a bias on both fused projections or on neither")
     # Each to [E, out, in] (the nk order of one projection), then gate and up apart.
-    w = {what: _to_nk(loaded[what], order(what, layout), e) for what in parts}
+    n = e if ids is None else len(ids)
+    w = {what: _to_nk(loaded[what], order(what, layout), n) for what in parts}
     gate, up = _split_gate_up(w["gate_up"], i, fused.gate_up_order) if "gate_up" in w else (w["gate"], w["up"])
     down = w["down"]
     gate_b = up_b = down_b = None
@@ -390,16 +451,18 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
         return {"weight": w[x]} if b is None else {"weight": w[x], "bias": b[x]}
 
     experts = tuple({"gate": role(gate, gate_b, x), "up": role(up, up_b, x), "down": role(down, down_b, x)}
-                    for x in range(e))
+                    for x in range(n))
     return experts, "gate_up_bias" in loaded
 
 
 def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec, shape: MoEShape,
-                        bindings: Mapping[str, Any]
-                        ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
+                        bindings: Mapping[str, Any], ids: tuple[int, ...] | None = None
+                        ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool,
+                                   tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]]:
     """Per-expert tensors of a fused family whose scheme stores every declared tensor stacked over
     experts (``checkpoint.fused_names``): ``<fused name><template>`` is [E, *shape] with out first, so
-    gate and up are split along dim 1 in the family's gate_up_order; biases as :func:`_read_fused`."""
+    gate and up are split along dim 1 in the family's gate_up_order; biases as :func:`_read_fused`.
+    With ``ids``, only their slices are read, and every expert's :data:`LAYER_WIDE` tensors (third value)."""
     assert names.fused is not None and names.fused.tensor_names is not None
     fused = names.fused
     if fused.gate_up is None:
@@ -409,6 +472,7 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
     values_b = {f"${k}": v for k, v in bindings.items() if isinstance(v, int) and not isinstance(v, bool)}
     dims = {"gate_up": {"in": shape.hidden, "out": 2 * i}, "down": {"in": i, "out": shape.hidden}}
     loaded: dict[tuple[str, str], torch.Tensor] = {}
+    wide: dict[tuple[str, str], torch.Tensor] = {}
     for what in ("gate_up", "down"):
         for tname, tspec in scheme.checkpoint.tensors.items():
             full = f"{fused.of(what)}{fused.tensor_names.format(tensor=tname)}"
@@ -419,7 +483,11 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
                                       f"{', '.join(sorted(scheme.checkpoint.tensors))} stacked over experts)")
             stacked = TensorSpec(dtype=tspec.dtype, shape=[e, *tspec.shape], optional=False, all_equal=None)
             _check_tensor(full, index.tensors[full], stacked, {**dims[what], **values_b})
-            loaded[(what, tname)] = _load_checked(index, full, tspec, scheme.scheme)
+            whole = ids is None or tname in LAYER_WIDE
+            t = _load_checked(index, full, tspec, scheme.scheme, None if whole else ids)
+            loaded[(what, tname)] = t if ids is None or not whole else t[list(ids)]
+            if ids is not None and tname in LAYER_WIDE:
+                wide[(what, tname)] = t
     biases = {}
     for what in ("gate_up", "down"):
         bias_name = fused.of(f"{what}_bias")
@@ -427,24 +495,34 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
             binfo = index.tensors[bias_name]
             _check_tensor(bias_name, binfo, TensorSpec(dtype=BIAS_SPEC.dtype, shape=[e, "out"], optional=False,
                                                        all_equal=None), dims[what])
-            biases[what] = index.load(bias_name)
+            biases[what] = index.load_experts(bias_name, ids)
     if len(biases) == 1:
         have, lack = ("gate_up", "down") if "gate_up" in biases else ("down", "gate_up")
         raise CheckpointError(f"{fused.of(lack + '_bias') or 'naming.fused.' + lack + '_bias'}: missing while "
                               f"{fused.of(have + '_bias')} exists; expected a bias on both fused projections "
                               "or on neither")
-    per_role: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
-    for (what, tname), t in loaded.items():
-        if what == "gate_up":
-            per_role["gate"][tname], per_role["up"][tname] = _split_gate_up(t, i, fused.gate_up_order)
-        else:
-            per_role["down"][tname] = t
+    per_role = _per_role(loaded, i, fused.gate_up_order)
     if biases:
         per_role["gate"]["bias"], per_role["up"]["bias"] = _split_gate_up(biases["gate_up"], i, fused.gate_up_order)
         per_role["down"]["bias"] = biases["down"]
     experts = tuple({role: {t: v[x] for t, v in tensors.items()} for role, tensors in per_role.items()}
-                    for x in range(e))
-    return experts, bool(biases)
+                    for x in range(e if ids is None else len(ids)))
+    wide_roles = _per_role(wide, i, fused.gate_up_order)
+    layer_wide = tuple({role: {t: v[x] for t, v in tensors.items()} for role, tensors in wide_roles.items()}
+                       for x in range(e)) if ids is not None else ()
+    return experts, bool(biases), layer_wide
+
+
+def _per_role(stacked: Mapping[tuple[str, str], torch.Tensor], i: int,
+              order: str) -> dict[str, dict[str, torch.Tensor]]:
+    """(gate_up | down, tensor) -> stacked tensor, as role -> tensor -> stacked tensor (gate and up split)."""
+    per_role: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    for (what, tname), t in stacked.items():
+        if what == "gate_up":
+            per_role["gate"][tname], per_role["up"][tname] = _split_gate_up(t, i, order)
+        else:
+            per_role["down"][tname] = t
+    return per_role
 
 
 def _to_nk(t: torch.Tensor, layout: tuple[str, ...], e: int) -> torch.Tensor:
