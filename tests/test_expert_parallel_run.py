@@ -217,14 +217,17 @@ def _single(tmp_path: Path, inputs: Path, capsys: pytest.CaptureFixture[str]) ->
     return load_file(str(out))["output"]
 
 
-@pytest.mark.parametrize("ranks,tokens", [(2, 5), (4, 3)], ids=["2-ranks", "4-ranks-one-without-tokens"])
-def test_run_under_torchrun_writes_the_single_process_output(ranks: int, tokens: int, tmp_path: Path,
+@pytest.mark.parametrize("ranks,tokens,placement", [(2, 5, "contiguous"), (4, 3, "contiguous"), (2, 5, "round_robin")],
+                         ids=["2-ranks", "4-ranks-one-without-tokens", "2-ranks-round-robin"])
+def test_run_under_torchrun_writes_the_single_process_output(ranks: int, tokens: int, placement: str, tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     inputs = tmp_path / "in.safetensors"
-    save_file({"hidden_states": torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))}, str(inputs))
+    hidden = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))
+    save_file({"hidden_states": hidden}, str(inputs))
     saved = tmp_path / "ep.safetensors"
     proc = _torchrun(ranks, str(QWEN), "--ep", str(ranks), "--platform", "cpu", "--dtype", "float32", "--inputs",
-                     str(inputs), "--save-output", str(saved), "--repeat", "2", "--threads", "1", "--json")
+                     str(inputs), "--save-output", str(saved), "--repeat", "2", "--threads", "1", "--json",
+                     "--expert-placement", placement)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # rank 0 alone prints
@@ -239,6 +242,10 @@ def test_run_under_torchrun_writes_the_single_process_output(ranks: int, tokens:
     assert [r["experts"] for r in per_rank] == [8 // ranks] * ranks
     assert [r["tokens"] for r in per_rank] == [max(0, min(share, tokens - r * share)) for r in range(ranks)]
     assert sum(r["pairs"] for r in per_rank) == tokens * 2  # top-2: each pair computed on exactly one rank
+    # each rank computed the pairs of the experts the placement gives it (the routing as one process has it)
+    ids = moe_registry.load_layer(QWEN, platform="cpu", dtype="float32").route(hidden).topk_ids.reshape(-1)
+    owner = ids % ranks if placement == "round_robin" else ids // (8 // ranks)
+    assert [r["pairs"] for r in per_rank] == torch.bincount(owner, minlength=ranks).tolist()
     # bytes each forward hands to the collectives: padded rows (float32) + router weights + int64 ids, and
     # the reduce-scatter of world x share rows; sent = (world - 1) x gathered + (world - 1) / world x scattered
     gathered, scattered = share * (64 * 4 + 2 * 4 + 2 * 8), ranks * share * 64 * 4
@@ -264,3 +271,10 @@ def test_run_with_ep_and_no_torchrun_says_how_to_start_the_ranks(capsys: pytest.
     assert out == "" and err.count("\n") == 1
     assert err.startswith("error: --ep 2: run is one process and joins no process group; start 2 ranks (e.g. "
                           "`torchrun --nproc-per-node 2 ...`)")
+
+
+def test_an_unknown_expert_placement_is_one_line_with_the_closest_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["explain", str(QWEN), "--platform", "cpu", "--ep", "2", "--expert-placement", "roundrobin"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "--expert-placement" in err and "roundrobin" in err and "round_robin" in err

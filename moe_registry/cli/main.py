@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 from moe_registry.core.errors import MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
-from moe_registry.core.vocab import ALL2ALL_BACKENDS
+from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for
 from moe_registry.spec.loader import load_registry
 
@@ -84,7 +84,8 @@ def _kind_word(text: str) -> str:
 
 
 def _flags(args: argparse.Namespace) -> Flags:
-    return Flags(args.platform, args.dtype, args.tp, args.ep, args.dp, args.all2all, args.layer, args.max_tokens)
+    return Flags(args.platform, args.dtype, args.tp, args.ep, args.dp, args.all2all, args.layer, args.max_tokens,
+                 args.expert_placement)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -261,6 +262,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; run under "
                         "torchrun: allgather_reducescatter, the one implemented; explain shows which kernels claim "
                         "it), e.g. --ep 8 --all2all allgather_reducescatter")
+    p.add_argument("--expert-placement", dest="expert_placement", metavar="HOW",
+                   help=f"which rank owns which expert under --ep: {', '.join(EXPERT_PLACEMENTS)} (default contiguous: "
+                        "rank r holds the r-th block; round_robin: expert e on rank e mod ep)")
     p.add_argument("--layer", type=int, metavar="N",
                    help="decoder layer (default: the first MoE layer), e.g. --layer 3")
     p.add_argument("--max-tokens", type=int, dest="max_tokens", metavar="N",

@@ -29,7 +29,6 @@ from moe_registry.layer.all2all import (
     DEFAULT_BACKEND,
     DISPATCHERS,
     AllGatherReduceScatter,
-    ExpertPlacement,
     collective,
 )
 from moe_registry.layer.build import DTYPES, MoELayer, build
@@ -178,7 +177,7 @@ def _run_ep(args: argparse.Namespace, env: TorchrunEnv, backend: str, tokens: in
 
     layer = build(args.target, layer=args.layer, platform=args.platform, dtype=args.dtype, kernel=args.kernel,
                   prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=env.world_size, max_tokens=budget,
-                  all2all=backend, device=device)
+                  all2all=backend, device=device, expert_placement=args.expert_placement)
     built = layer.built
     runtime = built.report.situation.runtime
     dev = built.kernel.experts.weights.device
@@ -201,7 +200,7 @@ def _run_ep(args: argparse.Namespace, env: TorchrunEnv, backend: str, tokens: in
     dispatcher = built.kernel.prepare_finalize
     assert isinstance(dispatcher, AllGatherReduceScatter)
     counters = dispatcher.counters
-    placement = ExpertPlacement(shape.num_experts, env.world_size, env.rank)
+    placement = dispatcher.placement
     local_ids = placement.local_ids().to(dev)[ids.long()]  # this rank's experts' pairs; others FOREIGN (-1)
     pairs = int((local_ids >= 0).sum())
     # After the forwards: every rank gets the whole output and the float64 reference (sum of the ranks' parts)

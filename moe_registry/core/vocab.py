@@ -35,6 +35,11 @@ KernelAll2All = Literal["none", "allgather_reducescatter"]
 ``none``: the layer moves no tokens (its caller hands each rank its experts' pairs);
 ``allgather_reducescatter``: moe_registry.layer.all2all.AllGatherReduceScatter over torch.distributed."""
 
+ExpertPlacement = Literal["contiguous", "round_robin"]
+"""Which rank owns which expert under expert parallelism (vLLM's ``--expert-placement-strategy``:
+linear, round_robin): ``contiguous``, rank r holds experts [r*n, (r+1)*n); ``round_robin``, expert e
+lives on rank e mod ep."""
+
 Role = Literal["gate", "up", "down"]
 """An expert's projections."""
 
@@ -44,6 +49,7 @@ ACTIVATION_FORMATS: tuple[str, ...] = get_args(ActivationFormat)
 FEATURES: tuple[str, ...] = get_args(Feature)
 DEVICES: tuple[str, ...] = get_args(Device)
 ALL2ALL_BACKENDS: tuple[str, ...] = get_args(All2All)
+EXPERT_PLACEMENTS: tuple[str, ...] = get_args(ExpertPlacement)
 ROLES: tuple[str, ...] = get_args(Role)
 
 ALL2ALL_DELIVERS: dict[str, str] = {

@@ -168,7 +168,7 @@ def _layer_wide(proj: ProjectionWeights, tensors: LayerTensors, roles: tuple[str
 
 
 def _placement(runtime: RuntimeConfig) -> ExpertPlacement | None:
-    """The experts this rank holds under an all2all (contiguous placement over the process group, which must
+    """The experts this rank holds under an all2all (the situation's placement over the process group, which must
     already exist with ep ranks); None without one (every expert is local)."""
     p = runtime.parallel
     if p.all2all == "none":
@@ -185,7 +185,8 @@ def _placement(runtime: RuntimeConfig) -> ExpertPlacement | None:
         raise ConfigError(f"ep={p.ep}, but the process group has {dist.get_world_size()} ranks; wanted {p.ep}")
     assert runtime.shape is not None
     try:
-        return ExpertPlacement(runtime.shape.num_experts, p.ep, dist.get_rank())
+        return ExpertPlacement(runtime.shape.num_experts, p.ep, dist.get_rank(),
+                               round_robin=p.expert_placement == "round_robin")
     except ValueError as err:
         raise ConfigError(f"--ep: {err}") from None
 
@@ -254,18 +255,20 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
           dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
           tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
-          all2all: str | None = None) -> LayerBuild:
+          all2all: str | None = None, expert_placement: str | None = None) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
     SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
     With ``ep`` > 1 and ``all2all="allgather_reducescatter"``, call it in each of ep ranks of an existing
-    torch.distributed process group: each rank's kernel holds its experts and takes its own tokens."""
+    torch.distributed process group: each rank's kernel holds its experts (``expert_placement``: contiguous, the
+    default, or round_robin) and takes its own tokens."""
     registry = load_registry(spec_dirs)
     check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
     if not target.exists():
         raise ConfigError(f"{target}: no such file or directory")
-    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens, all2all=all2all)
+    flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens, all2all=all2all,
+                  expert_placement=expert_placement)
     model = read_model_config(target, registry)
     situation = situation_for_model(model, registry, flags)
     device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors

@@ -23,6 +23,7 @@ class RuntimeFile(BaseModel):
     ep: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
     all2all: str = "none"  # checked with the flags, so a typo gets "did you mean"
+    expert_placement: str = "contiguous"  # likewise (core.vocab.ExpertPlacement)
     max_tokens: int = Field(default=8192, ge=1)
     router_weight_on_input: bool = False
     model: str | None = None

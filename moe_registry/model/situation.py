@@ -12,7 +12,7 @@ from typing import Any
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.names import unknown_text
-from moe_registry.core.vocab import ALL2ALL_BACKENDS
+from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.model.machine import probe_environment, probe_platform
 from moe_registry.oracle.contract import Situation
@@ -41,6 +41,7 @@ class Flags:
     all2all: str | None = None
     layer: int | None = None
     max_tokens: int | None = None
+    expert_placement: str | None = None
 
 
 
@@ -120,7 +121,8 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
     parallel = ParallelConfig(
         tp=_pick(flags.tp, base.parallel.tp if base else 1), ep=_pick(flags.ep, base.parallel.ep if base else 1),
         dp=_pick(flags.dp, base.parallel.dp if base else 1),
-        all2all=_pick(flags.all2all, base.parallel.all2all if base else "none"))
+        all2all=_pick(flags.all2all, base.parallel.all2all if base else "none"),
+        expert_placement=_pick(flags.expert_placement, base.parallel.expert_placement if base else "contiguous"))
     _check_parallel(parallel, model.shape)
     runtime = RuntimeConfig(platform, dtype, model.shape, parallel,
                             _pick(flags.max_tokens, base.max_tokens if base else 8192),
@@ -137,6 +139,8 @@ def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
             raise ConfigError(f"--{name}: got {getattr(p, name)}; wanted a positive integer")
     if p.all2all not in ALL2ALL_BACKENDS:
         raise unknown_name("--all2all", "all2all backend", p.all2all, ALL2ALL_BACKENDS)
+    if p.expert_placement not in EXPERT_PLACEMENTS:
+        raise unknown_name("--expert-placement", "expert placement", p.expert_placement, EXPERT_PLACEMENTS)
     if shape is None:
         return
     if p.ep > 1 and shape.num_experts % p.ep:
@@ -153,7 +157,8 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
     data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
     rf = parse_runtime_file(json.loads(json.dumps(data)), str(path))
     platform, environment = target_platform(flags.platform or rf.platform, registry)
-    base = RuntimeConfig(platform, rf.dtype or "bfloat16", None, ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all),
+    base = RuntimeConfig(platform, rf.dtype or "bfloat16", None, ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all,
+                                                                                  rf.expert_placement),
                          rf.max_tokens, rf.router_weight_on_input, environment)
     if rf.model is not None:
         model_path = (path.parent / rf.model).resolve()
@@ -169,7 +174,7 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
         shape = MoEShape(rf.num_experts, rf.top_k, rf.hidden, rf.intermediate,  # type: ignore[arg-type]
                          rf.activation, rf.has_bias)
     parallel = ParallelConfig(_pick(flags.tp, rf.tp), _pick(flags.ep, rf.ep), _pick(flags.dp, rf.dp),
-                              _pick(flags.all2all, rf.all2all))
+                              _pick(flags.all2all, rf.all2all), _pick(flags.expert_placement, rf.expert_placement))
     _check_parallel(parallel, shape)
     runtime = RuntimeConfig(platform, check_dtype(flags.dtype or rf.dtype or "bfloat16"), shape, parallel,
                             _pick(flags.max_tokens, rf.max_tokens), rf.router_weight_on_input, environment)

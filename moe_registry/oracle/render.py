@@ -48,7 +48,8 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
         layer = f", layer {s.layer}" if s.layer is not None else ""
         rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
     plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
-    rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}"))
+    placement = f" placement={p.expert_placement}" if p.ep > 1 else ""
+    rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}{placement}"))
     if rt.shape is not None:
         sh = rt.shape
         local = rt.local_shape()
@@ -98,7 +99,8 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
         "runtime": {
             "platform": str(rt.platform), "device_name": rt.platform.name, "dtype": rt.dtype,
             "tp": rt.parallel.tp, "ep": rt.parallel.ep, "dp": rt.parallel.dp,
-            "all2all": rt.parallel.all2all, "max_tokens": rt.max_tokens,
+            "all2all": rt.parallel.all2all, "expert_placement": rt.parallel.expert_placement,
+            "max_tokens": rt.max_tokens,
             "shape": None if shape is None else {
                 "num_experts": shape.num_experts, "top_k": shape.top_k, "hidden": shape.hidden,
                 "intermediate": shape.intermediate, "activation": shape.activation,

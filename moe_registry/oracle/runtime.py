@@ -75,6 +75,7 @@ class ParallelConfig:
     ep: int = 1
     dp: int = 1
     all2all: str = "none"
+    expert_placement: str = "contiguous"  # core.vocab.ExpertPlacement
 
 
 @dataclass(frozen=True)
