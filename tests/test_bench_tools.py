@@ -236,3 +236,22 @@ def test_bench_cpu_rows_are_the_quantized_key_pairs_of_the_specs(bench, tmp_path
                                              "gptq-w4a16-asym"]
     user_spec(tmp_path, monkeypatch, "test-w4a16-channel", USER_SCHEME)
     assert pairs()[("uint4 scale:float16:channel:static zp:group", "unquantized")] == ["test-w4a16-channel"]
+
+
+def test_kernel_identity_writes_each_finished_chunk_as_it_goes(tmp_path):
+    """tools/kernel_identity.py on the interpreter, the package against itself: every compared case equal, and
+    the rows in identity.jsonl as chunks finish (a run cut off at its time limit keeps them)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(root / "tools" / "kernel_identity.py"), "--old", str(root / "kernels"),
+                           "--out", str(tmp_path), "--device", "cpu", "--limit", "2", "--no-models", "--workers", "1"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "identity.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["equal"] and r["old"] == r["new"] for r in rows)
+    summary = json.loads((tmp_path / "identity.json").read_text())["summary"]
+    assert (summary["compared"], summary["equal"], summary["errors"]) == (2, 2, [])

@@ -13,7 +13,8 @@ both on the same inputs and compares the outputs with ``torch.equal``:
 
 Cases are spread over ``--workers`` processes (compilation is the slow part). Then ``--time``
 times chosen cells old and new alternately (CUDA graphs of 8 layer calls, the median of rounds).
-Writes identity.json (per case: equal, sha256 of both outputs) and timing.json under --out, and
+Writes identity.json (per case: equal, sha256 of both outputs) and timing.json under --out (and, as
+they come, identity.jsonl per finished worker and timing.jsonl per timed cell, so a run cut off keeps them), and
 the conformance cases' outputs (old_outputs.safetensors, new_outputs.safetensors) under --save.
 
     git archive 0390905 kernels | tar -x -C /tmp/old        # the old package
@@ -61,6 +62,7 @@ TIMED_SHAPES = ("qwen3", "mixtral")
 TIMED_MS = (1, 8, 64, 512)
 GRAPH_CALLS = 8
 MODEL_WORKERS = 3
+CHUNKS_PER_WORKER = 8
 DEVICE = "cuda"  # --device cpu: a smoke test of this tool under TRITON_INTERPRET=1
 EXPERTS = "moe_registry_kernels.triton_moe:TritonExperts"
 
@@ -267,6 +269,8 @@ def time_cells(out: Path, rounds: int, cells: list[str] | None = None) -> list[d
                 row = {"shape": shape, "scheme": scheme, "m": m, "old_us": round(old_us, 2),
                        "new_us": round(new_us, 2), "new/old": round(new_us / old_us, 3)}
                 print(json.dumps(row), flush=True)
+                with (out / "timing.jsonl").open("a") as f:
+                    f.write(json.dumps(row) + "\n")
                 rows.append(row)
                 del graphs
             del kernels, weights
@@ -300,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         models = [c for c in models if args.only in _case_id(*c)]
     # model cases grouped by (shape, scheme) so a worker makes each scheme's weights once, in
     # fewer workers (a Mixtral layer's weights take GBs)
-    slices = [conf[i::args.workers] for i in range(args.workers)]
+    # small interleaved chunks, handed out as workers free up: rows reach identity.jsonl all along the run
+    chunks = max(1, min(len(conf), args.workers * CHUNKS_PER_WORKER))
+    slices = [conf[i::chunks] for i in range(chunks)]
     model_workers = min(args.workers, MODEL_WORKERS)
     model_slices = [[] for _ in range(model_workers)]
     for j, key in enumerate(dict.fromkeys((s, sc) for _, (s, sc, _) in models)):
@@ -308,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
     parts = []
+    rows_file = args.out / "identity.jsonl"  # each worker's rows as it finishes: a run cut off keeps them
+    rows_file.write_text("")
     for n, work in ((args.workers, slices), (model_workers, model_slices)):
         work = [w for w in work if w]
         if work:
             with ctx.Pool(n) as pool:
-                parts += pool.map(worker, [(old_root, w, args.device) for w in work])
+                for part in pool.imap_unordered(worker, [(old_root, w, args.device) for w in work]):
+                    parts.append(part)
+                    with rows_file.open("a") as f:
+                        f.writelines(json.dumps(row) + "\n" for row in part[0])
     rows = [r for part, _ in parts for r in part]
     save = args.save or args.out
     save.mkdir(parents=True, exist_ok=True)
