@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
 import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+import fixture_kit
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "compressed_tensors_presets"
 SEED = 4321
-LAYER = "model.layers.0.mlp."
+LAYER = fixture_kit.LAYER
 SHAPE = {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}
 ROLES = ("gate", "up", "down")
 IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"]
@@ -54,22 +53,14 @@ PRESETS: dict[str, tuple[str, dict[str, object], str | None]] = {
 
 def tiny_qwen3_moe() -> torch.nn.Module:
     """A random one-layer Qwen3-MoE in bfloat16 from transformers' own config class."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = Qwen3MoeConfig(vocab_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=128, norm_topk_prob=True,
-                         dtype="bfloat16", **SHAPE)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    model.config.architectures = ["Qwen3MoeForCausalLM"]
-    return model
+    return fixture_kit.tiny_qwen3_moe(SEED, SHAPE, intermediate_size=256, head_dim=32)
 
 
 def calibration():
     """A small token-id data set for GPTQ: enough tokens that every expert sees some."""
     from datasets import Dataset
 
-    ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(SEED + 2))
+    ids = fixture_kit.calibration_ids(SEED, rows=8, length=64)
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
 
 
@@ -85,20 +76,7 @@ def scheme_for(preset: str, changes: dict[str, object], actorder: str | None):
 
 def keep_layer(export_dir: Path, dest: Path) -> dict[str, torch.Tensor]:
     """Copy config.json and the first MoE layer's tensors exactly as written; returns them."""
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    shutil.copy(export_dir / "config.json", dest / "config.json")
-    kept: dict[str, torch.Tensor] = {}
-    metadata: dict[str, str] | None = None
-    for path in sorted(export_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            metadata = metadata or f.metadata()
-            for name in f.keys():  # noqa: SIM118
-                if name.startswith(LAYER):
-                    kept[name] = f.get_tensor(name)
-    save_file(kept, str(dest / "model.safetensors"), metadata=metadata)
-    return kept
+    return fixture_kit.copy_layer(export_dir, dest)
 
 
 def decompress_expert0(kept: dict[str, torch.Tensor], scheme) -> dict[str, torch.Tensor]:

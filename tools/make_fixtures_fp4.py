@@ -39,6 +39,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import fixture_kit
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -259,13 +260,5 @@ PRODUCERS = {"mxfp4": make_mxfp4, "modelopt-nvfp4": make_modelopt_nvfp4,
              "compressed-tensors-fp4": make_compressed_tensors_fp4}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in PRODUCERS:
-        print(f"usage: make_fixtures_fp4.py {{{'|'.join(PRODUCERS)}}}", file=sys.stderr)
-        return 2
-    PRODUCERS[argv[0]]()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(fixture_kit.run_producer("make_fixtures_fp4.py", PRODUCERS, sys.argv[1:]))

@@ -34,20 +34,19 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
 import sys
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+import fixture_kit
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "fp8"
 SEED = 4321
 TOKENS = 8
-LAYER = "model.layers.0.mlp."
+LAYER = fixture_kit.LAYER
 SHAPE = {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}
 ROLES = ("gate", "up", "down")
 OUTPUT_EXPERTS = 2  # producer linear outputs kept for experts 0..1
@@ -57,68 +56,18 @@ DEQUANT_ROWS = 16  # ... its first 16 output rows of each projection (all fixtur
 
 def tiny_qwen3_moe() -> torch.nn.Module:
     """A random one-layer Qwen3-MoE in bfloat16 from transformers' own config class."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(SEED)
-    cfg = Qwen3MoeConfig(vocab_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, max_position_embeddings=128, norm_topk_prob=True,
-                         dtype="bfloat16", **SHAPE)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    model.config.architectures = ["Qwen3MoeForCausalLM"]
-    return model
+    return fixture_kit.tiny_qwen3_moe(SEED, SHAPE, intermediate_size=256, head_dim=32)
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(SEED + 1)
-    return {"hidden_states": torch.randn(TOKENS, SHAPE["hidden_size"], generator=g).to(torch.bfloat16),
-            "intermediate_states": torch.randn(TOKENS, SHAPE["moe_intermediate_size"], generator=g).to(torch.bfloat16)}
+    return fixture_kit.inputs(SEED, TOKENS, SHAPE)
 
 
 def calibration() -> torch.Tensor:
-    return torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(SEED + 2))
+    return fixture_kit.calibration_ids(SEED)
 
 
-def layer_output(block: torch.nn.Module, experts: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(_m: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        seen["ids"], seen["weights"] = args[1], args[2]
-
-    handle = experts.register_forward_pre_hook(hook, with_kwargs=True)
-    with torch.no_grad():
-        out = block(x.unsqueeze(0))
-    handle.remove()
-    out = out[0] if isinstance(out, tuple) else out
-    return {"layer.output": out.reshape(x.shape).contiguous(),
-            "layer.topk_ids": seen["ids"].to(torch.int32).contiguous(),
-            "layer.topk_weights": seen["weights"].contiguous()}
-
-
-def keep_layer(export_dir: Path, dest: Path, extra_files: tuple[str, ...] = ()) -> dict[str, object]:
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for name in ("config.json", *extra_files):
-        if (export_dir / name).is_file():
-            shutil.copy(export_dir / name, dest / name)
-    kept: dict[str, torch.Tensor] = {}
-    metadata: dict[str, str] | None = None
-    for path in sorted(export_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            metadata = metadata or f.metadata()
-            for name in f.keys():  # noqa: SIM118
-                if name.startswith(LAYER):
-                    kept[name] = f.get_tensor(name)
-    save_file(kept, str(dest / "model.safetensors"), metadata=metadata)
-    return {"tensors": len(kept), "dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in kept.values()}),
-            "files": sorted(p.name for p in dest.iterdir())}
-
-
-def save_ref(dest: Path, ref: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.detach().contiguous() for k, v in ref.items()}, str(dest / "ref.safetensors"))
-
-
-# ---------------------------------------------------------------- llm-compressor / compressed-tensors
+layer_output, keep_layer, save_ref = fixture_kit.layer_output, fixture_kit.keep_layer, fixture_kit.save_ref
 
 
 def make_llmc() -> None:
@@ -252,13 +201,5 @@ def _merge_versions(producer: str, packages: list[str], fixtures: dict[str, obje
 PRODUCERS = {"llmc": make_llmc, "modelopt": make_modelopt}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in PRODUCERS:
-        print(f"usage: make_fixtures_fp8.py {{{'|'.join(PRODUCERS)}}}", file=sys.stderr)
-        return 2
-    PRODUCERS[argv[0]]()
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(fixture_kit.run_producer("make_fixtures_fp8.py", PRODUCERS, sys.argv[1:]))
