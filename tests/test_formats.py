@@ -509,6 +509,15 @@ def test_key_that_the_format_cannot_hold() -> None:
         get_converter("gptq", "nk")(pack_experts(case, float_weights(16)), ctx)
 
 
+def test_a_key_outside_the_formats_holds_is_refused_before_converting() -> None:
+    """The format spec's holds patterns, not the converter, decide: MXFP4 holds e8m0 scales per 32 inputs only."""
+    ctx = ConvertContext(parse_quant_key("e2m1 scale:e8m0:group(16):static"), parse_quant_key("unquantized"),
+                         torch.bfloat16)
+    with pytest.raises(MoERegistryError, match=r"^checkpoint format 'mxfp4' holds e2m1 scale:e8m0:group\(32\):\* "
+                                               r"weights, but the scheme bound weight key e2m1 scale:e8m0:group\(16\)"):
+        get_converter("mxfp4", "nk")([], ctx)
+
+
 # ---- registry ------------------------------------------------------------------------------------
 
 

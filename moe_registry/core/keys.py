@@ -23,7 +23,9 @@ Tokens after the scalar type are ``scale:<dtype>:<group>:<static|dynamic>``,
 
 from __future__ import annotations
 
+import fnmatch
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -253,6 +255,13 @@ def parse_quant_key(text: str) -> QuantKey:
     if zp == "group" and dtype.is_float:
         raise KeyError_(f"quant key {text!r}: a float type cannot carry a zero point")
     return QuantKey(dtype, scale, zp, scale2)
+
+
+def key_matches(key: QuantKey, patterns: Iterable[str]) -> bool:
+    """Whether ``key``'s canonical string matches one of the key patterns (``*`` any run of characters;
+    group shapes compared in canonical form, see :func:`canonical_pattern`)."""
+    text = str(key)
+    return any(fnmatch.fnmatchcase(text, canonical_pattern(p)) for p in patterns)
 
 
 def canonical_pattern(pattern: str) -> str:

@@ -18,8 +18,7 @@ from moe_registry.formats.checks import check_finite
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
-__all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size",
-           "expect_weight_type"]
+__all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size"]
 
 Namer = Callable[[str], str]
 """tensor short name ('qweight') -> full checkpoint name, for one expert's one projection."""
@@ -65,16 +64,6 @@ def group_size(key: QuantKey, k: int) -> int:
     """Input columns per scale group for a projection with ``k`` inputs (-1 in the key: all)."""
     g = key.group_size
     return k if g is None or g <= 0 else g
-
-
-def expect_weight_type(ctx: ConvertContext, fmt: str, *types: str) -> None:
-    """A scheme spec that pairs a format with a key it cannot hold is a spec bug; say so up front
-    rather than write weights the kernel would misread."""
-    if not ctx.weight_key.quantized or ctx.weight_key.dtype.name not in types:
-        raise MoERegistryError(
-            f"checkpoint format {fmt!r} holds {' or '.join(types)} weights, but the scheme bound "
-            f"weight key {ctx.weight_key!s}"
-        )
 
 
 RoleConverter = Callable[[Mapping[str, torch.Tensor], Namer, ConvertContext], ProjectionPart]

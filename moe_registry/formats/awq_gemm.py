@@ -16,7 +16,6 @@ from moe_registry.formats.assemble import (
     Namer,
     ProjectionPart,
     assemble,
-    expect_weight_type,
     layout_scale_dtype,
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
@@ -46,5 +45,4 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
 
 def convert_awq_gemm(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """AutoAWQ GEMM (uint4 with per-group zero points) to ``nk``."""
-    expect_weight_type(ctx, "awq-gemm", "uint4")
     return assemble(experts, ctx, _projection)

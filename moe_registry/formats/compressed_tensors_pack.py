@@ -28,7 +28,6 @@ from moe_registry.formats.assemble import (
     Namer,
     ProjectionPart,
     assemble,
-    expect_weight_type,
     group_size,
     layout_scale_dtype,
 )
@@ -104,12 +103,10 @@ def _int4_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: Conv
 
 def convert_compressed_tensors_int4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """Symmetric int4 values stored one per int8 (uint4b8 codes after +8, per-group scales) to ``nk``."""
-    expect_weight_type(ctx, "compressed-tensors-int4", "uint4b8")
     return assemble(experts, ctx, _int4_projection)
 
 
 def convert_compressed_tensors_pack(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """pack-quantized 4/8-bit, symmetric (uint4b8 / uint8b128) or with zero points (uint4 / uint8
     zp:group), per group or channel, with or without weight_g_idx, to ``nk``."""
-    expect_weight_type(ctx, "compressed-tensors-pack", "uint4b8", "uint8b128", "uint4", "uint8")
     return assemble(experts, ctx, _projection)

@@ -26,7 +26,6 @@ from moe_registry.formats.assemble import (
     Namer,
     ProjectionPart,
     assemble,
-    expect_weight_type,
     layout_scale_dtype,
 )
 from moe_registry.formats.checks import cast_scales, check_scales, require
@@ -70,14 +69,12 @@ def _check_fusable(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> Non
 
 def convert_fp8_block(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """fp8e4m3 weights with float32 block scales to ``nk``."""
-    expect_weight_type(ctx, "fp8-block", "fp8e4m3")
     _check_fusable(experts, ctx)
     return assemble(experts, ctx, _projection)
 
 
 def convert_fp8_block_ct(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """compressed-tensors FP8_BLOCK: as :func:`convert_fp8_block`, the scales named weight_scale."""
-    expect_weight_type(ctx, "compressed-tensors-fp8-block", "fp8e4m3")
     _check_fusable(experts, ctx)
     return assemble(experts, ctx, _projection_ct)
 
@@ -112,5 +109,4 @@ def _scaled_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: Co
 
 def convert_fp8_scaled(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """fp8e4m3 weights with per-tensor or per-channel scales (static or dynamic fp8 activations) to ``nk``."""
-    expect_weight_type(ctx, "fp8-scaled", "fp8e4m3")
     return assemble(experts, ctx, _scaled_projection)

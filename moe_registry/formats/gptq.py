@@ -33,7 +33,6 @@ from moe_registry.formats.assemble import (
     Namer,
     ProjectionPart,
     assemble,
-    expect_weight_type,
     group_size,
     layout_scale_dtype,
 )
@@ -145,11 +144,9 @@ def _v2(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -
 def convert_gptq(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """GPTQ v1 (zeros stored − 1), symmetric (uint4b8 / uint8b128) or with zero points (uint4 / uint8
     zp:group), with or without act-order, to ``nk``."""
-    expect_weight_type(ctx, "gptq", *_TYPES)
     return assemble(experts, ctx, _v1)
 
 
 def convert_gptq_v2(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """GPTQModel's gptq_v2 (zeros stored as they are), otherwise as :func:`convert_gptq`."""
-    expect_weight_type(ctx, "gptq-v2", *_TYPES)
     return assemble(experts, ctx, _v2)

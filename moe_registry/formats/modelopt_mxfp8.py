@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import CheckpointError, MoERegistryError
-from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
+from moe_registry.core.errors import CheckpointError
+from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
@@ -35,10 +35,4 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
 
 def convert_modelopt_mxfp8(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """MXFP8 (fp8e4m3 with an E8M0 scale per 32 inputs) to ``nk``."""
-    expect_weight_type(ctx, "modelopt-mxfp8", "fp8e4m3")
-    if ctx.weight_key.scale.dtype.name != "e8m0":
-        raise MoERegistryError(
-            f"checkpoint format 'modelopt-mxfp8' holds e8m0 scales, but the scheme bound weight key "
-            f"{ctx.weight_key!s}"
-        )
     return assemble(experts, ctx, _projection)

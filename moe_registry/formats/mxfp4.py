@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import CheckpointError, MoERegistryError
-from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
+from moe_registry.core.errors import CheckpointError
+from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
@@ -45,20 +45,11 @@ def _ct_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: Conver
                  require(tensors, "weight_scale", name("weight_scale")), name("weight_scale"))
 
 
-def _expect_mxfp4(ctx: ConvertContext, fmt: str) -> None:
-    expect_weight_type(ctx, fmt, "e2m1")
-    if ctx.weight_key.scale.dtype.name != "e8m0" or ctx.weight_key.group_size != 32:
-        raise MoERegistryError(f"checkpoint format {fmt!r} holds e8m0 scales per 32 inputs, but the scheme bound "
-                               f"weight key {ctx.weight_key!s}")
-
-
 def convert_mxfp4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """gpt-oss MXFP4 (blocks, scales) to ``nk``, codes still packed."""
-    _expect_mxfp4(ctx, "mxfp4")
     return assemble(experts, ctx, _projection)
 
 
 def convert_compressed_tensors_mxfp4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """compressed-tensors mxfp4-pack-quantized (weight_packed, weight_scale) to ``nk``, codes still packed."""
-    _expect_mxfp4(ctx, "compressed-tensors-mxfp4")
     return assemble(experts, ctx, _ct_projection)

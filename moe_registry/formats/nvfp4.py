@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import CheckpointError, MoERegistryError
-from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
+from moe_registry.core.errors import CheckpointError
+from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import describe_bad, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
@@ -78,21 +78,11 @@ def _compressed_tensors(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: C
     return ProjectionPart(weight=weight.contiguous(), scale=scale, scale2=scale2)
 
 
-def _expect_nvfp4(ctx: ConvertContext, fmt: str) -> None:
-    expect_weight_type(ctx, fmt, "e2m1")
-    key = ctx.weight_key
-    if key.scale.dtype.name != "fp8e4m3" or key.group_size != 16 or key.scale2 is None:
-        raise MoERegistryError(f"checkpoint format {fmt!r} holds e4m3 scales per 16 inputs and a global scale, but "
-                               f"the scheme bound weight key {key!s}")
-
-
 def convert_modelopt_nvfp4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """ModelOpt NVFP4 (weight, weight_scale, weight_scale_2) to ``nk``."""
-    _expect_nvfp4(ctx, "modelopt-nvfp4")
     return assemble(experts, ctx, _modelopt)
 
 
 def convert_compressed_tensors_nvfp4(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """compressed-tensors nvfp4-pack-quantized (weight_packed, weight_scale, weight_global_scale) to ``nk``."""
-    _expect_nvfp4(ctx, "compressed-tensors-nvfp4")
     return assemble(experts, ctx, _compressed_tensors)

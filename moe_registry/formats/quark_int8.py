@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from moe_registry.core.errors import CheckpointError
-from moe_registry.formats.assemble import Namer, ProjectionPart, assemble, expect_weight_type
+from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
@@ -56,5 +56,4 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
 
 def convert_quark_int8(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """INT8 weights with per-channel or per-tensor scales (static or dynamic activations) to ``nk``."""
-    expect_weight_type(ctx, "quark-int8", "int8")
     return assemble(experts, ctx, _projection)

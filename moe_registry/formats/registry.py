@@ -3,13 +3,15 @@
 converter with an ``if`` (DESIGN rule 3) and a user spec dir can add one.
 
 A converter receives one :data:`ExpertTensors` per expert, in expert order, whose shapes and
-dtypes the loader has already checked against the scheme spec; it checks the VALUES (scales,
+dtypes the loader has already checked against the scheme spec, and whose weight key the format spec
+``holds`` (checked by :func:`get_converter`'s wrapper); it checks the VALUES (scales,
 zero points, act-order indices), raising :class:`CheckpointError` with the full tensor name, and
 returns new :class:`ExpertWeights` without touching its inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ import torch
 
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError
-from moe_registry.core.keys import QuantKey
+from moe_registry.core.keys import QuantKey, key_matches
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.spec.loader import Registry, load_registry
 
@@ -90,4 +92,15 @@ def get_converter(format: str, layout: str, registry: Registry | None = None) ->
         raise ConfigError(f"{loaded.path}: {owner}: impl {conv.impl} cannot be imported: {err}") from None
     if not callable(fn):
         raise ConfigError(f"{loaded.path}: {owner}: impl {conv.impl} is not a function")
-    return fn  # type: ignore[no-any-return]
+    return functools.partial(_holding, fn, format, tuple(loaded.spec.holds))
+
+
+def _holding(convert: Converter, format: str, holds: tuple[str, ...], experts: Sequence[ExpertTensors],
+             ctx: ConvertContext) -> ExpertWeights:
+    """``convert``, once the scheme's weight key is one the format holds (its spec's ``holds``): a scheme
+    that pairs a format with a key it cannot hold is a spec bug, refused before weights the kernel would
+    misread are written."""
+    if not key_matches(ctx.weight_key, holds):
+        raise MoERegistryError(f"checkpoint format {format!r} holds {' or '.join(p.removesuffix(' *') for p in holds)} "
+                               f"weights, but the scheme bound weight key {ctx.weight_key!s}")
+    return convert(experts, ctx)

@@ -7,7 +7,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import MoERegistryError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
 from moe_registry.formats.checks import require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
@@ -22,8 +21,4 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
 
 def convert_unquantized(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """Plain float weights to ``nk`` in ``ctx.activation_dtype``."""
-    if ctx.weight_key.quantized:
-        raise MoERegistryError(
-            f"checkpoint format 'unquantized' holds float weights, but the scheme bound weight key {ctx.weight_key!s}"
-        )
     return assemble(experts, ctx, _projection)

@@ -6,11 +6,10 @@ failure, so explain shows every reason a kernel was turned down).
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
-from moe_registry.core.keys import QuantKey, canonical_pattern
+from moe_registry.core.keys import QuantKey, key_matches
 from moe_registry.core.vocab import ALL2ALL_DELIVERS
 from moe_registry.oracle.contract import Check, Reason, failed, passed
 from moe_registry.oracle.runtime import Platform, RuntimeConfig
@@ -56,11 +55,6 @@ def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     return [passed("requires_packages", f"{', '.join(kernel.requires_packages)} installed")]
 
 
-def _key_matches(key: QuantKey, patterns: list[str]) -> bool:
-    text = str(key)
-    return any(fnmatch.fnmatchcase(text, canonical_pattern(p)) for p in patterns)
-
-
 def _admits(platforms: list[PlatformSpec], plat: Platform) -> bool:
     """Whether one of ``platforms`` takes ``plat`` (device, and capability where bounded)."""
     for p in platforms:
@@ -75,12 +69,12 @@ def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey,
                platform: Platform | None = None) -> list[Check]:
     """The key pair against the kernel's patterns; with ``platform``, also the platforms a matching
     pattern narrows the kernel to (e.g. fp8 dots on cuda >=8.9)."""
-    weight_ok = [p for p in kernel.key_patterns() if _key_matches(weight, p.weights())]
+    weight_ok = [p for p in kernel.key_patterns() if key_matches(weight, p.weights())]
     if not weight_ok:
         wanted = "; ".join(w for p in kernel.key_patterns() for w in p.weights())
         return [failed(Reason.WEIGHT_KEY, "weight", f"weight key {weight}; kernel takes {wanted}",
                        seen=str(weight), wanted=wanted)]
-    pair_ok = [p for p in weight_ok if _key_matches(activation, p.activations())]
+    pair_ok = [p for p in weight_ok if key_matches(activation, p.activations())]
     if not pair_ok:
         wanted = "; ".join(a for p in weight_ok for a in p.activations())
         return [passed("weight", f"weight key {weight}"),

@@ -315,6 +315,18 @@ class PlatformSpec(Strict):
         return out
 
 
+def check_key_patterns(patterns: list[str]) -> None:
+    """A key pattern starts with a scalar type, 'unquantized' or '*', then scale/zp/scale2 tokens or '*'."""
+    for pattern in patterns:
+        head = pattern.split()[0] if pattern.split() else ""
+        if head != "*" and head != "unquantized" and head not in SCALAR_TYPES:
+            raise ValueError(f"key pattern {pattern!r} must start with a scalar type, 'unquantized' or '*'")
+        for token in pattern.split()[1:]:
+            name = token.partition(":")[0]
+            if name not in ("scale", "zp", "scale2", "*"):
+                raise ValueError(f"unknown token {token!r} in key pattern {pattern!r}")
+
+
 class KeyPattern(Strict):
     """Accepted (weight key, activation key) pairs; ``*`` matches any run of characters of the
     canonical key string, so ``uint4 scale:float16:group(*):static zp:group`` accepts any group."""
@@ -341,15 +353,7 @@ class KeyPattern(Strict):
     @field_validator("weight", "activation")
     @classmethod
     def _patterns(cls, value: str | list[str] | None) -> str | list[str] | None:
-        for pattern in [] if value is None else [value] if isinstance(value, str) else value:
-            head = pattern.split()[0] if pattern.split() else ""
-            if head != "*" and head != "unquantized" and head not in SCALAR_TYPES:
-                raise ValueError(f"key pattern {pattern!r} must start with a scalar type, "
-                                 "'unquantized' or '*'")
-            for token in pattern.split()[1:]:
-                name = token.partition(":")[0]
-                if name not in ("scale", "zp", "scale2", "*"):
-                    raise ValueError(f"unknown token {token!r} in key pattern {pattern!r}")
+        check_key_patterns([] if value is None else [value] if isinstance(value, str) else value)
         return value
 
     def weights(self) -> list[str]:
@@ -727,6 +731,16 @@ class FormatSpec(Strict):
     format: str = Field(pattern=NAME_RE, description="the name scheme specs give in checkpoint.format")
     summary: str = Field(description="one line: what the producer writes")
     converters: list[ConverterSpec] = Field(min_length=1, description="one per kernel layout it can produce")
+    holds: list[str] = Field(default_factory=lambda: ["*"], min_length=1, description=(
+        "the weight keys the format can hold, as key patterns (* any run of characters), e.g. "
+        "\"e2m1 scale:e8m0:group(32):*\" (default: any); a scheme binding the format to another key is "
+        "refused before its converter runs"))
+
+    @field_validator("holds")
+    @classmethod
+    def _holds(cls, holds: list[str]) -> list[str]:
+        check_key_patterns(holds)
+        return holds
 
     @field_validator("converters")
     @classmethod

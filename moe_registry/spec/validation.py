@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, SpecError
-from moe_registry.core.keys import KeyError_, parse_quant_key
+from moe_registry.core.keys import KeyError_, key_matches, parse_quant_key
 from moe_registry.core.names import unknown_text
 from moe_registry.spec import view
 from moe_registry.spec.expr import parse_expr
@@ -117,9 +117,15 @@ def _check_scheme(loaded: Loaded[SchemeSpec], data: Any, kernels: Mapping[str, A
             if text is None:
                 continue
             try:
-                parse_quant_key(fill_template(text, sample))
+                key = parse_quant_key(fill_template(text, sample))
             except KeyError_ as err:
                 problems.append(SpecError(path, line_of(data, *fld.split(".")), str(err), field=fld))
+                continue
+            fmt = formats.get(scheme.checkpoint.format)
+            if fld == "weight" and fmt is not None and not key_matches(key, fmt.spec.holds):
+                problems.append(SpecError(path, line_of(data, "weight"), (
+                    f"weight key {key!s} is not one checkpoint format {scheme.checkpoint.format!r} holds "
+                    f"({', '.join(fmt.spec.holds)}; its spec's holds)"), field="weight"))
         for fname, value in scheme.features.items():
             if isinstance(value, str):
                 try:

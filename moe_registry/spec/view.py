@@ -346,6 +346,7 @@ class FormatSpec(SpecRecord):
     format: str
     summary: str
     converters: list[ConverterSpec]
+    holds: list[str]
 
 
 
