@@ -26,27 +26,6 @@ ONE_PROGRAM_TILE = 1 << 13
 
 
 @triton.jit
-def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
-                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program_id(0): its amax (times the row factor), its float32 scale, then its codes."""
-    row = tl.program_id(0).to(tl.int64)
-    factor = 1.0
-    if HAS_ROW_SCALE:
-        factor = tl.load(row_scale_ptr + row).to(tl.float32)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for d in range(0, D, BLOCK):
-        cols = d + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0).to(tl.float32) * factor
-        amax = tl.maximum(amax, tl.abs(v))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), FP8_MAX)
-    tl.store(scale_ptr + row, scale)
-    for d in range(0, D, BLOCK):
-        cols = d + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride_x + cols, mask=cols < D, other=0.0).to(tl.float32) * factor
-        tl.store(out_ptr + row * stride_out + cols, _fp8_codes(v, scale), mask=cols < D)
-
-
-@triton.jit
 def _row_amax(x_ptr, row, D, stride_x, factor, BLOCK: tl.constexpr):
     """max |x[row] * factor| over the row's D columns (float32)."""
     amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -71,6 +50,17 @@ def _row_factor(row_scale_ptr, row, HAS_ROW_SCALE: tl.constexpr):
     if HAS_ROW_SCALE:
         factor = tl.load(row_scale_ptr + row).to(tl.float32)
     return factor
+
+
+@triton.jit
+def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
+                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row program_id(0): its amax (times the row factor), its float32 scale, then its codes."""
+    row = tl.program_id(0).to(tl.int64)
+    factor = _row_factor(row_scale_ptr, row, HAS_ROW_SCALE)
+    scale = tl.math.div_rn(tl.maximum(_row_amax(x_ptr, row, D, stride_x, factor, BLOCK), AMAX_FLOOR), FP8_MAX)
+    tl.store(scale_ptr + row, scale)
+    _row_codes(x_ptr, out_ptr, row, D, stride_x, stride_out, factor, scale, BLOCK)
 
 
 @triton.jit

@@ -153,10 +153,13 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
         x = hidden[tok].to(dtype)
         jobs.append((e, x * w if config.apply_router_weight_on_input else x))
         placed.append((tok, w))
-    # GEMM1's input is the whole hidden state (router weight applied; tokens of foreign experts too)
-    whole = hidden.to(dtype)
-    if config.apply_router_weight_on_input:
-        whole = whole * topk_weights.reshape(m, 1).to(dtype)
+    # per-tensor dynamic activations: GEMM1's scale comes from the whole hidden state (router weight
+    # applied; tokens of foreign experts too); no other key reads it
+    whole = None
+    if _per_tensor_dynamic(dense.activation_key):
+        whole = hidden.to(dtype)
+        if config.apply_router_weight_on_input:
+            whole = whole * topk_weights.reshape(m, 1).to(dtype)
     for (tok, w), y in zip(placed, _run_experts(dense, jobs, config.activation, dtype, whole), strict=True):
         out.index_add_(0, tok, y if config.apply_router_weight_on_input else y * w)
     return out

@@ -254,6 +254,8 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
     if scheme.act_quant == "none":
         return x, None
     if scheme.act_quant in FP8_DYNAMIC_MODES:  # per-token / per-tensor dynamic fp8 (fp8_act)
+        if kwargs.get("expert_num_tokens") is not None:  # the batched format's padding rows would join the amax
+            raise ValueError(f"{scheme.act_quant} activations run in the standard activation format only")
         return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"))
     return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
                                 group=scheme.act_group or 128, **kwargs)
@@ -319,9 +321,11 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl)
 
-    if scheme.act_quant in FP8_DYNAMIC_MODES:  # pairs of another rank's expert left their rows unwritten
+    if scheme.act_quant in FP8_DYNAMIC_MODES:
+        # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         flat_ids = topk_ids.reshape(-1)
-        a2, a2_scale = _quantize(inter, scheme, None, rows=(flat_ids >= 0) & (flat_ids < num_experts), pdl=pdl)
+        valid = (flat_ids >= 0) & (flat_ids < num_experts) if scheme.act_quant == "fp8_tensor" else None
+        a2, a2_scale = _quantize(inter, scheme, None, rows=valid, pdl=pdl)
     else:
         a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
     split = config2["SPLIT_K"]

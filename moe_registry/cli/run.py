@@ -144,7 +144,8 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     from moe_registry_kernels.reference import reference_moe
 
     layer = build(args.target, layer=args.layer, platform=args.platform, dtype=args.dtype, kernel=args.kernel,
-                  prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=args.ep, max_tokens=args.max_tokens)
+                  prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=args.ep, max_tokens=args.max_tokens,
+                  keep_weights=True)
     built = layer.built
     runtime = built.report.situation.runtime
     dtype = DTYPES[runtime.dtype]

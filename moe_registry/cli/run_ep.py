@@ -177,7 +177,7 @@ def _run_ep(args: argparse.Namespace, env: TorchrunEnv, backend: str, tokens: in
 
     layer = build(args.target, layer=args.layer, platform=args.platform, dtype=args.dtype, kernel=args.kernel,
                   prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=env.world_size, max_tokens=budget,
-                  all2all=backend, device=device, expert_placement=args.expert_placement)
+                  all2all=backend, device=device, expert_placement=args.expert_placement, keep_weights=True)
     built = layer.built
     runtime = built.report.situation.runtime
     dev = built.kernel.experts.weights.device

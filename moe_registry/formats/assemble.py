@@ -14,11 +14,12 @@ import torch
 from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.core.keys import PER_CHANNEL, PER_TENSOR, QuantKey
 from moe_registry.core.vocab import ROLES
-from moe_registry.formats.checks import check_finite
+from moe_registry.formats.checks import check_finite, check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
-__all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size"]
+__all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size",
+           "scaled_projection"]
 
 Namer = Callable[[str], str]
 """tensor short name ('qweight') -> full checkpoint name, for one expert's one projection."""
@@ -64,6 +65,35 @@ def group_size(key: QuantKey, k: int) -> int:
     """Input columns per scale group for a projection with ``k`` inputs (-1 in the key: all)."""
     g = key.group_size
     return k if g is None or g <= 0 else g
+
+
+def scaled_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
+    """``weight`` with one ``weight_scale`` per tensor or per output channel (float32 [out, 1]) and, for a
+    static activation key, its one ``input_scale`` (Quark INT8, AutoFP8 / ModelOpt / compressed-tensors FP8)."""
+    weight = require(tensors, "weight", name("weight"))
+    ws = require(tensors, "weight_scale", name("weight_scale"))
+    check_scales(ws, name("weight_scale"))
+    n = int(weight.shape[0])
+    if ws.numel() == 1:
+        scale = ws.to(torch.float32).reshape(1, 1).expand(n, 1).clone()
+    elif ws.numel() == n:
+        scale = ws.to(torch.float32).reshape(n, 1)
+    else:
+        raise CheckpointError(
+            f"{name('weight_scale')}: shape {list(ws.shape)} is neither per-tensor ([] or [1]) nor "
+            f"per-channel ([{n}] or [{n}, 1]) for {name('weight')} of shape {list(weight.shape)}"
+        )
+    act = ctx.activation_key.scale
+    input_scale = None
+    if act is not None and not act.dynamic:
+        s = require(tensors, "input_scale", name("input_scale"))
+        check_scales(s, name("input_scale"))
+        if s.numel() != 1:
+            raise CheckpointError(
+                f"{name('input_scale')}: shape {list(s.shape)}; expected one per-tensor scale ([] or [1])"
+            )
+        input_scale = s.to(torch.float32).reshape(())
+    return ProjectionPart(weight=weight, scale=scale, input_scale=input_scale)
 
 
 RoleConverter = Callable[[Mapping[str, torch.Tensor], Namer, ConvertContext], ProjectionPart]

@@ -10,7 +10,10 @@ import torch
 
 from moe_registry.core.errors import CheckpointError
 
-__all__ = ["require", "check_scales", "check_finite", "cast_scales", "describe_bad", "check_all_equal"]
+__all__ = ["require", "check_scales", "check_finite", "check_e8m0_codes", "cast_scales", "describe_bad",
+           "check_all_equal", "E8M0_NAN"]
+
+E8M0_NAN = 255  # the E8M0 exponent byte that encodes NaN (OCP MX v1.0)
 
 
 def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) -> torch.Tensor:
@@ -46,6 +49,14 @@ def check_finite(t: torch.Tensor, full_name: str) -> None:
     for mask, what in ((torch.isnan(v), "NaN"), (torch.isinf(v), "infinite")):
         if bool(mask.any()):
             raise CheckpointError(f"{full_name}: {describe_bad(v, mask, what)}; expected finite values")
+
+
+def check_e8m0_codes(t: torch.Tensor, full_name: str) -> None:
+    """MX scales stored as raw uint8 exponent bytes (the load guard sees only uint8): 255 is E8M0's NaN."""
+    nan = t == E8M0_NAN
+    if bool(nan.any()):
+        raise CheckpointError(f"{full_name}: {describe_bad(t, nan, '255, the E8M0 NaN encoding')}; "
+                              "expected exponents 0..254")
 
 
 def check_scales(t: torch.Tensor, full_name: str) -> None:

@@ -27,6 +27,7 @@ from moe_registry.formats.assemble import (
     ProjectionPart,
     assemble,
     layout_scale_dtype,
+    scaled_projection,
 )
 from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
@@ -79,34 +80,6 @@ def convert_fp8_block_ct(experts: Sequence[ExpertTensors], ctx: ConvertContext) 
     return assemble(experts, ctx, _projection_ct)
 
 
-def _scaled_projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
-    weight = require(tensors, "weight", name("weight"))
-    if weight.dtype != torch.float8_e4m3fn:
-        raise CheckpointError(f"{name('weight')}: dtype {str(weight.dtype).removeprefix('torch.')}; "
-                              "expected float8_e4m3fn")
-    ws = require(tensors, "weight_scale", name("weight_scale"))
-    check_scales(ws, name("weight_scale"))
-    n = int(weight.shape[0])
-    if ws.numel() == 1:
-        scale = ws.to(torch.float32).reshape(1, 1).expand(n, 1).clone()
-    elif ws.numel() == n and ws.dim() in (1, 2):
-        scale = ws.to(torch.float32).reshape(n, 1)
-    else:
-        raise CheckpointError(
-            f"{name('weight_scale')}: shape {list(ws.shape)} is neither per-tensor ([] or [1]) nor "
-            f"per-channel ([{n}] or [{n}, 1]) for {name('weight')} of shape {list(weight.shape)}")
-    act = ctx.activation_key.scale
-    input_scale = None
-    if act is not None and not act.dynamic:
-        s = require(tensors, "input_scale", name("input_scale"))
-        check_scales(s, name("input_scale"))
-        if s.numel() != 1:
-            raise CheckpointError(f"{name('input_scale')}: shape {list(s.shape)}; expected one per-tensor scale "
-                                  "([] or [1]) for the static activation key")
-        input_scale = s.to(torch.float32).reshape(())
-    return ProjectionPart(weight=weight, scale=scale, input_scale=input_scale)
-
-
 def convert_fp8_scaled(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> ExpertWeights:
     """fp8e4m3 weights with per-tensor or per-channel scales (static or dynamic fp8 activations) to ``nk``."""
-    return assemble(experts, ctx, _scaled_projection)
+    return assemble(experts, ctx, scaled_projection)

@@ -10,26 +10,18 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
-from moe_registry.formats.checks import describe_bad, require
+from moe_registry.formats.checks import check_e8m0_codes, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
-__all__ = ["convert_modelopt_mxfp8", "E8M0_NAN"]
-
-E8M0_NAN = 255
+__all__ = ["convert_modelopt_mxfp8"]
 
 
 def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
     weight = require(tensors, "weight", name("weight"))
     scale = require(tensors, "weight_scale", name("weight_scale"))
-    nan = scale == E8M0_NAN
-    if bool(nan.any()):
-        raise CheckpointError(
-            f"{name('weight_scale')}: {describe_bad(scale, nan, '255, the E8M0 NaN encoding')}; "
-            "expected exponents 0..254"
-        )
+    check_e8m0_codes(scale, name("weight_scale"))
     return ProjectionPart(weight=weight, scale=scale.to(torch.uint8))
 
 

@@ -16,22 +16,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
-from moe_registry.formats.checks import describe_bad, require
+from moe_registry.formats.checks import check_e8m0_codes, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
-__all__ = ["convert_mxfp4", "convert_compressed_tensors_mxfp4", "E8M0_NAN"]
-
-E8M0_NAN = 255
+__all__ = ["convert_mxfp4", "convert_compressed_tensors_mxfp4"]
 
 
 def _part(codes: torch.Tensor, scales: torch.Tensor, scale_name: str) -> ProjectionPart:
-    nan = scales == E8M0_NAN
-    if bool(nan.any()):
-        raise CheckpointError(
-            f"{scale_name}: {describe_bad(scales, nan, '255, the E8M0 NaN encoding')}; expected exponents 0..254")
+    check_e8m0_codes(scales, scale_name)
     return ProjectionPart(weight=codes.reshape(int(codes.shape[0]), -1).contiguous(), scale=scales.contiguous())
 
 

@@ -10,7 +10,7 @@ producers store inversely:
   ``weight_global_scale``): value = code · (scale / weight_global_scale) (its dequantize divides).
 
 Both become ``scale2`` [out, 1] float32 (the multiplier); compressed-tensors' global scale is
-inverted once here. Bad scales are refused naming the tensor: an e4m3 NaN code (0x7f/0xff) and a
+inverted once here. Bad scales are refused naming the tensor: an e4m3 NaN code (0x7f/0xff) at load (core.guards) and a
 global scale that is zero, negative, NaN or infinite.
 """
 
@@ -22,19 +22,11 @@ import torch
 
 from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import Namer, ProjectionPart, assemble
-from moe_registry.formats.checks import describe_bad, require
+from moe_registry.formats.checks import require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
 
 __all__ = ["convert_modelopt_nvfp4", "convert_compressed_tensors_nvfp4"]
-
-
-def _group_scales(scale: torch.Tensor, full_name: str) -> torch.Tensor:
-    nan = torch.isnan(scale.float())
-    if bool(nan.any()):
-        raise CheckpointError(f"{full_name}: {describe_bad(scale.view(torch.uint8), nan, 'the e4m3 NaN code', 'codes')}"
-                              "; expected finite float8_e4m3fn group scales")
-    return scale.contiguous()
 
 
 def _global_scale(value: torch.Tensor, full_name: str, out: int, invert: bool) -> torch.Tensor:
@@ -60,7 +52,7 @@ def _input_scale(tensors: Mapping[str, torch.Tensor], name: str, full_name: str)
 
 def _modelopt(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
     weight = require(tensors, "weight", name("weight"))
-    scale = _group_scales(require(tensors, "weight_scale", name("weight_scale")), name("weight_scale"))
+    scale = require(tensors, "weight_scale", name("weight_scale")).contiguous()  # NaN codes: refused at load
     out = int(weight.shape[0])
     scale2 = _global_scale(require(tensors, "weight_scale_2", name("weight_scale_2")), name("weight_scale_2"), out,
                            invert=False)
@@ -70,7 +62,7 @@ def _modelopt(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCont
 
 def _compressed_tensors(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertContext) -> ProjectionPart:
     weight = require(tensors, "weight_packed", name("weight_packed"))
-    scale = _group_scales(require(tensors, "weight_scale", name("weight_scale")), name("weight_scale"))
+    scale = require(tensors, "weight_scale", name("weight_scale")).contiguous()  # NaN codes: refused at load
     out = int(weight.shape[0])
     scale2 = _global_scale(require(tensors, "weight_global_scale", name("weight_global_scale")),
                            name("weight_global_scale"), out, invert=True)

@@ -255,13 +255,15 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
           dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
           tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
-          all2all: str | None = None, expert_placement: str | None = None) -> LayerBuild:
+          all2all: str | None = None, expert_placement: str | None = None, keep_weights: bool = False) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
     SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
     With ``ep`` > 1 and ``all2all="allgather_reducescatter"``, call it in each of ep ranks of an existing
     torch.distributed process group: each rank's kernel holds its experts (``expert_placement``: contiguous, the
-    default, or round_robin) and takes its own tokens."""
+    default, or round_robin) and takes its own tokens. ``keep_weights``: hold the converted weights beside a
+    kernel's own copy (for a caller that reads ``.weights`` again, as ``run``'s float64 reference does), instead
+    of converting them again from the checkpoint on each access."""
     registry = load_registry(spec_dirs)
     check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
@@ -289,7 +291,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         runtime = replace(situation.runtime, shape=replace(shape, has_bias=True))
         report = select(registry, replace(situation, runtime=runtime), prefer=prefer, pin=kernel)
     built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensors.names.tensor,
-                               reread=reread)
+                               reread=None if keep_weights else reread)
     return LayerBuild(built, model, replace(tensors, experts=()), reread)
 
 
