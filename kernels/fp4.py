@@ -1,5 +1,5 @@
 """FP4 (e2m1) codes in torch: the one definition of what a 4-bit float code means, and the
-round-to-nearest encoder the conformance weights and fixture packers use.
+round-to-nearest encoder quant_ref uses for the conformance weights.
 
 A code is 1 sign bit (bit 3), 2 exponent bits and 1 mantissa bit: magnitudes 0, 0.5, 1, 1.5, 2,
 3, 4, 6 (OCP MX v1.0, the table transformers' ``integrations/mxfp4.py`` calls FP4_VALUES). Packed

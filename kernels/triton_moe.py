@@ -112,7 +112,7 @@ class _Proj:
     input_scale: torch.Tensor | None
     n: int
     k: int
-    scale2: torch.Tensor | None = None  # second-level weight scale per (expert, row), float32 [E, N, 1] (NVFP4)
+    scale2: torch.Tensor | None = None  # second-level weight scale per (expert, row), float32 [E, N] (NVFP4)
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
 
 
 def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:
-    """The GEMM kernels' second-level weight scale arguments (NVFP4's global scale, [E, N, 1] float32)."""
+    """The GEMM kernels' second-level weight scale arguments (NVFP4's global scale, [E, N] float32)."""
     if scheme.weight_scale2 != (w.scale2 is not None):
         raise ValueError(f"weight key {'has' if scheme.weight_scale2 else 'has no'} second-level scale, but the "
                          f"projection {'has none' if w.scale2 is None else 'has one'}")

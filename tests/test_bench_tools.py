@@ -1,4 +1,4 @@
-"""tools/bench.py and tools/bench_cpu.py read the registry, and bench.py keeps every measured cell.
+"""tools/bench.py, bench_cpu.py and kernel_identity.py read the registry; bench.py keeps every measured cell.
 
 The schemes, their keys and tolerances come from the scheme specs (a spec added in a user spec
 dir is benchmarked with no edit to the tools); bench.py writes each cell to bench.jsonl as it is
@@ -238,9 +238,9 @@ def test_bench_cpu_rows_are_the_quantized_key_pairs_of_the_specs(bench, tmp_path
     assert pairs()[("uint4 scale:float16:channel:static zp:group", "unquantized")] == ["test-w4a16-channel"]
 
 
-def test_kernel_identity_writes_each_finished_chunk_as_it_goes(tmp_path):
+def test_kernel_identity_runs_and_its_row_file_holds_every_case(tmp_path):
     """tools/kernel_identity.py on the interpreter, the package against itself: every compared case equal, and
-    the rows in identity.jsonl as chunks finish (a run cut off at its time limit keeps them)."""
+    identity.jsonl (appended chunk by chunk, for runs cut off at a time limit) holds each case's row."""
     import os
     import subprocess
     import sys

@@ -138,8 +138,7 @@ def test_reference_layer_matches_float64_moe(name: str, built) -> None:
     assert _rel(got, want) <= layer.tolerance, f"{name}: {_rel(got, want):.2e}"
 
 
-@pytest.mark.parametrize("name", sorted(n for n, (s, _) in CASES.items() if s != "compressed-tensors-w8a16-asym")
-                         + ["w8a16-asym-g32"])
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_interpreter_matches_float64_moe_float16(name: str, built) -> None:
     pytest.importorskip("triton")
     from moe_registry_kernels.triton_moe import TritonExperts

@@ -14,7 +14,7 @@ both on the same inputs and compares the outputs with ``torch.equal``:
 Cases are spread over ``--workers`` processes (compilation is the slow part). Then ``--time``
 times chosen cells old and new alternately (CUDA graphs of 8 layer calls, the median of rounds).
 Writes identity.json (per case: equal, sha256 of both outputs) and timing.json under --out (and, as
-they come, identity.jsonl per finished worker and timing.jsonl per timed cell, so a run cut off keeps them), and
+they come, identity.jsonl per finished chunk and timing.jsonl per timed cell, so a run cut off keeps them), and
 the conformance cases' outputs (old_outputs.safetensors, new_outputs.safetensors) under --save.
 
     git archive 0390905 kernels | tar -x -C /tmp/old        # the old package
@@ -207,8 +207,9 @@ def _digest(t: torch.Tensor) -> str:
 def worker(args: tuple) -> tuple[list[dict], dict]:
     global DEVICE
     old_root, cases, DEVICE = args
-    logging.getLogger("moe_registry").setLevel(logging.ERROR)  # untuned shapes: said once per process
-    sys.path.insert(0, str(old_root))
+    if str(old_root) not in sys.path:  # once per worker process (it takes many chunks)
+        logging.getLogger("moe_registry").setLevel(logging.ERROR)  # untuned shapes: said once per process
+        sys.path.insert(0, str(old_root))
     rows, saved = [], {"old": {}, "new": {}}
     for kind, case in cases:
         cid = _case_id(kind, case)
@@ -232,6 +233,7 @@ def time_cells(out: Path, rounds: int, cells: list[str] | None = None) -> list[d
     from moe_registry.layer.experts import ExpertsConfig
 
     rows = []
+    (out / "timing.jsonl").write_text("")  # this run's cells only
     for shape in TIMED_SHAPES:
         for scheme in MODEL_SCHEMES:
             ms = [m for m in TIMED_MS if cells is None or f"{shape}:{scheme}:{m}" in cells]
@@ -302,11 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         conf = [c for c in conf if args.only in _case_id(*c)]
         models = [c for c in models if args.only in _case_id(*c)]
-    # model cases grouped by (shape, scheme) so a worker makes each scheme's weights once, in
-    # fewer workers (a Mixtral layer's weights take GBs)
     # small interleaved chunks, handed out as workers free up: rows reach identity.jsonl all along the run
     chunks = max(1, min(len(conf), args.workers * CHUNKS_PER_WORKER))
     slices = [conf[i::chunks] for i in range(chunks)]
+    # model cases grouped by (shape, scheme) so a worker makes each scheme's weights once, in
+    # fewer workers (a Mixtral layer's weights take GBs)
     model_workers = min(args.workers, MODEL_WORKERS)
     model_slices = [[] for _ in range(model_workers)]
     for j, key in enumerate(dict.fromkeys((s, sc) for _, (s, sc, _) in models)):
@@ -314,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     ctx = multiprocessing.get_context("spawn")
     parts = []
-    rows_file = args.out / "identity.jsonl"  # each worker's rows as it finishes: a run cut off keeps them
+    rows_file = args.out / "identity.jsonl"  # each chunk's rows as it finishes: a run cut off keeps them
     rows_file.write_text("")
     for n, work in ((args.workers, slices), (model_workers, model_slices)):
         work = [w for w in work if w]

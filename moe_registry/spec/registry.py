@@ -107,8 +107,8 @@ def binding_samples(scheme: SchemeSpec) -> list[dict[str, Any]]:
 
 
 def spec_files(directory: Path) -> list[Path]:
-    """The spec files of a spec dir: *.yaml and *.yml, in its schemes/, kernels/ and models/ or
-    directly in it."""
+    """The spec files of a spec dir: *.yaml and *.yml, in its schemes/, kernels/, models/, formats/ and
+    keysets/ or directly in it."""
     files: list[Path] = []
     for sub in ("", "schemes", "kernels", "models", "formats", "keysets"):
         d = directory / sub if sub else directory
