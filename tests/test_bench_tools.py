@@ -255,3 +255,45 @@ def test_kernel_identity_runs_and_its_row_file_holds_every_case(tmp_path):
     assert len(rows) == 2 and all(r["equal"] and r["old"] == r["new"] for r in rows)
     summary = json.loads((tmp_path / "identity.json").read_text())["summary"]
     assert (summary["compared"], summary["equal"], summary["errors"]) == (2, 2, [])
+
+
+def test_bench_ep_runs_under_torchrun_and_writes_each_cell_as_it_goes(tmp_path):
+    """tools/bench_ep.py with two gloo ranks on the CPU (--dry-run): a row per scheme x M in bench_ep.jsonl, the
+    EP = 1 and EP = 2 times and the three parts measured, the ranks' partial sums within the scheme's tolerance."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), str(ROOT / "tools" / "bench_ep.py"), "--dry-run", "--tokens", "1", "3",
+                           "--seconds", "0.01", "--schemes", "unquantized", "awq-w4a16", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench_ep.jsonl").read_text().splitlines()]
+    assert [(r["scheme"], r["m"], r["world"]) for r in rows] == [
+        ("unquantized", 1, 2), ("unquantized", 3, 2), ("awq-w4a16", 1, 2), ("awq-w4a16", 3, 2)]
+    for r in rows:
+        assert all(r[k] > 0 for k in ("ep1_us", "ep_us", "dispatch_us", "experts_us", "combine_us",
+                                      "a2a_dispatch_eager_us", "agrs_dispatch_eager_us", "link_busbw_gbps"))
+        assert r["relative_error"] < 1e-2
+    cells = json.loads((tmp_path / "bench_ep.json").read_text())["cells"]
+    assert len(cells) == 4 and cells[0]["ep1_tokens_per_s"] == pytest.approx(1e6 / rows[0]["ep1_us"])
+    assert "EPn us" in proc.stdout
+
+
+def test_bench_ep_outside_torchrun_says_how_to_start_it():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_ep.py"), "--dry-run"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: start it with torchrun --nproc-per-node N (one process per GPU)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import moe_registry
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
-from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertParallelError, ExpertPlacement
+from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertParallelError, ExpertPlacement, RowLayout
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.spec.loader import load_registry
@@ -137,8 +137,9 @@ def test_ranks_that_disagree_on_the_layer_fail_together(tmp_path: Path) -> None:
 
 
 FIXTURE = Path(__file__).parent / "fixtures" / "compressed_tensors_presets" / "w4a16-g128"  # llm-compressor, 4 experts
-EP_KERNELS = sorted(name for name, k in load_registry().kernels.items()
-                    if "allgather_reducescatter" in k.spec.parallel.all2all)
+CLAIMS = {name: k.spec for name, k in load_registry().kernels.items()
+          if "allgather_reducescatter" in k.spec.parallel.all2all}
+EP_KERNELS = sorted(name for name, spec in CLAIMS.items() if any(p.device == "cpu" for p in spec.platforms))
 
 
 def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,6 +173,61 @@ def test_every_kernel_claiming_the_backend_runs_it_through_build(kernel: str, tm
     parts = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
     assert [int(p["local"]) for p in parts] == [2, 2]  # each rank holds its half of the experts
     torch.testing.assert_close(torch.cat([p["out"] for p in parts]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_every_claim_of_the_backend_is_run_by_a_test() -> None:
+    """Kernels that run on the CPU run it above (gloo); CUDA kernels in tests/test_expert_parallel_gpu.py (NCCL,
+    two GPUs). A kernel for neither device claiming it would be run by no test."""
+    assert "triton-fused-moe" in CLAIMS and "torch-reference" in EP_KERNELS
+    for name, spec in CLAIMS.items():
+        assert {p.device for p in spec.platforms} & {"cpu", "cuda"}, name
+
+
+def _rank_triton(rank: int, init: str, out_dir: str) -> None:
+    from moe_registry_kernels.triton_moe import TritonExperts
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        case = CASES["2-contiguous"]
+        weights, hidden, topk_weights, ids = _problem(case)
+        placement = ExpertPlacement(E, 2, rank)
+        local = weights.subset(placement.local_experts())
+        experts = TritonExperts(ExpertWeights(*(replace(p, weight=p.weight.half()) for p in (local.w13, local.w2)),
+                                              local.weight_key, local.activation_key), ExpertsConfig())
+        kernel = FusedMoEKernel(AllGatherReduceScatter(placement, case.max_tokens), experts)
+        mine = slice(0, 5) if rank == 0 else slice(5, 8)
+        out = kernel(hidden[mine].half(), topk_weights[mine], ids[mine].int())
+        save_file({"out": out.float().contiguous()}, str(Path(out_dir) / f"rank{rank}.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton on CPU tensors runs in its interpreter (GPU: tests/test_expert_parallel_gpu.py)")
+def test_triton_experts_take_the_gathered_rows_and_foreign_ids(tmp_path: Path) -> None:
+    """The Triton experts (in Triton's interpreter) behind the dispatcher: padding rows, foreign ids (-1) and the
+    byte-packed gather as the GPU sees them."""
+    pytest.importorskip("triton")
+    mp.spawn(_rank_triton, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    weights, hidden, topk_weights, ids = _problem(CASES["2-contiguous"])
+    expected = FusedMoEKernel(LocalPrepareFinalize(), ReferenceExperts(weights, ExpertsConfig()))(
+        hidden, topk_weights, ids)
+    got = torch.cat([load_file(str(tmp_path / f"rank{r}.safetensors"))["out"] for r in range(2)])
+    rel = float((got - expected).norm() / expected.norm())
+    assert rel < 5e-3, rel  # float16 activations and weights (tests/test_triton_interpreter.py's bound)
+
+
+def test_a_token_row_packs_ids_weights_and_hidden_aligned() -> None:
+    hidden = torch.randn(3, 5).half()
+    weights, ids = torch.rand(3, 3), torch.tensor([[1, -1, 7]] * 3)
+    layout = RowLayout.of(hidden, weights, ids)
+    assert [(f.offset, f.width) for f in (layout.ids, layout.weights, layout.hidden)] == [(0, 3), (24, 3), (36, 5)]
+    assert layout.row_bytes == 48  # 46 bytes padded to the widest element (int64)
+    rows = torch.zeros(3, layout.row_bytes, dtype=torch.uint8)
+    for field, t in ((layout.ids, ids), (layout.weights, weights), (layout.hidden, hidden)):
+        field.of(rows).copy_(t)
+    assert torch.equal(layout.ids.of(rows), ids) and torch.equal(layout.weights.of(rows), weights)
+    assert torch.equal(layout.hidden.of(rows), hidden)
 
 
 def test_build_with_a_dispatch_and_no_process_group_says_how_to_start_the_ranks() -> None:

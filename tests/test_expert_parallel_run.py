@@ -246,9 +246,10 @@ def test_run_under_torchrun_writes_the_single_process_output(ranks: int, tokens:
     ids = moe_registry.load_layer(QWEN, platform="cpu", dtype="float32").route(hidden).topk_ids.reshape(-1)
     owner = ids % ranks if placement == "round_robin" else ids // (8 // ranks)
     assert [r["pairs"] for r in per_rank] == torch.bincount(owner, minlength=ranks).tolist()
-    # bytes each forward hands to the collectives: padded rows (float32) + router weights + int64 ids, and
-    # the reduce-scatter of world x share rows; sent = (world - 1) x gathered + (world - 1) / world x scattered
-    gathered, scattered = share * (64 * 4 + 2 * 4 + 2 * 8), ranks * share * 64 * 4
+    # bytes each forward hands to the collectives: one byte row per padded token (the router's int32 ids, float32
+    # router weights, float32 hidden), and the reduce-scatter of world x share rows;
+    # sent = (world - 1) x gathered + (world - 1) / world x scattered
+    gathered, scattered = share * (2 * 4 + 2 * 4 + 64 * 4), ranks * share * 64 * 4
     for r in per_rank:
         assert (r["bytes_gathered"], r["bytes_scattered"]) == (gathered, scattered)
         assert r["bytes_sent"] == (ranks - 1) * gathered + (ranks - 1) * scattered // ranks

@@ -569,10 +569,11 @@ def test_all2all_backend_delivering_batched_format(registry):
     report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
                                             Flags(platform="cuda:9.0", ep=8, all2all="none")))
     assert report.chosen == "triton-fused-moe"
-    # ... and allgather_reducescatter runs on the kernels whose specs claim it (the CPU ones, tested over gloo)
+    # ... and allgather_reducescatter runs on the kernels whose specs claim it (tests/test_expert_parallel*.py run
+    # each over gloo or NCCL)
     report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
                                             Flags(platform="cuda:9.0", ep=8, all2all="allgather_reducescatter")))
-    assert report.chosen == "torch-reference" and reasons(report, "triton-fused-moe") == {Reason.ALL2ALL}
+    assert report.chosen == "triton-fused-moe" and report.selected_by is not None
 
 
 @pytest.mark.parametrize("args,message", [

@@ -209,18 +209,22 @@ def _median_time(fn, min_seconds: float, device: torch.device, warmup_seconds: f
     times = []
     start = time.perf_counter()
     while time.perf_counter() - start < min_seconds or len(times) < 5:
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        times.append(time_call(fn, device))
     return statistics.median(times)
+
+
+def time_call(fn, device: torch.device) -> float:  # type: ignore[no-untyped-def]
+    """Seconds one call of ``fn`` takes: between CUDA events on a GPU, by the host clock on a CPU."""
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def measure_ceilings(device: torch.device, dry: bool) -> dict[str, float]:

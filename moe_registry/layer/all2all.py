@@ -2,7 +2,8 @@
 the ranks of a process group (NCCL on GPUs, gloo on CPUs), each rank holding a share of the experts.
 
 ``AllGatherReduceScatter`` is vLLM's ``allgather_reducescatter`` backend: every rank gathers every
-rank's tokens and routing (one all-gather into a tensor), runs its own experts on the (token, expert)
+rank's tokens and routing (one all-gather of one byte row per token holding its ids, router weights and
+hidden state: at decode a collective's latency, not its bytes, is the cost), runs its own experts on the (token, expert)
 pairs routed to them (the others' pairs carry the foreign id -1, which the experts kernels skip), and a
 reduce-scatter sums the partial outputs back onto the ranks the tokens came from (NCCL and gloo both
 have both collectives). Shapes are fixed by ``max_tokens`` (each
@@ -96,7 +97,7 @@ class ExpertPlacement:
 @dataclass(frozen=True)
 class DispatchCounters:
     """What one dispatcher handed to its collectives, summed over its forwards (``calls``): the bytes of this
-    rank's all-gather inputs (its padded rows, router weights and ids) and of its reduce-scatter input. Counted
+    rank's all-gather input (its padded byte rows: ids, router weights, hidden) and of its reduce-scatter input. Counted
     from tensor sizes known on the host, so counting costs no collective and no device sync (a CUDA graph
     replay does not run the Python that counts)."""
 
@@ -116,6 +117,42 @@ class DispatchCounters:
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class RowField:
+    """One input's place in a token's byte row: its dtype, its width in elements and its byte offset."""
+
+    dtype: torch.dtype
+    width: int
+    offset: int
+
+    def of(self, rows: torch.Tensor) -> torch.Tensor:
+        """This field of byte rows [R, row_bytes], as a [R, width] view in its dtype."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return rows[:, self.offset:self.offset + self.width * size].view(self.dtype)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a token's expert ids, router weights and hidden state share one byte row, so one all-gather moves
+    all three. Fields go widest element first, and the row is padded to the widest element, so every field
+    starts aligned to its own element size (what ``Tensor.view(dtype)`` needs)."""
+
+    ids: RowField
+    weights: RowField
+    hidden: RowField
+    row_bytes: int
+
+    @staticmethod
+    def of(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> RowLayout:
+        parts = {"ids": topk_ids, "weights": topk_weights, "hidden": hidden}
+        offset, fields = 0, {}
+        for name, t in sorted(parts.items(), key=lambda item: -item[1].element_size()):
+            fields[name] = RowField(t.dtype, t.shape[1], offset)
+            offset += t.shape[1] * t.element_size()
+        widest = max(t.element_size() for t in parts.values())
+        return RowLayout(**fields, row_bytes=-(-offset // widest) * widest)
 
 
 @dataclass(frozen=True)
@@ -180,23 +217,25 @@ class AllGatherReduceScatter(PrepareFinalize):
 
     def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 apply_router_weight_on_input: bool = False) -> PreparedInput:
-        m, top_k = topk_ids.shape
+        m = topk_ids.shape[0]
         if m > self.max_tokens:
             raise ValueError(f"{m} tokens on rank {self.placement.rank}, more than max_tokens = {self.max_tokens}")
-        rows = hidden.new_zeros(self.max_tokens, hidden.shape[1])
-        rows[:m] = hidden
-        weights = topk_weights.new_zeros(self.max_tokens, top_k)
-        weights[:m] = topk_weights
-        ids = torch.full((self.max_tokens, top_k), FOREIGN_EXPERT, dtype=torch.int64, device=topk_ids.device)
-        ids[:m] = topk_ids
-        all_rows, all_weights, all_ids = self._gather(rows), self._gather(weights), self._gather(ids)
+        layout = RowLayout.of(hidden, topk_weights, topk_ids)
+        rows = torch.empty(self.max_tokens, layout.row_bytes, dtype=torch.uint8, device=hidden.device)
+        for field, t in ((layout.ids, topk_ids), (layout.weights, topk_weights), (layout.hidden, hidden)):
+            field.of(rows[:m]).copy_(t)
+        rows[m:].zero_()  # padding: zero rows and weights, every expert foreign
+        layout.ids.of(rows[m:]).fill_(FOREIGN_EXPERT)
+        gathered = self._gather(rows)
         c = self.counters
-        self.counters = replace(c, calls=c.calls + 1, gathered_bytes=c.gathered_bytes + _nbytes(rows, weights, ids))
+        self.counters = replace(c, calls=c.calls + 1, gathered_bytes=c.gathered_bytes + _nbytes(rows))
+        all_ids = layout.ids.of(gathered)
         table = self._local_ids.get(all_ids.device)
         if table is None:  # the first call on this device (outside any CUDA graph it is captured in later)
             table = self._local_ids[all_ids.device] = self._local_ids[torch.device("cpu")].to(all_ids.device)
-        local = torch.where(all_ids >= 0, table[all_ids.clamp(min=0)], FOREIGN_EXPERT)
-        return PreparedInput(all_rows, all_weights, local, "standard", dispatch=GatheredTokens(m))
+        local = torch.where(all_ids >= 0, table[all_ids.clamp(min=0).long()], FOREIGN_EXPERT).to(all_ids.dtype)
+        return PreparedInput(layout.hidden.of(gathered).contiguous(), layout.weights.of(gathered).contiguous(), local,
+                             "standard", dispatch=GatheredTokens(m))
 
     def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
         d = prepared.dispatch
