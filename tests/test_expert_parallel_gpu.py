@@ -10,6 +10,7 @@ partial: 1e-2 relative in bfloat16, 2e-3 in float16."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -38,6 +39,7 @@ pytestmark = [pytest.mark.gpu,
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the shared hosts (KINDS.md)
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+RANK_SECONDS = 150
 FIX = Path(__file__).parent / "fixtures"
 CT_W4A16 = FIX / "compressed_tensors_presets" / "w4a16-g128"  # llm-compressor, 4 experts, H=128
 QWEN = FIX / "transformers" / "tiny" / "qwen3_moe"  # transformers, 8 experts, H=64
@@ -86,9 +88,12 @@ def _problem(case: Case, device: torch.device) -> tuple[ExpertWeights, torch.Ten
 
 
 def _init(rank: int, init: str, backend: str = "nccl") -> torch.device:
+    """This rank's GPU and process group; a rank still running after RANK_SECONDS prints its stack and exits,
+    so a collective that never completes fails the test instead of hanging it."""
+    faulthandler.dump_traceback_later(RANK_SECONDS, exit=True)
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120),
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60),
                             device_id=device if backend == "nccl" else None)
     return device
 
