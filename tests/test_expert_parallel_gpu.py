@@ -98,6 +98,27 @@ def _init(rank: int, init: str, backend: str = "nccl") -> torch.device:
     return device
 
 
+def _replayed(kernel: FusedMoEKernel, first: tuple[torch.Tensor, ...], other: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The layer captured in a CUDA graph (collectives included) on ``first``, replayed on ``other``. The graph is
+    gone when this returns: a process group cannot be destroyed while a live graph holds its communicator."""
+    static = [t.clone() for t in first]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernel(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = kernel(*static)
+    for buffer, value in zip(static, other, strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    out = graphed.clone()
+    torch.cuda.synchronize()
+    graph.reset()
+    return out
+
+
 def _ep_rank(rank: int, case: Case, init: str, out_dir: str) -> None:
     from moe_registry_kernels.triton_moe import TritonExperts
 
@@ -112,21 +133,8 @@ def _ep_rank(rank: int, case: Case, init: str, out_dir: str) -> None:
         lo = sum(case.shards[:rank])
         mine = slice(lo, lo + case.shards[rank])
         eager = kernel(hidden[mine], topk_weights[mine], ids[mine])
-        # the same layer in a CUDA graph (collectives included), replayed on other inputs of the same shape
-        static = [hidden[mine].clone(), topk_weights[mine].clone(), ids[mine].clone()]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            unchecked(*static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graphed = unchecked(*static)
         other = torch.roll(hidden, 1, 0)[mine], torch.roll(topk_weights, 1, 0)[mine], torch.roll(ids, 1, 0)[mine]
-        for buffer, value in zip(static, other, strict=True):
-            buffer.copy_(value)
-        graph.replay()
-        replayed = graphed.clone()
+        replayed = _replayed(unchecked, (hidden[mine], topk_weights[mine], ids[mine]), other)
         again = kernel(*other)
         torch.cuda.synchronize()
         save_file({"eager": eager.cpu().contiguous(), "replayed": replayed.cpu(), "again": again.cpu().contiguous()},
