@@ -22,9 +22,18 @@ import moe_registry
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
-from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertParallelError, ExpertPlacement, RowLayout
+from moe_registry.layer.all2all import (
+    AllGatherReduceScatter,
+    AllGatherReduceScatterBatched,
+    ExpertParallelError,
+    ExpertPlacement,
+    RowLayout,
+)
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+from moe_registry.model.config import read_model_config
+from moe_registry.model.situation import Flags, situation_for_model
+from moe_registry.oracle.select import select
 from moe_registry.spec.loader import load_registry
 
 E, TOP_K, H, INTER = 8, 2, 32, 16
@@ -60,14 +69,18 @@ def _problem(case: Case) -> tuple[ExpertWeights, torch.Tensor, torch.Tensor, tor
     return weights, hidden, topk_weights, ids
 
 
-def _rank(rank: int, case: Case, init: str, out_dir: str) -> None:
+DISPATCHER = {"standard": AllGatherReduceScatter, "batched": AllGatherReduceScatterBatched}
+
+
+def _rank(rank: int, case: Case, fmt: str, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=case.world,
                             timeout=timedelta(seconds=60))
     try:
         weights, hidden, topk_weights, ids = _problem(case)
         placement = ExpertPlacement(E, case.world, rank, round_robin=case.round_robin)
-        experts = ReferenceExperts(weights.subset(placement.local_experts()), ExpertsConfig(case.activation))
-        kernel = FusedMoEKernel(AllGatherReduceScatter(placement, case.max_tokens), experts)
+        experts = ReferenceExperts(weights.subset(placement.local_experts()),
+                                   ExpertsConfig(case.activation, activation_format=fmt))  # type: ignore[arg-type]
+        kernel = FusedMoEKernel(DISPATCHER[fmt](placement, case.max_tokens), experts)
         lo = sum(case.shards[:rank])
         hi = lo + case.shards[rank]
         out = kernel(hidden[lo:hi], topk_weights[lo:hi], ids[lo:hi])
@@ -76,10 +89,11 @@ def _rank(rank: int, case: Case, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("fmt", sorted(DISPATCHER))
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_expert_parallel_layer_equals_the_single_process_layer(name: str, tmp_path: Path) -> None:
+def test_expert_parallel_layer_equals_the_single_process_layer(name: str, fmt: str, tmp_path: Path) -> None:
     case = CASES[name]
-    mp.spawn(_rank, args=(case, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=case.world)
+    mp.spawn(_rank, args=(case, fmt, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=case.world)
     weights, hidden, topk_weights, ids = _problem(case)
     whole = FusedMoEKernel(LocalPrepareFinalize(), ReferenceExperts(weights, ExpertsConfig(case.activation)))
     expected = whole(hidden, topk_weights, ids)
@@ -136,10 +150,23 @@ def test_ranks_that_disagree_on_the_layer_fail_together(tmp_path: Path) -> None:
             "max_tokens differ); wanted every rank to run the same layer")
 
 
-FIXTURE = Path(__file__).parent / "fixtures" / "compressed_tensors_presets" / "w4a16-g128"  # llm-compressor, 4 experts
+FIX = Path(__file__).parent / "fixtures"
+# llm-compressor checkpoints of one shape (4 experts, top-2, hidden 128); each kernel runs the first it can
+FIXTURES = (FIX / "compressed_tensors_presets" / "w4a16-g128", FIX / "compressed_tensors_presets" / "w8a16-asym-g32",
+            FIX / "fp8" / "llmc-fp8-block", FIX / "fp8" / "llmc-fp8-dynamic")
 CLAIMS = {name: k.spec for name, k in load_registry().kernels.items()
           if "allgather_reducescatter" in k.spec.parallel.all2all}
 EP_KERNELS = sorted(name for name, spec in CLAIMS.items() if any(p.device == "cpu" for p in spec.platforms))
+
+
+def _fixture_for(kernel: str) -> Path:
+    registry = load_registry()
+    for path in FIXTURES:
+        situation = situation_for_model(read_model_config(path, registry), registry, Flags(platform="cpu",
+                                                                                            dtype="float32"))
+        if select(registry, situation, pin=kernel, raise_on_failure=False).chosen == kernel:
+            return path
+    raise AssertionError(f"no fixture here runs on {kernel}; add one to FIXTURES")
 
 
 def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +179,7 @@ def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        layer = moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", kernel=kernel, ep=2,
+        layer = moe_registry.build(_fixture_for(kernel), platform="cpu", layer=0, dtype="float32", kernel=kernel, ep=2,
                                    all2all="allgather_reducescatter", max_tokens=4)
         hidden, topk_weights, ids = _inputs(7)
         lo, hi = (0, 4) if rank == 0 else (4, 7)
@@ -166,9 +193,9 @@ def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
 @pytest.mark.parametrize("kernel", EP_KERNELS)
 def test_every_kernel_claiming_the_backend_runs_it_through_build(kernel: str, tmp_path: Path) -> None:
     """What a kernel spec claims, this runs: build(ep=2, all2all=allgather_reducescatter) in two gloo ranks,
-    on a checkpoint llm-compressor wrote, equals the single-process layer."""
+    on a checkpoint llm-compressor wrote (the first of FIXTURES the kernel runs), equals the single-process layer."""
     mp.spawn(_rank_builds, args=(kernel, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
-    whole = moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", kernel=kernel)
+    whole = moe_registry.build(_fixture_for(kernel), platform="cpu", layer=0, dtype="float32", kernel=kernel)
     expected = whole.kernel(*_inputs(7))
     parts = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
     assert [int(p["local"]) for p in parts] == [2, 2]  # each rank holds its half of the experts
@@ -183,8 +210,8 @@ def test_every_claim_of_the_backend_is_run_by_a_test() -> None:
         assert {p.device for p in spec.platforms} & {"cpu", "cuda"}, name
 
 
-def _rank_triton(rank: int, init: str, out_dir: str) -> None:
-    from moe_registry_kernels.triton_moe import TritonExperts
+def _rank_triton(rank: int, fmt: str, init: str, out_dir: str) -> None:
+    from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
@@ -192,9 +219,11 @@ def _rank_triton(rank: int, init: str, out_dir: str) -> None:
         weights, hidden, topk_weights, ids = _problem(case)
         placement = ExpertPlacement(E, 2, rank)
         local = weights.subset(placement.local_experts())
-        experts = TritonExperts(ExpertWeights(*(replace(p, weight=p.weight.half()) for p in (local.w13, local.w2)),
-                                              local.weight_key, local.activation_key), ExpertsConfig())
-        kernel = FusedMoEKernel(AllGatherReduceScatter(placement, case.max_tokens), experts)
+        cls = TritonBatchedExperts if fmt == "batched" else TritonExperts
+        experts = cls(ExpertWeights(*(replace(p, weight=p.weight.half()) for p in (local.w13, local.w2)),
+                                    local.weight_key, local.activation_key),
+                      ExpertsConfig(activation_format=fmt))  # type: ignore[arg-type]
+        kernel = FusedMoEKernel(DISPATCHER[fmt](placement, case.max_tokens), experts)
         mine = slice(0, 5) if rank == 0 else slice(5, 8)
         out = kernel(hidden[mine].half(), topk_weights[mine], ids[mine].int())
         save_file({"out": out.float().contiguous()}, str(Path(out_dir) / f"rank{rank}.safetensors"))
@@ -204,11 +233,12 @@ def _rank_triton(rank: int, init: str, out_dir: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton on CPU tensors runs in its interpreter (GPU: tests/test_expert_parallel_gpu.py)")
-def test_triton_experts_take_the_gathered_rows_and_foreign_ids(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", sorted(DISPATCHER))
+def test_triton_experts_take_the_gathered_rows_and_foreign_ids(fmt: str, tmp_path: Path) -> None:
     """The Triton experts (in Triton's interpreter) behind the dispatcher: padding rows, foreign ids (-1) and the
     byte-packed gather as the GPU sees them."""
     pytest.importorskip("triton")
-    mp.spawn(_rank_triton, args=(f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    mp.spawn(_rank_triton, args=(fmt, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
     weights, hidden, topk_weights, ids = _problem(CASES["2-contiguous"])
     expected = FusedMoEKernel(LocalPrepareFinalize(), ReferenceExperts(weights, ExpertsConfig()))(
         hidden, topk_weights, ids)
@@ -233,7 +263,8 @@ def test_a_token_row_packs_ids_weights_and_hidden_aligned() -> None:
 def test_build_with_a_dispatch_and_no_process_group_says_how_to_start_the_ranks() -> None:
     with pytest.raises(ConfigError, match=r"^ep=2, all2all allgather_reducescatter: no torch.distributed process "
                                           r"group; start the 2 ranks with torchrun --nproc-per-node 2"):
-        moe_registry.build(FIXTURE, platform="cpu", layer=0, dtype="float32", ep=2, all2all="allgather_reducescatter")
+        moe_registry.build(FIXTURES[0], platform="cpu", layer=0, dtype="float32", ep=2,
+                           all2all="allgather_reducescatter")
 
 
 def test_placement_owns_each_expert_once() -> None:

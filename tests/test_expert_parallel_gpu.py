@@ -1,8 +1,8 @@
 """Expert parallelism over NCCL on two GPUs of one host (issue #20, part 5's GPU half; ``pytest -m gpu``, on the
-device tool's ``nvidia-h200-x2``): the all-gather / reduce-scatter PrepareFinalize with the Triton experts gives
-the single-process layer's output, eagerly and replayed from a CUDA graph; every CUDA kernel spec that claims the
-backend runs it through ``build`` on a checkpoint a producer wrote; ``moe-registry run`` under torchrun on two
-GPUs writes the single-process output.
+device tool's ``nvidia-h200-x2``): the all-gather / reduce-scatter PrepareFinalize with the Triton experts, in the
+standard and the batched format, gives the single-process layer's output, eagerly and replayed from a CUDA
+graph; every CUDA kernel spec that claims the backend runs it through ``build`` on a checkpoint a producer wrote;
+``moe-registry run`` under torchrun on two GPUs writes the single-process output.
 
 Tolerance: each rank's partial sums are rounded to the activation dtype before the reduce-scatter adds them
 (vLLM's reduce-scatter does the same), so the result differs from one process's by a 16-bit rounding per
@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 import moe_registry
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ExpertWeights
-from moe_registry.layer.all2all import AllGatherReduceScatter, ExpertPlacement
+from moe_registry.layer.all2all import AllGatherReduceScatter, AllGatherReduceScatterBatched, ExpertPlacement
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.spec.loader import load_registry
@@ -60,6 +60,7 @@ class Case:
     shards: tuple[int, int]
     round_robin: bool
     dtype: torch.dtype
+    activation_format: str = "standard"
 
 
 CASES = {
@@ -67,7 +68,10 @@ CASES = {
     "awq-round-robin-empty-rank": Case("uint4 scale:float16:group(128):static zp:group", 8, 2, 256, 128, (0, 6),
                                        True, torch.float16),
     "qwen3-shaped-bf16": Case("unquantized", 128, 8, 2048, 768, (64, 64), False, torch.bfloat16),
+    "batched-bf16-round-robin": Case("unquantized", 8, 2, 256, 128, (5, 3), True, torch.bfloat16, "batched"),
+    "batched-qwen3-shaped-bf16": Case("unquantized", 128, 8, 2048, 768, (1, 64), False, torch.bfloat16, "batched"),
 }
+DISPATCHER = {"standard": AllGatherReduceScatter, "batched": AllGatherReduceScatterBatched}
 
 
 def _problem(case: Case, device: torch.device) -> tuple[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,14 +124,16 @@ def _replayed(kernel: FusedMoEKernel, first: tuple[torch.Tensor, ...], other: tu
 
 
 def _ep_rank(rank: int, case: Case, init: str, out_dir: str) -> None:
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
 
     device = _init(rank, init)
     try:
         weights, hidden, topk_weights, ids = _problem(case, device)
         placement = ExpertPlacement(case.experts, 2, rank, round_robin=case.round_robin)
-        dispatcher = AllGatherReduceScatter(placement, max(case.shards))
-        experts = TritonExperts(weights.subset(placement.local_experts()), ExpertsConfig())
+        dispatcher = DISPATCHER[case.activation_format](placement, max(case.shards))
+        cls = TritonBatchedExperts if case.activation_format == "batched" else TritonExperts
+        experts = cls(weights.subset(placement.local_experts()),
+                      ExpertsConfig(activation_format=case.activation_format))  # type: ignore[arg-type]
         kernel = FusedMoEKernel(dispatcher, experts)
         unchecked = FusedMoEKernel(dispatcher, experts, validate=False)  # the checks read ids on the host
         lo = sum(case.shards[:rank])

@@ -26,8 +26,8 @@ from moe_registry.cli.run import _sync, check_common_flags, default_threads, lay
 from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.layer.all2all import (
     ALL_GATHER,
+    BACKENDS,
     DEFAULT_BACKEND,
-    DISPATCHERS,
     AllGatherReduceScatter,
     collective,
 )
@@ -107,9 +107,9 @@ def check_ep_flags(args: argparse.Namespace, env: TorchrunEnv) -> str:
         raise ConfigError(f"--dp {args.dp}: under torchrun the {world} ranks already split the tokens "
                           "(data parallel beside --ep); wanted no --dp")
     backend = args.all2all or DEFAULT_BACKEND
-    if backend not in DISPATCHERS:
+    if backend not in BACKENDS:
         raise ConfigError(f"--all2all {backend}: {world} ranks must move tokens between them; wanted one of "
-                          f"{', '.join(sorted(DISPATCHERS))}")
+                          f"{', '.join(sorted(BACKENDS))}")
     check_common_flags(args)
     return backend
 

@@ -52,9 +52,9 @@ ALL2ALL_BACKENDS: tuple[str, ...] = get_args(All2All)
 EXPERT_PLACEMENTS: tuple[str, ...] = get_args(ExpertPlacement)
 ROLES: tuple[str, ...] = get_args(Role)
 
-ALL2ALL_DELIVERS: dict[str, str] = {
-    "none": "standard", "naive": "standard", "allgather_reducescatter": "standard",
-    "deepep_high_throughput": "standard", "pplx": "batched", "deepep_low_latency": "batched",
+ALL2ALL_DELIVERS: dict[str, tuple[str, ...]] = {
+    "none": ("standard",), "naive": ("standard",), "allgather_reducescatter": ("standard", "batched"),
+    "deepep_high_throughput": ("standard",), "pplx": ("batched",), "deepep_low_latency": ("batched",),
 }
-"""The activation format each all2all backend hands to the experts."""
+"""The activation formats each all2all backend can hand to the experts, the first a kernel takes winning."""
 assert set(ALL2ALL_DELIVERS) == set(ALL2ALL_BACKENDS)

@@ -11,7 +11,9 @@ rank's tokens padded to it), so the forward never reads a count on the host and 
 hold it where the backend allows. It sends world × max_tokens rows where an all-to-all would send
 each pair once; it is the simple, synchronisation-free first backend.
 
-The kernel specs that claim it say so (``parallel.all2all``) and the oracle chooses it; ``build`` reads only a
+``AllGatherReduceScatterBatched`` hands the same pairs to experts of the batched format, grouped per local expert.
+The kernel specs that claim it say so (``parallel.all2all``) and the oracle chooses it (and the format:
+``oracle.predicates.delivered_format``); ``build`` reads only a
 rank's own experts (``model.checkpoint.read_layer(experts=...)``) and ``moe-registry run`` under torchrun runs
 it. ``counters`` (:class:`DispatchCounters`) say what each forward handed to the collectives.
 
@@ -30,7 +32,13 @@ import torch.distributed as dist
 
 from moe_registry.core.errors import MoERegistryError
 from moe_registry.layer.experts import ActivationFormat
-from moe_registry.layer.modular import PreparedInput, PrepareFinalize
+from moe_registry.layer.modular import (
+    BatchedDispatch,
+    PreparedInput,
+    PrepareFinalize,
+    combine_batched,
+    group_by_expert,
+)
 
 FOREIGN_EXPERT = -1
 """The expert id of a pair another rank computes: the experts kernels add nothing for it."""
@@ -217,6 +225,19 @@ class AllGatherReduceScatter(PrepareFinalize):
 
     def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                 apply_router_weight_on_input: bool = False) -> PreparedInput:
+        rows, weights, local, m = self._gather_tokens(hidden, topk_weights, topk_ids)
+        return PreparedInput(rows, weights, local, "standard", dispatch=GatheredTokens(m))
+
+    def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
+        d = prepared.dispatch
+        if not isinstance(d, GatheredTokens):
+            raise ValueError("finalize got a PreparedInput that AllGatherReduceScatter.prepare did not make")
+        return self._reduce_scatter(expert_output, d.num_tokens)
+
+    def _gather_tokens(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Every rank's padded rows [world x max_tokens, H], router weights and expert ids in this rank's local
+        numbering (FOREIGN_EXPERT for other ranks' experts and for padding), and how many rows were this rank's."""
         m = topk_ids.shape[0]
         if m > self.max_tokens:
             raise ValueError(f"{m} tokens on rank {self.placement.rank}, more than max_tokens = {self.max_tokens}")
@@ -234,22 +255,59 @@ class AllGatherReduceScatter(PrepareFinalize):
         if table is None:  # the first call on this device (outside any CUDA graph it is captured in later)
             table = self._local_ids[all_ids.device] = self._local_ids[torch.device("cpu")].to(all_ids.device)
         local = torch.where(all_ids >= 0, table[all_ids.clamp(min=0).long()], FOREIGN_EXPERT).to(all_ids.dtype)
-        return PreparedInput(layout.hidden.of(gathered).contiguous(), layout.weights.of(gathered).contiguous(), local,
-                             "standard", dispatch=GatheredTokens(m))
+        return layout.hidden.of(gathered).contiguous(), layout.weights.of(gathered).contiguous(), local, m
+
+    def _reduce_scatter(self, sums: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Every rank's partial sums [world x max_tokens, H] added up; this rank's first ``num_tokens`` rows."""
+        mine = sums.new_empty(self.max_tokens, sums.shape[1])
+        collective("reduce_scatter", self.placement.rank, self.placement.world_size,
+                    lambda: REDUCE_SCATTER(mine, sums.contiguous(), group=self.group))
+        self.counters = replace(self.counters, scattered_bytes=self.counters.scattered_bytes + _nbytes(sums))
+        return mine[:num_tokens]
+
+
+@dataclass(frozen=True)
+class GatheredBatch:
+    """What the batched finalize needs: this rank's real rows and where every gathered pair went."""
+
+    num_tokens: int
+    batch: BatchedDispatch
+
+
+class AllGatherReduceScatterBatched(AllGatherReduceScatter):
+    """The same exchange for experts that take the batched format: the gathered pairs routed to this rank's
+    experts are grouped into [local experts, world x max_tokens, H] (room for every gathered token, so no count
+    is read on the host), and each expert's rows are summed back per token, with the router weights, before the
+    reduce-scatter."""
+
+    activation_format: ClassVar[ActivationFormat] = "batched"
+
+    def prepare(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                apply_router_weight_on_input: bool = False) -> PreparedInput:
+        if apply_router_weight_on_input and topk_ids.shape[1] != 1:
+            raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {topk_ids.shape[1]}")
+        rows, weights, local, m = self._gather_tokens(hidden, topk_weights, topk_ids)
+        slab, counts, batch = group_by_expert(rows, weights, local, self.placement.local_count,
+                                              self.placement.world_size * self.max_tokens,
+                                              apply_router_weight_on_input)
+        return PreparedInput(slab, weights, local, "batched", counts.to(torch.int32), GatheredBatch(m, batch))
 
     def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
         d = prepared.dispatch
-        if not isinstance(d, GatheredTokens):
-            raise ValueError("finalize got a PreparedInput that AllGatherReduceScatter.prepare did not make")
-        mine = expert_output.new_empty(self.max_tokens, expert_output.shape[1])
-        collective("reduce_scatter", self.placement.rank, self.placement.world_size,
-                    lambda: REDUCE_SCATTER(mine, expert_output.contiguous(), group=self.group))
-        self.counters = replace(self.counters, scattered_bytes=self.counters.scattered_bytes + _nbytes(expert_output))
-        return mine[:d.num_tokens]
+        if not isinstance(d, GatheredBatch):
+            raise ValueError("finalize got a PreparedInput that AllGatherReduceScatterBatched.prepare did not make")
+        return self._reduce_scatter(combine_batched(expert_output, d.batch).to(expert_output.dtype), d.num_tokens)
 
 
 DEFAULT_BACKEND = "allgather_reducescatter"
 """The backend ``run`` under torchrun and ``load_layer(ep=N)`` use when none is named (the only one here)."""
 
-DISPATCHERS: dict[str, type[AllGatherReduceScatter]] = {"allgather_reducescatter": AllGatherReduceScatter}
-"""The PrepareFinalize of each all2all backend a kernel spec may claim besides none (core.vocab.KernelAll2All)."""
+DISPATCHERS: dict[tuple[str, ActivationFormat], type[AllGatherReduceScatter]] = {
+    ("allgather_reducescatter", "standard"): AllGatherReduceScatter,
+    ("allgather_reducescatter", "batched"): AllGatherReduceScatterBatched,
+}
+"""The PrepareFinalize of each (all2all backend, activation format) a kernel spec may claim besides none (the
+formats each backend delivers: core.vocab.ALL2ALL_DELIVERS)."""
+
+BACKENDS = frozenset(backend for backend, _ in DISPATCHERS)
+"""The all2all backends implemented here."""

@@ -26,6 +26,7 @@ from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
 from moe_registry.oracle.contract import Report
+from moe_registry.oracle.predicates import delivered_format
 from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import Registry, load_registry
@@ -104,14 +105,17 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
                          DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
     full = convert_layer(convert, tensors, ctx)
-    prepare_finalize, weights = _dispatch(report, full, tensors.expert_ids)
+    fmt = delivered_format(runtime.parallel.all2all, kernel_spec)
+    assert fmt is not None  # the oracle chose the kernel for a format the backend delivers
+    prepare_finalize, weights = _dispatch(report, full, fmt, tensors.expert_ids)
     loaded = registry.kernels[report.chosen]
     # checked again right before importing it (the spec dir may have changed since loading)
     guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
     cls = experts_class(kernel_spec)
     shape = runtime.shape
     config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]
-                           apply_router_weight_on_input=runtime.router_weight_on_input)
+                           apply_router_weight_on_input=runtime.router_weight_on_input,
+                           activation_format=fmt)  # type: ignore[arg-type]
     dev = device_for(runtime.platform, device)
     experts = cls(weights.to(dev), config)
     key = (scheme.scheme, kernel_spec.kernel, str(runtime.platform), runtime.dtype)
@@ -191,9 +195,10 @@ def _placement(runtime: RuntimeConfig) -> ExpertPlacement | None:
         raise ConfigError(f"--ep: {err}") from None
 
 
-def _dispatch(report: Report, weights: ExpertWeights,
+def _dispatch(report: Report, weights: ExpertWeights, fmt: str,
               read: tuple[int, ...] | None = None) -> tuple[PrepareFinalize, ExpertWeights]:
-    """The PrepareFinalize the situation's all2all backend names and the experts this rank holds: all of
+    """The PrepareFinalize the situation's all2all backend names (for the kernel's activation format ``fmt``)
+    and the experts this rank holds: all of
     them with no dispatch, its share of them under an all2all: ``weights`` as they are when they were read
     for exactly that share (``read``: the global ids), else the share taken out of every expert's."""
     runtime = report.situation.runtime
@@ -209,7 +214,7 @@ def _dispatch(report: Report, weights: ExpertWeights,
     p, scheme = runtime.parallel, report.scheme
     agreement = (f"{runtime.shape}|{runtime.dtype}|{p}|{scheme.scheme if scheme else ''}|"
                  f"{dict(scheme.bindings) if scheme else ''}|{report.chosen}")
-    return (DISPATCHERS[p.all2all](placement, runtime.max_tokens, agreement=agreement),
+    return (DISPATCHERS[(p.all2all, fmt)](placement, runtime.max_tokens, agreement=agreement),  # type: ignore[index]
             weights if read is not None else weights.subset(owned))
 
 

@@ -19,11 +19,13 @@ import torch
 from moe_registry.layer.experts import ActivationFormat, Experts
 
 if TYPE_CHECKING:
-    from moe_registry.layer.all2all import GatheredTokens
+    from moe_registry.layer.all2all import GatheredBatch, GatheredTokens
 
 __all__ = [
     "PreparedInput",
     "BatchedDispatch",
+    "group_by_expert",
+    "combine_batched",
     "PrepareFinalize",
     "LocalPrepareFinalize",
     "BatchedLocalPrepareFinalize",
@@ -45,6 +47,49 @@ class BatchedDispatch:
     weight: torch.Tensor  # float32 [M*k]
     weight_applied: bool
     num_tokens: int
+    local: torch.Tensor | None = None  # bool [M*k]: False for a pair another rank's experts compute (then unused)
+
+
+def group_by_expert(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                    rows_per_expert: int, apply_router_weight_on_input: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      BatchedDispatch]:
+    """Rows grouped per expert into a zeroed slab [E, T, H], their counts [E] and where each pair went. A pair
+    whose id is outside [0, E) (an expert of another rank) is counted nowhere and written to a spare row past
+    the slab, so nothing is read on the host; a pair past T is the caller's to refuse."""
+    m, top_k = topk_ids.shape
+    e, t = num_experts, rows_per_expert
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    local = (flat >= 0) & (flat < e)
+    key = torch.where(local, flat, e)  # foreign pairs sort last, into bin e
+    order = torch.argsort(key, stable=True)
+    expert = key[order]
+    # scatter_add, not bincount: CUDA's bincount reads the largest id on the host, which a CUDA graph cannot hold
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))[:e]
+    offsets = torch.cumsum(counts, 0) - counts
+    here = local[order]
+    expert = torch.where(here, expert, 0)
+    position = torch.where(here, torch.arange(flat.numel(), device=flat.device) - offsets[expert], 0)
+    token = order // top_k
+    weight = topk_weights.reshape(-1)[order].to(torch.float32)
+    rows = hidden[token]
+    if apply_router_weight_on_input:
+        rows = (rows.float() * weight[:, None]).to(hidden.dtype)
+    slab = hidden.new_zeros(e * t + 1, hidden.shape[1])
+    slab[torch.where(here & (position < t), expert * t + position, e * t)] = rows
+    dispatch = BatchedDispatch(token, expert, position, weight, apply_router_weight_on_input, m, here)
+    return slab[:e * t].view(e, t, hidden.shape[1]), counts, dispatch
+
+
+def combine_batched(expert_output: torch.Tensor, d: BatchedDispatch) -> torch.Tensor:
+    """Each token's sum over its pairs of the experts' rows [E, T, H], router weights applied, in float32
+    [num_tokens, H]; pairs computed elsewhere (``d.local`` False) add nothing."""
+    y = expert_output[d.expert, d.position].float()
+    if not d.weight_applied:
+        y = y * d.weight[:, None]
+    if d.local is not None:
+        y = torch.where(d.local[:, None], y, 0.0)
+    out = torch.zeros(d.num_tokens, expert_output.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, d.token, y)
 
 
 @dataclass(frozen=True)
@@ -58,7 +103,7 @@ class PreparedInput:
     topk_ids: torch.Tensor
     activation_format: ActivationFormat
     expert_num_tokens: torch.Tensor | None = None
-    dispatch: BatchedDispatch | GatheredTokens | None = None
+    dispatch: BatchedDispatch | GatheredTokens | GatheredBatch | None = None
 
 
 class PrepareFinalize(abc.ABC):
@@ -117,38 +162,20 @@ class BatchedLocalPrepareFinalize(PrepareFinalize):
         m, top_k = topk_ids.shape
         if apply_router_weight_on_input and top_k != 1:
             raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {top_k}")
-        e = self.num_experts
-        flat = topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(flat, stable=True)
-        expert = flat[order]
-        counts = torch.bincount(flat, minlength=e)
-        offsets = torch.cumsum(counts, 0) - counts
-        position = torch.arange(flat.numel(), device=flat.device) - offsets[expert]
-        token = order // top_k
-        weight = topk_weights.reshape(-1)[order].to(torch.float32)
         t = self.max_tokens_per_expert if self.max_tokens_per_expert is not None else max(m, 1)
-        if self.max_tokens_per_expert is not None and flat.numel():
+        slab, counts, dispatch = group_by_expert(hidden, topk_weights, topk_ids, self.num_experts, t,
+                                                 apply_router_weight_on_input)
+        if self.max_tokens_per_expert is not None and topk_ids.numel():
             most = int(counts.max())
             if most > t:
                 raise ValueError(f"an expert received {most} tokens, more than max_tokens_per_expert = {t}")
-        rows = hidden[token]
-        if apply_router_weight_on_input:
-            rows = (rows.float() * weight[:, None]).to(hidden.dtype)
-        slab = hidden.new_zeros(e, t, hidden.shape[1])
-        slab[expert, position] = rows
-        dispatch = BatchedDispatch(token, expert, position, weight, apply_router_weight_on_input, m)
         return PreparedInput(slab, topk_weights, topk_ids, "batched", counts.to(torch.int32), dispatch)
 
     def finalize(self, expert_output: torch.Tensor, prepared: PreparedInput) -> torch.Tensor:
         d = prepared.dispatch
-        if d is None:
+        if not isinstance(d, BatchedDispatch):
             raise ValueError("finalize got a PreparedInput without a batched dispatch record")
-        y = expert_output[d.expert, d.position].float()
-        if not d.weight_applied:
-            y = y * d.weight[:, None]
-        out = torch.zeros(d.num_tokens, expert_output.shape[-1], dtype=torch.float32, device=y.device)
-        out.index_add_(0, d.token, y)
-        return out.to(expert_output.dtype)
+        return combine_batched(expert_output, d).to(expert_output.dtype)
 
 
 class FusedMoEKernel(torch.nn.Module):

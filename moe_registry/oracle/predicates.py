@@ -98,21 +98,28 @@ def _member(reason: Reason, field: str, value: str, allowed: list[str]) -> Check
     return failed(reason, field, f"{field} {value}; kernel takes " + ", ".join(allowed), seen=value, wanted=allowed)
 
 
+def delivered_format(all2all: str, kernel: KernelSpec) -> str | None:
+    """The activation format the backend hands this kernel: the first it delivers that the kernel takes."""
+    return next((f for f in ALL2ALL_DELIVERS.get(all2all, ()) if f in kernel.activation_formats), None)
+
+
 def check_runtime(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     out = [_member(Reason.DTYPE, "dtype", runtime.dtype, list(kernel.dtypes))]
     p = runtime.parallel
-    fmt = ALL2ALL_DELIVERS.get(p.all2all)
-    if fmt is None:
+    formats = ALL2ALL_DELIVERS.get(p.all2all)
+    fmt = delivered_format(p.all2all, kernel)
+    if formats is None:
         out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"unknown all2all backend {p.all2all!r}; "
                           f"known: {', '.join(ALL2ALL_DELIVERS)}", seen=p.all2all))
     elif p.ep > 1 and p.all2all not in kernel.parallel.all2all:
         out.append(failed(Reason.ALL2ALL, "parallel.all2all", f"all2all {p.all2all}; kernel supports "
                           + (", ".join(kernel.parallel.all2all) or "no all2all backend"), seen=p.all2all,
                           wanted=kernel.parallel.all2all))
-    elif fmt not in kernel.activation_formats:
+    elif fmt is None:
+        delivered = " or ".join(formats)
         out.append(failed(Reason.ACTIVATION_FORMAT, "activation_format",
-                          f"all2all {p.all2all} delivers the {fmt} format; kernel takes "
-                          + ", ".join(kernel.activation_formats), seen=fmt, wanted=kernel.activation_formats))
+                          f"all2all {p.all2all} delivers the {delivered} format; kernel takes "
+                          + ", ".join(kernel.activation_formats), seen=delivered, wanted=kernel.activation_formats))
     else:
         out.append(passed("activation_format", f"{fmt} format"))
     for mode, size in (("tp", p.tp), ("ep", p.ep), ("dp", p.dp)):
