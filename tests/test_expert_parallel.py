@@ -249,14 +249,15 @@ def test_triton_experts_take_the_gathered_rows_and_foreign_ids(fmt: str, tmp_pat
 
 def test_a_token_row_packs_ids_weights_and_hidden_aligned() -> None:
     hidden = torch.randn(3, 5).half()
-    weights, ids = torch.rand(3, 3), torch.tensor([[1, -1, 7]] * 3)
-    layout = RowLayout.of(hidden, weights, ids)
-    assert [(f.offset, f.width) for f in (layout.ids, layout.weights, layout.hidden)] == [(0, 3), (24, 3), (36, 5)]
-    assert layout.row_bytes == 48  # 46 bytes padded to the widest element (int64)
+    weights, ids = torch.rand(3, 3), torch.tensor([[1, -1, 7]] * 3)  # int64 ids travel as int32
+    layout = RowLayout.of(5, 3, torch.float16)
+    assert [(f.offset, f.width) for f in (layout.ids, layout.weights, layout.hidden)] == [(0, 3), (12, 3), (24, 5)]
+    assert layout.row_bytes == 36  # 34 bytes padded to the widest element (4 bytes)
+    assert RowLayout.of(5, 3, torch.float64).hidden.offset == 0  # a wider hidden dtype goes first
     rows = torch.zeros(3, layout.row_bytes, dtype=torch.uint8)
     for field, t in ((layout.ids, ids), (layout.weights, weights), (layout.hidden, hidden)):
         field.of(rows).copy_(t)
-    assert torch.equal(layout.ids.of(rows), ids) and torch.equal(layout.weights.of(rows), weights)
+    assert torch.equal(layout.ids.of(rows), ids.int()) and torch.equal(layout.weights.of(rows), weights)
     assert torch.equal(layout.hidden.of(rows), hidden)
 
 

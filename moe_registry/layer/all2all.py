@@ -143,9 +143,11 @@ class RowField:
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How a token's expert ids, router weights and hidden state share one byte row, so one all-gather moves
-    all three. Fields go widest element first, and the row is padded to the widest element, so every field
-    starts aligned to its own element size (what ``Tensor.view(dtype)`` needs)."""
+    """How a token's expert ids (int32), router weights (float32) and hidden state share one byte row, so one
+    all-gather moves all three. The dtypes are fixed (ids of either integer type are copied in as int32), so
+    every rank's row is the same size whatever it was handed. Fields go widest element first, and the row is
+    padded to the widest element, so every field starts aligned to its own element size (what
+    ``Tensor.view(dtype)`` needs)."""
 
     ids: RowField
     weights: RowField
@@ -153,13 +155,14 @@ class RowLayout:
     row_bytes: int
 
     @staticmethod
-    def of(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> RowLayout:
-        parts = {"ids": topk_ids, "weights": topk_weights, "hidden": hidden}
+    def of(hidden_size: int, top_k: int, dtype: torch.dtype) -> RowLayout:
+        parts = {"ids": (torch.int32, top_k), "weights": (torch.float32, top_k), "hidden": (dtype, hidden_size)}
+        size = {name: torch.empty((), dtype=d).element_size() for name, (d, _) in parts.items()}
         offset, fields = 0, {}
-        for name, t in sorted(parts.items(), key=lambda item: -item[1].element_size()):
-            fields[name] = RowField(t.dtype, t.shape[1], offset)
-            offset += t.shape[1] * t.element_size()
-        widest = max(t.element_size() for t in parts.values())
+        for name in sorted(parts, key=lambda n: -size[n]):
+            fields[name] = RowField(parts[name][0], parts[name][1], offset)
+            offset += parts[name][1] * size[name]
+        widest = max(size.values())
         return RowLayout(**fields, row_bytes=-(-offset // widest) * widest)
 
 
@@ -241,7 +244,7 @@ class AllGatherReduceScatter(PrepareFinalize):
         m = topk_ids.shape[0]
         if m > self.max_tokens:
             raise ValueError(f"{m} tokens on rank {self.placement.rank}, more than max_tokens = {self.max_tokens}")
-        layout = RowLayout.of(hidden, topk_weights, topk_ids)
+        layout = RowLayout.of(hidden.shape[1], topk_ids.shape[1], hidden.dtype)
         rows = torch.empty(self.max_tokens, layout.row_bytes, dtype=torch.uint8, device=hidden.device)
         for field, t in ((layout.ids, topk_ids), (layout.weights, topk_weights), (layout.hidden, hidden)):
             field.of(rows[:m]).copy_(t)
