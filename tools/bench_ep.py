@@ -14,9 +14,11 @@ For each scheme x M (tokens per GPU) it reports:
 - ``dispatch_us``, ``experts_us``, ``combine_us``: the three parts alone, each in its own CUDA graph, with the
   bus bandwidth the two collectives reach (nccl-tests' busbw: (world-1)/world of the bytes all ranks receive /
   time) against the link's, measured here by a 256 MiB all-gather;
-- ``a2a_dispatch_us``: what the alternative dispatch costs, eagerly: ``all_to_all_single`` of each token to the
+- ``a2a_dispatch_eager_us``: what the alternative dispatch costs: ``all_to_all_single`` of each token to the
   ranks that own its experts, once per rank, after the per-rank counts are exchanged and copied to the host
-  (the device sync this backend cannot avoid), against ``agrs_dispatch_eager_us``, our all-gather, eagerly.
+  (the device sync that keeps it out of a CUDA graph), against ``agrs_dispatch_eager_us``, our all-gather also
+  called eagerly (``dispatch_us`` is ours in a graph, where the other cannot go);
+- ``relative_error``: each rank's partial sums against the reference experts on the same gathered rows.
 
 Timings are CUDA-graph replays of GRAPH_CALLS back-to-back calls rotating over weight copies (tools/bench.py's
 method), the median over the timing window, the maximum over ranks. Rank 0 appends one JSON line per cell to
