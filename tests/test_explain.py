@@ -285,8 +285,8 @@ def test_pin_that_runs(registry):
 def test_pin_unknown_kernel(registry):
     situation = situation_for(CONFIGS / "deepseek/deepseek-v3", registry, Flags(platform="cuda:9.0"))
     with pytest.raises(SelectionError, match="pinned kernel marlin cannot run this: unknown kernel 'marlin'; "
-                                             "known: torch-cpu-packed, torch-reference, triton-batched-moe, "
-                                             "triton-fused-moe"):
+                                             "known: torch-cpu-native, torch-cpu-packed, torch-reference, "
+                                             "triton-batched-moe, triton-fused-moe"):
         select(registry, situation, pin="marlin")
 
 
@@ -500,7 +500,8 @@ def test_markdown_output(capsys):
     out = capsys.readouterr().out
     assert "| kernel | status | reasons |\n| --- | --- | --- |" in out
     assert "| `triton-fused-moe` | rejected | platform cpu; kernel runs on cuda >=8.0 |" in out
-    assert "| `torch-reference` | chosen | all constraints met |" in out
+    assert "| `torch-cpu-native` | chosen | all constraints met |" in out
+    assert "| `torch-reference` | eligible | all constraints met |" in out
     assert f"| weight | `{FP8_BLOCK}` |" in out
     assert "| `fp8-block128` | yes | matched |" in out
 

@@ -48,11 +48,12 @@ def test_matrix_rows():
                             "cuda:10.0": ["triton-fused-moe", "torch-reference"], "rocm:9.4": ["torch-reference"]}
     w4a8 = rows["compressed-tensors-w4a8-int"]
     assert w4a8["activation"] == "int8 scale:float32:token:dynamic"
-    # int4 weights with int8 activations: Triton on CUDA, the reference elsewhere (no packed CPU int8 dot)
-    assert w4a8["cells"]["cpu"] == ["torch-reference"] and w4a8["cells"]["rocm:9.4"] == ["torch-reference"]
+    # int4 weights with int8 activations: Triton on CUDA, the compiled CPU kernel's int32 dots, else the reference
+    assert w4a8["cells"]["cpu"] == ["torch-cpu-native", "torch-reference"]
+    assert w4a8["cells"]["rocm:9.4"] == ["torch-reference"]
     assert w4a8["cells"]["cuda:9.0"] == ["triton-fused-moe", "torch-reference"]
     # fp8-block128 lists the reference before the CPU packed kernel on purpose; the cell keeps that order
-    assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-reference", "torch-cpu-packed"]
+    assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-cpu-native", "torch-reference", "torch-cpu-packed"]
     for row in rows.values():
         assert list(row["cells"]) == list(MATRIX_PLATFORMS)
         for cell in row["cells"].values():
@@ -73,7 +74,7 @@ def test_matrix_markdown_table():
     for row in table:
         assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
-            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-reference, torch-cpu-packed | "
+            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-cpu-native, torch-reference, torch-cpu-packed | "
             "torch-reference | "  # fp8 dots need sm_89+: the key pair's platforms say so
             "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
 

@@ -1,18 +1,20 @@
 """CPU benchmark of a CPU experts kernel for every shipped quantized key pair, against a plain float32 layer.
 
-Rows come from the scheme specs: every scheme that lists ``--kernel`` (default torch-cpu-packed),
-bound as tools/bench.py binds them (group 128 and no act-order where the spec allows it), one row
-per distinct quantized (weight key, activation key) with the schemes that share it. Each row times
-the kernel and a plain float32 per-expert torch layer of the same shape round-robin in the same
-run (median of ``--repeats``), so load from other processes hits both alike: ``x_plain`` = kernel
-ms / plain ms. ``weight_bytes_resident`` is every tensor storage reachable from the built kernel right
-after building (``moe_registry.layer.resident``: weights, scales, zero points and anything else it keeps;
-the fp8 dequantisation tile, made at the first call, is workspace and not counted);
+Rows come from the scheme specs: every scheme that lists a ``--kernel`` (default torch-cpu-packed;
+several, comma-separated, are timed side by side), bound as tools/bench.py binds them (group 128 and no
+act-order where the spec allows it), one row per distinct quantized (weight key, activation key) and
+kernel claiming it, with the schemes that share it. The kernels of one key pair and a plain float32
+per-expert torch layer of the same shape are timed round-robin in the same run (median of
+``--repeats``), so load from other processes hits them alike: ``x_plain`` = kernel ms / plain ms.
+``weight_bytes_resident`` is every tensor storage reachable from the built kernel right after building
+(``moe_registry.layer.resident``: weights, scales, zero points and anything else it keeps; the fp8
+dequantisation tile, made at the first call, is workspace and not counted);
 ``weight_bytes_packed`` the checkpoint's bytes for the expert weights, scales and zero points. Large layers
 are built from ``--distinct`` random experts copied to E (real copies: every expert has its own
 memory).
 
     python tools/bench_cpu.py [--preset small|qwen3-30b-a3b] [--tokens 1,16] [--threads 2]
+                              [--kernel torch-cpu-native,torch-cpu-packed]
                               [--repeats 20] [--reference] [--json]
 """
 
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--intermediate", type=int)
     ap.add_argument("--tokens", default="16", help="comma-separated token counts M, e.g. 1,16")
-    ap.add_argument("--kernel", default="torch-cpu-packed")
+    ap.add_argument("--kernel", default="torch-cpu-packed",
+                    help="kernel name, or several comma-separated (timed side by side on the key pairs they share)")
     ap.add_argument("--distinct", type=int, default=16, help="distinct random experts, copied up to E")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
@@ -160,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     hidden_size, inter = args.hidden or h0, args.intermediate or i0
     dtype = DTYPES[args.dtype]
     config = ExpertsConfig(args.activation)
-    cls = experts_class(load_registry().kernel(args.kernel))
+    registry = load_registry()
+    kernels = args.kernel.split(",")
+    classes = {k: experts_class(registry.kernel(k)) for k in kernels}
     gen = torch.Generator().manual_seed(0)
     tokens = [int(t) for t in args.tokens.split(",")]
     inputs = {}
@@ -174,29 +179,37 @@ def main(argv: list[str] | None = None) -> int:
     plain = plain_layer(w13, w2, args.activation)
     plain_bytes = w13.nbytes + w2.nbytes
 
+    pairs: dict[tuple[str, str], tuple[list[str], QuantKey, QuantKey, list[str]]] = {}
+    for kernel in kernels:  # each distinct key pair once, with the kernels that claim it
+        for names, wkey, akey in key_pairs(kernel):
+            row = pairs.setdefault((str(wkey), str(akey)), ([], wkey, akey, []))
+            row[0].extend(n for n in names if n not in row[0])
+            row[3].append(kernel)
     rows: list[Row] = []
-    for names, wkey, akey in key_pairs(args.kernel):
+    for names, wkey, akey, claiming in pairs.values():
+        names.sort()
         weights = random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype)
         packed_bytes = packed_checkpoint_bytes(weights)
-        experts_obj = cls(weights, config)
+        built = {k: classes[k](weights, config) for k in claiming}
         del weights
         gc.collect()
-        resident = reachable_tensor_bytes(experts_obj)  # every tensor the built kernel keeps reachable
+        resident = {k: reachable_tensor_bytes(obj) for k, obj in built.items()}  # every tensor each keeps reachable
         ref = None
         if args.reference:
             ref = ReferenceExperts(random_weights(wkey, akey, experts, args.distinct, hidden_size, inter, dtype),
                                    config)
         for m in tokens:
             hidden, routing = inputs[m]
-            fns: list[Callable[[], object]] = [
-                lambda h=hidden, r=routing: plain(h, r.topk_weights, r.topk_ids),
-                lambda h=hidden, r=routing, k=experts_obj: k.apply(h, r.topk_weights, r.topk_ids)]
+            fns: list[Callable[[], object]] = [lambda h=hidden, r=routing: plain(h, r.topk_weights, r.topk_ids)]
+            fns += [lambda h=hidden, r=routing, k=obj: k.apply(h, r.topk_weights, r.topk_ids) for obj in built.values()]
             if ref is not None:
                 fns.append(lambda h=hidden, r=routing, k=ref: k.apply(h, r.topk_weights, r.topk_ids))
-            plain_ms, ms, *ref_ms = median_ms(fns, args.repeats)
-            rows.append(Row(names[0], names, str(wkey), str(akey), args.kernel, m, ms, plain_ms, ms / plain_ms,
-                            resident, packed_bytes, resident / packed_bytes, ref_ms[0] if ref_ms else None))
-        experts_obj = ref = None  # free this row's layer before building the next
+            plain_ms, *times = median_ms(fns, args.repeats)
+            ref_ms = times[len(built)] if ref is not None else None
+            for k, ms in zip(built, times, strict=False):
+                rows.append(Row(names[0], names, str(wkey), str(akey), k, m, ms, plain_ms, ms / plain_ms,
+                                resident[k], packed_bytes, resident[k] / packed_bytes, ref_ms))
+        built = ref = None  # free this row's layers before building the next
         gc.collect()
 
     shape = {"experts": experts, "top_k": top_k, "hidden": hidden_size, "intermediate": inter, "dtype": args.dtype}
@@ -206,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
                "plain_weight_bytes": plain_bytes, "rows": [asdict(r) for r in rows]}
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"E={experts} top-{top_k} H={hidden_size} I={inter} {args.dtype} {args.activation}, kernel {args.kernel}, "
+    print(f"E={experts} top-{top_k} H={hidden_size} I={inter} {args.dtype} {args.activation}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}; "
           f"plain float32 layer {plain_bytes / 2**20:.0f} MiB")
-    header = ("scheme (+ same keys)", "M", "ms", "plain ms", "x plain", "resident MiB", "packed MiB", "res/packed")
-    table = [(r.scheme + (f" (+{len(r.schemes) - 1})" if len(r.schemes) > 1 else ""), str(r.tokens), f"{r.ms:.3f}",
+    header = ("scheme (+ same keys)", "kernel", "M", "ms", "plain ms", "x plain", "resident MiB", "packed MiB",
+              "res/packed")
+    table = [(r.scheme + (f" (+{len(r.schemes) - 1})" if len(r.schemes) > 1 else ""), r.kernel, str(r.tokens),
+              f"{r.ms:.3f}",
               f"{r.plain_ms:.3f}", f"{r.x_plain:.2f}", f"{r.weight_bytes_resident / 2**20:.1f}",
               f"{r.weight_bytes_packed / 2**20:.1f}", f"{r.resident_over_packed:.3f}") for r in rows]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *table, strict=True)]

@@ -1,5 +1,6 @@
 """This machine, probed once per situation: its first accelerator (asked of ``nvidia-smi``, so
-explain never imports torch) and which of the packages the kernel specs require are installed.
+explain never imports torch), which of the packages the kernel specs require are installed and which
+of the commands they require are on PATH.
 The oracle only reads the result (oracle.runtime.Environment)."""
 
 from __future__ import annotations
@@ -35,3 +36,8 @@ def probe_platform() -> Platform:
 def probe_environment(packages: Iterable[str]) -> Environment:
     """Which of ``packages`` this interpreter can import (found, not imported)."""
     return Environment(frozenset(p for p in set(packages) if importlib.util.find_spec(p) is not None))
+
+
+def probe_commands(commands: Iterable[str]) -> frozenset[str]:
+    """Which of ``commands`` are on PATH (a kernel compiled on first use needs its compiler)."""
+    return frozenset(c for c in set(commands) if shutil.which(c) is not None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ from moe_registry.core.errors import ConfigError
 from moe_registry.core.names import unknown_text
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
-from moe_registry.model.machine import probe_environment, probe_platform
+from moe_registry.model.machine import probe_commands, probe_environment, probe_platform
 from moe_registry.oracle.contract import Situation
 from moe_registry.oracle.runtime import (
     Environment,
@@ -71,11 +71,12 @@ def _is_runtime_file(path: Path) -> bool:
 
 def target_platform(text: str, registry: Registry) -> tuple[Platform, Environment | None]:
     """The platform named (``auto``: this machine, probed here once) and, when it is this machine,
-    the environment the kernels' package requirements are read from."""
+    the environment the kernels' package and command requirements are read from."""
     if text.strip().lower() != "auto":
         return parse_platform(text), None
     packages = {p for loaded in registry.kernels.values() for p in loaded.spec.requires_packages}
-    return probe_platform(), probe_environment(packages)
+    commands = {c for loaded in registry.kernels.values() for c in loaded.spec.requires_commands}
+    return probe_platform(), replace(probe_environment(packages), commands=probe_commands(commands))
 
 
 def _pick(flag: Any, file_value: Any) -> Any:

@@ -38,6 +38,7 @@ class Reason(str, Enum):
     PLATFORM = "platform"
     CAPABILITY = "capability"
     PACKAGE_MISSING = "package-missing"
+    COMMAND_MISSING = "command-missing"
     DTYPE = "dtype"
     WEIGHT_KEY = "weight-key"
     ACTIVATION_KEY = "activation-key"

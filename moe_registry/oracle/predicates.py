@@ -55,6 +55,20 @@ def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     return [passed("requires_packages", f"{', '.join(kernel.requires_packages)} installed")]
 
 
+def check_commands(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
+    """Programs the kernel needs on the target's PATH (a compiler for a kernel built on first use)."""
+    if not kernel.requires_commands:
+        return []
+    needs = ", ".join(kernel.requires_commands)
+    if runtime.environment is None:
+        return [passed("requires_commands", f"needs {needs} on PATH (not checked: the target is not this machine)")]
+    missing = [c for c in kernel.requires_commands if c not in runtime.environment.commands]
+    if missing:
+        return [failed(Reason.COMMAND_MISSING, "requires_commands",
+                       f"needs {', '.join(missing)} on PATH: not found", seen=missing, wanted=kernel.requires_commands)]
+    return [passed("requires_commands", f"{needs} on PATH")]
+
+
 def _admits(platforms: list[PlatformSpec], plat: Platform) -> bool:
     """Whether one of ``platforms`` takes ``plat`` (device, and capability where bounded)."""
     for p in platforms:
@@ -192,7 +206,7 @@ def kernel_checks(kernel: KernelSpec, runtime: RuntimeConfig, weight: QuantKey, 
     declared (format, layout) pairs)."""
     platform = check_platform(kernel, runtime)
     on_platform = runtime.platform if all(c.passed for c in platform) else None  # else that one reason says it
-    return tuple(platform + check_packages(kernel, runtime)
+    return tuple(platform + check_packages(kernel, runtime) + check_commands(kernel, runtime)
                  + check_keys(kernel, weight, activation, on_platform) + check_runtime(kernel, runtime)
                  + check_shape(kernel, runtime, bindings)
                  + check_features(kernel, runtime, scheme_features, weight)

@@ -51,6 +51,7 @@ class Environment:
     platform is this machine, so a predicate can say what is installed here."""
 
     installed: frozenset[str] = frozenset()  # of the packages the kernel specs require
+    commands: frozenset[str] = frozenset()  # of the programs the kernel specs require, found on PATH
 
 
 @dataclass(frozen=True)

@@ -404,6 +404,9 @@ class KernelSpec(Strict):
     platforms: list[PlatformSpec] = Field(min_length=1, description="the devices (and capability ranges) it runs on")
     requires_packages: list[str] = Field(default_factory=list, description=(
         "Python packages that must be installed on the target (e.g. triton); empty: none"))
+    requires_commands: list[str] = Field(default_factory=list, description=(
+        "programs that must be on the target's PATH (e.g. c++ and ninja for a kernel compiled on first use); "
+        "empty: none"))
     dtypes: list[Dtype] = Field(min_length=1, description="the compute (activation) dtypes it supports")
     keys: list[KeyPattern] = Field(min_length=1, description=(
         "accepted (weight, activation) key patterns, or {keyset: name} references to shared ones"))

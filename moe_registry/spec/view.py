@@ -189,6 +189,7 @@ class KernelSpec(SpecRecord):
     impl: str
     platforms: list[PlatformSpec]
     requires_packages: list[str]
+    requires_commands: list[str]
     dtypes: list[Dtype]
     keys: list[KeyPattern]
     activations: list[ActivationFn]
