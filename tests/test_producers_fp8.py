@@ -318,6 +318,26 @@ def test_reference_layer_matches_float64_moe(name: str, built, dirs) -> None:
     assert _rel(got, want) <= 5e-3, f"{name}: {_rel(got, want):.2e}"  # float32 vs float64: rare code flips only
 
 
+NATIVE = sorted(n for n, c in CASES.items()
+                if "torch-cpu-native" in moe_registry.load_registry().scheme(c.scheme).kernels)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_native_cpu_kernel_matches_float64_moe(name: str, dirs) -> None:
+    """The compiled CPU kernel, as the oracle picks it on a CPU, on the files the producer wrote, against the float64
+    MoE on the producer's own dequantisation (equal to ours: test_dequantised_weights_equal_the_producers)."""
+    case = CASES[name]
+    layer = moe_registry.build(dirs[name], platform="cpu", layer=0, dtype="float32")
+    assert layer.report.chosen == "torch-cpu-native"
+    reference = moe_registry.build(dirs[name], platform="cpu", layer=0, dtype="float32", kernel="torch-reference")
+    for m in (1, 7):
+        ids, w = _routing(5, m)
+        x = _hidden(4, m)
+        want = _moe64(case, dirs[name], _ours(reference), x, ids, w)
+        got = layer.kernel(x, w, ids)
+        assert _rel(got, want) <= layer.tolerance, f"{name} M={m}: {_rel(got, want):.2e} > {layer.tolerance}"
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_kernel_matches_float64_moe_float16(name: str, built, dirs) -> None:
     """The Triton fused kernel (interpreter: fp8 x fp8 dots; float16 activations) on the converted weights."""

@@ -230,6 +230,25 @@ def test_layer_matches_float64_moe_on_the_producers_weights(name: str, built) ->
     assert _rel(got, want) <= layer.tolerance, f"{name}: {_rel(got, want):.2e} > {layer.tolerance}"
 
 
+NATIVE = sorted(n for n, c in CASES.items()
+                if "torch-cpu-native" in moe_registry.load_registry().scheme(c.scheme).kernels)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_native_cpu_kernel_matches_float64_moe_on_the_producers_weights(name: str) -> None:
+    """The compiled CPU kernel, as the oracle picks it on a CPU, on the files Quark / ModelOpt / llm-compressor
+    wrote, against the float64 MoE on the producer library's own dequantised weights."""
+    case = CASES[name]
+    layer = moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="float32")
+    assert layer.report.chosen == "torch-cpu-native"
+    x = _ref(name)["hidden_states"].float()
+    for m in (1, x.shape[0]):
+        ids, w = _routing(7, m)
+        want = _moe64(case, name, _library_weights(name), x[:m], ids, w)
+        got = layer.kernel(x[:m], w, ids)
+        assert _rel(got, want) <= layer.tolerance, f"{name} M={m}: {_rel(got, want):.2e} > {layer.tolerance}"
+
+
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.triton))
 def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
     """The Triton fused kernel (interpreter, float16 activations) on the converted weights."""
