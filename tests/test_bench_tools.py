@@ -260,19 +260,10 @@ def test_kernel_identity_runs_and_its_row_file_holds_every_case(tmp_path):
 def test_bench_ep_runs_under_torchrun_and_writes_each_cell_as_it_goes(tmp_path):
     """tools/bench_ep.py with two gloo ranks on the CPU (--dry-run): a row per scheme x M in bench_ep.jsonl, the
     EP = 1 and EP = 2 times and the three parts measured, the ranks' partial sums within the scheme's tolerance."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    from torchrun_launch import torchrun
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(port), str(ROOT / "tools" / "bench_ep.py"), "--dry-run", "--tokens", "1", "3",
-                           "--seconds", "0.01", "--schemes", "unquantized", "awq-w4a16", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = torchrun(2, str(ROOT / "tools" / "bench_ep.py"), "--dry-run", "--tokens", "1", "3", "--seconds", "0.01",
+                    "--schemes", "unquantized", "awq-w4a16", "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "bench_ep.jsonl").read_text().splitlines()]
     assert [(r["scheme"], r["m"], r["world"]) for r in rows] == [
@@ -287,13 +278,13 @@ def test_bench_ep_runs_under_torchrun_and_writes_each_cell_as_it_goes(tmp_path):
 
 
 def test_bench_ep_outside_torchrun_says_how_to_start_it():
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    from torchrun_launch import clean_env
+
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_ep.py"), "--dry-run"], capture_output=True,
-                          text=True, timeout=120, env=env)
+                          text=True, timeout=120, env=clean_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "error: start it with torchrun --nproc-per-node N (one process per GPU)")

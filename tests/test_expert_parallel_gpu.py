@@ -13,7 +13,6 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from torchrun_launch import clean_env, torchrun
 
 import moe_registry
 from moe_registry.core.keys import parse_quant_key
@@ -172,12 +172,6 @@ def test_triton_experts_over_nccl_equal_the_single_process_layer_eager_and_graph
     assert _relative(replayed, again) <= TOLERANCE[case.dtype]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _inputs(m: int, hidden: int, experts: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, hidden, generator=g)
@@ -216,13 +210,11 @@ def test_run_under_torchrun_on_two_gpus_writes_the_single_process_output(tmp_pat
     inputs, one, ep = tmp_path / "in.safetensors", tmp_path / "one.safetensors", tmp_path / "ep.safetensors"
     save_file({"hidden_states": torch.randn(9, 64, generator=torch.Generator().manual_seed(1))}, str(inputs))
     common = ["--dtype", "bfloat16", "--inputs", str(inputs), "--repeat", "3", "--json"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     single = subprocess.run([sys.executable, "-m", "moe_registry", "run", str(QWEN), *common, "--save-output",
-                             str(one)], capture_output=True, text=True, env=env, timeout=300)
+                             str(one)], capture_output=True, text=True, env=clean_env(), timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_free_port()), "-m", "moe_registry", "run", str(QWEN), "--ep", "2", *common,
-                           "--save-output", str(ep)], capture_output=True, text=True, env=env, timeout=300)
+    proc = torchrun(2, "-m", "moe_registry", "run", str(QWEN), "--ep", "2", *common, "--save-output", str(ep),
+                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     body = json.loads(proc.stdout)
     result = body["result"]

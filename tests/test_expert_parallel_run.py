@@ -6,10 +6,7 @@ reports per-rank experts, pairs, bytes and time; bad world sizes and ``--ep`` wi
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from torchrun_launch import torchrun
 
 import moe_registry
 from moe_registry.cli import main as cli
@@ -196,17 +194,8 @@ def test_the_reader_gives_the_subset_of_the_whole_layer(model_dir: Path, monkeyp
         assert torch.equal(part.layer_wide[0]["down"]["input_scale"], whole.experts[0]["down"]["input_scale"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                           "--master-port", str(_free_port()), "-m", "moe_registry", "run", *args],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return torchrun(n, "-m", "moe_registry", "run", *args)
 
 
 def _single(tmp_path: Path, inputs: Path, capsys: pytest.CaptureFixture[str]) -> torch.Tensor:

@@ -90,6 +90,14 @@ class Scheme:
         return self.tolerance.get(dtype, max(self.tolerance.values()))
 
 
+def benchmarked_experts(dry: bool) -> type:
+    """The Experts class the tools time: KERNEL's implementation, or on a dry run (CPU) the reference's."""
+    from moe_registry.layer.build import experts_class
+    from moe_registry.spec.loader import load_registry
+
+    return experts_class(load_registry().kernel("torch-reference" if dry else KERNEL))
+
+
 def matrix_unit(akey: QuantKey) -> str:
     """The matrix unit a layer's dots run on: int8 or fp8 activations use theirs; 16-bit ones and
     MX-scaled (e8m0) fp8, which Triton on Hopper dots in bf16, the bf16 unit."""
@@ -513,11 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and dry:
         print("no GPU: running the dry run", file=sys.stderr)
     device = torch.device("cpu" if dry else "cuda")
+    kernel_cls = benchmarked_experts(dry)
     if dry:
-        from moe_registry_kernels.reference import ReferenceExperts as kernel_cls
         shapes, ms = list(DRY_SHAPES.values()), args.m or [1, 8]
     else:
-        from moe_registry_kernels.triton_moe import TritonExperts as kernel_cls
         shapes, ms = [SHAPES[s] for s in args.shapes], args.m or [1, 8, 64, 512, 4096]
     env = environment(device, dry)
     header, recorded = read_progress(args.out) if args.resume else (None, [])

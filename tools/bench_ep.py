@@ -46,6 +46,7 @@ from bench import (  # noqa: E402
     L2_BYTES,
     SHAPES,
     _median_time,
+    benchmarked_experts,
     capture_graph,
     make_weights,
     registry_schemes,
@@ -143,7 +144,7 @@ def a2a_dispatch(x: torch.Tensor, ti: torch.Tensor, placement: ExpertPlacement) 
     owner = (ti.long() % world) if placement.round_robin else ti.long() // placement.local_count
     needs = torch.zeros(x.shape[0], world, dtype=torch.bool, device=x.device)
     needs.scatter_(1, owner, True)
-    dest, token = needs.t().nonzero(as_tuple=True)  # grouped by destination rank
+    token = needs.t().nonzero(as_tuple=True)[1]  # grouped by destination rank
     send_counts = needs.sum(0)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts)
@@ -198,23 +199,13 @@ def bench_scheme(name: str, args: argparse.Namespace, setup: Setup, link: float,
     return cells
 
 
-def _experts_class(device: torch.device) -> type:
-    if device.type == "cuda":
-        from moe_registry_kernels.triton_moe import TritonExperts
-
-        return TritonExperts
-    from moe_registry_kernels.reference import ReferenceExperts
-
-    return ReferenceExperts
-
-
 def bench_cell(name: str, m: int, num_experts: int, copies: list[tuple[ExpertWeights | None, ExpertWeights]],
                inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], setup: Setup) -> Cell:
     """One scheme x M: EP = 1 on rank 0, then the expert-parallel layer and its three parts on every rank."""
     from moe_registry_kernels.reference import ReferenceExperts
 
     x, tw, ti = inputs
-    device, config, cls = setup.device, ExpertsConfig(), _experts_class(setup.device)
+    device, config, cls = setup.device, ExpertsConfig(), benchmarked_experts(setup.dry)
     ep1 = 0.0
     if setup.rank == 0:
         whole_layers = [FusedMoEKernel(LocalPrepareFinalize(), cls(w, config), validate=False) for w, _ in copies]
@@ -294,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None and rank == 0:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "bench_ep.jsonl").write_text("")
-        probe = (1 << 20) if args.dry_run else LINK_PROBE_BYTES
+        probe = (1 << 20) if not on_gpu else LINK_PROBE_BYTES
         link = link_busbw(device, world, probe)
-        setup = Setup(rank, world, device, args.seconds, args.dry_run)
+        setup = Setup(rank, world, device, args.seconds, dry=not on_gpu)  # no GPU: the dry run
         cells = [c for name in args.schemes for c in bench_scheme(name, args, setup, link, args.out)]
         if rank == 0:
             if args.out is not None:
@@ -308,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     "ep_tokens_per_s_per_gpu": c.ep_tokens_per_s_per_gpu}
                                                    for c in cells]}, indent=1))
             print_table(cells, link, probe)
-            dtype = "float32" if args.dry_run else "bfloat16"
+            dtype = "float32" if not on_gpu else "bfloat16"
             wrong = [c for c in cells if c.relative_error > known[c.scheme].tolerance_for(dtype)]
             for c in wrong:
                 print(f"{c.scheme} M={c.m}: relative error {c.relative_error:.2e} is above the scheme's tolerance "

@@ -137,8 +137,7 @@ class RowField:
 
     def of(self, rows: torch.Tensor) -> torch.Tensor:
         """This field of byte rows [R, row_bytes], as a [R, width] view in its dtype."""
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return rows[:, self.offset:self.offset + self.width * size].view(self.dtype)
+        return rows[:, self.offset:self.offset + self.width * self.dtype.itemsize].view(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -157,7 +156,7 @@ class RowLayout:
     @staticmethod
     def of(hidden_size: int, top_k: int, dtype: torch.dtype) -> RowLayout:
         parts = {"ids": (torch.int32, top_k), "weights": (torch.float32, top_k), "hidden": (dtype, hidden_size)}
-        size = {name: torch.empty((), dtype=d).element_size() for name, (d, _) in parts.items()}
+        size = {name: d.itemsize for name, (d, _) in parts.items()}
         offset, fields = 0, {}
         for name in sorted(parts, key=lambda n: -size[n]):
             fields[name] = RowField(parts[name][0], parts[name][1], offset)
