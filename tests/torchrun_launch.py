@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+from moe_registry.cli.run_ep import TORCHRUN_VARS
 
 
 def clean_env() -> dict[str, str]:
