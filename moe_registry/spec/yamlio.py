@@ -89,6 +89,8 @@ def check_depth(text: str, path: str, max_depth: int = MAX_DEPTH) -> None:
                 depth -= 1
     except yaml.MarkedYAMLError as err:
         line = err.problem_mark.line + 1 if err.problem_mark else None
+        if "nesting depth" in str(err.problem):  # the scanner of PyYAML 6.0.4 has a limit of its own, above ours
+            raise SpecError(path, line, f"nesting deeper than {max_depth} levels") from None
         raise SpecError(path, line, f"YAML: {err.problem}") from None
     except yaml.YAMLError as err:
         raise SpecError(path, None, f"YAML: {' '.join(str(err).split())[:200]}") from None
