@@ -77,6 +77,7 @@ per-channel int8 (where the compiled kernel measured no faster).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -363,15 +364,31 @@ class CpuPackedExperts(Experts):
         tokens = order // top_k
         router = topk_weights.reshape(-1).index_select(0, order).float()
         start = counts[0]  # foreign pairs sort first and are skipped
+        on_input = self.config.apply_router_weight_on_input
+        jobs, placed = [], []
         for e, n in enumerate(counts[1:]):
             if n == 0:
                 continue
             tok, w = tokens[start:start + n], router[start:start + n, None]
             start += n
             x = hidden.index_select(0, tok).float()
-            y = self._mlp(e, x * w) if self.config.apply_router_weight_on_input else self._mlp(e, x) * w
-            out.index_add_(0, tok, y)
+            jobs.append((e, x * w if on_input else x))
+            placed.append((tok, w))
+
+        def whole() -> torch.Tensor:  # GEMM1's whole input, as the reference takes it (foreign tokens too)
+            x = hidden.float()
+            return x * topk_weights.reshape(m, 1).float() if on_input else x
+
+        for (tok, w), y in zip(placed, self._mlps(jobs, whole), strict=True):
+            out.index_add_(0, tok, y if on_input else y * w)
         return out.to(hidden.dtype)
+
+    def _mlps(self, jobs: list[tuple[int, torch.Tensor]],
+              whole: Callable[[], torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Each (expert, rows) job through its expert MLP. ``whole``: the layer's whole GEMM1 input (None: the
+        jobs' rows), for a subclass whose activation scale spans the layer (torch-cpu-native's per-tensor
+        dynamic fp8); the experts here are independent."""
+        return [self._mlp(e, x) for e, x in jobs]
 
     def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
         """Batched format: x [E, T, H], the first expert_num_tokens[e] rows of x[e] are real; no router
@@ -380,11 +397,14 @@ class CpuPackedExperts(Experts):
         if x.dim() != 3 or x.shape[0] != num_experts:
             raise ValueError(f"batched input must be [E={num_experts}, T, H], got {tuple(x.shape)}")
         out = torch.zeros(x.shape, dtype=torch.float32)
+        jobs = []
         for e, n in enumerate(expert_num_tokens.tolist()):
             if n < 0 or n > x.shape[1]:
                 raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {x.shape[1]}]")
             if n:
-                out[e, :n] = self._mlp(e, x[e, :n].float())
+                jobs.append((e, x[e, :n].float()))
+        for (e, rows), y in zip(jobs, self._mlps(jobs), strict=True):
+            out[e, :rows.shape[0]] = y
         return out.to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """The compiled CPU kernel (torch-cpu-native) beyond what the conformance suite checks: its ops against exact
-math (every fp8 byte, int32 dots, int4 packing order), quant_ref's fp8 activation quantisation bit for bit,
-its other code paths (many rows, the unfolded fp8 path), resident bytes, and the oracle's fallback where no
-compiler is on PATH."""
+math (every fp8 byte, every e2m1 code with every e8m0 / e4m3 scale byte, zero points, int32 dots, int4 packing
+order), quant_ref's fp8 activation quantisation bit for bit, the layer-wide dynamic per-tensor fp8 scale, its
+other code paths (many rows, the unfolded fp8 path), resident bytes, and the oracle's choice (and fallback where
+no compiler is on PATH). Producer files: test_cpu_native_producers.py."""
 
 from __future__ import annotations
 
@@ -9,19 +10,23 @@ import dataclasses
 
 import pytest
 import torch
-from moe_registry_kernels.cpu_native import NativeExperts, native_ops
+from moe_registry_kernels.cpu_native import KIND_FP4, KIND_FP8, KIND_INT8, NativeExperts, native_ops
 from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
+from moe_registry_kernels.dequant import dequantize, unpack_int4
+from moe_registry_kernels.fp4 import e2m1_to_float
 from moe_registry_kernels.quant_ref import AMAX_FLOOR, fake_quantize_activation, make_random_expert_weights
-from moe_registry_kernels.reference import reference_moe
+from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 
 from moe_registry.cli.main import main as cli_main
 from moe_registry.core.keys import parse_quant_key
+from moe_registry.formats.weights import ProjectionWeights
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.resident import reachable_tensor_bytes
 from moe_registry.model import situation as situation_module
 from moe_registry.oracle.runtime import Platform
 
 GEN = torch.Generator().manual_seed(7)
+INT8, FP8, FP4 = KIND_INT8, KIND_FP8, KIND_FP4
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +47,71 @@ def test_every_fp8_byte_dequantises_exactly(ops) -> None:
     fp8 = codes.view(torch.float8_e4m3fn)
     scale = torch.tensor([[0.37, 2.0 ** -20], [2.0 ** 20, 3.0e-3]])
     out = torch.empty(130, 256)
-    ops.dq_rows(codes.view(torch.int8), scale, 128, 128, True, 0, out)
+    ops.dq_rows(codes.view(torch.int8), scale, None, None, 128, 128, FP8, 0, out)
     want = fp8.float() * scale.repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("scales", ["e8m0", "e4m3-scale2"])
+def test_every_fp4_code_and_scale_byte_dequantises_as_the_reference(ops, scales: str) -> None:
+    """Every e2m1 code in both nibbles, every e8m0 byte (2^-127 .. 2^127) or every finite e4m3 byte times a
+    second-level scale per row: dq_rows is bit-equal to the reference's float32 dequantisation
+    (value * (scale * scale2), one rounding)."""
+    n, k = 254, 512
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(n, 1)  # [n, k/2]: every byte
+    if scales == "e8m0":
+        key, g = parse_quant_key("e2m1 scale:e8m0:block(1x32):static"), 32
+        scale = torch.arange(n * (k // g), dtype=torch.int32).remainder(255).to(torch.uint8).view(n, k // g)
+        scale2 = None
+    else:
+        key, g = parse_quant_key("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static"), 16
+        b = torch.arange(n * (k // g), dtype=torch.int32).remainder(256).to(torch.uint8)
+        b[(b == 0x7F) | (b == 0xFF)] = 0x38  # NaN bytes: refused on load
+        scale = b.view(torch.float8_e4m3fn).view(n, k // g)
+        scale2 = torch.rand(n, generator=GEN) * 1e-3 + 1e-4
+    out = torch.empty(n, k)
+    ops.dq_rows(codes, scale, None, scale2, 1, g, FP4, 0, out)
+    proj = ProjectionWeights(weight=codes[None], scale=scale[None],
+                             scale2=None if scale2 is None else scale2.reshape(1, n, 1))
+    assert torch.equal(out, dequantize(proj, key)[0])
+
+
+def _fp4_operands(n: int, k: int, nvfp4: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int,
+                                                           torch.Tensor]:
+    """Random packed e2m1 codes [n, k/2], scales (e8m0 per 32 or e4m3 per 16), scale2 and the float64 weights."""
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.int32, generator=GEN).to(torch.uint8)
+    g = 16 if nvfp4 else 32
+    if nvfp4:
+        scale = (torch.rand(n, -(-k // g), generator=GEN) * 400 + 0.01).to(torch.float8_e4m3fn)
+        scale2 = torch.rand(n, generator=GEN) + 0.5
+        s64 = scale.double() * scale2.double()[:, None]
+    else:
+        scale = torch.randint(110, 140, (n, -(-k // g)), dtype=torch.int32, generator=GEN).to(torch.uint8)
+        scale2 = None
+        s64 = torch.exp2(scale.double() - 127)
+    w = e2m1_to_float(unpack_int4(codes), torch.float64) * s64.repeat_interleave(g, 1)[:, :k]
+    return codes, scale, scale2, g, w
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 17])
+@pytest.mark.parametrize("variant", ["mxfp4", "nvfp4", "uint8-zero-point"])
+def test_fp4_and_zero_point_register_gemm_matches_float64(ops, m: int, variant: str) -> None:
+    """e2m1 codes with e8m0 / e4m3 scales (and a second-level scale per row), uint8 codes with a zero point per
+    group: rows of x one to four at a time, K with a partial last group (200), within float32 sums of float64."""
+    n, k = 70, 200
+    x = torch.randn(m, k, generator=GEN)
+    if variant == "uint8-zero-point":
+        g = 32
+        raw = torch.randint(0, 256, (n, k), dtype=torch.int32, generator=GEN)
+        zero = torch.randint(0, 256, (n, -(-k // g)), dtype=torch.int32, generator=GEN)
+        s = torch.rand(n, -(-k // g), generator=GEN) + 0.05
+        w = (raw - zero.repeat_interleave(g, 1)[:, :k]).double() * s.double().repeat_interleave(g, 1)[:, :k]
+        y = ops.dq_gemm(x, (raw - 128).to(torch.int8), s, zero.to(torch.uint8), None, 1, g, INT8, True)
+    else:
+        codes, scale, scale2, g, w = _fp4_operands(n, k, variant == "nvfp4")
+        y = ops.dq_gemm(x, codes, scale, None, scale2, 1, g, FP4, True)
+    want = x.double() @ w.T
+    assert float((y.double() - want).norm() / want.norm()) < 1e-6
 
 
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 17])
@@ -60,7 +127,7 @@ def test_register_gemm_matches_float64(ops, m: int, fp8: bool) -> None:
     w = raw.view(torch.float8_e4m3fn).double() if fp8 else raw.double()
     s = torch.rand(n, -(-k // g), generator=GEN) + 0.05
     x = torch.randn(m, k, generator=GEN)
-    y = ops.dq_gemm(x, raw, s, 1, g, fp8, True)
+    y = ops.dq_gemm(x, raw, s, None, None, 1, g, FP8 if fp8 else INT8, True)
     want = x.double() @ (w * s.double().repeat_interleave(g, 1)[:, :k]).T
     assert float((y.double() - want).norm() / want.norm()) < 1e-6
 
@@ -112,10 +179,12 @@ def _layer_error(wkey: str, akey: str, tokens: int, scale: float = 1.0, **kw) ->
 
 @pytest.mark.parametrize("tokens", [3, 40], ids=["register-kernel", "dequantised-tiles"])
 @pytest.mark.parametrize("wkey", ["uint8b128 scale:float16:group(32):static", "fp8e4m3 scale:e8m0:block(1x32):static",
-                                  "fp8e4m3 scale:float32:block(128x128):static"])
+                                  "fp8e4m3 scale:float32:block(128x128):static",
+                                  "uint8 scale:float16:group(32):static zp:group", "e2m1 scale:e8m0:block(1x32):static",
+                                  "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static"])
 def test_both_row_paths_match_the_reference(wkey: str, tokens: int) -> None:
     """Up to SMALL_M rows per expert the register kernel, past it exactly dequantised tiles and torch.mm; a
-    partial 128-row block (N = 400) and a partial column group (K = 200)."""
+    partial 128-row block (N = 400) and a partial column group (K = 200); zero points, FP4 codes and scales."""
     assert _layer_error(wkey, "unquantized", tokens) < 1e-5
 
 
@@ -129,7 +198,7 @@ def test_fp8_gemm_falls_back_to_exact_rows_where_the_fold_would_overflow(ops, fo
     x = torch.randn(2, 64, generator=GEN)
     if fold:
         x[1, 3] = 2.0 ** 70
-    y = ops.dq_gemm(x, raw, s, 1, 32, True, fold)
+    y = ops.dq_gemm(x, raw, s, None, None, 1, 32, FP8, fold)
     want = x.double() @ (raw.view(torch.float8_e4m3fn).double() * s.double().repeat_interleave(32, 1)).T
     assert bool(torch.isfinite(y).all()) and float((y.double() - want).norm() / want.norm()) < 1e-6
 
@@ -148,8 +217,39 @@ def test_huge_fp8_scales_take_the_exact_path() -> None:
     assert float((experts.apply(x, topk_w, ids).double() - ref).norm() / ref.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("on_input", [False, True], ids=["router-after", "router-on-input"])
+def test_fp8_dynamic_per_tensor_scale_spans_the_whole_layer(on_input: bool) -> None:
+    """fp8-w8a8-dynamic: one activation scale over the layer's whole GEMM1 input (tokens routed nowhere here
+    too) and one over all intermediates. Tokens 30x apart in size go to different experts: a scale per expert
+    would quantise the small ones finely, 1e-2 from the reference on their rows; the layer-wide one matches."""
+    w = make_random_expert_weights(parse_quant_key("fp8e4m3 scale:float32:tensor:static"),
+                                   parse_quant_key("fp8e4m3 scale:float32:tensor:dynamic"), num_experts=4,
+                                   hidden=128, intermediate=96, dtype=torch.float32, seed=6)
+    config = ExpertsConfig(apply_router_weight_on_input=on_input)
+    x = torch.randn(12, 128, generator=torch.Generator().manual_seed(3))
+    x[:6] *= 0.03
+    top_k = 1 if on_input else 2
+    ids = torch.tensor([[0, 1]] * 6 + [[2, 3]] * 6, dtype=torch.int32)[:, :top_k]
+    ids[-1] = -1  # a foreign pair: its token still counts towards GEMM1's amax
+    topk_w = torch.full((12, top_k), 1.0 / top_k)
+    ref = reference_moe(x, topk_w, ids, w, config)
+    got = NativeExperts(w, config).apply(x, topk_w, ids).double()
+    small = slice(0, 6)
+    assert float((got[small] - ref[small]).norm() / ref[small].norm()) < 1e-5
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+    batched = torch.zeros(4, 6, 128)
+    counts = torch.tensor([6, 0, 5, 0])
+    batched[0], batched[2, :5] = x[:6], x[6:11]
+    want = reference_moe_batched(batched, counts, w, ExpertsConfig())
+    assert float((NativeExperts(w, ExpertsConfig()).apply_batched(batched, counts).double() - want).norm()
+                 / want.norm()) < 1e-5
+
+
 KEYS = [
     ("uint8b128 scale:float16:group(128):static", "unquantized"),
+    ("uint8 scale:float16:group(128):static zp:group", "unquantized"),
+    ("e2m1 scale:e8m0:block(1x32):static", "unquantized"),
+    ("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", "unquantized"),
     ("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized"),
     ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic"),
     ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic"),
@@ -191,6 +291,17 @@ def test_explain_cpu_chooses_native_ahead_of_packed_and_reference(tmp_path, caps
     native, packed, ref = (_line(out, k) for k in ("torch-cpu-native", "torch-cpu-packed", "torch-reference"))
     assert "chosen" in native and "eligible" in packed and "eligible" in ref
     assert out.index(native) < out.index(packed) < out.index(ref)
+
+
+@pytest.mark.parametrize("config", ["{quant_method: fp8, activation_scheme: dynamic}",
+                                    "{quant_method: gptq, bits: 8, group_size: 128, sym: false, desc_act: false}",
+                                    "{quant_method: mxfp4}"], ids=["fp8-dynamic", "gptq-w8-asym", "mxfp4"])
+def test_explain_cpu_chooses_native_with_the_reference_behind_it(tmp_path, capsys, config: str) -> None:
+    """Schemes only the reference ran on a CPU before (per-tensor dynamic fp8, uint8 zero points, FP4)."""
+    out = _explain(tmp_path, capsys, config)
+    assert "kernel      torch-cpu-native" in out
+    native, ref = (_line(out, k) for k in ("torch-cpu-native", "torch-reference"))
+    assert "chosen" in native and "eligible" in ref and out.index(native) < out.index(ref)
 
 
 @pytest.mark.parametrize("config,fallback", [(GPTQ8, "torch-cpu-packed"), (FP8_BLOCK, "torch-reference")],

@@ -98,7 +98,7 @@ def test_versions_name_the_producer() -> None:
         assert run[producer] and run["transformers"].startswith("5.") and run["torch"], fixture
 
 
-@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-reference")])
+@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-cpu-native")])
 def test_mxfp4_explain_picks_a_kernel_with_the_exact_keys(platform: str, kernel: str, capsys) -> None:
     assert main(["explain", str(MXFP4), "--platform", platform, "--dtype", "bfloat16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -209,7 +209,7 @@ def _nvfp4_dirs(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("form", [*QWEN_FP4, "modelopt-config-json-only", "modelopt-hf-quant-config-only"])
-@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-reference")])
+@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-cpu-native")])
 def test_fp4_explain_reports_exact_keys_and_emulation(form: str, platform: str, kernel: str, tmp_path: Path,
                                                       capsys) -> None:
     """The checkpoint's keys are reported exactly; W4A4 checkpoints run weight-only, and explain says so

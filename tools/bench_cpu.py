@@ -124,7 +124,8 @@ def random_weights(wkey: QuantKey, akey: QuantKey, experts: int, distinct: int, 
 
     def grow(p: ProjectionWeights) -> ProjectionWeights:
         return dataclasses.replace(p, weight=_tile(p.weight, experts), scale=_tile(p.scale, experts),
-                                   zero=_tile(p.zero, experts), bias=_tile(p.bias, experts))
+                                   zero=_tile(p.zero, experts), bias=_tile(p.bias, experts),
+                                   scale2=_tile(p.scale2, experts))
     return ExpertWeights(grow(w.w13), grow(w.w2), w.weight_key, w.activation_key)
 
 

@@ -1,20 +1,26 @@
 // One expert's GEMM on the CPU, y[M, N] = x[M, K] . W[N, K]^T, with W kept in checkpoint bytes
 // (moe_registry_kernels.cpu_native compiles this on first use; issue 21).
 //
-// dq_gemm   float32 x times int8 or fp8e4m3 codes converted in registers, each 8 codes once for four
-//           rows of x; float32 sums of code * x per scale group, times the group's scale (fp8: x
-//           scaled by 2^60 and the scale by 2^60, else exactly dequantised rows and a matmul).
-// dq_rows   code * scale (one float32 rounding, as the reference dequantises) into a float32 tile.
+// dq_gemm   float32 x times weight codes converted in registers: int8 (uint8 checkpoints as code - 128,
+//           with an optional zero point per scale group), fp8e4m3, or packed e2m1 (FP4); float32 sums of
+//           code * x per scale group, times the group's scale decoded in registers (float32, e8m0 byte
+//           or e4m3 byte), an optional second-level scale per output row once at the end; each 8 codes
+//           converted once for up to four rows of x (fp8: x scaled by 2^60 and the scale by 2^60, else
+//           exactly dequantised rows and a matmul).
+// dq_rows   the weights' values (one float32 rounding, as the reference dequantises) into a float32 tile.
 // fp8_fake_quant  fp8 activation quantise-dequantise, bit-equal to quant_ref's.
 // int_gemm  int8 activation codes times int8 or packed int4 weight codes, exact int32 dot per
 //           weight-scale group (sign-extended int16 pairs, _mm256_madd_epi16: no saturation), then
 //           float32: y = x_scale[m] * sum_g w_scale[n, g] * dot_g.
 //
-// Scales are a float32 grid [ceil(N / srows), ceil(K / scols)] (per tensor: [1, 1] with srows = N,
-// scols = K; per channel: [N, 1]; group g: [N, K / g]; block 128x128; MX 1x32 as float32).
+// Scales are a grid [ceil(N / srows), ceil(K / scols)] (per tensor: [1, 1] with srows = N, scols = K; per
+// channel: [N, 1]; group g: [N, K / g]; block 128x128; MX 1x32 as e8m0 bytes; NVFP4 group 16 as e4m3
+// bytes), float32, uint8 (e8m0: 2^(e - 127)) or float8_e4m3fn. Zero points: uint8 on the same grid.
 // fp8e4m3 -> float32 by integer ops: sign-extend the byte, shift left 20, keep the sign and the 7
 // exponent+mantissa bits: the float32 bits of fp8 * 2^-120, exact for normals and subnormals (fp8
 // subnormals become float32 subnormals: never build this with -ffast-math, which flushes them).
+// e2m1 (FP4) -> twice its value as an int8 by a 16-entry byte shuffle (0, 1, 2, 3, 4, 6, 8, 12 and their
+// negatives), exact; the 1/2 joins the row's final multiplier.
 // Every loop has a scalar form; the AVX2 forms are used when the compiler targets AVX2.
 
 #include <ATen/ATen.h>
@@ -40,6 +46,12 @@ constexpr int64_t ROWS_PER_TASK = 64;  // weight rows per task handed to a threa
 constexpr float TWO_120 = 0x1p120f;
 constexpr int64_t PREFETCH = 1024;  // bytes of weight codes fetched ahead of the FMAs (past a row's end: the next row's)
 
+enum WKind : int64_t { W_INT8 = 0, W_FP8 = 1, W_FP4 = 2 };  // weight code kinds (the op's `kind` argument)
+enum SKind : int { S_F32 = 0, S_E8M0 = 1, S_E4M3 = 2 };       // scale kinds (from the scale tensor's dtype)
+
+// twice the e2m1 value of each 4-bit code (sign bit 3, exponent bits 2-1, mantissa bit 0)
+constexpr float FP4_2X[16] = {0.f, 1.f, 2.f, 3.f, 4.f, 6.f, 8.f, 12.f, -0.f, -1.f, -2.f, -3.f, -4.f, -6.f, -8.f, -12.f};
+
 inline float fp8_bits_value(int8_t b) {  // fp8 * 2^-120 as float32 (exact)
   int32_t i = (static_cast<int32_t>(b) << 20) & static_cast<int32_t>(0x87FFFFFFu);
   float f;
@@ -47,7 +59,24 @@ inline float fp8_bits_value(int8_t b) {  // fp8 * 2^-120 as float32 (exact)
   return f;
 }
 
-// One group's multiplier: int8 -> s; fp8 -> s * 2^120 (exact), or two steps where that overflows.
+inline float e8m0_value(uint8_t e) {  // 2^(e - 127), exact (e = 0: the subnormal 2^-127; 255, NaN, is refused on load)
+  if (e == 0) return 0x1p-127f;
+  const int32_t i = static_cast<int32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+
+template <int S>
+inline float scale_at(const uint8_t* row, int64_t g) {  // the scale of group g in a grid row
+  if (S == S_E8M0) return e8m0_value(row[g]);
+  if (S == S_E4M3) return fp8_bits_value(static_cast<int8_t>(row[g])) * TWO_120;
+  float f;
+  std::memcpy(&f, row + 4 * g, 4);
+  return f;
+}
+
+// One group's multiplier: int8/fp4 -> s; fp8 -> s * 2^120 (exact), or two steps where that overflows.
 struct Factor {
   float a;  // first multiplier
   float b;  // second (1: none)
@@ -60,25 +89,42 @@ inline Factor factor(bool fp8, float s) {
   return {TWO_120, s};
 }
 
-inline float dq_scalar(const int8_t* w, int64_t k, bool fp8, Factor f) {
-  float v = fp8 ? fp8_bits_value(w[k]) : static_cast<float>(w[k]);
-  v = v * f.a;
-  if (f.b != 1.0f) v = v * f.b;
-  return v;
+// Weight code c of a row as float32 without its scale: int8 -> the integer, fp8 -> the bits of fp8 * 2^-120,
+// fp4 -> twice the e2m1 value.
+template <int W>
+inline float raw_at(const uint8_t* wr, int64_t c) {
+  if (W == W_FP4) {
+    const uint8_t b = wr[c >> 1];
+    return FP4_2X[(c & 1) ? (b >> 4) : (b & 0xF)];
+  }
+  const int8_t b = static_cast<int8_t>(wr[c]);
+  return W == W_FP8 ? fp8_bits_value(b) : static_cast<float>(b);
 }
 
 #ifdef __AVX2__
-inline __m256 dq8(const int8_t* p, bool fp8, __m256 fa, __m256 fb, bool two) {
+template <int W>
+inline __m256 raw8(const uint8_t* p) {  // int8 / fp8: 8 codes from p
   __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m256 v;
-  if (fp8) {
-    i = _mm256_and_si256(_mm256_slli_epi32(i, 20), _mm256_set1_epi32(static_cast<int32_t>(0x87FFFFFFu)));
-    v = _mm256_castsi256_ps(i);
-  } else {
-    v = _mm256_cvtepi32_ps(i);
+  if (W == W_FP8) return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(i, 20),
+                                                              _mm256_set1_epi32(static_cast<int32_t>(0x87FFFFFFu))));
+  return _mm256_cvtepi32_ps(i);
+}
+
+// Codes c .. c + 15 of a row (c even; fp4: 8 bytes, low nibble first) as two vectors of 8.
+template <int W>
+inline void raw16(const uint8_t* wr, int64_t c, __m256& a, __m256& b) {
+  if (W == W_FP4) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + (c >> 1)));
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    const __m128i v = _mm_shuffle_epi8(lut, codes);
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    return;
   }
-  v = _mm256_mul_ps(v, fa);
-  return two ? _mm256_mul_ps(v, fb) : v;
+  a = raw8<W>(wr + c);
+  b = raw8<W>(wr + c + 8);
 }
 
 inline float hsum(__m256 v) {
@@ -107,29 +153,24 @@ void for_rows(int64_t n, const F& f) {
   });
 }
 
-// Weight codes as float32 without their scale: int8 -> the integer, fp8 -> the bits of fp8 * 2^-120.
-template <bool FP8>
-inline float raw_scalar(int8_t b) {
-  return FP8 ? fp8_bits_value(b) : static_cast<float>(b);
-}
+// One weight row's operands: codes, its scale-grid row (bytes), zero-point row (or null), final multiplier.
+struct WRow {
+  const uint8_t* w;
+  const uint8_t* s;
+  const uint8_t* z;
+  float post;
+};
 
-#ifdef __AVX2__
-template <bool FP8>
-inline __m256 raw8(const int8_t* p) {
-  __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if (FP8) return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(i, 20),
-                                                       _mm256_set1_epi32(static_cast<int32_t>(0x87FFFFFFu))));
-  return _mm256_cvtepi32_ps(i);
-}
-#endif
-
-// y[t, n] for t < T rows of x and one weight row: each 8 codes are converted once and FMA'd into T rows;
-// a scale group's sums are multiplied by its scale once (fp8: x comes scaled by 2^60 and the group's
-// factor is s * 2^60, the caller having checked both stay finite). Not the reference's rounding order
-// (it rounds code * scale first): float32 sums either way.
-template <int64_t T, bool FP8>
-void dq_row(const float* x, int64_t ldx, const int8_t* w, const float* srow, int64_t k, int64_t scols,
-            float* y, int64_t ldy) {
+// y[t, n] for t < T rows of x and one weight row: each 8 codes are converted once and FMA'd into T rows
+// (T <= 2: four independent sums per row over 32 codes, so M = 1 is not bound by the FMA latency); a scale
+// group's sums are multiplied by its scale once (fp8: x comes scaled by 2^60 and the group's factor is
+// s * 2^60, the caller having checked both stay finite); a zero point z subtracts z * s * sum(x over the group)
+// (xsum, [T, groups]); the row's result is multiplied by `post` (fp4's 1/2 times a second-level scale).
+// Not the reference's rounding order (it rounds code * scale first): float32 sums either way.
+template <int64_t T, int W, int S, bool ZP>
+void dq_row(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const WRow& r, int64_t k,
+            int64_t scols, float* y, int64_t ldy) {
+  constexpr int NA = T <= 2 ? 4 : 2;  // vector sums per row of x
   float acc_s[T];
   for (int64_t t = 0; t < T; ++t) acc_s[t] = 0.0f;
 #ifdef __AVX2__
@@ -138,27 +179,47 @@ void dq_row(const float* x, int64_t ldx, const int8_t* w, const float* srow, int
 #endif
   for (int64_t c0 = 0, gi = 0; c0 < k; c0 += scols, ++gi) {  // gi: the scale group (no division per group)
     const int64_t c1 = std::min(k, c0 + scols);
-    const float f = FP8 ? srow[gi] * 0x1p60f : srow[gi];
+    const float f = W == W_FP8 ? scale_at<S>(r.s, gi) * 0x1p60f : scale_at<S>(r.s, gi);
     int64_t c = c0;
 #ifdef __AVX2__
-    __m256 g[T][2];
-    for (int64_t t = 0; t < T; ++t) g[t][0] = g[t][1] = _mm256_setzero_ps();
-    for (; c + 16 <= c1; c += 16) {
-      if ((c & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + c + PREFETCH), _MM_HINT_T0);
-      const __m256 w0 = raw8<FP8>(w + c), w1 = raw8<FP8>(w + c + 8);
-      for (int64_t t = 0; t < T; ++t) {
-        g[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + c), g[t][0]);
-        g[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + c + 8), g[t][1]);
+    __m256 g[T][NA];
+    for (int64_t t = 0; t < T; ++t)
+      for (int j = 0; j < NA; ++j) g[t][j] = _mm256_setzero_ps();
+    for (; c + 8 * NA <= c1; c += 8 * NA) {
+      const int64_t cb = W == W_FP4 ? c >> 1 : c;  // byte offset
+      if ((cb & 63) < (W == W_FP4 ? 4 * NA : 8 * NA))
+        _mm_prefetch(reinterpret_cast<const char*>(r.w + cb + PREFETCH), _MM_HINT_T0);
+      __m256 wv[NA];
+      for (int j = 0; j < NA; j += 2) raw16<W>(r.w, c + 8 * j, wv[j], wv[j + 1]);
+      for (int64_t t = 0; t < T; ++t)
+        for (int j = 0; j < NA; ++j) g[t][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + t * ldx + c + 8 * j), g[t][j]);
+    }
+    if (NA == 4) {
+      for (; c + 16 <= c1; c += 16) {
+        __m256 w0, w1;
+        raw16<W>(r.w, c, w0, w1);
+        for (int64_t t = 0; t < T; ++t) {
+          g[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * ldx + c), g[t][0]);
+          g[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * ldx + c + 8), g[t][1]);
+        }
       }
     }
     const __m256 fv = _mm256_set1_ps(f);
-    for (int64_t t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(_mm256_add_ps(g[t][0], g[t][1]), fv, acc[t]);
+    for (int64_t t = 0; t < T; ++t) {
+      __m256 s = _mm256_add_ps(g[t][0], g[t][1]);
+      if (NA == 4) s = _mm256_add_ps(s, _mm256_add_ps(g[t][NA - 2], g[t][NA - 1]));
+      acc[t] = _mm256_fmadd_ps(s, fv, acc[t]);
+    }
 #endif
     float gs[T];
     for (int64_t t = 0; t < T; ++t) gs[t] = 0.0f;
     for (; c < c1; ++c) {
-      const float v = raw_scalar<FP8>(w[c]);
+      const float v = raw_at<W>(r.w, c);
       for (int64_t t = 0; t < T; ++t) gs[t] += v * x[t * ldx + c];
+    }
+    if (ZP) {
+      const float z = static_cast<float>(static_cast<int32_t>(r.z[gi]) - 128);  // codes are stored as code - 128
+      for (int64_t t = 0; t < T; ++t) gs[t] -= z * xsum[t * ldxs + gi];
     }
     for (int64_t t = 0; t < T; ++t) acc_s[t] += gs[t] * f;
   }
@@ -166,94 +227,207 @@ void dq_row(const float* x, int64_t ldx, const int8_t* w, const float* srow, int
 #ifdef __AVX2__
     acc_s[t] += hsum(acc[t]);
 #endif
-    y[t * ldy] = acc_s[t];
+    y[t * ldy] = acc_s[t] * r.post;
   }
 }
 
-template <bool FP8>
-void dq_rows_of(const float* x, int64_t m, const int8_t* wp, const float* sp, int64_t sc, int64_t srows,
-                int64_t scols, int64_t k, int64_t n, float* yp) {
+// The grid and weight operands of one dq_gemm / dq_rows call.
+struct Grid {
+  const uint8_t* w;   // codes [N, K] (fp4: [N, K / 2])
+  int64_t ldw;        // bytes per weight row
+  const uint8_t* s;   // scale grid, bytes
+  int64_t lds;        // bytes per grid row
+  const uint8_t* z;   // zero points [R, C] (or null)
+  int64_t ldz;
+  const float* s2;    // second-level scale per row [N] (or null)
+  int64_t srows, scols, k, n;
+  float half;         // fp4: 1/2 (the codes are twice the value); else 1
+
+  WRow row(int64_t r) const {
+    const int64_t gr = r / srows;
+    return {w + r * ldw, s + gr * lds, z ? z + gr * ldz : nullptr, half * (s2 ? s2[r] : 1.0f)};
+  }
+};
+
+template <int W, int S, bool ZP>
+void dq_rows_of(const float* x, int64_t m, const float* xsum, int64_t ldxs, const Grid& gd, float* yp) {
+  const int64_t k = gd.k, n = gd.n;
   for_rows(n, [&](int64_t n0, int64_t n1) {
     for (int64_t r = n0; r < n1; ++r) {
-      const int8_t* wr = wp + r * k;
-      const float* sr = sp + (r / srows) * sc;
+      const WRow wr = gd.row(r);
       int64_t t = 0;
-      for (; t + MT <= m; t += MT) dq_row<MT, FP8>(x + t * k, k, wr, sr, k, scols, yp + t * n + r, n);
+      for (; t + MT <= m; t += MT)
+        dq_row<MT, W, S, ZP>(x + t * k, k, xsum + t * ldxs, ldxs, wr, k, gd.scols, yp + t * n + r, n);
       switch (m - t) {
-        case 3: dq_row<3, FP8>(x + t * k, k, wr, sr, k, scols, yp + t * n + r, n); break;
-        case 2: dq_row<2, FP8>(x + t * k, k, wr, sr, k, scols, yp + t * n + r, n); break;
-        case 1: dq_row<1, FP8>(x + t * k, k, wr, sr, k, scols, yp + t * n + r, n); break;
+        case 3: dq_row<3, W, S, ZP>(x + t * k, k, xsum + t * ldxs, ldxs, wr, k, gd.scols, yp + t * n + r, n); break;
+        case 2: dq_row<2, W, S, ZP>(x + t * k, k, xsum + t * ldxs, ldxs, wr, k, gd.scols, yp + t * n + r, n); break;
+        case 1: dq_row<1, W, S, ZP>(x + t * k, k, xsum + t * ldxs, ldxs, wr, k, gd.scols, yp + t * n + r, n); break;
         default: break;
       }
     }
   });
 }
 
-void check_grid(const at::Tensor& w, const at::Tensor& scale, int64_t srows, int64_t scols) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar, "w: contiguous int8 [N, K]");
-  TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous() && scale.scalar_type() == at::kFloat,
-              "scale: contiguous float32 [R, C]");
+int scale_kind(const at::Tensor& scale) {
+  switch (scale.scalar_type()) {
+    case at::kFloat: return S_F32;
+    case at::kByte: return S_E8M0;
+    case at::kFloat8_e4m3fn: return S_E4M3;
+    default: TORCH_CHECK(false, "scale: float32, uint8 (e8m0) or float8_e4m3fn, got ", scale.scalar_type());
+  }
+  return S_F32;
+}
+
+// Checks the operands and returns the grid; K is the weights' logical K (fp4: twice the bytes).
+Grid make_grid(const at::Tensor& w, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+               const c10::optional<at::Tensor>& scale2, int64_t srows, int64_t scols, int64_t kind) {
+  TORCH_CHECK(kind == W_INT8 || kind == W_FP8 || kind == W_FP4, "kind: 0 (int8), 1 (fp8e4m3) or 2 (e2m1)");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1, "w: contiguous bytes [N, K] (fp4: [N, K/2])");
+  TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous(), "scale: contiguous [R, C]");
+  scale_kind(scale);
   TORCH_CHECK(srows > 0 && scols > 0, "scale block must be positive");
-  TORCH_CHECK(scale.size(0) == (w.size(0) + srows - 1) / srows && scale.size(1) == (w.size(1) + scols - 1) / scols,
-              "scale grid ", scale.sizes(), " does not cover w ", w.sizes(), " in blocks ", srows, "x", scols);
+  const int64_t n = w.size(0), k = kind == W_FP4 ? 2 * w.size(1) : w.size(1);
+  TORCH_CHECK(scale.size(0) == (n + srows - 1) / srows && scale.size(1) == (k + scols - 1) / scols,
+              "scale grid ", scale.sizes(), " does not cover w [", n, ", ", k, "] in blocks ", srows, "x", scols);
+  TORCH_CHECK(kind != W_FP4 || (scols % 2 == 0 || scols == k), "fp4 scale groups must cover whole bytes");
+  Grid g{static_cast<const uint8_t*>(w.data_ptr()), w.size(1), static_cast<const uint8_t*>(scale.data_ptr()),
+         scale.size(1) * static_cast<int64_t>(scale.element_size()), nullptr, 0, nullptr, srows, scols, k, n,
+         kind == W_FP4 ? 0.5f : 1.0f};
+  if (zero.has_value() && zero->defined()) {
+    TORCH_CHECK(kind == W_INT8, "zero points go with int8 codes");
+    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->sizes() == scale.sizes(),
+                "zero: contiguous uint8 on the scale grid ", scale.sizes());
+    g.z = zero->data_ptr<uint8_t>();
+    g.ldz = zero->size(1);
+  }
+  if (scale2.has_value() && scale2->defined()) {
+    TORCH_CHECK(scale2->scalar_type() == at::kFloat && scale2->is_contiguous() && scale2->numel() == n,
+                "scale2: contiguous float32 [N]");
+    g.s2 = scale2->data_ptr<float>();
+  }
+  return g;
+}
+
+// rows [a, b) of the grid's weights dequantised into o (float32 rows of K): value = code * scale (fp8: in
+// one step where s * 2^120 is finite), (code - zero) * scale, fp4: value * (scale * scale2).
+template <int W, int S>
+void dq_rows_range(const Grid& gd, int64_t r0, int64_t a, int64_t b, float* op) {
+  const int64_t k = gd.k;
+  for (int64_t i = a; i < b; ++i) {
+    const int64_t r = r0 + i;
+    const WRow wr = gd.row(r);
+    float* o = op + i * k;
+    const float s2 = gd.s2 ? gd.s2[r] : 1.0f;
+    for (int64_t c0 = 0, g = 0; c0 < k; c0 += gd.scols, ++g) {
+      const int64_t c1 = std::min(k, c0 + gd.scols);
+      float s = scale_at<S>(wr.s, g);
+      if (W == W_FP4) s = 0.5f * (s * s2);  // the reference's scale * scale2, halved for the doubled codes
+      const Factor f = factor(W == W_FP8, s);
+      const int32_t z = wr.z ? static_cast<int32_t>(wr.z[g]) - 128 : 0;
+      int64_t c = c0;
+#ifdef __AVX2__
+      const __m256 fa = _mm256_set1_ps(f.a), fb = _mm256_set1_ps(f.b);
+      if (W == W_INT8 && wr.z) {
+        const __m256i zv = _mm256_set1_epi32(z);
+        for (; c + 8 <= c1; c += 8) {
+          const __m256i i8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr.w + c)));
+          _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, zv)), fa));
+        }
+      } else if (W == W_FP4) {
+        for (; c + 16 <= c1; c += 16) {
+          __m256 v0, v1;
+          raw16<W>(wr.w, c, v0, v1);
+          _mm256_storeu_ps(o + c, _mm256_mul_ps(v0, fa));
+          _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(v1, fa));
+        }
+      } else {
+        for (; c + 8 <= c1; c += 8) {
+          __m256 v = _mm256_mul_ps(raw8<W>(wr.w + c), fa);
+          _mm256_storeu_ps(o + c, f.b != 1.0f ? _mm256_mul_ps(v, fb) : v);
+        }
+      }
+#endif
+      for (; c < c1; ++c) {
+        float v;
+        if (W == W_INT8 && wr.z) {
+          v = static_cast<float>(static_cast<int32_t>(static_cast<int8_t>(wr.w[c])) - z) * f.a;
+        } else {
+          v = raw_at<W>(wr.w, c) * f.a;
+          if (f.b != 1.0f) v = v * f.b;
+        }
+        o[c] = v;
+      }
+    }
+  }
+}
+
+template <int W, int S>
+void dq_rows_all(const Grid& gd, int64_t r0, int64_t rows, float* op) {
+  for_rows(rows, [&](int64_t a, int64_t b) { dq_rows_range<W, S>(gd, r0, a, b, op); });
+}
+
+void dq_rows_dispatch(const Grid& gd, int64_t kind, int skind, int64_t r0, int64_t rows, float* op) {
+  if (kind == W_INT8 && skind == S_F32) return dq_rows_all<W_INT8, S_F32>(gd, r0, rows, op);
+  if (kind == W_FP8 && skind == S_F32) return dq_rows_all<W_FP8, S_F32>(gd, r0, rows, op);
+  if (kind == W_FP8 && skind == S_E8M0) return dq_rows_all<W_FP8, S_E8M0>(gd, r0, rows, op);
+  if (kind == W_FP4 && skind == S_E8M0) return dq_rows_all<W_FP4, S_E8M0>(gd, r0, rows, op);
+  if (kind == W_FP4 && skind == S_E4M3) return dq_rows_all<W_FP4, S_E4M3>(gd, r0, rows, op);
+  TORCH_CHECK(false, "no dequantisation for weight kind ", kind, " with scale kind ", skind);
 }
 
 }  // namespace
 
 // Rows [r0, r0 + out.size(0)) of W dequantised into out (float32 [rows, K]).
-void dq_rows(at::Tensor w, at::Tensor scale, int64_t srows, int64_t scols, bool fp8, int64_t r0,
-             at::Tensor out) {
-  check_grid(w, scale, srows, scols);
+void dq_rows(at::Tensor w, at::Tensor scale, c10::optional<at::Tensor> zero, c10::optional<at::Tensor> scale2,
+             int64_t srows, int64_t scols, int64_t kind, int64_t r0, at::Tensor out) {
+  const Grid gd = make_grid(w, scale, zero, scale2, srows, scols, kind);
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat &&
-                  out.size(1) == w.size(1) && r0 >= 0 && r0 + out.size(0) <= w.size(0),
+                  out.size(1) == gd.k && r0 >= 0 && r0 + out.size(0) <= gd.n,
               "out: contiguous float32 [rows, K] inside w");
-  const int64_t k = w.size(1), sc = scale.size(1);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for_rows(out.size(0), [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) {
-      const int64_t r = r0 + i;
-      const int8_t* wr = wp + r * k;
-      const float* sr = sp + (r / srows) * sc;
-      float* o = op + i * k;
-      for (int64_t c0 = 0, g = 0; c0 < k; c0 += scols, ++g) {
-        const int64_t c1 = std::min(k, c0 + scols);
-        const Factor f = factor(fp8, sr[g]);
-        int64_t c = c0;
-#ifdef __AVX2__
-        const __m256 fa = _mm256_set1_ps(f.a), fb = _mm256_set1_ps(f.b);
-        for (; c + 8 <= c1; c += 8) _mm256_storeu_ps(o + c, dq8(wr + c, fp8, fa, fb, f.b != 1.0f));
-#endif
-        for (; c < c1; ++c) o[c] = dq_scalar(wr, c, fp8, f);
-      }
-    }
-  });
+  dq_rows_dispatch(gd, kind, scale_kind(scale), r0, out.size(0), out.data_ptr<float>());
 }
 
 // fp8_fold: every scale * 2^60 is finite (the caller checks once per layer); x * 2^60 is checked here.
 // Where either is not, the weight rows are dequantised exactly (dq_rows) and multiplied by torch.
-at::Tensor dq_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, int64_t srows, int64_t scols, bool fp8,
-                   bool fp8_fold) {
-  check_grid(w, scale, srows, scols);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == w.size(1),
+at::Tensor dq_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, c10::optional<at::Tensor> zero,
+                   c10::optional<at::Tensor> scale2, int64_t srows, int64_t scols, int64_t kind, bool fp8_fold) {
+  const Grid gd = make_grid(w, scale, zero, scale2, srows, scols, kind);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) == gd.k,
               "x: contiguous float32 [M, K] with w's K");
-  const int64_t m = x.size(0), n = w.size(0), k = w.size(1), sc = scale.size(1);
-  const int8_t* wp = w.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  if (fp8) {
+  const int64_t m = x.size(0), n = gd.n;
+  const int skind = scale_kind(scale);
+  at::Tensor y = at::empty({m, n}, x.options());
+  float* yp = y.data_ptr<float>();
+  if (kind == W_FP8) {
     at::Tensor xs = x * 0x1p60;
     if (!fp8_fold || !xs.isfinite().all().item<bool>()) {
-      at::Tensor tile = at::empty({n, k}, x.options());
-      dq_rows(w, scale, srows, scols, fp8, 0, tile);
+      at::Tensor tile = at::empty({n, gd.k}, x.options());
+      dq_rows_dispatch(gd, kind, skind, 0, n, tile.data_ptr<float>());
       return at::mm(x, tile.t());
     }
-    at::Tensor y = at::empty({m, n}, x.options());
-    dq_rows_of<true>(xs.data_ptr<float>(), m, wp, sp, sc, srows, scols, k, n, y.data_ptr<float>());
+    if (skind == S_F32) dq_rows_of<W_FP8, S_F32, false>(xs.data_ptr<float>(), m, nullptr, 0, gd, yp);
+    else if (skind == S_E8M0) dq_rows_of<W_FP8, S_E8M0, false>(xs.data_ptr<float>(), m, nullptr, 0, gd, yp);
+    else TORCH_CHECK(false, "fp8 weights take float32 or e8m0 scales");
     return y;
   }
-  at::Tensor y = at::empty({m, n}, x.options());
-  dq_rows_of<false>(x.data_ptr<float>(), m, wp, sp, sc, srows, scols, k, n, y.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  if (kind == W_FP4) {
+    if (skind == S_E8M0) dq_rows_of<W_FP4, S_E8M0, false>(xp, m, nullptr, 0, gd, yp);
+    else if (skind == S_E4M3) dq_rows_of<W_FP4, S_E4M3, false>(xp, m, nullptr, 0, gd, yp);
+    else TORCH_CHECK(false, "fp4 weights take e8m0 or e4m3 scales");
+    return y;
+  }
+  TORCH_CHECK(skind == S_F32, "int8 weights take float32 scales");
+  if (gd.z) {  // sum of x over each scale group, for the zero point's term
+    const int64_t groups = scale.size(1);
+    at::Tensor xsum = at::zeros({m, groups}, x.options());
+    float* xs = xsum.data_ptr<float>();
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t c = 0; c < gd.k; ++c) xs[t * groups + c / scols] += xp[t * gd.k + c];
+    dq_rows_of<W_INT8, S_F32, true>(xp, m, xs, groups, gd, yp);
+    return y;
+  }
+  dq_rows_of<W_INT8, S_F32, false>(xp, m, nullptr, 0, gd, yp);
   return y;
 }
 
@@ -412,9 +586,10 @@ std::string isa() {
 
 // torch.ops.moe_registry_cpu.* (a plain library, not a Python module: it compiles in a third of the time)
 TORCH_LIBRARY(moe_registry_cpu, m) {
-  m.def("dq_gemm(Tensor x, Tensor w, Tensor scale, int srows, int scols, bool fp8, bool fp8_fold) -> Tensor",
-        &dq_gemm);
-  m.def("dq_rows(Tensor w, Tensor scale, int srows, int scols, bool fp8, int r0, Tensor(a!) out) -> ()", &dq_rows);
+  m.def("dq_gemm(Tensor x, Tensor w, Tensor scale, Tensor? zero, Tensor? scale2, int srows, int scols, int kind, "
+        "bool fp8_fold) -> Tensor", &dq_gemm);
+  m.def("dq_rows(Tensor w, Tensor scale, Tensor? zero, Tensor? scale2, int srows, int scols, int kind, int r0, "
+        "Tensor(a!) out) -> ()", &dq_rows);
   m.def("int_gemm(Tensor xq, Tensor xs, Tensor w, int bits, Tensor scale, int srows, int scols) -> Tensor",
         &int_gemm);
   m.def("fp8_fake_quant(Tensor x, int group, float amax_floor, float static_scale) -> Tensor", &fp8_fake_quant);
