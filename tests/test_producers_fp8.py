@@ -1,7 +1,15 @@
 """FP8 W8A8 checkpoints read as their producers mean them: llm-compressor's FP8, FP8_DYNAMIC and
-FP8_BLOCK presets and NVIDIA ModelOpt FP8 (tests/fixtures/fp8/, written by the producers with
+FP8_BLOCK presets, NVIDIA ModelOpt FP8 and transformers' own FineGrainedFP8Config, per tensor
+(``weight_block_size: null``) and its default block 128 (tests/fixtures/fp8/, written by the producers with
 tools/make_fixtures_fp8.py; versions in VERSIONS.json), and ``quant_method: fp8`` without
 ``weight_block_size`` (AutoFP8 / Mixtral-FP8 style).
+
+transformers 5.24 saves a MoE's FP8Experts with per-expert fp8 weights but its scales stacked over
+experts (``experts.gate_up_proj_scale_inv`` [E, 1, 1]: one scale shared by gate and up; block 128:
+[E, 2I/128, H/128], gate's block rows first), read through the schemes' ``stacked`` tensor word. Its
+static config writes ``experts.{gate_up,down}_proj_activation_scale`` [E] but never calibrates them
+(uninitialised memory), so the static checkpoint here is the dynamic fixture plus calibrated scales under
+exactly the names, dtypes and shapes transformers wrote (VERSIONS.json records them).
 
 AutoFP8 cannot be installed here (not on PyPI: ``pip download auto-fp8`` / ``autofp8`` find no
 distribution; ``pip download git+https://github.com/neuralmagic/AutoFP8``: could not resolve host
@@ -68,8 +76,13 @@ CASES = {
     "modelopt-fp8": Case("modelopt-fp8", TENSOR, TENSOR, "static", "modelopt_static"),
     "autofp8-static": Case("fp8-w8a8-static", TENSOR, TENSOR, "static"),
     "autofp8-dynamic": Case("fp8-w8a8-dynamic", TENSOR, "fp8e4m3 scale:float32:tensor:dynamic", "tensor"),
+    "transformers-fp8-dynamic": Case("fp8-w8a8-dynamic", TENSOR, "fp8e4m3 scale:float32:tensor:dynamic", "tensor"),
+    "transformers-fp8-block": Case("fp8-block128", "fp8e4m3 scale:float32:block(128x128):static",
+                                   "fp8e4m3 scale:float32:group(128):dynamic", "group128"),
+    "transformers-fp8-static": Case("fp8-w8a8-static", TENSOR, TENSOR, "static"),
 }
-PRODUCED = sorted(n for n in CASES if not n.startswith("autofp8"))
+PRODUCED = sorted(n for n, c in CASES.items() if c.linear_act)  # llm-compressor, ModelOpt: their linears' outputs too
+TRANSFORMERS = ["transformers-fp8-block", "transformers-fp8-dynamic"]  # committed; the static one is built here
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,12 +132,44 @@ def _write_autofp8(dest: Path, activation_scheme: str) -> Path:
     return dest
 
 
+def _transformers_static_facts() -> dict[str, list]:
+    """What transformers wrote for FineGrainedFP8Config(weight_block_size=None, activation_scheme='static'):
+    tensor name -> [safetensors dtype, shape], and its quantization_config."""
+    return json.loads((FIXTURES / "VERSIONS.json").read_text())["producers"]["transformers"]["fixtures"][
+        "transformers-fp8-static"]
+
+
+def _write_transformers_static(dest: Path) -> Path:
+    """transformers' per-tensor dynamic checkpoint made static as transformers lays it out: its config's
+    quantization_config, and the stacked activation scales it writes (names, dtype, shape from VERSIONS.json),
+    holding calibration amax / 448 per expert (transformers' own are uninitialised memory)."""
+    shutil.copytree(FIXTURES / "transformers-fp8-dynamic", dest)
+    facts = _transformers_static_facts()
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = facts["quantization_config"]
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = _checkpoint(dest)
+    amax = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(98)).abs().max()
+    for name, (dtype, shape) in facts["expert_tensors"].items():
+        if name.endswith("_activation_scale"):
+            assert dtype == "F32" and shape == [E], (name, dtype, shape)
+            part = 0.5 if ".down_proj" in name else 1.0
+            tensors[name] = torch.tensor([amax * part * (1 + 0.1 * e) / FP8_MAX for e in range(E)], dtype=torch.float32)
+    kept = {k: [list(v.shape), str(v.dtype)] for k, v in tensors.items()
+            if k.startswith(f"{LAYER}.0.") or (k.startswith(f"{LAYER}.") and not k[len(LAYER) + 1].isdigit())}
+    st = {"F32": "torch.float32", "F8_E4M3": "torch.float8_e4m3fn"}
+    assert kept == {k: [shape, st[dtype]] for k, (dtype, shape) in facts["expert_tensors"].items()}
+    save_file(tensors, str(dest / "model.safetensors"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("autofp8")
-    out = {n: FIXTURES / n for n in PRODUCED}
+    out = {n: FIXTURES / n for n in [*PRODUCED, *TRANSFORMERS]}
     out["autofp8-static"] = _write_autofp8(base / "static", "static")
     out["autofp8-dynamic"] = _write_autofp8(base / "dynamic", "dynamic")
+    out["transformers-fp8-static"] = _write_transformers_static(base / "transformers-static")
     return out
 
 
@@ -189,7 +234,9 @@ def _moe64(case: Case, d: Path, w: dict[tuple[int, str], torch.Tensor], x: torch
     per-tensor: one amax over the whole GEMM1 input and one over all routed intermediates."""
     t = _checkpoint(d)
     s13 = s2 = None
-    if case.act == "static":
+    if case.act == "static" and f"{LAYER}.gate_up_proj_activation_scale" in t:  # transformers: [E] per fused part
+        s13, s2 = t[f"{LAYER}.gate_up_proj_activation_scale"].max(), t[f"{LAYER}.down_proj_activation_scale"].max()
+    elif case.act == "static":
         s13 = torch.stack([t[f"{LAYER}.{e}.{r}_proj.input_scale"].float().reshape(()) for e in range(E)
                            for r in ("gate", "up")]).max()
         s2 = torch.stack([t[f"{LAYER}.{e}.down_proj.input_scale"].float().reshape(()) for e in range(E)]).max()
@@ -232,11 +279,15 @@ def test_versions_name_the_producers() -> None:
     assert modelopt["nvidia-modelopt"] and modelopt["transformers"].startswith("5.")
     assert {**llmc["fixtures"], **modelopt["fixtures"]}.keys() == set(PRODUCED)
     assert {f["preset"] for f in llmc["fixtures"].values()} == {"FP8", "FP8_DYNAMIC", "FP8_BLOCK"}
+    tf = versions["producers"]["transformers"]
+    assert tf["transformers"].startswith("5.") and set(tf["fixtures"]) == {*TRANSFORMERS, "transformers-fp8-static"}
+    assert tf["fixtures"]["transformers-fp8-static"]["kept"] is False
 
 
 def test_fixtures_stay_small() -> None:
+    """Under 1 MB before transformers' two (block 128 needs 128 x 128 fp8 weights: ~230 kB each)."""
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 1_000_000, total
+    assert total < 1_500_000, total
 
 
 def _explain(path: Path, platform: str, capsys) -> dict:
@@ -532,3 +583,145 @@ def test_weight_that_is_not_fp8_is_refused(name: str, dirs, tmp_path: Path) -> N
         moe_registry.build(dest, platform="cpu", layer=0)
     msg = str(err.value)
     assert msg.startswith(f"{key}: ") and "bfloat16" in msg and "float8_e4m3fn" in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------ transformers' own FP8 (FineGrainedFP8Config)
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_transformers_dequantisation_bit_equal_for_every_expert(name: str, built) -> None:
+    """transformers' Fp8Dequantize of its FP8Experts codes and stacked scales, every expert, the rows kept:
+    bit-equal to ours. A wrong expert's scale, gate and up swapped (block: its two block rows) or a scale
+    read as a divisor would all differ."""
+    ref, ours = load_file(str(FIXTURES / name / "ref.safetensors")), _ours(built[name])
+    checkpoint = _checkpoint(FIXTURES / name)
+    assert f"{LAYER}.gate_up_proj_scale_inv" in checkpoint and f"{LAYER}.0.gate_proj.weight_scale_inv" not in checkpoint
+    for e in range(E):
+        for role in ROLES:
+            theirs = ref[f"experts.{e}.{role}.dequant"]
+            mine = ours[(e, role)][:theirs.shape[0]].to(theirs.dtype)
+            assert theirs.shape == (4, 128) and torch.equal(mine, theirs), f"{name} expert {e} {role}"
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_layer_matches_transformers_moe_block(name: str, built) -> None:
+    """transformers' own Qwen3-MoE block (bfloat16, its routing) on its dequantised weights, activations not
+    quantised (its fp8 forward needs the Hub's Triton kernel and a GPU). The float64 MoE without activation
+    quantisation reproduces it to bfloat16 rounding; our layer, which quantises activations as the scheme
+    says, stays within the scheme's tolerance of it and within 5e-3 of the float64 MoE that quantises them."""
+    case, ref, layer = CASES[name], load_file(str(FIXTURES / name / "ref.safetensors")), built[name]
+    x, ids, w = ref["hidden_states"].float(), ref["layer.topk_ids"], ref["layer.topk_weights"].float()
+    ours = _ours(layer)
+    plain = Case(case.scheme, case.weight, case.activation, act=None)  # type: ignore[arg-type]
+    assert _rel(_moe64(plain, FIXTURES / name, ours, x, ids, w), ref["layer.output"]) < 1e-2
+    got = layer.kernel(x, w, ids)
+    assert _rel(got, ref["layer.output"]) <= layer.tolerance
+    assert _rel(got, _moe64(case, FIXTURES / name, ours, x, ids, w)) <= 5e-3
+
+
+def _with_quantization_config(tmp_path: Path, **changes: object) -> Path:
+    dest = tmp_path / "m"
+    shutil.copytree(FIXTURES / "transformers-fp8-dynamic", dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize(("changes", "scheme"), [
+    ({}, "fp8-w8a8-dynamic"),                                # weight_block_size: null, as written
+    ({"activation_scheme": "static"}, "fp8-w8a8-static"),
+    ({"weight_block_size": [128, 128]}, "fp8-block128"),
+    ({"activation_scheme": "static", "weight_block_size": [128, 128]}, None),  # no static block-128 scheme
+    ({"expert_dtype": "fp4"}, None),                         # DeepSeek-V4's FP4-packed experts: not these schemes
+    ({"weight_block_size": [64, 64]}, None),
+])
+def test_transformers_config_detection(changes: dict, scheme: str | None, tmp_path: Path, capsys) -> None:
+    dest = _with_quantization_config(tmp_path, **changes)
+    code = main(["explain", str(dest), "--platform", "cuda:9.0", "--dtype", "bfloat16", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    if scheme is None:
+        assert code == 1 and report["report"]["scheme"] is None
+        assert report["error"].endswith("no scheme matches this config")
+    else:
+        assert code == 0 and report["scheme"]["name"] == scheme
+
+
+def test_transformers_static_reads_its_stacked_activation_scales(built, dirs) -> None:
+    """One input scale per GEMM: the max of transformers' per-expert activation scales of that fused part."""
+    t = _checkpoint(dirs["transformers-fp8-static"])
+    weights = built["transformers-fp8-static"].weights
+    assert torch.equal(weights.w13.input_scale, t[f"{LAYER}.gate_up_proj_activation_scale"].max().reshape(1))
+    assert torch.equal(weights.w2.input_scale, t[f"{LAYER}.down_proj_activation_scale"].max().reshape(1))
+
+
+@pytest.mark.parametrize("gone", ["down_proj_activation_scale", "gate_up_proj_activation_scale"])
+def test_transformers_static_missing_activation_scale_is_refused(gone: str, dirs, tmp_path: Path) -> None:
+    dest, tensors = _copy(tmp_path, dirs["transformers-fp8-static"])
+    save_file({k: v for k, v in tensors.items() if k != f"{LAYER}.{gone}"}, str(dest / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        moe_registry.build(dest, platform="cpu", layer=0)
+    msg = str(err.value)
+    assert msg.startswith(f"{LAYER}.{gone}: missing (scheme fp8-w8a8-static needs ") and "\n" not in msg
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+@pytest.mark.parametrize(("value", "prefix", "what"), [(0.0, "[1]: ", "are zero"), (float("nan"), ": ", "NaN")])
+def test_transformers_bad_stacked_scale_is_refused(name: str, value: float, prefix: str, what: str,
+                                                   tmp_path: Path) -> None:
+    """Expert 1's down scale: zero is refused by the converter naming the stacked tensor's slice, NaN when the
+    tensor is read, each in one line."""
+    dest, tensors = _copy(tmp_path, FIXTURES / name)
+    key = f"{LAYER}.down_proj_scale_inv"
+    bad = tensors[key].clone()
+    bad[1] = value
+    save_file({**tensors, key: bad}, str(dest / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        moe_registry.build(dest, platform="cpu", layer=0)
+    msg = str(err.value)
+    assert msg.startswith(key + prefix) and what in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize(("name", "shape", "wanted"), [
+    ("transformers-fp8-dynamic", [E, 1], "expected [4, 1, 1]"),
+    ("transformers-fp8-block", [E, 3, 1], "expected [4, 2, 1]"),
+])
+def test_transformers_stacked_scale_of_wrong_shape_is_refused(name: str, shape: list[int], wanted: str,
+                                                              tmp_path: Path) -> None:
+    dest, tensors = _copy(tmp_path, FIXTURES / name)
+    key = f"{LAYER}.gate_up_proj_scale_inv"
+    save_file({**tensors, key: torch.ones(shape)}, str(dest / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        moe_registry.build(dest, platform="cpu", layer=0)
+    msg = str(err.value)
+    assert msg.startswith(f"{key}: shape {shape}; {wanted}") and "\n" not in msg
+
+
+def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
+    """A rank reading experts (3, 1) gets exactly their slices of the stacked scales, and every expert's
+    activation scales as layer-wide values (the layer's one input scale per GEMM is the max over all)."""
+    from moe_registry.model.checkpoint import open_checkpoint, read_layer
+    from moe_registry.model.config import read_model_config
+    from moe_registry.model.situation import Flags, situation_for_model
+    from moe_registry.oracle.select import select
+
+    d = dirs["transformers-fp8-static"]
+    registry = moe_registry.load_registry()
+    model = read_model_config(d, registry)
+    situation = situation_for_model(model, registry, Flags(platform="cpu", dtype="float32"))
+    report = select(registry, situation)
+    assert report.scheme is not None and situation.layer is not None and situation.runtime.shape is not None
+    args = (open_checkpoint(d), registry.families[model.family].spec, situation.layer,
+            registry.scheme(report.scheme.scheme), report.scheme.bindings, situation.runtime.shape)
+    whole, part = read_layer(*args), read_layer(*args, experts=(3, 1))
+    for got, e in zip(part.experts, (3, 1), strict=True):
+        assert {r: set(t) for r, t in got.items()} == {r: {"weight", "weight_scale", "input_scale"} for r in ROLES}
+        for role in ROLES:
+            for t in got[role]:
+                assert torch.equal(got[role][t], whole.experts[e][role][t]), (e, role, t)
+    stacked = _checkpoint(d)
+    assert len(part.layer_wide) == E
+    for e, wide in enumerate(part.layer_wide):
+        assert torch.equal(wide["up"]["input_scale"], stacked[f"{LAYER}.gate_up_proj_activation_scale"][e])
+        assert torch.equal(wide["down"]["input_scale"], stacked[f"{LAYER}.down_proj_activation_scale"][e])

@@ -5,8 +5,9 @@ Run by hand (not in CI), once per producer, each in its own venv (they pin diffe
     /work/producers/llmc/bin/python     tools/make_fixtures_fp8.py llmc       # llm-compressor 0.14.0.1,
                                                                              # compressed-tensors 0.19.0
     /work/producers/modelopt/bin/python tools/make_fixtures_fp8.py modelopt   # nvidia-modelopt 0.47.0
+    /work/producers/tf/bin/python       tools/make_fixtures_fp8.py transformers  # transformers 5.24.0 alone
 
-(both venvs: torch 2.13.0 CPU, transformers 5.x; see VERSIONS.json for the exact versions used.)
+(all venvs: torch 2.13.0 CPU, transformers 5.x; see VERSIONS.json for the exact versions used.)
 
 ``quant_method: fp8`` without ``weight_block_size`` (AutoFP8 / Mixtral-FP8 style) has no fixture
 here: AutoFP8 is not on PyPI (``pip download auto-fp8`` and ``pip download autofp8`` find no
@@ -42,6 +43,7 @@ from pathlib import Path
 import fixture_kit
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "fp8"
 SEED = 4321
@@ -52,6 +54,7 @@ ROLES = ("gate", "up", "down")
 OUTPUT_EXPERTS = 2  # producer linear outputs kept for experts 0..1
 DEQUANT_EXPERTS = 1  # producer dequantised weights kept for expert 0 ...
 DEQUANT_ROWS = 16  # ... its first 16 output rows of each projection (all fixtures together stay under 1 MB)
+TF_DEQUANT_ROWS = 4  # transformers: the first 4 rows of EVERY expert's projections (its scales are stacked)
 
 
 def tiny_qwen3_moe() -> torch.nn.Module:
@@ -198,7 +201,108 @@ def _merge_versions(producer: str, packages: list[str], fixtures: dict[str, obje
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-PRODUCERS = {"llmc": make_llmc, "modelopt": make_modelopt}
+# ---------------------------------------------------------------- transformers' own FP8 (FineGrainedFP8Config)
+
+
+def make_transformers() -> None:
+    """transformers' FineGrainedFP8Config (quant_method fp8) quantizes while from_pretrained loads the bf16
+    model (Fp8Quantize, the quantizer's own op) and save_pretrained writes it. Its validate_environment
+    refuses a CPU-only machine before quantizing (``No GPU or XPU found``); that check alone is bypassed.
+
+    What transformers 5.24 writes for a Qwen3-MoE (found here, see VERSIONS.json): the experts module is
+    FP8Experts, fused 3-D ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] quantized as whole
+    [2I, H] / [H, I] tensors; save_pretrained splits the WEIGHTS back per expert
+    (``experts.N.gate_proj.weight``) but writes the scales stacked as the module holds them:
+    ``experts.gate_up_proj_scale_inv`` / ``experts.down_proj_scale_inv`` [E, 1, 1] (per tensor: ONE scale
+    shared by gate and up) or [E, 2I/128, H/128] / [E, H/128, I/128] (block 128, gate's block rows first).
+    Static (``activation_scheme='static'``) adds ``experts.{gate_up,down}_proj_activation_scale`` [E]
+    float32, which nothing calibrates (requires_calibration is False): they hold uninitialised memory, so
+    no static fixture is kept; only the names, dtypes and shapes written are recorded.
+
+    ref.safetensors: the quantizer's in-memory codes and scales dequantised by transformers' own
+    ``Fp8Dequantize._dequantize_one`` (float32; first 4 rows of every expert's projections), and
+    ``layer.output``: transformers' Qwen3MoeSparseMoeBlock (bfloat16) with those dequantised weights, with its
+    routing. The producer's fp8 forward cannot run here (it needs the kernels-community/finegrained-fp8
+    Triton kernel from the Hub and a GPU), so activations in that output are not quantised.
+    """
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None  # CPU: no GPU check
+    configs = {"transformers-fp8-dynamic": {"weight_block_size": None},
+               "transformers-fp8-block": {},  # the default: weight_block_size (128, 128), dynamic
+               "transformers-fp8-static": {"weight_block_size": None, "activation_scheme": "static"}}
+    fixtures: dict[str, object] = {}
+    x = inputs()
+    i = SHAPE["moe_intermediate_size"]
+    with tempfile.TemporaryDirectory() as base:
+        tiny_qwen3_moe().save_pretrained(base)
+        for name, kwargs in configs.items():
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16,
+                                                         quantization_config=FineGrainedFP8Config(**kwargs))
+            block = model.model.layers[0].mlp
+            experts = block.experts
+            deq = Fp8Dequantize(model.hf_quantizer)._dequantize_one
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                if name.endswith("static"):  # recorded, not kept (see the docstring)
+                    fixtures[name] = {"kept": False, **_written_facts(Path(tmp))}
+                    continue
+                dest = ROOT / name
+                fixtures[name] = keep_layer(Path(tmp), dest)
+            written = load_file(str(dest / "model.safetensors"))
+            ref: dict[str, torch.Tensor] = dict(x)
+            with torch.no_grad():
+                dense = {}
+                for what in ("gate_up_proj", "down_proj"):
+                    q, s = getattr(experts, what).data, getattr(experts, f"{what}_scale_inv").data
+                    # the file is the module's state: scales as held, codes split per expert (gate rows first)
+                    assert torch.equal(written[f"{LAYER}experts.{what}_scale_inv"], s), what
+                    dense[what] = torch.stack([deq(q[e], s[e], torch.float32) for e in range(q.shape[0])])
+                    for e in range(q.shape[0]):
+                        parts = {"gate": q[e, :i], "up": q[e, i:]} if what == "gate_up_proj" else {"down": q[e]}
+                        for role, codes in parts.items():
+                            file_codes = written[f"{LAYER}experts.{e}.{role}_proj.weight"]
+                            assert torch.equal(file_codes.view(torch.uint8), codes.view(torch.uint8)), (e, role)
+                            w = dense[what][e, :i] if role == "gate" else dense[what][e, i:] if role == "up" \
+                                else dense[what][e]
+                            ref[f"experts.{e}.{role}.dequant"] = w[:TF_DEQUANT_ROWS].contiguous()
+                plain = tiny_qwen3_moe().model.layers[0].mlp  # same seed: the bf16 model that was quantized
+                plain.experts.gate_up_proj.data = dense["gate_up_proj"].to(torch.bfloat16)
+                plain.experts.down_proj.data = dense["down_proj"].to(torch.bfloat16)
+                plain.gate.weight.data = block.gate.weight.data.clone()
+                ref.update(layer_output(plain, plain.experts, x["hidden_states"]))
+            save_ref(dest, ref)
+    _merge_versions("transformers", ["transformers", "torch", "safetensors"], fixtures, {
+        "config": "AutoModelForCausalLM.from_pretrained(bf16 model, quantization_config=FineGrainedFP8Config(**kw)) "
+                  "(kw: weight_block_size=None; the default (128, 128); weight_block_size=None + "
+                  "activation_scheme='static'), save_pretrained; FineGrainedFP8HfQuantizer.validate_environment "
+                  "bypassed (it refuses to quantize without a GPU)",
+        "dequant": "transformers' Fp8Dequantize._dequantize_one(FP8Experts codes [2I, H] / [H, I], their scale_inv, "
+                   "float32), every expert, first 4 rows per projection",
+        "output": "layer.output: transformers' Qwen3MoeSparseMoeBlock (bfloat16) with those dequantised weights, "
+                  "activations NOT quantised (the fp8 forward needs the Hub's kernels-community/finegrained-fp8 "
+                  "Triton kernel and a GPU)",
+        "static": "FineGrainedFP8Config(activation_scheme='static') writes {gate_up,down}_proj_activation_scale "
+                  "[E] float32 that nothing calibrates (uninitialised memory: 2.1e13, 3.1e-41 seen); not kept",
+    })
+
+
+def _written_facts(export_dir: Path) -> dict[str, object]:
+    """quantization_config and the first MoE layer's expert-0 and stacked tensors: name -> [dtype, shape]."""
+    config = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+    tensors: dict[str, list[object]] = {}
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
+        for k in f.keys():  # noqa: SIM118  (safe_open is not iterable)
+            rest = k.removeprefix(LAYER + "experts.")
+            if rest != k and (rest.startswith("0.") or not rest[0].isdigit()):
+                sl = f.get_slice(k)
+                tensors[k] = [sl.get_dtype(), list(sl.get_shape())]
+    return {"quantization_config": config, "expert_tensors": tensors}
+
+
+PRODUCERS = {"llmc": make_llmc, "modelopt": make_modelopt, "transformers": make_transformers}
 
 
 if __name__ == "__main__":

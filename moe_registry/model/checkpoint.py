@@ -31,7 +31,8 @@ _ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16"
               "BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu",
               "I16": "int16", "F64": "float64", "BOOL": "bool"}
 # A projection may carry a bias (gpt-oss style); it is optional for every scheme.
-BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True, all_equal=None)
+BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True, all_equal=None,
+                       stacked=None)
 LAYER_WIDE = frozenset({"input_scale"})
 """Per-expert checkpoint tensors that conversion collapses over ALL experts into one layer-wide value
 (``ProjectionWeights.input_scale``: the largest static activation scale, as vLLM does). A rank that reads only
@@ -148,6 +149,7 @@ class LayerNames:
     fused: FusedNames | None = None
     router_bias: str | None = None
     projections: Mapping[str, str] | None = None
+    stacked: Mapping[str, str] | None = None  # per-expert naming: tensor -> full name ({part}) held stacked
 
     def projection(self, expert: int, role: str) -> str:
         if self.fused is not None:
@@ -157,6 +159,9 @@ class LayerNames:
 
     def tensor(self, expert: int, role: str, tensor: str) -> str:
         """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
+        if self.fused is None and self.stacked is not None and tensor in self.stacked:
+            part = "down" if role == "down" else "gate_up"
+            return f"{self.stacked[tensor].format(part=part)}[{expert}]" + (f" ({role} part)" if part != role else "")
         if self.fused is None:
             return f"{self.projection(expert, role)}.{tensor}"
         fused = self.fused.holder(role)
@@ -257,7 +262,9 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
         return replace(_with_router(index, names, shape, got, has_bias), expert_ids=ids)
     projections = names.projections
     assert names.expert_prefix is not None and projections is not None
-    declared = {**scheme.checkpoint.tensors, "bias": BIAS_SPEC}
+    stacked = _stacked_names(index, names, scheme)
+    names = replace(names, stacked=stacked)
+    declared = {**{t: v for t, v in scheme.checkpoint.tensors.items() if t not in (stacked or {})}, "bias": BIAS_SPEC}
     expert_re = re.compile(re.escape(names.expert_prefix).replace(r"\{expert\}", r"([^.]+)") + r"\.(.+)$")
     by_projection: dict[tuple[int, str], set[str]] = {}
     for tname in index.tensors:
@@ -310,8 +317,67 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                                  _load_checked(index, full, declared[t], scheme.scheme))
                              for t, full in tensors.items() if t in LAYER_WIDE}
                       for role, tensors in plan[e].items()} for e in range(shape.num_experts))
+    if stacked:
+        per_role = _read_stacked(index, stacked, scheme, shape, values_b)
+        for e in wanted:
+            for role, tensors in per_role.items():
+                loaded[e][role].update({t: v[e] for t, v in tensors.items()})
+        wide = tuple({role: {**wide[e][role], **{t: v[e] for t, v in per_role[role].items() if t in LAYER_WIDE}}
+                      for role in ROLES} for e in range(shape.num_experts)) if ids is not None else ()
     tensors_out = _with_router(index, names, shape, tuple(loaded[e] for e in wanted), bias_flags == {True})
     return replace(tensors_out, expert_ids=ids, layer_wide=wide)
+
+
+def _stacked_names(index: CheckpointIndex, names: LayerNames, scheme: SchemeSpec) -> dict[str, str] | None:
+    """Declared tensor -> full stacked name (with {part}) when this layer holds any of them stacked over
+    experts under its experts module (``TensorSpec.stacked``), else None: the layer is read per expert."""
+    assert names.expert_prefix is not None
+    container = names.expert_prefix.removesuffix(".{expert}")
+    if container == names.expert_prefix:
+        return None  # the family's experts have no module of their own to hold a stacked tensor
+    full = {t: f"{container}.{spec.stacked.name}" for t, spec in scheme.checkpoint.tensors.items()
+            if spec.stacked is not None}
+    held = any(name.format(part=part) in index.tensors for name in full.values() for part in ("gate_up", "down"))
+    return full if held else None
+
+
+def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: SchemeSpec, shape: MoEShape,
+                  values_b: Mapping[str, int]) -> dict[str, dict[str, torch.Tensor]]:
+    """role -> tensor -> [E, ...] from the tensors stacked over experts (shapes checked): down's as stored,
+    gate_up's split in halves along its first dimension that grows with out, or shared when none does. Read
+    whole even for an expert-parallel rank: scales, a few bytes per expert."""
+    e, i, h = shape.num_experts, shape.intermediate, shape.hidden
+    out: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    for tname, template in stacked.items():
+        tspec = scheme.checkpoint.tensors[tname]
+        assert tspec.stacked is not None
+        dims = tspec.stacked.shape if tspec.stacked.shape is not None else tspec.shape
+        for part, size in (("gate_up", {"in": h, "out": 2 * i}), ("down", {"in": i, "out": h})):
+            full = template.format(part=part)
+            if full not in index.tensors:
+                if tspec.optional:
+                    continue
+                raise CheckpointError(f"{full}: missing (scheme {scheme.scheme} needs "
+                                      f"{', '.join(sorted(scheme.checkpoint.tensors))}; this layer holds "
+                                      f"{', '.join(sorted(stacked))} stacked over its experts)")
+            spec = TensorSpec(dtype=tspec.dtype, shape=[e, *dims], optional=False, all_equal=None, stacked=None)
+            _check_tensor(full, index.tensors[full], spec, {**size, **values_b})
+            t = _load_checked(index, full, tspec, scheme.scheme)
+            if part == "down":
+                out["down"][tname] = t
+                continue
+            one = [parse_expr(str(d)).evaluate({"in": h, "out": i, **values_b}) for d in dims]
+            both = list(t.shape[1:])
+            dim = next((d for d, (a, b) in enumerate(zip(one, both, strict=True)) if a != b), None)
+            if dim is None:  # one slice for all of gate_up (a per-tensor scale): gate and up share it
+                out["gate"][tname] = out["up"][tname] = t
+            elif both[dim] != 2 * one[dim]:
+                raise CheckpointError(f"{full}: {both[dim]} entries along dim {dim + 1} for gate and up together, "
+                                      f"{one[dim]} for each: not two halves; expected intermediate size "
+                                      f"{i} to split gate_up's blocks evenly")
+            else:
+                out["gate"][tname], out["up"][tname] = t.split(one[dim], dim=dim + 1)
+    return out
 
 
 def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> tuple[int, ...] | None:
@@ -481,7 +547,8 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
                     continue
                 raise CheckpointError(f"{full}: missing (scheme {scheme.scheme} stores "
                                       f"{', '.join(sorted(scheme.checkpoint.tensors))} stacked over experts)")
-            stacked = TensorSpec(dtype=tspec.dtype, shape=[e, *tspec.shape], optional=False, all_equal=None)
+            stacked = TensorSpec(dtype=tspec.dtype, shape=[e, *tspec.shape], optional=False, all_equal=None,
+                                 stacked=None)
             _check_tensor(full, index.tensors[full], stacked, {**dims[what], **values_b})
             whole = ids is None or tname in LAYER_WIDE
             t = _load_checked(index, full, tspec, scheme.scheme, None if whole else ids)
@@ -494,7 +561,7 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
         if bias_name and bias_name in index.tensors:
             binfo = index.tensors[bias_name]
             _check_tensor(bias_name, binfo, TensorSpec(dtype=BIAS_SPEC.dtype, shape=[e, "out"], optional=False,
-                                                       all_equal=None), dims[what])
+                                                       all_equal=None, stacked=None), dims[what])
             biases[what] = index.load_experts(bias_name, ids)
     if len(biases) == 1:
         have, lack = ("gate_up", "down") if "gate_up" in biases else ("down", "gate_up")

@@ -165,6 +165,44 @@ class ScopeRule(Strict):
         "(compressed-tensors targets, where every CT scheme has the rule)"))
 
 
+def _check_shape(shape: Any) -> None:
+    for dim in shape if isinstance(shape, list) else []:
+        try:
+            parse_shape_dim(dim)
+        except ExprError as err:
+            raise ValueError(str(err)) from None
+
+
+class StackedTensor(Strict):
+    """Where a checkpoint may keep a per-projection tensor once per layer instead, stacked over experts, beside
+    per-expert weights: transformers 5 saves its FP8Experts (fused experts) with the weights split per expert
+    but the scales as the module holds them (``experts.gate_up_proj_scale_inv`` [E, ...]). A layer that holds
+    the stacked tensor of any declared tensor is read this way for all that declare one."""
+
+    name: str = Field(description=(
+        "its name under the layer's experts module (the family's naming.expert without .{expert}), {part} the "
+        "fused projection, gate_up or down: e.g. '{part}_proj_scale_inv' (mlp.experts.gate_up_proj_scale_inv)"))
+    shape: list[int | str] | None = Field(default=None, description=(
+        "one expert's slice (stored [E, *shape]), in/out the fused projection's sizes (gate_up: out = 2 x "
+        "intermediate); absent: the tensor's own shape. Gate and up are its halves along the first dimension "
+        "that grows with out; when none does (one per-tensor scale for gate_up), gate and up share the slice"))
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if name.count("{part}") != 1 or re.fullmatch(r"[\w.{}]+", name) is None \
+                or name.replace("{part}", "").count("{") + name.count("}") != 1:
+            raise ValueError(f"stacked name {name!r}: wanted one {{part}} among letters, digits, _ and ., "
+                             "e.g. '{part}_proj_scale_inv'")
+        return name
+
+    @field_validator("shape", mode="before")  # before: pydantic would turn `true` into 1
+    @classmethod
+    def _shape(cls, shape: list[int | str] | None) -> list[int | str] | None:
+        _check_shape(shape)
+        return shape
+
+
 class TensorSpec(Strict):
     """One checkpoint tensor of an expert projection: dtype(s) and symbolic shape."""
 
@@ -180,15 +218,14 @@ class TensorSpec(Strict):
         description="every element must equal this value, checked when the layer is loaded (a different value "
                     "is an error naming the tensor, the value seen and this one). For tensors a producer writes "
                     "but the scheme fixes, e.g. Quark's all-zero weight_zero_point in a symmetric scheme.")
+    stacked: StackedTensor | None = Field(default=None, description=(
+        "where a checkpoint may store it stacked over experts instead, under the layer's experts module (the "
+        "scales of transformers' FP8Experts); absent: per expert only"))
 
     @field_validator("shape", mode="before")  # before: pydantic would turn `true` into 1
     @classmethod
     def _shape(cls, shape: list[int | str]) -> list[int | str]:
-        for dim in shape if isinstance(shape, list) else []:
-            try:
-                parse_shape_dim(dim)
-            except ExprError as err:
-                raise ValueError(str(err)) from None
+        _check_shape(shape)
         return shape
 
     @field_validator("dtype")

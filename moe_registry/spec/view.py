@@ -88,12 +88,22 @@ class ScopeRule(SpecRecord):
     claims: bool
 
 
+class StackedTensor(SpecRecord):
+    """Where a checkpoint may keep a per-projection tensor once per layer instead, stacked over experts, beside
+    per-expert weights: transformers 5 saves its FP8Experts (fused experts) with the weights split per expert
+    but the scales as the module holds them (``experts.gate_up_proj_scale_inv`` [E, ...]). A layer that holds
+    the stacked tensor of any declared tensor is read this way for all that declare one."""
+    name: str
+    shape: list[int | str] | None
+
+
 class TensorSpec(SpecRecord):
     """One checkpoint tensor of an expert projection: dtype(s) and symbolic shape."""
     dtype: str | list[str]
     shape: list[int | str]
     optional: bool
     all_equal: int | float | None
+    stacked: StackedTensor | None
 
     @property
     def dtypes(self) -> list[str]:
@@ -376,6 +386,7 @@ RECORDS: dict[str, type[SpecRecord]] = {
     'SchemeSpec': SchemeSpec,
     'ScopeRule': ScopeRule,
     'ShapeLimit': ShapeLimit,
+    'StackedTensor': StackedTensor,
     'TensorSpec': TensorSpec,
 }
 """Every view class by name: the spec cache names each record's class."""
