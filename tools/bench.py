@@ -61,6 +61,7 @@ SHAPES = {
     "mixtral": Shape("Mixtral-8x7B", 8, 2, 4096, 14336),
     "qwen3": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
     "dsv2lite": Shape("DeepSeek-V2-Lite", 64, 6, 2048, 1408),
+    "gptoss20b": Shape("gpt-oss-20b", 32, 4, 2880, 2880),  # MXFP4's own model: K not a multiple of 128
 }
 DRY_SHAPES = {"tiny": Shape("tiny", 8, 2, 128, 128)}
 

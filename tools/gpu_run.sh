@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
-#   bash tools/gpu_run.sh tests          # conformance + CUDA-graph tests
+#   bash tools/gpu_run.sh tests -n 6     # conformance + CUDA-graph tests (-n 6: more workers ran test_triton_gpu out of memory on an H100)
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
@@ -17,7 +17,8 @@ what=${1:-tests}; shift || true
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 case "$what" in
-  tests) python3 -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="" -rf "$@" tests/test_conformance.py \
+  tests) # one CPU thread per pytest worker (-n N): the cases' weights are made on the CPU
+         OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python3 -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="" -rf "$@" tests/test_conformance.py \
            tests/test_triton_gpu.py > "$out/gpu_tests.log" 2>&1
          rc=$?
          grep -v "CONFORMANCE" "$out/gpu_tests.log" | tail -25
