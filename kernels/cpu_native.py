@@ -21,7 +21,7 @@ the kernel keeps exact.
 
 Numerics. fp8e4m3 -> float32 is exact, by integer ops (the float32 bits of ``fp8 * 2^-120``, subnormals
 included); e2m1 -> twice its value as int8 by one byte shuffle over a 16-entry table, exact (the 1/2 joins
-the row's final multiplier); e8m0 and e4m3 scales are decoded per group in registers, exactly. Up to
+the row's final multiplier); e8m0 and e4m3 scales are decoded exactly, once per group (a scalar decode). Up to
 ``SMALL_M`` rows per expert the register kernel converts each 8 codes once for up to four rows of x (one or
 two rows: four independent sums per row, so decode is not bound by the FMA latency), sums code x x over a
 scale group in float32 and multiplies the group's sum by its scale (fp8: x carries 2^60 and the scale the
@@ -73,7 +73,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +81,13 @@ import torch
 from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.cpu_packed import CpuPackedExperts, _placeholder
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
-from moe_registry_kernels.quant_ref import AMAX_FLOOR, FP8_MAX, fake_quantize_activation, quantize_activation
+from moe_registry_kernels.quant_ref import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    fake_quantize_activation,
+    per_tensor_dynamic,
+    quantize_activation,
+)
 
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import QuantKey
@@ -120,14 +126,21 @@ def native_ops():
             ver = f"torch{torch_ver}_py{sys.version_info[0]}{sys.version_info[1]}"
             build = _cache_root() / "torch_extensions" / f"{name}_{ver}"
             build.mkdir(parents=True, exist_ok=True)
-            try:
-                load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *flags],
-                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False, is_python_module=False)
-            except (RuntimeError, OSError) as err:  # no compiler, a failed build: one line, not a build log
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                raise ConfigError(f"kernel torch-cpu-native: building {SOURCE.name} in {build} failed ({first}); "
-                                  "wanted a C++ compiler (c++) and ninja on PATH, or pick another kernel "
-                                  "(--kernel torch-cpu-packed)") from None
+            # OpenMP where torch has it (at::parallel_for's threads); a compiler that refuses -fopenmp (Apple's
+            # clang) gets a second, single-threaded build rather than no kernel
+            tries = [["-fopenmp"], []] if torch.backends.openmp.is_available() else [[]]
+            for n, omp in enumerate(tries, 1):
+                try:
+                    load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp,
+                         build_directory=str(build), verbose=False, is_python_module=False)
+                    break
+                except (RuntimeError, OSError) as err:  # no compiler, a failed build: one line, not a build log
+                    if n < len(tries):
+                        continue
+                    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                    raise ConfigError(f"kernel torch-cpu-native: building {SOURCE.name} in {build} failed ({first}); "
+                                      "wanted a C++ compiler (c++) and ninja on PATH, or pick another kernel "
+                                      "(--kernel torch-cpu-packed)") from None
             _OPS.append(torch.ops.moe_registry_cpu)
         return _OPS[0]
 
@@ -310,24 +323,20 @@ class NativeExperts(CpuPackedExperts):
         self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))
         self._input_scale = (weights.w13.input_scale, weights.w2.input_scale)
 
-    def _tensor_dynamic(self) -> bool:
-        """One dynamic activation scale per GEMM input (fp8-w8a8-dynamic): its amax spans every row of the
-        layer's GEMM1 input, then every routed intermediate, as the reference computes it."""
-        key = self.weights.activation_key
-        return key.quantized and key.scale.dynamic and key.scale.group.rows == -1 and key.scale.group.cols == -1
-
-    def _mlps(self, jobs: list[tuple[int, torch.Tensor]],
-              whole: Callable[[], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _mlps(self, jobs: Iterable[tuple[int, torch.Tensor]],
+              whole: Callable[[], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
         """Per-tensor dynamic activations: every expert's GEMM1 on one scale from the whole GEMM1 input, then
-        every GEMM2 on one scale from all intermediates (each then the static per-tensor path)."""
-        if not self._tensor_dynamic():
+        every GEMM2 on one scale from all intermediates (each then the static per-tensor path); this alone
+        holds every expert's rows at once."""
+        if not per_tensor_dynamic(self.weights.activation_key):
             return super()._mlps(jobs, whole)
+        jobs = list(jobs)
         if not jobs:
-            return []
+            return iter(())
         s1 = _tensor_scale(whole() if whole is not None else torch.cat([x for _, x in jobs]))
         inter = [act_and_mul(self._gemm(0, e, x, s1), self.config.activation) for e, x in jobs]
         s2 = _tensor_scale(torch.cat(inter))
-        return [self._gemm(1, e, a, s2) for (e, _), a in zip(jobs, inter, strict=True)]
+        return iter([self._gemm(1, e, a, s2) for (e, _), a in zip(jobs, inter, strict=True)])
 
     def _fake_quant(self, which: int, x: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Activations as the GEMM sees them, float32: fp8 per token, per group or per tensor (static, or a

@@ -76,8 +76,9 @@ per-channel int8 (where the compiled kernel measured no faster).
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -363,32 +364,32 @@ class CpuPackedExperts(Experts):
         counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
         tokens = order // top_k
         router = topk_weights.reshape(-1).index_select(0, order).float()
-        start = counts[0]  # foreign pairs sort first and are skipped
         on_input = self.config.apply_router_weight_on_input
-        jobs, placed = [], []
-        for e, n in enumerate(counts[1:]):
-            if n == 0:
-                continue
-            tok, w = tokens[start:start + n], router[start:start + n, None]
-            start += n
+        placed = []  # (expert, its tokens, their router weights); foreign pairs sort first and are skipped
+        for e, (first, n) in enumerate(zip(itertools.accumulate(counts[:-1]), counts[1:], strict=True)):
+            if n:
+                placed.append((e, tokens[first:first + n], router[first:first + n, None]))
+
+        def gathered(e: int, tok: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             x = hidden.index_select(0, tok).float()
-            jobs.append((e, x * w if on_input else x))
-            placed.append((tok, w))
+            return x * w if on_input else x
 
         def whole() -> torch.Tensor:  # GEMM1's whole input, as the reference takes it (foreign tokens too)
             x = hidden.float()
             return x * topk_weights.reshape(m, 1).float() if on_input else x
 
-        for (tok, w), y in zip(placed, self._mlps(jobs, whole), strict=True):
+        # lazily: one expert's rows and outputs alive at a time (a 4k-token prefill holds no copy of all of them)
+        jobs = ((e, gathered(e, tok, w)) for e, tok, w in placed)
+        for (_, tok, w), y in zip(placed, self._mlps(jobs, whole), strict=True):
             out.index_add_(0, tok, y if on_input else y * w)
         return out.to(hidden.dtype)
 
-    def _mlps(self, jobs: list[tuple[int, torch.Tensor]],
-              whole: Callable[[], torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Each (expert, rows) job through its expert MLP. ``whole``: the layer's whole GEMM1 input (None: the
-        jobs' rows), for a subclass whose activation scale spans the layer (torch-cpu-native's per-tensor
-        dynamic fp8); the experts here are independent."""
-        return [self._mlp(e, x) for e, x in jobs]
+    def _mlps(self, jobs: Iterable[tuple[int, torch.Tensor]],
+              whole: Callable[[], torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
+        """Each (expert, rows) job through its expert MLP, one at a time. ``whole``: the layer's whole GEMM1 input
+        (None: the jobs' rows), for a subclass whose activation scale spans the layer (torch-cpu-native's
+        per-tensor dynamic fp8); the experts here are independent."""
+        return (self._mlp(e, x) for e, x in jobs)
 
     def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
         """Batched format: x [E, T, H], the first expert_num_tokens[e] rows of x[e] are real; no router
@@ -397,14 +398,13 @@ class CpuPackedExperts(Experts):
         if x.dim() != 3 or x.shape[0] != num_experts:
             raise ValueError(f"batched input must be [E={num_experts}, T, H], got {tuple(x.shape)}")
         out = torch.zeros(x.shape, dtype=torch.float32)
-        jobs = []
-        for e, n in enumerate(expert_num_tokens.tolist()):
+        counts = expert_num_tokens.tolist()
+        for e, n in enumerate(counts):
             if n < 0 or n > x.shape[1]:
                 raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {x.shape[1]}]")
-            if n:
-                jobs.append((e, x[e, :n].float()))
-        for (e, rows), y in zip(jobs, self._mlps(jobs), strict=True):
-            out[e, :rows.shape[0]] = y
+        filled = [(e, n) for e, n in enumerate(counts) if n]
+        for (e, n), y in zip(filled, self._mlps((e, x[e, :n].float()) for e, n in filled), strict=True):
+            out[e, :n] = y
         return out.to(x.dtype)
 
 

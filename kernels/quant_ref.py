@@ -134,6 +134,13 @@ def _expand_cols(s: torch.Tensor, g: int, k: int) -> torch.Tensor:
     return s.repeat_interleave(g, dim=1)[:, :k] if s.shape[1] != k else s
 
 
+def per_tensor_dynamic(key: QuantKey) -> bool:
+    """One activation scale per GEMM input found at run time: its amax runs over every row of it
+    (all tokens, all experts' intermediates), as vLLM's fp8 MoE quantises, so experts cannot be
+    computed one at a time from end to end (the reference and torch-cpu-native both ask)."""
+    return key.quantized and key.scale.dynamic and key.scale.group.rows == -1 and key.scale.group.cols == -1
+
+
 def quantize_activation(x: torch.Tensor, key: QuantKey,
                         static_scale: torch.Tensor | None = None) -> QuantizedActivation:
     """Quantise activations [M, K] with ``key`` (formulas in the module docstring). ``x`` is not modified."""

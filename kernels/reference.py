@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from moe_registry_kernels.activations import act_and_mul
 from moe_registry_kernels.dequant import dequantize
-from moe_registry_kernels.quant_ref import fake_quantize_activation, quantize_activation
+from moe_registry_kernels.quant_ref import fake_quantize_activation, per_tensor_dynamic, quantize_activation
 
 from moe_registry.core.keys import QuantKey
 from moe_registry.formats.weights import ExpertWeights
@@ -91,20 +91,13 @@ def _expert_mlp(dense: DenseExperts, e: int, x: torch.Tensor, activation: str,
     return y
 
 
-def _per_tensor_dynamic(key: QuantKey) -> bool:
-    """One activation scale per GEMM input found at run time: its amax runs over every row of it
-    (all tokens, all experts' intermediates), as vLLM's fp8 MoE quantises, so experts cannot be
-    computed one at a time from end to end."""
-    return key.quantized and key.scale.dynamic and key.scale.group.rows == -1 and key.scale.group.cols == -1
-
-
 def _run_experts(dense: DenseExperts, jobs: list[tuple[int, torch.Tensor]], activation: str,
                  dtype: torch.dtype, gemm1_input: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Each (expert, rows) job through its expert MLP -> [rows, H] in ``dtype``. Per-tensor dynamic
     activation keys: GEMM1's scale from ``gemm1_input`` (default: all jobs' inputs), GEMM2's from
     all the jobs' intermediates."""
     key = dense.activation_key
-    if not _per_tensor_dynamic(key):
+    if not per_tensor_dynamic(key):
         return [_expert_mlp(dense, e, x, activation, dtype) for e, x in jobs]
     if not jobs:
         return []
@@ -156,7 +149,7 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
     # per-tensor dynamic activations: GEMM1's scale comes from the whole hidden state (router weight
     # applied; tokens of foreign experts too); no other key reads it
     whole = None
-    if _per_tensor_dynamic(dense.activation_key):
+    if per_tensor_dynamic(dense.activation_key):
         whole = hidden.to(dtype)
         if config.apply_router_weight_on_input:
             whole = whole * topk_weights.reshape(m, 1).to(dtype)

@@ -230,7 +230,8 @@ def test_fp8_dynamic_per_tensor_scale_spans_the_whole_layer(on_input: bool) -> N
     x[:6] *= 0.03
     top_k = 1 if on_input else 2
     ids = torch.tensor([[0, 1]] * 6 + [[2, 3]] * 6, dtype=torch.int32)[:, :top_k]
-    ids[-1] = -1  # a foreign pair: its token still counts towards GEMM1's amax
+    ids[-1] = -1  # a foreign pair: its token still counts towards GEMM1's amax,
+    x[-1] *= 4  # and holds that amax
     topk_w = torch.full((12, top_k), 1.0 / top_k)
     ref = reference_moe(x, topk_w, ids, w, config)
     got = NativeExperts(w, config).apply(x, topk_w, ids).double()
@@ -340,3 +341,23 @@ def test_a_failed_build_is_one_line_naming_the_way_out(monkeypatch, tmp_path):
     assert message.endswith("failed (Error building extension 'moe_registry_cpu_moe_avx2'); wanted a C++ compiler "
                             "(c++) and ninja on PATH, or pick another kernel (--kernel torch-cpu-packed)")
     assert "\n" not in message
+
+
+def test_a_compiler_that_refuses_openmp_gets_a_single_threaded_build(monkeypatch, tmp_path):
+    """Apple's clang refuses -fopenmp: the second build, without it, is the kernel (not a ConfigError)."""
+    import torch.utils.cpp_extension as ext
+    from moe_registry_kernels import cpu_native
+
+    calls = []
+
+    def picky(**kwargs: object) -> None:
+        calls.append(list(kwargs["extra_cflags"]))  # type: ignore[arg-type]
+        if "-fopenmp" in kwargs["extra_cflags"]:  # type: ignore[operator]
+            raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+
+    monkeypatch.setattr(ext, "load", picky)
+    monkeypatch.setattr(torch.backends.openmp, "is_available", lambda: True)
+    monkeypatch.setattr(cpu_native, "_OPS", [])
+    monkeypatch.setenv("MOE_REGISTRY_CACHE_DIR", str(tmp_path))
+    assert cpu_native.native_ops() is torch.ops.moe_registry_cpu
+    assert ["-fopenmp" in c for c in calls] == [True, False]

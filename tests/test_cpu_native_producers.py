@@ -127,7 +127,9 @@ def test_gptq_asym_int8_matches_float64_moe_on_the_librarys_dequantisation(name:
         ids, w = _routing(m, [0, 1, 2, 3], 2, seed=m)
         x = _hidden(m, 64, seed=m + 1)
         err = _rel(layer.kernel(x, w, ids), _swiglu_moe64(theirs, x, ids, w))
-        assert 0 < err <= layer.tolerance, f"{name} M={m}: {err:.2e} > {layer.tolerance}"
+        # the library's float16 rounding of each weight (2^-11) alone: 4.3e-4 measured; a zero point off by
+        # one gives 2.1e-2
+        assert 0 < err <= 2e-3, f"{name} M={m}: {err:.2e} > 2e-3"
 
 
 def test_compressed_tensors_asym_int8_matches_float64_moe_on_the_producers_expert() -> None:
@@ -139,4 +141,5 @@ def test_compressed_tensors_asym_int8_matches_float64_moe_on_the_producers_exper
         ids, w = torch.zeros(m, 1, dtype=torch.int32), torch.ones(m, 1)
         x = _hidden(m, 128, seed=m + 2)
         err = _rel(layer.kernel(x, w, ids), _swiglu_moe64(theirs, x, ids, w))
-        assert err <= layer.tolerance, f"M={m}: {err:.2e} > {layer.tolerance}"
+        # the producer's bfloat16 rounding of each weight (2^-8) alone: 3.6e-3 measured
+        assert err <= 8e-3, f"M={m}: {err:.2e} > 8e-3"

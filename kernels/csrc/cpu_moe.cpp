@@ -283,6 +283,8 @@ Grid make_grid(const at::Tensor& w, const at::Tensor& scale, const c10::optional
                const c10::optional<at::Tensor>& scale2, int64_t srows, int64_t scols, int64_t kind) {
   TORCH_CHECK(kind == W_INT8 || kind == W_FP8 || kind == W_FP4, "kind: 0 (int8), 1 (fp8e4m3) or 2 (e2m1)");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1, "w: contiguous bytes [N, K] (fp4: [N, K/2])");
+  TORCH_CHECK(w.scalar_type() == (kind == W_FP4 ? at::kByte : at::kChar),
+              "w: int8 bytes for int8 and fp8 codes, uint8 for packed fp4; got ", w.scalar_type(), " for kind ", kind);
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous(), "scale: contiguous [R, C]");
   scale_kind(scale);
   TORCH_CHECK(srows > 0 && scols > 0, "scale block must be positive");
@@ -301,6 +303,7 @@ Grid make_grid(const at::Tensor& w, const at::Tensor& scale, const c10::optional
     g.ldz = zero->size(1);
   }
   if (scale2.has_value() && scale2->defined()) {
+    TORCH_CHECK(kind == W_FP4, "scale2: a second-level scale is for FP4 (NVFP4) weights only, got kind ", kind);
     TORCH_CHECK(scale2->scalar_type() == at::kFloat && scale2->is_contiguous() && scale2->numel() == n,
                 "scale2: contiguous float32 [N]");
     g.s2 = scale2->data_ptr<float>();
