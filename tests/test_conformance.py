@@ -99,16 +99,16 @@ def run_case(case: Case, device: torch.device) -> float:
     cls = experts_class(REGISTRY.kernel(case.kernel))
     pf = (BatchedLocalPrepareFinalize(case.num_experts) if case.activation_format == "batched"
           else LocalPrepareFinalize())
-    on_device = weights.to(device)
-    kernel = FusedMoEKernel(pf, cls(on_device, config))
     inputs = (x.to(device), topk_w.to(device), ids.to(device))
+    # the float64 reference on the same device (on a GPU the CPU's float64 GEMMs at realistic sizes, one per
+    # pytest worker, were most of a case's time), before the kernel runs: a kernel that wrote into its
+    # inputs or weights could not change it
+    ref = reference_moe(*inputs, weights.to(device), config, torch.float64)
+    assert float(ref.norm()) > 0
+    kernel = FusedMoEKernel(pf, cls(weights.to(device), config))
     out = kernel(*inputs)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert bool(torch.isfinite(out).all()), "non-finite output"
-    # the float64 reference on the same device: on a GPU the CPU's float64 GEMMs at realistic sizes,
-    # one per pytest worker, were most of a case's time
-    ref = reference_moe(*inputs, on_device, config, torch.float64)
-    assert float(ref.norm()) > 0
     return float((out.double() - ref).norm() / ref.norm())
 
 

@@ -698,6 +698,18 @@ def test_transformers_stacked_scale_of_wrong_shape_is_refused(name: str, shape: 
     assert msg.startswith(f"{key}: shape {shape}; {wanted}") and "\n" not in msg
 
 
+def test_transformers_scale_both_per_expert_and_stacked_is_refused(tmp_path: Path) -> None:
+    """A per-expert weight_scale beside the stacked one: one line naming both, not 'unexpected' beside
+    'expected'."""
+    dest, tensors = _copy(tmp_path, FIXTURES / "transformers-fp8-dynamic")
+    extra = f"{LAYER}.0.gate_proj.weight_scale"
+    save_file({**tensors, extra: torch.ones(())}, str(dest / "model.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        moe_registry.build(dest, platform="cpu", layer=0)
+    assert str(err.value) == (f"{extra}: per expert, but this layer also holds it stacked over its experts as "
+                              f"{LAYER}.gate_up_proj_scale_inv; wanted one of the two")
+
+
 def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
     """A rank reading experts (3, 1) gets exactly their slices of the stacked scales, and every expert's
     activation scales as layer-wide values (the layer's one input scale per GEMM is the max over all)."""

@@ -329,7 +329,7 @@ def write_atomically(path: Path, text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     schemes = bench.registry_schemes()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="*", default=list(bench.SHAPES), choices=list(bench.SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=bench.DEFAULT_SHAPES, choices=list(bench.SHAPES))
     parser.add_argument("--schemes", nargs="*", default=None, metavar="SCHEME",
                         help=f"scheme spec names (those listing {bench.KERNEL}; schemes with the same keys share "
                              "one config file: tuned once, to the strictest of their tolerances); default: one per "

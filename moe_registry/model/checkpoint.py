@@ -289,6 +289,10 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
             prefix = names.projection(e, role)
             present = by_projection.get((e, projections[role]), set())
             unexpected = sorted(present - set(declared))
+            if unexpected and unexpected[0] in (stacked or {}):
+                held = stacked[unexpected[0]].format(part="down" if role == "down" else "gate_up")  # type: ignore[index]
+                raise CheckpointError(f"{prefix}.{unexpected[0]}: per expert, but this layer also holds it stacked "
+                                      f"over its experts as {held}; wanted one of the two")
             if unexpected:
                 raise CheckpointError(f"{prefix}.{unexpected[0]}: unexpected tensor for scheme {scheme.scheme} "
                                       f"(expected {', '.join(sorted(scheme.checkpoint.tensors))})")
@@ -366,15 +370,19 @@ def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: Sc
             if part == "down":
                 out["down"][tname] = t
                 continue
-            one = [parse_expr(str(d)).evaluate({"in": h, "out": i, **values_b}) for d in dims]
+            try:  # one projection's slice (gate's or up's): out is the intermediate size
+                one = [parse_expr(str(d)).evaluate({"in": h, "out": i, **values_b}) for d in dims]
+            except ExprError as err:
+                raise CheckpointError(f"{full}: gate's share of its shape {dims} cannot be computed for "
+                                      f"intermediate size {i}: {err}") from None
             both = list(t.shape[1:])
             dim = next((d for d, (a, b) in enumerate(zip(one, both, strict=True)) if a != b), None)
             if dim is None:  # one slice for all of gate_up (a per-tensor scale): gate and up share it
                 out["gate"][tname] = out["up"][tname] = t
             elif both[dim] != 2 * one[dim]:
-                raise CheckpointError(f"{full}: {both[dim]} entries along dim {dim + 1} for gate and up together, "
-                                      f"{one[dim]} for each: not two halves; expected intermediate size "
-                                      f"{i} to split gate_up's blocks evenly")
+                raise CheckpointError(f"{full}: shape {list(t.shape)}, {both[dim]} along dim {dim + 1} for gate and "
+                                      f"up together; wanted 2 x {one[dim]} there (gate's, then up's; intermediate "
+                                      f"size {i})")
             else:
                 out["gate"][tname], out["up"][tname] = t.split(one[dim], dim=dim + 1)
     return out

@@ -190,9 +190,9 @@ class StackedTensor(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if name.count("{part}") != 1 or re.fullmatch(r"[\w.{}]+", name) is None \
-                or name.replace("{part}", "").count("{") + name.count("}") != 1:
-            raise ValueError(f"stacked name {name!r}: wanted one {{part}} among letters, digits, _ and ., "
+        # no '.': the name sits directly under the experts module, where a dotted one would read as an expert
+        if name.count("{part}") != 1 or re.fullmatch(r"\w+", name.replace("{part}", "part")) is None:
+            raise ValueError(f"stacked name {name!r}: wanted one {{part}} among letters, digits and _, "
                              "e.g. '{part}_proj_scale_inv'")
         return name
 
