@@ -79,10 +79,14 @@ CASES = {
     "transformers-fp8-dynamic": Case("fp8-w8a8-dynamic", TENSOR, "fp8e4m3 scale:float32:tensor:dynamic", "tensor"),
     "transformers-fp8-block": Case("fp8-block128", "fp8e4m3 scale:float32:block(128x128):static",
                                    "fp8e4m3 scale:float32:group(128):dynamic", "group128"),
+    # scale_fmt 'ue8m0': the block scales stored as float8_e8m0fnu, read as float32 (exact)
+    "transformers-fp8-block-ue8m0": Case("fp8-block128", "fp8e4m3 scale:float32:block(128x128):static",
+                                         "fp8e4m3 scale:float32:group(128):dynamic", "group128"),
     "transformers-fp8-static": Case("fp8-w8a8-static", TENSOR, TENSOR, "static"),
 }
 PRODUCED = sorted(n for n, c in CASES.items() if c.linear_act)  # llm-compressor, ModelOpt: their linears' outputs too
-TRANSFORMERS = ["transformers-fp8-block", "transformers-fp8-dynamic"]  # committed; the static one is built here
+# committed; the static one is built here
+TRANSFORMERS = ["transformers-fp8-block", "transformers-fp8-block-ue8m0", "transformers-fp8-dynamic"]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -285,9 +289,9 @@ def test_versions_name_the_producers() -> None:
 
 
 def test_fixtures_stay_small() -> None:
-    """Under 1 MB before transformers' two (block 128 needs 128 x 128 fp8 weights: ~230 kB each)."""
+    """Under 1 MB before transformers' three (block 128 needs 128 x 128 fp8 weights: ~230 kB each)."""
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 1_500_000, total
+    assert total < 1_750_000, total
 
 
 def _explain(path: Path, platform: str, capsys) -> dict:
@@ -666,12 +670,13 @@ def test_transformers_static_missing_activation_scale_is_refused(gone: str, dirs
     assert msg.startswith(f"{LAYER}.{gone}: missing (scheme fp8-w8a8-static needs ") and "\n" not in msg
 
 
-@pytest.mark.parametrize("name", TRANSFORMERS)
-@pytest.mark.parametrize(("value", "prefix", "what"), [(0.0, "[1]: ", "are zero"), (float("nan"), ": ", "NaN")])
+@pytest.mark.parametrize(("name", "value", "prefix", "what"), [
+    *[(name, 0.0, "[1]: ", "are zero") for name in TRANSFORMERS if not name.endswith("ue8m0")],  # e8m0 has no 0
+    *[(name, float("nan"), ": ", "NaN") for name in TRANSFORMERS]])
 def test_transformers_bad_stacked_scale_is_refused(name: str, value: float, prefix: str, what: str,
                                                    tmp_path: Path) -> None:
-    """Expert 1's down scale: zero is refused by the converter naming the stacked tensor's slice, NaN when the
-    tensor is read, each in one line."""
+    """Expert 1's down scale: zero is refused by the converter naming the stacked tensor's slice, NaN (an e8m0
+    byte 0xFF too) when the tensor is read, each in one line."""
     dest, tensors = _copy(tmp_path, FIXTURES / name)
     key = f"{LAYER}.down_proj_scale_inv"
     bad = tensors[key].clone()

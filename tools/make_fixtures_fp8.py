@@ -232,6 +232,8 @@ def make_transformers() -> None:
     FineGrainedFP8HfQuantizer.validate_environment = lambda self, *args, **kwargs: None  # CPU: no GPU check
     configs = {"transformers-fp8-dynamic": {"weight_block_size": None},
                "transformers-fp8-block": {},  # the default: weight_block_size (128, 128), dynamic
+               # DeepSeek-V4-style block scales: powers of two stored as float8_e8m0fnu
+               "transformers-fp8-block-ue8m0": {"scale_fmt": "ue8m0"},
                "transformers-fp8-static": {"weight_block_size": None, "activation_scheme": "static"}}
     fixtures: dict[str, object] = {}
     x = inputs()
@@ -276,7 +278,7 @@ def make_transformers() -> None:
             save_ref(dest, ref)
     _merge_versions("transformers", ["transformers", "torch", "safetensors"], fixtures, {
         "config": "AutoModelForCausalLM.from_pretrained(bf16 model, quantization_config=FineGrainedFP8Config(**kw)) "
-                  "(kw: weight_block_size=None; the default (128, 128); weight_block_size=None + "
+                  "(kw: weight_block_size=None; the default (128, 128); scale_fmt='ue8m0'; weight_block_size=None + "
                   "activation_scheme='static'), save_pretrained; FineGrainedFP8HfQuantizer.validate_environment "
                   "bypassed (it refuses to quantize without a GPU)",
         "dequant": "transformers' Fp8Dequantize._dequantize_one(FP8Experts codes [2I, H] / [H, I], their scale_inv, "
