@@ -715,6 +715,23 @@ def test_transformers_scale_both_per_expert_and_stacked_is_refused(tmp_path: Pat
                               f"{LAYER}.gate_up_proj_scale_inv; wanted one of the two")
 
 
+def test_stacked_shape_whose_gate_share_cannot_be_computed_is_one_line(tmp_path: Path) -> None:
+    """A user spec whose stacked shape fits gate_up (out = 2I = 256) but not one projection (out = I = 128):
+    one line naming the tensor, not a traceback from the shape expression."""
+    spec = tmp_path / "specs"
+    spec.mkdir()
+    shipped = (Path(__file__).parent.parent / "specs" / "schemes" / "fp8-w8a8-dynamic.yaml").read_text()
+    stacked = 'stacked: {name: "{part}_proj_scale_inv", shape: [1, 1]}'
+    assert stacked in shipped
+    (spec / "fp8-w8a8-dynamic.yaml").write_text(shipped.replace(
+        stacked, 'stacked: {name: "{part}_proj_scale_inv", shape: ["out / 256", 1]}'))
+    with pytest.raises(CheckpointError) as err:
+        moe_registry.build(FIXTURES / "transformers-fp8-dynamic", platform="cpu", layer=0, spec_dirs=[spec])
+    msg = str(err.value)
+    assert msg.startswith(f"{LAYER}.gate_up_proj_scale_inv: gate's share of its shape ['out / 256', 1] cannot be "
+                          "computed for intermediate size 128: ") and "\n" not in msg
+
+
 def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
     """A rank reading experts (3, 1) gets exactly their slices of the stacked scales, and every expert's
     activation scales as layer-wide values (the layer's one input scale per GEMM is the max over all)."""
