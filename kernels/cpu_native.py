@@ -165,11 +165,12 @@ def _scale_grid(proj: ProjectionWeights, key: QuantKey, n: int, k: int,
     return s.contiguous(), srows, scols
 
 
-def _int8_codes(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
-    """int8 or uint8b128 codes [E, N, K] -> int8 real codes (the checkpoint's tensor when already int8)."""
-    if w.dtype == torch.int8 and key.dtype.bias == 0:
+def _int8_codes(w: torch.Tensor, offset: int) -> torch.Tensor:
+    """Byte codes [E, N, K] minus ``offset`` as int8 (uint8b128: the real codes; uint8 with zero points: code -
+    128, the zero points likewise), one expert at a time; the checkpoint's tensor when already int8 at 0."""
+    if w.dtype == torch.int8 and offset == 0:
         return w
-    return torch.stack([(w[i].to(torch.int16) - key.dtype.bias).to(torch.int8) for i in range(w.shape[0])])
+    return torch.stack([(w[i].to(torch.int16) - offset).to(torch.int8) for i in range(w.shape[0])])
 
 
 def _pack_int4(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
@@ -223,10 +224,10 @@ class _Dequant:
                 if proj.weight.dtype != torch.uint8 or zshape != tuple(scale.shape):
                     raise ValueError(f"weight key {key}: wanted uint8 codes and uint8 zero points on the scale grid "
                                      f"{tuple(scale.shape)}, got {proj.weight.dtype} codes, zero points {zshape}")
-                codes = torch.stack([(w.to(torch.int16) - 128).to(torch.int8) for w in proj.weight])
+                codes = _int8_codes(proj.weight, 128)
                 zero = proj.zero.contiguous()
             else:
-                codes = _int8_codes(proj.weight, key)
+                codes = _int8_codes(proj.weight, key.dtype.bias)
         if key.scale2 is not None:
             if proj.scale2 is None:
                 raise ValueError(f"weight key {key} has a second-level scale but the projection has no scale2")
@@ -281,7 +282,7 @@ class _IntCodes:
             if scols % 32 and scols != k:
                 raise ValueError(f"weight key {key}: groups of {scols} columns; the int4 kernel needs multiples of 32")
             return _IntCodes(_pack_int4(proj.weight, key), 4, scale, srows, kp if scols == k else scols)
-        return _IntCodes(_int8_codes(proj.weight, key), 8, scale, srows, scols)
+        return _IntCodes(_int8_codes(proj.weight, key.dtype.bias), 8, scale, srows, scols)
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes

@@ -99,13 +99,13 @@ def run_case(case: Case, device: torch.device) -> float:
     cls = experts_class(REGISTRY.kernel(case.kernel))
     pf = (BatchedLocalPrepareFinalize(case.num_experts) if case.activation_format == "batched"
           else LocalPrepareFinalize())
-    inputs = (x.to(device), topk_w.to(device), ids.to(device))
+    inputs, on_device = (x.to(device), topk_w.to(device), ids.to(device)), weights.to(device)
     # the float64 reference on the same device (on a GPU the CPU's float64 GEMMs at realistic sizes, one per
     # pytest worker, were most of a case's time), before the kernel runs: a kernel that wrote into its
     # inputs or weights could not change it
-    ref = reference_moe(*inputs, weights.to(device), config, torch.float64)
+    ref = reference_moe(*inputs, on_device, config, torch.float64)
     assert float(ref.norm()) > 0
-    kernel = FusedMoEKernel(pf, cls(weights.to(device), config))
+    kernel = FusedMoEKernel(pf, cls(on_device, config))
     out = kernel(*inputs)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert bool(torch.isfinite(out).all()), "non-finite output"

@@ -364,9 +364,7 @@ def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: Sc
                 raise CheckpointError(f"{full}: missing (scheme {scheme.scheme} needs "
                                       f"{', '.join(sorted(scheme.checkpoint.tensors))}; this layer holds "
                                       f"{', '.join(sorted(stacked))} stacked over its experts)")
-            spec = TensorSpec(dtype=tspec.dtype, shape=[e, *dims], optional=False, all_equal=None, stacked=None)
-            _check_tensor(full, index.tensors[full], spec, {**size, **values_b})
-            t = _load_checked(index, full, tspec, scheme.scheme)
+            t = _load_stacked(index, full, tspec, dims, e, {**size, **values_b}, scheme.scheme)
             if part == "down":
                 out["down"][tname] = t
                 continue
@@ -398,6 +396,15 @@ def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> tuple[int, .
         raise CheckpointError(f"experts to read {list(ids)}: wanted distinct ids in [0, {num_experts}) "
                               f"({num_experts} experts in config.json)")
     return ids
+
+
+def _load_stacked(index: CheckpointIndex, full: str, tspec: TensorSpec, dims: Sequence[int | str], num_experts: int,
+                  values: Mapping[str, int], scheme: str, ids: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A tensor stacked over experts, [E, *dims] (one expert's ``dims`` evaluated with ``values``), its
+    header checked against that before anything is read; with ``ids`` only their slices."""
+    stacked = TensorSpec(dtype=tspec.dtype, shape=[num_experts, *dims], optional=False, all_equal=None, stacked=None)
+    _check_tensor(full, index.tensors[full], stacked, values)
+    return _load_checked(index, full, tspec, scheme, ids)
 
 
 def _load_checked(index: CheckpointIndex, full: str, spec: TensorSpec, scheme: str,
@@ -555,11 +562,9 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
                     continue
                 raise CheckpointError(f"{full}: missing (scheme {scheme.scheme} stores "
                                       f"{', '.join(sorted(scheme.checkpoint.tensors))} stacked over experts)")
-            stacked = TensorSpec(dtype=tspec.dtype, shape=[e, *tspec.shape], optional=False, all_equal=None,
-                                 stacked=None)
-            _check_tensor(full, index.tensors[full], stacked, {**dims[what], **values_b})
             whole = ids is None or tname in LAYER_WIDE
-            t = _load_checked(index, full, tspec, scheme.scheme, None if whole else ids)
+            t = _load_stacked(index, full, tspec, tspec.shape, e, {**dims[what], **values_b}, scheme.scheme,
+                              None if whole else ids)
             loaded[(what, tname)] = t if ids is None or not whole else t[list(ids)]
             if ids is not None and tname in LAYER_WIDE:
                 wide[(what, tname)] = t
