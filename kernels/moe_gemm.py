@@ -192,16 +192,20 @@ def _repeat_cols(x, COLS: tl.constexpr):
 
 
 @triton.jit
-def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, K, stride_sk, dtype, W_SCALE: tl.constexpr,
+def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk, dtype, W_SCALE: tl.constexpr,
                   W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
                   K_AXIS: tl.constexpr, K_LEN: tl.constexpr):
     """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
-    points with HAS_ZERO, else ``zero``."""
-    w_groups = k_start // W_GROUP + tl.arange(0, W_GROUPS)
+    points with HAS_ZERO, else ``zero``. ``scale_groups``: the groups a weight row's scales hold
+    (a multiple of 16 where TritonExperts pads them, so the masked load is still one vector per row
+    and the pipeliner streams it ahead of the tile like the codes; past K the pad is finite and meets
+    masked-off codes and activations)."""
+    # a K tile starts at a multiple of W_GROUPS groups
+    w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
-    g_mask = groups < tl.cdiv(K, W_GROUP)
+    g_mask = groups < scale_groups
     scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
     if W_SCALE == "mx":
         scale = _e8m0(scale)
@@ -272,7 +276,9 @@ def _fused_moe_kernel(
         PDL: tl.constexpr,
         # W_SCALE2: a second-level weight scale per (expert, weight row), float32 [E, N] (NVFP4's global
         # scale), multiplied into the dot's result before the epilogue
-        b_scale2_ptr, W_SCALE2: tl.constexpr):
+        b_scale2_ptr, W_SCALE2: tl.constexpr,
+        # the groups each weight row's group (or MX) scales hold: ceil(K / W_GROUP), or more where padded
+        scale_groups):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -357,7 +363,8 @@ def _fused_moe_kernel(
             group = k_start // W_GROUP
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
-            scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, K, stride_sk, dtype, W_SCALE,
+            scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
+                                             W_SCALE,
                                              W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
@@ -481,7 +488,7 @@ def _fused_moe_swap_kernel(
         HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr):
+        PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr, scale_groups):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -526,7 +533,8 @@ def _fused_moe_swap_kernel(
     for k_start in range(k_lo, k_hi, BLOCK_K):
         tile_zero = zero
         if W_SCALE == "group" or W_SCALE == "mx":
-            scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, K, stride_sk, dtype, W_SCALE,
+            scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
+                                             W_SCALE,
                                              W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS)
         else:
             scale = 1.0  # none, or per channel: applied after the loop

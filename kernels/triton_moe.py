@@ -183,6 +183,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     sorted_ids = rows.sorted_ids if rows.sorted_ids is not None else dummy
     num_post_padded = rows.num_post_padded if rows.num_post_padded is not None else dummy
     asm = scheme.paired_dequant and _paired_halves(a.device, compute_dtype)
+    groups = scale.shape[2] if w.scale is not None and scheme.weight_scale in ("group", "mx") else 0
     if config["SWAP_AB"]:
         _fused_moe_swap_kernel[grid](
             a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
@@ -198,7 +199,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
-            **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
+            scale_groups=groups, **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -219,8 +220,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **_scale2_args(w, scheme, dummy),
-        **triton_ops.pdl_launch(pdl))
+        num_warps=config["num_warps"], num_stages=config["num_stages"], scale_groups=groups,
+        **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
 
 
 def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:
@@ -418,16 +419,36 @@ def _(x, *args):
 # Experts
 
 
-def _kernel_tensors(p: ProjectionWeights) -> list[torch.Tensor | None]:
-    """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once."""
+# group (and MX) scales and zero points are kept with their group count padded to a multiple of this
+SCALE_GROUPS_PAD = 16
+
+
+def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Per-group scales or zero points [E, N, G] with G padded (zeros) to a multiple of
+    SCALE_GROUPS_PAD: a K tile's groups then load as one masked vector per weight row, whose mask
+    the compiler sees constant over the vector (Triton marks integer arguments divisible by 16), and
+    the pipeliner streams such loads ahead like the codes (H100, sm_90 SASS: MXFP4's per-step
+    scale loads were four single-byte loads waited on in the step)."""
+    if t is None or t.shape[2] % SCALE_GROUPS_PAD == 0:
+        return t
+    pad = SCALE_GROUPS_PAD - t.shape[2] % SCALE_GROUPS_PAD
+    return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], pad)], dim=2)
+
+
+def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor | None]:
+    """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once, group
+    scales and zero points padded (:func:`_padded_groups`)."""
     def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
             return None
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
 
-    return [ready(p.weight), ready(p.scale), ready(p.zero), ready(p.perm, torch.int32),
-            ready(p.bias, torch.float32), ready(p.input_scale, torch.float32)]
+    scale, zero = ready(p.scale), ready(p.zero)
+    if scheme.weight_scale in ("group", "mx"):
+        scale, zero = _padded_groups(scale), _padded_groups(zero)
+    return [ready(p.weight), scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
+            ready(p.input_scale, torch.float32)]
 
 
 class _TritonBase(Experts):
@@ -438,7 +459,7 @@ class _TritonBase(Experts):
         self.weight_key = str(weights.weight_key)
         self.activation_key = str(weights.activation_key)
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
-        self._tensors = _kernel_tensors(weights.w13) + _kernel_tensors(weights.w2)
+        self._tensors = _kernel_tensors(weights.w13, self.scheme) + _kernel_tensors(weights.w2, self.scheme)
         # second-level weight scales (NVFP4), [E, N] float32: passed by keyword, absent for every other key
         self._scale2 = {f"{name}_scale2": p.scale2.reshape(p.scale2.shape[0], -1).to(torch.float32).contiguous()
                         for name, p in (("w13", weights.w13), ("w2", weights.w2)) if p.scale2 is not None}

@@ -381,6 +381,39 @@ def test_float32_activations(scheme):
     assert out.dtype == torch.float32 and _rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("scheme", ["awq-g32", "gptq4-g64"])
+def test_group_scales_are_padded_to_whole_vectors(scheme):
+    """TritonExperts keeps a row's group scales and zero points padded with zeros to 16 groups (one
+    vector load per row, which the pipeliner streams); the op gives the same layer from the
+    converted, unpadded tensors an op caller passes."""
+    weights = _weights(scheme)
+    experts = TritonExperts(weights, ExpertsConfig())
+    for held, proj in ((experts._tensors[1:3], weights.w13), (experts._tensors[7:9], weights.w2)):
+        groups = proj.scale.shape[2]
+        assert groups % 16 and all(t.shape[2] == 16 for t in held if t is not None)
+        assert torch.equal(held[0][..., :groups], proj.scale) and not held[0][..., groups:].any()
+        if proj.zero is not None:
+            assert torch.equal(held[1][..., :groups], proj.zero) and not held[1][..., groups:].any()
+    hidden, topk_weights, topk_ids = _routing(5, 2)
+
+    def tensors(p):
+        return [p.weight, p.scale, p.zero, p.perm, None if p.bias is None else p.bias.float(), p.input_scale]
+
+    direct = torch.ops.moe_registry.fused_experts(
+        hidden, topk_weights, topk_ids, *tensors(weights.w13), *tensors(weights.w2), experts.weight_key,
+        experts.activation_key, "silu", False)
+    assert torch.equal(direct, experts.apply(hidden, topk_weights, topk_ids))
+
+
+def test_padded_groups_leave_whole_vectors_and_their_input_alone():
+    scale = torch.rand(2, 3, 5)
+    before = scale.clone()
+    padded = triton_moe._padded_groups(scale)
+    assert padded.shape == (2, 3, 16) and torch.equal(scale, before)
+    aligned = torch.rand(2, 3, 32)
+    assert triton_moe._padded_groups(aligned) is aligned and triton_moe._padded_groups(None) is None
+
+
 def test_no_tokens():
     weights = _weights("fp16")
     hidden = torch.empty(0, H, dtype=torch.float16)
