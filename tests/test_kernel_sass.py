@@ -1,0 +1,52 @@
+"""tools/kernel_sass.py: the GEMM kernels compiled offline for Hopper (sm_90) from the layer's own
+launches, read back from ptxas's output. Runs on a CPU machine (Triton's wheel carries ptxas and
+nvdisasm), in a process of its own: the tests run with TRITON_INTERPRET=1, under which the kernels
+are interpreted functions that do not compile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "kernel_sass.py"
+
+
+def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "modelopt-nvfp4"])
+def test_fp4_scales_stream_with_the_codes(scheme):
+    """With 128-row tiles a K step's FP4 group scales are one vector per row, which the pipeliner
+    copies ahead (cp.async) like the codes: no global load is waited on inside the main loop."""
+    done = _run("--scheme", scheme, "--shape", "qwen3", "--m", "8", "--config", '{"BLOCK_N": 128, "BLOCK_K": 128}',
+                "--json")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert [r["gemm"] for r in results] == ["gemm1", "gemm2"]
+    for r in results:
+        assert r["kernel"] == "_fused_moe_kernel" and r["config"]["BLOCK_N"] == 128 and r["config"]["BLOCK_M"] == 16
+        assert 0 < r["registers"] <= 255 and r["spill_bytes"] == 0
+        assert r["loop_opcodes"].get("HMMA", 0) > 0  # 16-row tiles: mma.sync
+        assert r["loop_async_copies"] >= 2 and r["loop_global_loads"] == 0, r
+        assert r["loop_instructions"] == sum(r["loop_opcodes"].values())
+
+
+def test_text_report_and_refusals():
+    done = _run("--scheme", "gptq-w4a16", "--shape", "dsv2lite", "--m", "1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "gptq-w4a16 on DeepSeek-V2-Lite, M = 1, sm_90:"
+    assert lines[1].startswith("  gemm1 _fused_moe_kernel: ") and "registers" in lines[1] and "main loop" in lines[1]
+    assert any(line.startswith("  gemm2 ") for line in lines)
+    unknown = _run("--scheme", "no-such-scheme")
+    assert unknown.returncode == 2 and "unknown scheme 'no-such-scheme'" in unknown.stderr
+    interpreted = _run("--scheme", "mxfp4", interpret=True)
+    assert interpreted.returncode == 2 and "TRITON_INTERPRET=1" in interpreted.stderr

@@ -1,0 +1,273 @@
+"""The fused MoE GEMM kernels as ptxas builds them for a GPU that is not here: what a scheme's two
+GEMMs become at a model shape and token count, with the tile configs the layer would take there.
+
+For decode work between GPU sessions (issue #22). Per GEMM: registers per thread, local-memory
+spills, the main K loop's instruction count by opcode, and how the loop reads global memory:
+cp.async copies that Triton's pipeliner issues stages ahead (LDGSTS) against plain loads a step
+waits on (LDG). The second kind in a decode loop is where MXFP4's scales stalled every step
+before their loads were made one vector per row.
+
+The kernel is specialised as Triton's JIT specialises it for the launch (pointers and integers
+divisible by 16, integers equal to 1), from the arguments the layer's own launcher
+(``triton_moe._gemm``) passes for meta-device tensors of the converted weights; ptxas and nvdisasm
+are the ones in Triton's wheel. The Triton here may be newer than the GPU machine's (3.6 there):
+compare variants under one Triton, and time them on the GPU.
+
+    python tools/kernel_sass.py --scheme mxfp4 --shape qwen3 --m 8
+    python tools/kernel_sass.py --scheme gptq-w4a16 --shape mixtral --m 64 --config '{"BLOCK_N": 128}'
+    python tools/kernel_sass.py --scheme modelopt-nvfp4 --shape dsv2lite --m 8 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402  (tools/bench.py: scheme names, model shapes)
+
+# the GPU whose tuned tile configs are read, and its SM count (the defaults' split-K rule)
+DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+DEVICE_SMS = 132
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSass:
+    """What ptxas made of one GEMM launch."""
+
+    gemm: str  # "gemm1" or "gemm2"
+    kernel: str  # the Triton kernel's name
+    config: dict
+    registers: int
+    spill_bytes: int  # local memory per thread
+    loop_instructions: int  # the main K loop's body, once
+    loop_opcodes: dict[str, int]  # opcode (without modifiers) -> count in the loop body
+    loop_async_copies: int  # LDGSTS: global -> shared copies the pipeliner issues ahead
+    loop_global_loads: int  # LDG: global loads into registers, waited on in the step
+
+    def to_text(self) -> str:
+        top = ", ".join(f"{op} {n}" for op, n in sorted(self.loop_opcodes.items(), key=lambda kv: -kv[1])[:8])
+        return (f"{self.gemm} {self.kernel}: {self.registers} registers, {self.spill_bytes} B spilled; main loop "
+                f"{self.loop_instructions} instructions ({top}); loads in the loop: {self.loop_async_copies} "
+                f"cp.async (LDGSTS), {self.loop_global_loads} waited on (LDG)\n    config {json.dumps(self.config)}")
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, fn, launches: list) -> None:
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.fn, args, kwargs))
+        return launch
+
+
+def _meta(t: torch.Tensor | None, experts: int) -> torch.Tensor | None:
+    """A contiguous meta-device tensor shaped as ``t`` with ``experts`` on its first dimension."""
+    return None if t is None else torch.empty((experts, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+
+def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides: dict | None = None) -> list:
+    """[(kernel, args, kwargs, config)] of the layer's two GEMM launches for ``m`` tokens on an
+    sm_90 GPU (paired PTX dequantisation, dependent launch), weights on the meta device; the
+    tile configs are the layer's (tuned for DEVICE_NAME, or the defaults) with ``overrides``."""
+    from moe_registry_kernels import quant_ref, tile_config, triton_moe
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.formats.weights import ProjectionWeights
+
+    wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
+    one = quant_ref.make_random_expert_weights(wkey, akey, num_experts=1, hidden=shape.hidden,
+                                               intermediate=shape.intermediate, dtype=torch.bfloat16)
+    kscheme = triton_moe.scheme_from_keys(scheme.weight, scheme.activation)
+    e, top_k = shape.experts, shape.top_k
+
+    def projection(p: ProjectionWeights) -> list:
+        tensors = [_meta(t, e) for t in triton_moe._kernel_tensors(p, kscheme)]
+        scale2 = None if p.scale2 is None else torch.empty(e, p.scale2.reshape(1, -1).shape[1], device="meta")
+        return [*tensors, scale2]
+
+    t13, t2 = projection(one.w13), projection(one.w2)
+    w13, w2 = triton_moe._projections(shape.hidden, *t13[:6], *t2[:6], t13[6], t2[6])
+    launches: list = []
+    with contextlib.ExitStack() as stack:
+        patch = stack.enter_context(_patching())
+        patch(tile_config, "_device_name", lambda device: DEVICE_NAME)
+        patch(tile_config, "_num_sms", lambda device: DEVICE_SMS)
+        patch(triton_moe, "_paired_halves", lambda device, dtype: True)
+        patch(triton_moe, "_fused_moe_kernel", _Recorder(triton_moe._fused_moe_kernel, launches))
+        patch(triton_moe, "_fused_moe_swap_kernel", _Recorder(triton_moe._fused_moe_swap_kernel, launches))
+        config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
+                                                     torch.device("meta"), split_gemm2=True)
+        if overrides:
+            config1 = tile_config._fit_config({**config1, **overrides}, kscheme, can_split=False)
+            config2 = tile_config._fit_config({**config2, **overrides, "BLOCK_M": config1["BLOCK_M"]}, kscheme,
+                                              can_split=True)
+        pairs = m * top_k
+        if m == 1:
+            rows = triton_moe._Rows(expert_ids=torch.empty(top_k, dtype=torch.int32, device="meta"), num_valid=top_k,
+                                    one_pair_blocks=True)
+        else:
+            padded = pairs + e * (config1["BLOCK_M"] - 1)
+            rows = triton_moe._Rows(torch.empty(padded, dtype=torch.int32, device="meta"),
+                                    torch.empty(padded // config1["BLOCK_M"] + 1, dtype=torch.int32, device="meta"),
+                                    torch.empty(1, dtype=torch.int32, device="meta"), num_valid=pairs)
+        a1 = torch.empty(m, shape.hidden, dtype=_act_dtype(kscheme), device="meta")
+        inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
+        weights = torch.empty(pairs, device="meta")
+        triton_moe._gemm(a1, _act_scales(kscheme, m, shape.hidden), w13, kscheme, inter, rows, config1,
+                         compute_dtype=torch.bfloat16, top_k=top_k, topk_weights=weights, fuse_act="silu", pdl=True)
+        a2 = torch.empty(pairs, w13.n // 2, dtype=_act_dtype(kscheme), device="meta")
+        split = config2["SPLIT_K"]
+        out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
+               else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
+        triton_moe._gemm(a2, _act_scales(kscheme, pairs, w2.k), w2, kscheme, out, rows, config2,
+                         compute_dtype=torch.bfloat16, routed_weight="output", topk_weights=weights, pdl=True)
+    return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
+
+
+def _act_scales(kscheme, rows: int, k: int) -> torch.Tensor | None:
+    """The activation scales a GEMM reads, as the layer's quantisation writes them (meta): none,
+    one per tensor, one per row, or one per row and group (MX: e8m0 bytes)."""
+    quant = kscheme.act_quant
+    if quant == "none":
+        return None
+    if quant in ("int8_static", "fp8_static", "fp8_tensor"):
+        return torch.empty(1, device="meta")
+    if kscheme.act_group:
+        dtype = torch.uint8 if quant == "mxfp8" else torch.float32
+        return torch.empty(rows, k // kscheme.act_group, dtype=dtype, device="meta")
+    return torch.empty(rows, 1, device="meta")
+
+
+def _act_dtype(kscheme) -> torch.dtype:
+    """The dtype of the activations a GEMM reads: quantised codes, or the 16-bit hidden states."""
+    if kscheme.act_quant.startswith("int8"):
+        return torch.int8
+    if kscheme.act_quant.startswith("fp8") or kscheme.act_quant == "mxfp8":
+        return torch.float8_e4m3fn
+    return torch.bfloat16
+
+
+@contextlib.contextmanager
+def _patching():
+    """Set module attributes for the block (``patch(module, name, value)``), restored after."""
+    saved: list = []
+
+    def patch(module, name: str, value) -> None:
+        saved.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    try:
+        yield patch
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int, workdir: Path):
+    """Compile one recorded launch for sm_``arch`` as Triton's JIT would: (compiled kernel, cubin path)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    cubin = workdir / f"{fn.__name__}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    return kernel, cubin
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def main_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward-branching loop of a disassembly (the K loop)."""
+    lines = [line for line in sass.splitlines() if "//##" not in line]
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
+    best = (0, -1)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    return [line for line in lines[best[0]:best[1] + 1] if INSTRUCTION.search(line)]
+
+
+def analyse(gemm: str, fn, config: dict, cubin: Path) -> GemmSass:
+    """Registers, spills and the main loop's instruction mix of a compiled kernel."""
+    usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    local = re.search(r"LOCAL:(\d+)", usage)
+    sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(INSTRUCTION.search(line).group(2) for line in main_loop(sass))
+    return GemmSass(gemm, fn.__name__, {k: config[k] for k in sorted(config)}, int(regs.group(1)) if regs else -1,
+                    int(local.group(1)) if local else 0, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"])
+
+
+def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: dict | None = None,
+                arch: int = 90) -> list[GemmSass]:
+    """GEMM1 and GEMM2 of the layer, compiled for sm_``arch`` and read."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = []
+        for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), record_launches(scheme, shape, m, overrides),
+                                                 strict=True):
+            _, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
+            out.append(analyse(gemm, fn, cfg, cubin))
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scheme", required=True, help="a scheme spec name that lists triton-fused-moe")
+    parser.add_argument("--shape", default="qwen3", choices=sorted(bench.SHAPES))
+    parser.add_argument("--m", type=int, default=8, help="tokens (default 8)")
+    parser.add_argument("--config", help="tile config keys (JSON) over the tuned or default ones, both GEMMs")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("kernel_sass: TRITON_INTERPRET=1 turns the kernels into interpreted functions; it compiles them "
+              "for a GPU and needs it unset", file=sys.stderr)
+        return 2
+    schemes = bench.registry_schemes()
+    if args.scheme not in schemes:
+        print(f"kernel_sass: unknown scheme {args.scheme!r}; wanted one of {', '.join(sorted(schemes))}",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default on the GPU machine
+    overrides = json.loads(args.config) if args.config else None
+    results = kernel_sass(schemes[args.scheme], bench.SHAPES[args.shape], args.m, overrides=overrides, arch=args.arch)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    else:
+        print(f"{args.scheme} on {bench.SHAPES[args.shape].name}, M = {args.m}, sm_{args.arch}:")
+        for r in results:
+            print("  " + r.to_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
