@@ -77,8 +77,13 @@ class _Recorder:
 
 
 def _meta(t: torch.Tensor | None, experts: int) -> torch.Tensor | None:
-    """A contiguous meta-device tensor shaped as ``t`` with ``experts`` on its first dimension."""
-    return None if t is None else torch.empty((experts, *t.shape[1:]), dtype=t.dtype, device="meta")
+    """A meta-device tensor laid out as ``t`` (its strides: a transposed scale stays transposed) with
+    ``experts`` on its first dimension, each expert right after the one before."""
+    if t is None:
+        return None
+    expert_span = max((n * s for n, s in zip(t.shape[1:], t.stride()[1:], strict=True)), default=1)
+    return torch.empty_strided((experts, *t.shape[1:]), (expert_span, *t.stride()[1:]), dtype=t.dtype,
+                               device="meta")
 
 
 def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides: dict | None = None) -> list:
