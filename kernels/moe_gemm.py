@@ -199,9 +199,9 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
     points with HAS_ZERO, else ``zero``. ``scale_groups``: the groups a weight row's scales hold
-    (a multiple of 16 where TritonExperts pads them, so the masked load is still one vector per row
-    and the pipeliner streams it ahead of the tile like the codes; past K the pad is finite and meets
-    masked-off codes and activations)."""
+    (a multiple of 16 where TritonExperts pads them, so the masked load of a row's groups is still
+    one vector, which the pipeliner streams ahead of the tile like the codes; past K the pad is
+    finite and meets masked-off codes and activations)."""
     # a K tile starts at a multiple of W_GROUPS groups
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
@@ -364,8 +364,7 @@ def _fused_moe_kernel(
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
-                                             W_SCALE,
-                                             W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS)
+                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -534,8 +533,7 @@ def _fused_moe_swap_kernel(
         tile_zero = zero
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
-                                             W_SCALE,
-                                             W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS)
+                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS)
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 

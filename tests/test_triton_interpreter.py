@@ -381,28 +381,42 @@ def test_float32_activations(scheme):
     assert out.dtype == torch.float32 and _rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("scheme", ["awq-g32", "gptq4-g64"])
-def test_group_scales_are_padded_to_whole_vectors(scheme):
-    """TritonExperts keeps a row's group scales and zero points padded with zeros to 16 groups (one
-    vector load per row, which the pipeliner streams); the op gives the same layer from the
-    converted, unpadded tensors an op caller passes."""
-    weights = _weights(scheme)
+@pytest.mark.parametrize("weight_key", ["e2m1 scale:e8m0:group(32):static",
+                                        "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static"],
+                         ids=["mxfp4", "nvfp4"])
+def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
+    """TritonExperts keeps a row's one-byte group scales padded with zeros to 16 groups (one vector
+    load per row, which the pipeliner streams); the op gives the same layer from the converted,
+    unpadded tensors an op caller passes, and the reference's within FP4's tolerance."""
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(weight_key), parse_quant_key(UNQ), num_experts=E,
+                                                   hidden=H, intermediate=INTER, dtype=torch.float16, bias=True)
     experts = TritonExperts(weights, ExpertsConfig())
-    for held, proj in ((experts._tensors[1:3], weights.w13), (experts._tensors[7:9], weights.w2)):
+    for held, proj in ((experts._tensors[1], weights.w13), (experts._tensors[7], weights.w2)):
         groups = proj.scale.shape[2]
-        assert groups % 16 and all(t.shape[2] == 16 for t in held if t is not None)
-        assert torch.equal(held[0][..., :groups], proj.scale) and not held[0][..., groups:].any()
-        if proj.zero is not None:
-            assert torch.equal(held[1][..., :groups], proj.zero) and not held[1][..., groups:].any()
+        assert groups % 16 and held.shape[2] == 16
+        assert torch.equal(held[..., :groups].view(torch.uint8), proj.scale.view(torch.uint8))
+        assert not held[..., groups:].view(torch.uint8).any()
     hidden, topk_weights, topk_ids = _routing(5, 2)
 
     def tensors(p):
         return [p.weight, p.scale, p.zero, p.perm, None if p.bias is None else p.bias.float(), p.input_scale]
 
+    projections = {"w13": weights.w13, "w2": weights.w2}
+    scale2 = {f"{name}_scale2": p.scale2.reshape(E, -1).float()
+              for name, p in projections.items() if p.scale2 is not None}
     direct = torch.ops.moe_registry.fused_experts(
         hidden, topk_weights, topk_ids, *tensors(weights.w13), *tensors(weights.w2), experts.weight_key,
-        experts.activation_key, "silu", False)
-    assert torch.equal(direct, experts.apply(hidden, topk_weights, topk_ids))
+        experts.activation_key, "silu", False, **scale2)
+    out = experts.apply(hidden, topk_weights, topk_ids)
+    assert torch.equal(direct, out)
+    assert _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())) < 3e-2
+
+
+def test_two_byte_group_scales_are_kept_as_converted():
+    """16-bit group scales and their zero points are not padded (too few bytes per tile to stream)."""
+    weights = _weights("awq-g32")
+    experts = TritonExperts(weights, ExpertsConfig())
+    assert experts._tensors[1].shape == weights.w13.scale.shape and experts._tensors[2].shape == weights.w13.zero.shape
 
 
 def test_padded_groups_leave_whole_vectors_and_their_input_alone():
