@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -90,7 +91,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
     """[(kernel, args, kwargs, config)] of the layer's two GEMM launches for ``m`` tokens on an
     sm_90 GPU (paired PTX dequantisation, dependent launch), weights on the meta device; the
     tile configs are the layer's (tuned for DEVICE_NAME, or the defaults) with ``overrides``."""
-    from moe_registry_kernels import quant_ref, tile_config, triton_moe
+    from moe_registry_kernels import quant_ref, tile_config, triton_moe, triton_ops
 
     from moe_registry.core.keys import parse_quant_key
     from moe_registry.formats.weights import ProjectionWeights
@@ -110,12 +111,14 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
     w13, w2 = triton_moe._projections(shape.hidden, *t13[:6], *t2[:6], t13[6], t2[6])
     launches: list = []
     with contextlib.ExitStack() as stack:
-        patch = stack.enter_context(_patching())
-        patch(tile_config, "_device_name", lambda device: DEVICE_NAME)
-        patch(tile_config, "_num_sms", lambda device: DEVICE_SMS)
-        patch(triton_moe, "_paired_halves", lambda device, dtype: True)
-        patch(triton_moe, "_fused_moe_kernel", _Recorder(triton_moe._fused_moe_kernel, launches))
-        patch(triton_moe, "_fused_moe_swap_kernel", _Recorder(triton_moe._fused_moe_swap_kernel, launches))
+        # the tuned configs and sm_90's paths of DEVICE_NAME; the GEMM launches recorded, not run
+        patches = [(tile_config, "_device_name", lambda device: DEVICE_NAME),
+                   (tile_config, "_num_sms", lambda device: DEVICE_SMS),
+                   (triton_moe, "_paired_halves", lambda device, dtype: True)]
+        patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
+                    for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel")]
+        for module, name, value in patches:
+            stack.enter_context(mock.patch.object(module, name, value))
         config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
                                                      torch.device("meta"), split_gemm2=True)
         if overrides:
@@ -126,62 +129,39 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         if m == 1:
             rows = triton_moe._Rows(expert_ids=torch.empty(top_k, dtype=torch.int32, device="meta"), num_valid=top_k,
                                     one_pair_blocks=True)
-        else:
-            padded = pairs + e * (config1["BLOCK_M"] - 1)
+        else:  # alignment's buffers, sized as triton_ops.align sizes them
+            padded, blocks = triton_ops.align_sizes(pairs, e, config1["BLOCK_M"])
             rows = triton_moe._Rows(torch.empty(padded, dtype=torch.int32, device="meta"),
-                                    torch.empty(padded // config1["BLOCK_M"] + 1, dtype=torch.int32, device="meta"),
+                                    torch.empty(blocks, dtype=torch.int32, device="meta"),
                                     torch.empty(1, dtype=torch.int32, device="meta"), num_valid=pairs)
-        a1 = torch.empty(m, shape.hidden, dtype=_act_dtype(kscheme), device="meta")
+        a1, a1_scale = _activations(kscheme, m, shape.hidden)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
-        triton_moe._gemm(a1, _act_scales(kscheme, m, shape.hidden), w13, kscheme, inter, rows, config1,
-                         compute_dtype=torch.bfloat16, top_k=top_k, topk_weights=weights, fuse_act="silu", pdl=True)
-        a2 = torch.empty(pairs, w13.n // 2, dtype=_act_dtype(kscheme), device="meta")
+        triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
+                         topk_weights=weights, fuse_act="silu", pdl=True)
+        a2, a2_scale = _activations(kscheme, pairs, w2.k)
         split = config2["SPLIT_K"]
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
-        triton_moe._gemm(a2, _act_scales(kscheme, pairs, w2.k), w2, kscheme, out, rows, config2,
-                         compute_dtype=torch.bfloat16, routed_weight="output", topk_weights=weights, pdl=True)
+        triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,
+                         routed_weight="output", topk_weights=weights, pdl=True)
     return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
-def _act_scales(kscheme, rows: int, k: int) -> torch.Tensor | None:
-    """The activation scales a GEMM reads, as the layer's quantisation writes them (meta): none,
-    one per tensor, one per row, or one per row and group (MX: e8m0 bytes)."""
+def _activations(kscheme, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes or 16-bit activations, scales) a GEMM reads, on the meta device, shaped as the layer's
+    quantisation writes them: triton_ops' fake outputs, fp8_act's for the dynamic fp8 modes."""
+    from moe_registry_kernels import triton_ops
+    from moe_registry_kernels.fp8_act import FP8_DYNAMIC_MODES
+
+    x = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
     quant = kscheme.act_quant
     if quant == "none":
-        return None
-    if quant in ("int8_static", "fp8_static", "fp8_tensor"):
-        return torch.empty(1, device="meta")
-    if kscheme.act_group:
-        dtype = torch.uint8 if quant == "mxfp8" else torch.float32
-        return torch.empty(rows, k // kscheme.act_group, dtype=dtype, device="meta")
-    return torch.empty(rows, 1, device="meta")
-
-
-def _act_dtype(kscheme) -> torch.dtype:
-    """The dtype of the activations a GEMM reads: quantised codes, or the 16-bit hidden states."""
-    if kscheme.act_quant.startswith("int8"):
-        return torch.int8
-    if kscheme.act_quant.startswith("fp8") or kscheme.act_quant == "mxfp8":
-        return torch.float8_e4m3fn
-    return torch.bfloat16
-
-
-@contextlib.contextmanager
-def _patching():
-    """Set module attributes for the block (``patch(module, name, value)``), restored after."""
-    saved: list = []
-
-    def patch(module, name: str, value) -> None:
-        saved.append((module, name, getattr(module, name)))
-        setattr(module, name, value)
-
-    try:
-        yield patch
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
+        return x, None
+    if quant in FP8_DYNAMIC_MODES:  # per token [T, 1], per tensor [1]
+        return (x.new_empty(rows, k, dtype=torch.float8_e4m3fn),
+                x.new_empty((rows, 1) if quant == "fp8_token" else (1,), dtype=torch.float32))
+    return triton_ops._fake_quant(rows, k, quant, x, x.new_empty(1, dtype=torch.float32))
 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int, workdir: Path):

@@ -421,13 +421,11 @@ at::Tensor dq_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, c10::optional<a
     return y;
   }
   TORCH_CHECK(skind == S_F32, "int8 weights take float32 scales");
-  if (gd.z) {  // sum of x over each scale group, for the zero point's term
+  if (gd.z) {  // sum of x over each scale group (torch's reduction; a partial last group padded with 0)
     const int64_t groups = scale.size(1);
-    at::Tensor xsum = at::zeros({m, groups}, x.options());
-    float* xs = xsum.data_ptr<float>();
-    for (int64_t t = 0; t < m; ++t)
-      for (int64_t c = 0; c < gd.k; ++c) xs[t * groups + c / scols] += xp[t * gd.k + c];
-    dq_rows_of<W_INT8, S_F32, true>(xp, m, xs, groups, gd, yp);
+    const at::Tensor xsum = at::constant_pad_nd(x, {0, groups * scols - gd.k}).view({m, groups, scols}).sum(2)
+                                .contiguous();
+    dq_rows_of<W_INT8, S_F32, true>(xp, m, xsum.data_ptr<float>(), groups, gd, yp);
     return y;
   }
   dq_rows_of<W_INT8, S_F32, false>(xp, m, nullptr, 0, gd, yp);
