@@ -198,8 +198,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
-            GROUP_M=config["GROUP_M"], PDL=pdl, num_warps=config["num_warps"], num_stages=config["num_stages"],
-            scale_groups=groups, **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
+            GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, scheme, dummy),
+            **_launch_options(config), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -220,8 +220,17 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], scale_groups=groups,
-        **_scale2_args(w, scheme, dummy), **triton_ops.pdl_launch(pdl))
+        scale_groups=groups, **_scale2_args(w, scheme, dummy), **_launch_options(config),
+        **triton_ops.pdl_launch(pdl))
+
+
+def _launch_options(config: dict) -> dict:
+    """The compile options a tile config sets: warps, pipeline stages and, where a tuned entry
+    caps it (``maxnreg``), the registers per thread (fewer registers, more programs per SM)."""
+    options = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    if config.get("maxnreg"):
+        options["maxnreg"] = config["maxnreg"]
+    return options
 
 
 def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:

@@ -2,7 +2,9 @@
 
 For each model shape × scheme × token count, time the whole layer (CUDA graphs, weight copies
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
-BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best. A candidate
+BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then register
+caps on the winner (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more
+programs share an SM; ``--registers-only`` tries just those on today's configs). A candidate
 counts only if its output is within the scheme spec's conformance tolerance of the reference, so
 speed never buys accuracy. The winner is then timed again in alternation with the configs the
 kernel picks today, and replaces them only if it is still faster by CONFIRM_MARGIN: a candidate
@@ -12,6 +14,7 @@ compiled first by parallel worker processes (Triton's disk cache is shared), the
     python tools/tune.py                                  # every shape, key pair and M (resumes)
     python tools/tune.py --shapes qwen3 --schemes awq-w4a16 --m 1 8 64
     python tools/tune.py --dry-run                        # tiny shapes through the interpreter
+    python tools/tune.py --redo --registers-only --m 1 8 64   # register caps on today's configs
 
 The schemes are the scheme specs that list the Triton kernel, bound as tools/bench.py binds
 them (``--help`` lists them); schemes with the same keys share a config file, tuned once to the
@@ -97,6 +100,9 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
 
 
 SPLITS = (1, 2, 4, 8)
+# register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
+# a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
+REGISTER_CAPS = (128, 96, 80, 64)
 # a search winner must still beat today's configs by this much when both are timed side by side
 CONFIRM_MARGIN = 0.02
 CONFIRM_ROUNDS = 3
@@ -216,10 +222,17 @@ def _progress(done: int, total: int, label: str, started: float) -> None:
     print(line, end=end, file=sys.stderr, flush=True)
 
 
+def register_variants(config: dict) -> list[dict]:
+    """``config`` under each register cap it does not already have (and uncapped, if it is capped)."""
+    caps = [cap for cap in (None, *REGISTER_CAPS) if cap != config.get("maxnreg")]  # uncapped: no None
+    return [{k: v for k, v in config.items() if k != "maxnreg"} | ({"maxnreg": cap} if cap else {}) for cap in caps]
+
+
 def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit: int | None = None,
-                splits: tuple[int, ...] = SPLITS) -> tuple[dict, dict, float, float]:
+                splits: tuple[int, ...] = SPLITS, registers_only: bool = False) -> tuple[dict, dict, float, float]:
     """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
-    kernel picks today (defaults, or an earlier tuning)."""
+    kernel picks today (defaults, or an earlier tuning). ``registers_only``: no tile search, only
+    register caps on today's configs."""
     from moe_registry_kernels import triton_moe
     from moe_registry_kernels.triton_moe import _fit_config, get_config, scheme_from_keys
 
@@ -249,7 +262,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         return layer.time((c1, c2), m, x, tw, ti)
 
     best = (d1, d2, base_t)
-    for bm in block_ms(m, shape):
+    for bm in () if registers_only else block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
         for c1 in tile_candidates(bm, narrow, limit, swap):
@@ -273,6 +286,14 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
                 best2, t2 = cand, t
         if t2 < best[2]:
             best = (best1, best2, t2)
+    for c1 in register_variants(best[0]):  # the winning tiles under register caps: GEMM1's, then GEMM2's
+        t = measure(c1, best[1])
+        if t < best[2]:
+            best = (c1, best[1], t)
+    for c2 in register_variants(best[1]):
+        t = measure(best[0], c2)
+        if t < best[2]:
+            best = (best[0], c2, t)
     if best[:2] == (d1, d2):
         return d1, d2, base_t, base_t
     # the search timed each candidate once, minutes apart from today's configs: time the two again,
@@ -313,6 +334,23 @@ def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[t
     return pairs
 
 
+def register_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int], device_name: str,
+                   sms: int) -> list[tuple[dict, dict]]:
+    """The config pairs a ``--registers-only`` run tries (for compiling ahead): today's configs
+    for each M with one GEMM under each register cap."""
+    from moe_registry_kernels.triton_moe import get_config
+
+    pairs = []
+    for m in ms:
+        wkey, akey = scheme.keys
+        d1 = get_config(m, shape.top_k, shape.experts, 2 * shape.intermediate, shape.hidden, wkey, akey, device_name,
+                        sms)
+        d2 = get_config(m, shape.top_k, shape.experts, shape.hidden, shape.intermediate, wkey, akey, device_name,
+                        sms)
+        pairs += [(c1, d2) for c1 in register_variants(d1)] + [(d1, c2) for c2 in register_variants(d2)]
+    return pairs
+
+
 def tolerance_for_keys(schemes: dict[str, bench.Scheme], keys: tuple[str, str], dtype: str) -> float:
     """The tolerance a config for these keys must meet: the strictest of the scheme specs that
     bind them (a tuned config serves every one of them)."""
@@ -344,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--budget-s", type=float, default=math.inf,
                         help="start no new entry after this many seconds (run again to go on)")
+    parser.add_argument("--registers-only", action="store_true",
+                        help="no tile search: try register caps (maxnreg) on today's configs only")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     args = parser.parse_args(argv)
     names = bench.default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
@@ -392,7 +432,10 @@ def main(argv: list[str] | None = None) -> int:
         if time.monotonic() - started > args.budget_s:
             break
         _progress(done, len(targets), f"{shape_name} {name}: compiling", started)
-        precompile(shape_name, scheme, all_pairs(shape, scheme, [t.m for t in todo]), dry, args.workers)
+        todo_ms = [t.m for t in todo]
+        pairs = (register_pairs(shape, scheme, todo_ms, device_name, triton_moe._num_sms(device))
+                 if args.registers_only else all_pairs(shape, scheme, todo_ms))
+        precompile(shape_name, scheme, pairs, dry, args.workers)
         layer = Layer(shape, scheme, device, dry)
         tolerance = tolerance_for_keys(schemes, scheme.keys, dtype)
         for target in todo:
@@ -401,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                 break
             _progress(done, len(targets), f"{shape_name} {name} M={target.m}", started)
             log: list[str] = []
-            c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, **search)
+            c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
+                                            **search)
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
             write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
