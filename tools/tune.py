@@ -184,10 +184,7 @@ def _compile_worker(job: tuple[str, bench.Scheme, list[tuple[dict, dict]], bool]
     shape_name, scheme, pairs, dry = job
     shape = (bench.DRY_SHAPES if dry else bench.SHAPES)[shape_name]
     device = torch.device("cpu" if dry else "cuda")
-    # as few experts as top-k allows: the GEMM kernel's compiled form depends on N, K, strides and
-    # top-k, not on the number of experts
-    small = bench.Shape(shape.name, max(shape.top_k, 2), shape.top_k, shape.hidden, shape.intermediate)
-    layer = Layer(small, scheme, device, dry)
+    layer = Layer(_compile_shape(shape), scheme, device, dry)
     x, tw, ti = layer.inputs(4)
     done = 0
     for pair in pairs:
@@ -199,9 +196,32 @@ def _compile_worker(job: tuple[str, bench.Scheme, list[tuple[dict, dict]], bool]
     return done
 
 
+def _compile_shape(shape: bench.Shape) -> bench.Shape:
+    """The layer a compile worker builds: as few experts as top-k allows (the GEMM kernel's compiled
+    form depends on N, K, strides and top-k, not on the number of experts)."""
+    return bench.Shape(shape.name, max(shape.top_k, 2), shape.top_k, shape.hidden, shape.intermediate)
+
+
+# GPU memory a compile worker holds per byte of its layer's float32 weights, measured: 7.9 for MXFP4
+# on Mixtral's shape (11.1 GiB; quantising on the GPU makes float32 temporaries of a projection)
+WORKER_BYTES_PER_WEIGHT_BYTE = 9
+WORKER_CONTEXT_BYTES = 1 << 30
+
+
+def compile_workers(requested: int, shape: bench.Shape) -> int:
+    """At most ``requested`` compile workers, as many as the GPU's free memory holds (15 workers
+    on Mixtral's shape ran an H100 out of memory)."""
+    small = _compile_shape(shape)
+    weight_bytes = 4 * small.experts * 3 * small.intermediate * small.hidden
+    free, _ = torch.cuda.mem_get_info()
+    fits = int(0.9 * free) // (WORKER_BYTES_PER_WEIGHT_BYTE * weight_bytes + WORKER_CONTEXT_BYTES)
+    return max(1, min(requested, fits))
+
+
 def precompile(shape_name: str, scheme: bench.Scheme, pairs: list[tuple[dict, dict]], dry: bool, workers: int) -> None:
     if workers <= 1 or dry or len(pairs) < 4:
         return
+    workers = compile_workers(workers, bench.SHAPES[shape_name])
     chunks = [pairs[i::workers] for i in range(workers)]
     ctx = __import__("multiprocessing").get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
