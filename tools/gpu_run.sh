@@ -37,9 +37,10 @@ PY
          exit $rc ;;
   bench) python3 tools/bench.py --out "$out" "$@" ;;
   decode) python3 tools/bench_decode.py "$@" | tee "$out/bench_decode.txt"; exit "${PIPESTATUS[0]}" ;;
-  tune) python3 tools/tune.py "$@"
+  tune) touch /tmp/tune-start  # only the files this run wrote come back (the lender returns a few files per call)
+        python3 tools/tune.py "$@"
         rc=$?
-        mkdir -p "$out/configs" && cp kernels/configs/*.json "$out/configs/" 2>/dev/null
+        mkdir -p "$out/configs" && find kernels/configs -name '*.json' -newer /tmp/tune-start -exec cp {} "$out/configs/" \;
         exit $rc ;;
   *) echo "usage: $0 tests|bench|decode|tune" >&2; exit 2 ;;
 esac
