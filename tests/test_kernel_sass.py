@@ -50,3 +50,14 @@ def test_text_report_and_refusals():
     assert unknown.returncode == 2 and "unknown scheme 'no-such-scheme'" in unknown.stderr
     interpreted = _run("--scheme", "mxfp4", interpret=True)
     assert interpreted.returncode == 2 and "TRITON_INTERPRET=1" in interpreted.stderr
+
+
+def test_a_register_cap_reaches_the_compiled_kernels():
+    """A tile config's ``maxnreg`` is a launch option of both GEMMs: ptxas keeps each under it (the
+    int4 decode kernels take over 100 registers uncapped)."""
+    uncapped = json.loads(_run("--scheme", "gptq-w4a16", "--shape", "qwen3", "--m", "8", "--json").stdout)
+    done = _run("--scheme", "gptq-w4a16", "--shape", "qwen3", "--m", "8", "--config", '{"maxnreg": 80}', "--json")
+    assert done.returncode == 0, done.stderr
+    capped = json.loads(done.stdout)
+    assert all(r["registers"] > 96 for r in uncapped)
+    assert all(r["config"]["maxnreg"] == 80 and r["registers"] <= 80 for r in capped)

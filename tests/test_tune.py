@@ -178,6 +178,68 @@ def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_p
         assert c1 != today and (t, base) == (0.5, 1.0)
 
 
+class _RegisterBound(_SlowCandidates):
+    """Today's configs and every tile candidate take 1 s; GEMM1 capped at 80 registers a thread
+    saves 0.25 s and GEMM2 capped at 96 another 0.25 s. Records the config pairs timed."""
+
+    def __init__(self, tune) -> None:
+        super().__init__(tune)
+        self.timed: list[tuple[dict, dict]] = []
+
+    def time(self, configs, *args):
+        if configs == (None, None):
+            return 1.0
+        self.timed.append(configs)
+        c1, c2 = configs
+        return 1.0 - 0.25 * (c1.get("maxnreg") == 80) - 0.25 * (c2.get("maxnreg") == 96)
+
+
+@pytest.mark.parametrize("registers_only", [True, False])
+def test_tuner_caps_registers_of_the_winner(registers_only, tmp_path, monkeypatch):
+    """Register caps are tried on the winning tiles, GEMM1's then GEMM2's, and kept where they are
+    faster; --registers-only tries nothing else (today's tiles stay as they are)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    layer = _RegisterBound(tune)
+    c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), registers_only=registers_only)
+    today1 = triton_moe.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
+    today2 = triton_moe.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "cpu")
+    assert (c1["maxnreg"], c2["maxnreg"]) == (80, 96) and (t, base) == (0.5, 1.0)
+    tiles = [({k: v for k, v in a.items() if k != "maxnreg"}, {k: v for k, v in b.items() if k != "maxnreg"})
+             for a, b in layer.timed]
+    if registers_only:
+        assert {k: c1[k] for k in today1} == today1 and {k: c2[k] for k in today2} == today2
+        assert all(pair == (today1, today2) for pair in tiles)
+        assert len(layer.timed) == 2 * len(tune.REGISTER_CAPS) + tune.CONFIRM_ROUNDS  # + the confirmation
+    else:
+        assert len(layer.timed) > 2 * len(tune.REGISTER_CAPS) + tune.CONFIRM_ROUNDS
+        assert any(pair != (today1, today2) for pair in tiles)
+
+
+def test_register_variants_and_compile_workers(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64}
+    assert tune.register_variants(tile) == [{**tile, "maxnreg": cap} for cap in tune.REGISTER_CAPS]
+    capped = {**tile, "maxnreg": 96}
+    assert tune.register_variants(capped) == [tile] + [{**tile, "maxnreg": c} for c in tune.REGISTER_CAPS if c != 96]
+    assert capped == {**tile, "maxnreg": 96}  # not modified
+    # compile workers: as many as 90% of the free GPU memory holds, at least one, at most those asked for
+    free = 80 << 30
+    monkeypatch.setattr(tune.torch.cuda, "mem_get_info", lambda: (free, free))
+    mixtral = tune.bench.SHAPES["mixtral"]  # a worker's 2 experts: 1.4 GB of float32 weights
+    per_worker = tune.WORKER_BYTES_PER_WEIGHT_BYTE * 4 * 2 * 3 * 14336 * 4096 + tune.WORKER_CONTEXT_BYTES
+    assert tune.compile_workers(12, mixtral) == int(0.9 * free) // per_worker == 5
+    assert tune.compile_workers(12, tune.bench.SHAPES["qwen3"]) == 12
+    free = 1 << 30
+    assert tune.compile_workers(12, mixtral) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # the schemes, keys and tolerances are the registry's; every entry kept as it is tuned
 
@@ -284,3 +346,18 @@ def test_tune_cut_off_keeps_finished_entries_and_resumes(tune_fake, tmp_path, mo
     assert [m for _, m, _ in search.calls] == [1, 8, 64]
     with pytest.raises(SystemExit):
         tune.main([*args, "--redo", "--resume"])
+
+
+def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
+    tune = tune_fake
+    seen: list[dict] = []
+
+    def search(layer, m, tolerance, log, **kwargs):
+        seen.append(kwargs)
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        return config, config, 1.0, 1.0
+
+    monkeypatch.setattr(tune, "tune_target", search)
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
+    assert tune.main(args) == 0 and tune.main([*args, "--redo", "--registers-only"]) == 0
+    assert [kwargs["registers_only"] for kwargs in seen] == [False, True]
