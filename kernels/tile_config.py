@@ -1,7 +1,8 @@
 """Tile configurations of the fused MoE GEMMs: tuned tables, defaults, and the rules that make a
 config legal for a scheme.
 
-:func:`get_config` picks BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps and num_stages for one GEMM:
+:func:`get_config` picks BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps and num_stages (and, where a
+tuned entry sets it, ``maxnreg``: a cap on registers per thread) for one GEMM:
 the nearest entry of a tuned table (``configs/<device>__<weight key>__<activation key>.json``,
 written by tools/tune.py) over :func:`default_config`'s heuristics. :func:`config_override`
 replaces both for the layers called inside it (tuner, tests). :func:`_fit_config` then makes a
