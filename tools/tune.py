@@ -244,7 +244,7 @@ def _progress(done: int, total: int, label: str, started: float) -> None:
 
 def register_variants(config: dict) -> list[dict]:
     """``config`` under each register cap it does not already have (and uncapped, if it is capped)."""
-    caps = [cap for cap in (None, *REGISTER_CAPS) if cap != config.get("maxnreg")]  # uncapped: no None
+    caps = [cap for cap in (None, *REGISTER_CAPS) if cap != config.get("maxnreg")]  # None: no cap
     return [{k: v for k, v in config.items() if k != "maxnreg"} | ({"maxnreg": cap} if cap else {}) for cap in caps]
 
 
@@ -360,9 +360,9 @@ def register_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int], devi
     for each M with one GEMM under each register cap."""
     from moe_registry_kernels.triton_moe import get_config
 
+    wkey, akey = scheme.keys
     pairs = []
     for m in ms:
-        wkey, akey = scheme.keys
         d1 = get_config(m, shape.top_k, shape.experts, 2 * shape.intermediate, shape.hidden, wkey, akey, device_name,
                         sms)
         d2 = get_config(m, shape.top_k, shape.experts, shape.hidden, shape.intermediate, wkey, akey, device_name,
