@@ -288,3 +288,26 @@ def test_bench_ep_outside_torchrun_says_how_to_start_it():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "error: start it with torchrun --nproc-per-node N (one process per GPU)")
+
+
+# ---------------------------------------------------------------------------------------------
+# bench_weight_reads.py
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_weight_read_benchmark_reads_every_byte_once(tiled, monkeypatch):
+    """Its programs read the bytes they claim, each once: strided, program p sums weight rows p*BN..;
+    tiled, the p-th run of BN x K/2 contiguous bytes (interpreter, a small tensor)."""
+    pytest.importorskip("triton")
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_weight_reads
+
+    k2, block_n, block_k2 = 64, 32, 16
+    w = torch.randint(0, 255, (4 * block_n * k2,), dtype=torch.uint8)
+    sums = bench_weight_reads.read_weights(w, k2, block_n, block_k2, tiled, num_stages=2)
+    want = w.view(-1, block_n * k2).to(torch.int32).sum(1)  # row blocks are contiguous in both layouts
+    assert torch.equal(sums, want)
+    with pytest.raises(ValueError, match="do not split into 48 x 16 tiles"):
+        bench_weight_reads.read_weights(w, k2, 48, block_k2, tiled)
