@@ -37,6 +37,8 @@ def test_fp4_scales_stream_with_the_codes(scheme):
         assert r["loop_opcodes"].get("HMMA", 0) > 0  # 16-row tiles: mma.sync
         assert r["loop_async_copies"] >= 2 and r["loop_global_loads"] == 0, r
         assert r["loop_instructions"] == sum(r["loop_opcodes"].values())
+        warps, tile = r["config"]["num_warps"], r["config"]["BLOCK_N"] * r["config"]["BLOCK_K"]
+        assert r["instructions_per_weight"] == r["loop_instructions"] * warps / tile
 
 
 def test_text_report_and_refusals():
@@ -45,6 +47,7 @@ def test_text_report_and_refusals():
     lines = done.stdout.splitlines()
     assert lines[0] == "gptq-w4a16 on DeepSeek-V2-Lite, M = 1, sm_90:"
     assert lines[1].startswith("  gemm1 _fused_moe_kernel: ") and "registers" in lines[1] and "main loop" in lines[1]
+    assert "warp instructions per weight" in lines[1]
     assert any(line.startswith("  gemm2 ") for line in lines)
     unknown = _run("--scheme", "no-such-scheme")
     assert unknown.returncode == 2 and "unknown scheme 'no-such-scheme'" in unknown.stderr
@@ -61,3 +64,5 @@ def test_a_register_cap_reaches_the_compiled_kernels():
     capped = json.loads(done.stdout)
     assert all(r["registers"] > 96 for r in uncapped)
     assert all(r["config"]["maxnreg"] == 80 and r["registers"] <= 80 for r in capped)
+    # what no longer fits in registers goes to ptxas's stack frame, which counts as spilled
+    assert all(r["spill_bytes"] == 0 for r in uncapped) and any(r["spill_bytes"] > 0 for r in capped)

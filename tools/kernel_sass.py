@@ -52,16 +52,24 @@ class GemmSass:
     kernel: str  # the Triton kernel's name
     config: dict
     registers: int
-    spill_bytes: int  # local memory per thread
+    spill_bytes: int  # per thread: ptxas's stack frame (where spilled registers go) and local memory
     loop_instructions: int  # the main K loop's body, once
     loop_opcodes: dict[str, int]  # opcode (without modifiers) -> count in the loop body
     loop_async_copies: int  # LDGSTS: global -> shared copies the pipeliner issues ahead
     loop_global_loads: int  # LDG: global loads into registers, waited on in the step
 
+    @property
+    def instructions_per_weight(self) -> float:
+        """Warp instructions the loop issues per weight of a K step (every warp runs the loop over its
+        share of the BLOCK_N x BLOCK_K tile): what a decode step costs where issue, not bandwidth,
+        holds it."""
+        return self.loop_instructions * self.config["num_warps"] / (self.config["BLOCK_N"] * self.config["BLOCK_K"])
+
     def to_text(self) -> str:
         top = ", ".join(f"{op} {n}" for op, n in sorted(self.loop_opcodes.items(), key=lambda kv: -kv[1])[:8])
         return (f"{self.gemm} {self.kernel}: {self.registers} registers, {self.spill_bytes} B spilled; main loop "
-                f"{self.loop_instructions} instructions ({top}); loads in the loop: {self.loop_async_copies} "
+                f"{self.loop_instructions} instructions ({top}), {self.instructions_per_weight:.3f} warp "
+                f"instructions per weight; loads in the loop: {self.loop_async_copies} "
                 f"cp.async (LDGSTS), {self.loop_global_loads} waited on (LDG)\n    config {json.dumps(self.config)}")
 
 
@@ -205,11 +213,11 @@ def analyse(gemm: str, fn, config: dict, cubin: Path) -> GemmSass:
     usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
-    local = re.search(r"LOCAL:(\d+)", usage)
+    spilled = sum(int(m.group(1)) for m in re.finditer(r"(?:STACK|LOCAL):(\d+)", usage))
     sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(INSTRUCTION.search(line).group(2) for line in main_loop(sass))
     return GemmSass(gemm, fn.__name__, {k: config[k] for k in sorted(config)}, int(regs.group(1)) if regs else -1,
-                    int(local.group(1)) if local else 0, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"])
+                    spilled, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"])
 
 
 def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: dict | None = None,
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = json.loads(args.config) if args.config else None
     results = kernel_sass(schemes[args.scheme], bench.SHAPES[args.shape], args.m, overrides=overrides, arch=args.arch)
     if args.json:
-        print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+        print(json.dumps([{**dataclasses.asdict(r), "instructions_per_weight": r.instructions_per_weight}
+                          for r in results], indent=1))
     else:
         print(f"{args.scheme} on {bench.SHAPES[args.shape].name}, M = {args.m}, sm_{args.arch}:")
         for r in results:
