@@ -20,10 +20,14 @@ import argparse
 import functools
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-import triton
-import triton.language as tl
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench  # noqa: E402  (tools/bench.py: its timing)
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -67,16 +71,9 @@ def read_weights(w: torch.Tensor, k2: int, block_n: int, block_k2: int, tiled: b
     return out
 
 
-def _seconds(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats * 1e-3
+def _seconds(fn) -> float:
+    """Median seconds per call, as tools/bench.py times (CUDA events, after a warm-up)."""
+    return bench._median_time(fn, 0.2, torch.device("cuda"), warmup_seconds=0.05)
 
 
 def main(argv: list[str] | None = None) -> int:

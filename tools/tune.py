@@ -254,7 +254,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     kernel picks today (defaults, or an earlier tuning). ``registers_only``: no tile search, only
     register caps on today's configs."""
     from moe_registry_kernels import triton_moe
-    from moe_registry_kernels.triton_moe import _fit_config, get_config, scheme_from_keys
+    from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
 
     shape = layer.shape
     kscheme = scheme_from_keys(str(layer.wkey), str(layer.akey))
@@ -262,12 +262,10 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
     swap = triton_moe.swappable(kscheme)
-    h, i = shape.hidden, shape.intermediate
-    sms = triton_moe._num_sms(layer.device)
+    i = shape.intermediate
     # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
-    name = triton_moe._device_name(layer.device)
-    d1 = get_config(m, shape.top_k, shape.experts, 2 * i, h, layer.wkey, layer.akey, name, sms)
-    d2 = get_config(m, shape.top_k, shape.experts, h, i, layer.wkey, layer.akey, name, sms)
+    d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
+                            triton_moe._num_sms(layer.device))
     base_t = layer.time((None, None), m, x, tw, ti)
 
     def measure(c1: dict, c2: dict) -> float:
@@ -358,17 +356,21 @@ def register_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int], devi
                    sms: int) -> list[tuple[dict, dict]]:
     """The config pairs a ``--registers-only`` run tries (for compiling ahead): today's configs
     for each M with one GEMM under each register cap."""
-    from moe_registry_kernels.triton_moe import get_config
-
-    wkey, akey = scheme.keys
     pairs = []
     for m in ms:
-        d1 = get_config(m, shape.top_k, shape.experts, 2 * shape.intermediate, shape.hidden, wkey, akey, device_name,
-                        sms)
-        d2 = get_config(m, shape.top_k, shape.experts, shape.hidden, shape.intermediate, wkey, akey, device_name,
-                        sms)
+        d1, d2 = todays_configs(shape, scheme.keys, m, device_name, sms)
         pairs += [(c1, d2) for c1 in register_variants(d1)] + [(d1, c2) for c2 in register_variants(d2)]
     return pairs
+
+
+def todays_configs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str,
+                   sms: int) -> tuple[dict, dict]:
+    """The (GEMM1, GEMM2) configs the kernel picks today for ``m`` tokens: tuned, or the defaults."""
+    from moe_registry_kernels.triton_moe import get_config
+
+    h, i = shape.hidden, shape.intermediate
+    return (get_config(m, shape.top_k, shape.experts, 2 * i, h, *keys, device_name, sms),
+            get_config(m, shape.top_k, shape.experts, h, i, *keys, device_name, sms))
 
 
 def tolerance_for_keys(schemes: dict[str, bench.Scheme], keys: tuple[str, str], dtype: str) -> float:
