@@ -5,16 +5,32 @@ each GEMM input with one amax over all of its rows). Static per-tensor fp8 (``fp
 :func:`moe_registry_kernels.triton_ops.act_quant`'s.
 
 Numerics are :mod:`moe_registry_kernels.quant_ref`'s bit for bit: scale = max(amax, 1e-10) / 448
-(a true division), codes rounded as ``triton_ops._fp8_codes`` rounds them.
+(a true division), codes rounded as ``triton_ops._fp8_codes`` rounds them. Every kernel takes part
+in the layer's programmatic-dependent-launch chain (PDL). At decode :func:`align_quant_fp8` runs
+the alignment and the quantisation in one launch, and the GEMMs may quantise a small input
+themselves (moe_gemm's A_SCALE_IN).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import AMAX_FLOOR, FP8_MAX, _fp8_codes
+from . import triton_ops
+from .triton_ops import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    _align_part,
+    _alignment_outputs,
+    _flat_ids,
+    _fp8_codes,
+    _one_launch_grid,
+    align,
+    align_sizes,
+    grid_dependency,
+    pdl_launch,
+)
 
-__all__ = ["FP8_DYNAMIC_MODES", "quant_fp8_dynamic"]
+__all__ = ["FP8_DYNAMIC_MODES", "quant_fp8_dynamic", "align_quant_fp8"]
 
 FP8_DYNAMIC_MODES = ("fp8_token", "fp8_tensor")
 BLOCK = 1024  # columns per step of a row
@@ -53,10 +69,9 @@ def _row_factor(row_scale_ptr, row, HAS_ROW_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
-                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program_id(0): its amax (times the row factor), its float32 scale, then its codes."""
-    row = tl.program_id(0).to(tl.int64)
+def _fp8_token_row(row, x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
+                   HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its amax (times the row factor), its float32 scale, then its codes."""
     factor = _row_factor(row_scale_ptr, row, HAS_ROW_SCALE)
     scale = tl.math.div_rn(tl.maximum(_row_amax(x_ptr, row, D, stride_x, factor, BLOCK), AMAX_FLOOR), FP8_MAX)
     tl.store(scale_ptr + row, scale)
@@ -64,10 +79,29 @@ def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, str
 
 
 @triton.jit
+def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
+                      HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(0)."""
+    grid_dependency(PDL)
+    _fp8_token_row(tl.program_id(0).to(tl.int64), x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x,
+                   stride_out, HAS_ROW_SCALE, BLOCK)
+
+
+@triton.jit
 def _fp8_tensor_one_program_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
                                    HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, ROWS: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    """A small tensor (decode) in one launch: the amax of the rows that hold data, the scale, every
+                                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """A small tensor (decode) in one launch (:func:`_fp8_tensor_whole`)."""
+    grid_dependency(PDL)
+    _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
+                      HAS_ROW_SCALE, HAS_ROWS, ROWS, BLOCK)
+
+
+@triton.jit
+def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
+                      HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """A small tensor by one program: the amax of the rows that hold data, the scale, every
     row's codes, a [ROWS, BLOCK] tile at a time (one load in flight per tile, not per row)."""
     amax = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for r in range(0, T, ROWS):
@@ -97,9 +131,10 @@ def _fp8_tensor_one_program_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, row
 
 @triton.jit
 def _fp8_tensor_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, rows_ptr, D, stride_x, HAS_ROW_SCALE: tl.constexpr,
-                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row program_id(0) folds its amax into amax_ptr[0] (zeroed; amaxes are >= 0, so the atomic float
     maximum orders them as their bits do)."""
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     valid = True
     if HAS_ROWS:
@@ -111,8 +146,9 @@ def _fp8_tensor_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, rows_ptr, D, stride_
 
 @triton.jit
 def _fp8_tensor_codes_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
-                             HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Row program_id(0)'s codes at the tensor's scale (program 0 also stores the scale)."""
+    grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), AMAX_FLOOR), FP8_MAX)
     if row == 0:
@@ -121,7 +157,13 @@ def _fp8_tensor_codes_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, row_scale_ptr,
                BLOCK)
 
 
-def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, rows: torch.Tensor | None
+def _tensor_meta(t: int, d: int) -> dict:
+    """The one-program tile of a small tensor: BLOCK columns, ROWS rows (at most ONE_PROGRAM_TILE values)."""
+    block = min(BLOCK, max(triton.next_power_of_2(d), 16))
+    return {"BLOCK": block, "ROWS": max(1, min(triton.next_power_of_2(t), ONE_PROGRAM_TILE // block))}
+
+
+def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, rows: torch.Tensor | None, pdl: bool
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_tensor: max(amax over the rows that hold data, 1e-10) / 448, then every row's codes. A tensor of
     at most ONE_PROGRAM_ELEMENTS (decode) takes one launch; a larger one an atomic amax over row programs
@@ -129,40 +171,98 @@ def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, rows: tor
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    block = min(BLOCK, max(triton.next_power_of_2(d), 16))
     row_scale_arg = row_scale if row_scale is not None else scale
     rows_arg = rows if rows is not None else scale
-    flags = {"HAS_ROW_SCALE": row_scale is not None, "BLOCK": block}
+    flags = {"HAS_ROW_SCALE": row_scale is not None, "PDL": pdl, **pdl_launch(pdl)}
     if t * d <= ONE_PROGRAM_ELEMENTS:
-        tile_rows = max(1, min(triton.next_power_of_2(t), ONE_PROGRAM_TILE // block))
         _fp8_tensor_one_program_kernel[(1,)](x, out, scale, row_scale_arg, rows_arg, t, d, x.stride(0), out.stride(0),
-                                             HAS_ROWS=rows is not None, ROWS=tile_rows, num_warps=8, **flags)
+                                             HAS_ROWS=rows is not None, num_warps=8, **_tensor_meta(t, d), **flags)
         return out, scale
+    block = _tensor_meta(t, d)["BLOCK"]
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     _fp8_tensor_amax_kernel[(t,)](x, amax, row_scale_arg, rows_arg, d, x.stride(0), HAS_ROWS=rows is not None,
-                                  num_warps=4, **flags)
-    _fp8_tensor_codes_kernel[(t,)](x, out, amax, scale, row_scale_arg, d, x.stride(0), out.stride(0), num_warps=4,
-                                   **flags)
+                                  BLOCK=block, num_warps=4, **flags)
+    _fp8_tensor_codes_kernel[(t,)](x, out, amax, scale, row_scale_arg, d, x.stride(0), out.stride(0), BLOCK=block,
+                                   num_warps=4, **flags)
     return out, scale
 
 
 def quant_fp8_dynamic(x: torch.Tensor, quant: str, *, row_scale: torch.Tensor | None = None,
-                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rows: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (float8_e4m3fn codes [T, D], float32 scales: [T, 1] for fp8_token, [1] for
     fp8_tensor). ``row_scale`` [T] multiplies each row first (router weight on the input);
     ``rows`` [T] bool: the rows that hold data (fp8_tensor's amax skips the others, e.g. pairs
-    routed to another rank's expert, whose rows were never written)."""
-    if quant not in FP8_DYNAMIC_MODES:
-        raise ValueError(f"quant {quant!r}; wanted one of {', '.join(FP8_DYNAMIC_MODES)}")
+    routed to another rank's expert, whose rows were never written); ``pdl``: launch as part of
+    a programmatic-dependent-launch chain."""
+    _check_mode(quant)
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, d = x.shape
     if quant == "fp8_tensor":
-        return _quant_fp8_tensor(x, row_scale, rows)
+        return _quant_fp8_tensor(x, row_scale, rows, pdl)
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     if t:
-        block = min(BLOCK, max(triton.next_power_of_2(d), 16))
         _fp8_token_kernel[(t,)](x, out, scale, row_scale if row_scale is not None else scale, d, x.stride(0),
-                                out.stride(0), HAS_ROW_SCALE=row_scale is not None, BLOCK=block, num_warps=4)
+                                out.stride(0), HAS_ROW_SCALE=row_scale is not None,
+                                BLOCK=_tensor_meta(1, d)["BLOCK"], PDL=pdl, num_warps=4, **pdl_launch(pdl))
     return out, scale
+
+
+def _check_mode(quant: str) -> None:
+    if quant not in FP8_DYNAMIC_MODES:
+        raise ValueError(f"quant {quant!r}; wanted one of {', '.join(FP8_DYNAMIC_MODES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: alignment and quantisation in one launch
+
+
+@triton.jit
+def _align_quant_fp8_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                            num_blocks, parts, x_ptr, out_ptr, scale_ptr, row_scale_ptr, T, D, stride_x, stride_out,
+                            QUANT: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, BINS: tl.constexpr,
+                            CHUNK: tl.constexpr, EXPERT_TILE: tl.constexpr, FILL: tl.constexpr,
+                            TILE_B: tl.constexpr, PDL: tl.constexpr):
+    """Programs 0 .. parts - 1 align the pairs (triton_ops' one-launch alignment); the others
+    quantise: fp8_token program parts + r row r, fp8_tensor program parts the whole tensor."""
+    grid_dependency(PDL)
+    pid = tl.program_id(0)
+    if pid < parts:
+        _align_part(pid, parts, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                    num_blocks, BLOCK_M, PAIRS, BINS, CHUNK, EXPERT_TILE, FILL, TILE_B)
+    elif QUANT == "fp8_token":
+        _fp8_token_row((pid - parts).to(tl.int64), x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x,
+                       stride_out, HAS_ROW_SCALE, BLOCK)
+    else:
+        _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, scale_ptr, T, D, stride_x, stride_out,
+                          HAS_ROW_SCALE, False, ROWS, BLOCK)
+
+
+def align_quant_fp8(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
+                    row_scale: torch.Tensor | None = None, pdl: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """triton_ops.align and :func:`quant_fp8_dynamic` of the layer's input together: (sorted_token_ids,
+    expert_ids, num_tokens_post_padded, codes, scale). Decode (few pairs; fp8_tensor: a tensor one
+    program quantises) takes one launch; otherwise they are their own launches."""
+    _check_mode(quant)
+    ids = _flat_ids(topk_ids)
+    numel = ids.numel()
+    t, d = x.shape
+    if numel > triton_ops.ALIGN_ONE_LAUNCH_MAX or quant == "fp8_tensor" and t * d > ONE_PROGRAM_ELEMENTS:
+        return (*align(ids, num_experts, block_m, pdl=pdl), *quant_fp8_dynamic(x, quant, row_scale=row_scale, pdl=pdl))
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
+    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
+    out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t if quant == "fp8_token" else 1, dtype=torch.float32, device=x.device)
+    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
+    quant_programs = t if quant == "fp8_token" else 1
+    _align_quant_fp8_kernel[(parts + quant_programs,)](
+        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, parts,
+        x, out, scale, row_scale if row_scale is not None else scale, t, d, x.stride(0), out.stride(0),
+        QUANT=quant, HAS_ROW_SCALE=row_scale is not None, **_tensor_meta(t, d), **align_meta, PDL=pdl, num_warps=8,
+        **pdl_launch(pdl))
+    return sorted_ids, expert_ids, num_post, out, scale.view(-1, 1) if quant == "fp8_token" else scale

@@ -24,7 +24,7 @@ import triton.language as tl
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
 from .fp4_dequant import _dequant_e2m1, _e4m3_value
 from .scheme import dot_kind, packed, zero_code
-from .triton_ops import gated_act, grid_release, grid_wait
+from .triton_ops import AMAX_FLOOR, FP8_MAX, _fp8_codes, gated_act, grid_release, grid_wait
 
 
 @triton.constexpr_function
@@ -239,6 +239,46 @@ def _dot(a, b, acc):
     return tl.dot(a, b, acc, input_precision="ieee") if a.dtype == tl.float32 else tl.dot(a, b, acc)
 
 
+@triton.jit
+def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Each row's max |value| over its first ``width`` columns (float32 [ROWS]; rows not ok: 0),
+    COLS columns a step (one wide load each: a step is a round trip to L2)."""
+    amax = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for c in range(0, width, COLS):
+        cols = c + tl.arange(0, COLS)
+        v = tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :],
+                    mask=row_ok[:, None] & (cols < width)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    return tl.max(amax, axis=1)
+
+
+@triton.jit
+def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
+                       num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
+                       SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The scale of a dynamic fp8 input this GEMM quantises itself (A_SCALE_IN), max(amax, 1e-10) /
+    448 as fp8_act finds it: fp8_tensor's over every one of ``scale_rows`` rows ("rows": of A, all
+    holding data; "pieces": of the row-amax pieces GEMM1's epilogue left, only rows of pairs routed
+    to this rank's experts, which GEMM1 wrote); fp8_token's ("pieces") over each of the tile's own
+    rows ([BLOCK_M]). A scalar, or [BLOCK_M]."""
+    if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
+        amax = _rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS)
+    else:  # one amax over scale_rows rows (fp8_token of a one-token A too: its one row is the tensor)
+        amax = tl.zeros([SCALE_ROWS], dtype=tl.float32)
+        for r in range(0, scale_rows, SCALE_ROWS):
+            rows = r + tl.arange(0, SCALE_ROWS)
+            ok = rows < scale_rows
+            if A_SCALE_IN == "rows":
+                amax = tl.maximum(amax, _rows_amax(a_ptr, rows, ok, stride_am, K, SCALE_ROWS, SCALE_COLS))
+            else:
+                ids = tl.load(pair_ids_ptr + rows, mask=ok, other=-1)
+                ok = ok & (ids >= 0) & (ids < num_experts)
+                amax = tl.maximum(amax, _rows_amax(amax_ptr, rows, ok, amax_parts, amax_parts, SCALE_ROWS,
+                                                   SCALE_COLS))
+        amax = tl.max(amax, axis=0)
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+
+
 # ---------------------------------------------------------------------------------------------
 # the kernels
 
@@ -249,12 +289,13 @@ def _fused_moe_kernel(
         # tensors
         a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr,
         topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
-        amax_ptr,
+        amax_ptr, pair_ids_ptr,
         # sizes: C is [rows, N] = A [rows, K] @ B[e]^T; K_PACKED = K / 2 (its own argument so
         # Triton sees its divisibility and vectorises the byte loads); rows_per_expert is the
         # padded length of sorted_ids (standard) or the per-expert capacity T (batched);
-        # amax_parts: columns of the row-amax pieces [rows, amax_parts] (see AMAX_OUT)
-        N, K, K_PACKED, num_valid, rows_per_expert, num_experts, amax_parts,
+        # amax_parts: columns of the row-amax pieces [rows, amax_parts] (see AMAX_OUT, A_SCALE_IN);
+        # scale_rows: the rows A_SCALE_IN's per-tensor amax spans
+        N, K, K_PACKED, num_valid, rows_per_expert, num_experts, amax_parts, scale_rows,
         # strides (last dimensions are contiguous; zero points share the scales' strides);
         # stride_cs steps between split-K partial outputs
         stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk,
@@ -271,6 +312,12 @@ def _fused_moe_kernel(
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
+        # A_SCALE_IN (dynamic fp8 activations at decode): A holds the 16-bit input and the kernel
+        # quantises it, its scale found first from A's rows ("rows") or from GEMM1's row-amax
+        # pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts, [scale_rows]), so the
+        # layer launches no quantisation kernel; "none": A holds codes, a_scale_ptr their scales.
+        # SCALE_ROWS x SCALE_COLS: the tile that search reads a step
+        A_SCALE_IN: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr,
@@ -306,6 +353,8 @@ def _fused_moe_kernel(
     tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
+    tl.static_assert(A_SCALE_IN == "none" or A_QUANT == "fp8_tensor" or A_QUANT == "fp8_token",
+                     "the GEMM finds dynamic fp8 scales only")
     grid_wait(PDL)
     pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
@@ -323,6 +372,12 @@ def _fused_moe_kernel(
     dtype = COMPUTE
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
+    if A_SCALE_IN != "none":
+        a_scale_in = _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
+                                        amax_parts, num_experts, A_QUANT, A_SCALE_IN, BLOCK_M, SCALE_ROWS,
+                                        SCALE_COLS)
+        if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
+            a_scale_in = a_scale_in[:, None]
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -351,6 +406,8 @@ def _fused_moe_kernel(
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
         a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if A_SCALE_IN != "none":  # the codes fp8_act would have stored
+            a = _fp8_codes(a.to(tl.float32), a_scale_in)
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
             a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,
@@ -428,7 +485,9 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
+    if A_SCALE_IN != "none":
+        acc *= a_scale_in
+    elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
     if W_SCALE2:
         acc *= tl.load(b_scale2_ptr + expert * N + offs_bn)[None, :]

@@ -57,7 +57,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
     _offset_zero,
     _paired_halves,
 )
-from .fp8_act import FP8_DYNAMIC_MODES, quant_fp8_dynamic
+from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .scheme import Scheme, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
@@ -94,6 +94,15 @@ __all__ = [
 AMAX_PIECES = True
 AMAX_PIECES_MAX_TOKENS = 64
 AMAX_PIECES_MIN_CHUNKS = 8
+# dynamic fp8 inputs at decode are quantised by the GEMM that reads them (_InputScale), which
+# finds the scale itself: GEMM1 from its input when it holds at most SCALE_IN_GEMM_ELEMENTS
+# values (every program reads them all, from L2), GEMM2 from GEMM1's row-amax pieces (per
+# tensor: at most SCALE_IN_GEMM_PIECES of them, read by every program; per token: up to
+# AMAX_PIECES_MAX_TOKENS tokens, each program its own rows'). SCALE_TILE: values a search step reads
+SCALE_IN_GEMM = True
+SCALE_IN_GEMM_ELEMENTS = 8192
+SCALE_IN_GEMM_PIECES = 4096
+SCALE_TILE = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +141,32 @@ class _Rows:
         return self.expert_num_tokens is not None
 
 
+@dataclass(frozen=True)
+class _InputScale:
+    """A GEMM quantising its own dynamic fp8 input (the kernel's A_SCALE_IN): the scale from the
+    first ``rows`` rows of A (``pieces`` None), or from GEMM1's row-amax ``pieces`` [pairs, column
+    tiles], the per-tensor amax over the pairs ``pair_ids`` routes to this rank's experts."""
+
+    rows: int
+    pieces: torch.Tensor | None = None
+    pair_ids: torch.Tensor | None = None
+
+    @property
+    def source(self) -> str:
+        return "rows" if self.pieces is None else "pieces"
+
+    def search_tile(self, width: int, block_m: int, per_token: bool) -> dict:
+        """SCALE_ROWS x SCALE_COLS, at most SCALE_TILE values: whole rows of ``width`` where they
+        fit (a step is a round trip to L2); per-token pieces take the tile's BLOCK_M rows."""
+        if per_token and self.pieces is not None:
+            return {"SCALE_ROWS": 1, "SCALE_COLS": min(triton.next_power_of_2(width), max(SCALE_TILE // block_m, 16))}
+        cols = min(triton.next_power_of_2(width), SCALE_TILE)
+        return {"SCALE_ROWS": max(1, min(SCALE_TILE // cols, triton.next_power_of_2(self.rows))), "SCALE_COLS": cols}
+
+
+_NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16}
+
+
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -151,12 +186,14 @@ def _column_tiles(n: int, block_n: int, fuse_act: str) -> int:
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor,
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
-          fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False) -> None:
+          fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False,
+          input_scale: _InputScale | None = None) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
     ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
     ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
     per column tile there (see _amax_pieces_shape); ``pdl``: as part of a
-    programmatic-dependent-launch chain."""
+    programmatic-dependent-launch chain; ``input_scale``: A is the 16-bit input of a dynamic
+    fp8 scheme, quantised by the kernel (a_scale None)."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -173,6 +210,17 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     n_tiles = _column_tiles(w.n, bn, fuse_act)
     if amax_pieces is not None and (fuse_act == "none" or config["SWAP_AB"] or amax_pieces.shape[1] != n_tiles):
         raise ValueError("row-amax pieces come from the fused-activation kernel, one per column tile")
+    if input_scale is not None and (scheme.act_quant not in FP8_DYNAMIC_MODES or config["SWAP_AB"]
+                                    or a_scale is not None
+                                    or input_scale.pieces is not None and amax_pieces is not None):
+        raise ValueError("only a dynamic fp8 GEMM finds its input's scale, and not from pieces while it "
+                         "leaves pieces of its own")
+    scale_search = _NO_SCALE_SEARCH
+    if input_scale is not None:
+        width = w.k if input_scale.pieces is None else input_scale.pieces.shape[1]
+        scale_search = {"A_SCALE_IN": input_scale.source,
+                        **input_scale.search_tile(width, bm, scheme.act_quant == "fp8_token")}
+    pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
     elif rows.one_pair_blocks:
@@ -208,9 +256,10 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         topk_weights if topk_weights is not None else dummy,
         sorted_ids, rows.expert_ids if rows.expert_ids is not None else dummy, num_post_padded,
         rows.expert_num_tokens if rows.expert_num_tokens is not None else dummy,
-        amax_pieces if amax_pieces is not None else dummy,
+        pieces if pieces is not None else dummy,
+        input_scale.pair_ids if input_scale is not None and input_scale.pair_ids is not None else dummy,
         w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, w.weight.shape[0],
-        amax_pieces.shape[1] if amax_pieces is not None else 0,
+        pieces.shape[1] if pieces is not None else 0, input_scale.rows if input_scale is not None else 0,
         a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
         c.stride(0) if split_k > 1 else 0,
         W_TYPE=scheme.weight_type, HAS_ZERO=w.zero is not None, W_SCALE=scheme.weight_scale,
@@ -218,7 +267,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         A_GROUP=max(scheme.act_group, 1), COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
         ACT_ORDER=w.perm is not None, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight,
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
-        FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None,
+        FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_launch_options(config),
         **triton_ops.pdl_launch(pdl))
@@ -249,12 +298,35 @@ def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w
     (14336 columns on Mixtral); at prefill, only instead of an amax pass and a codes pass over
     many chunks (1408 columns in 11 on DeepSeek-V2-Lite: the layer 2-3% faster on an H100; on
     Qwen3's 768 in 3 and Mixtral's 14336 in 7, 1% slower: the epilogue's row max costs more)."""
+    if _gemm2_finds_scale(scheme, tokens, top_k, config1, w13, activation):
+        return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
     if scheme.act_quant != "int8_token" or not AMAX_PIECES or config1["SWAP_AB"]:
         return None
     width = w13.n // 2 if activation != "none" else w13.n
     if tokens > AMAX_PIECES_MAX_TOKENS and triton_ops.prefill_row_chunks(width) <= AMAX_PIECES_MIN_CHUNKS:
         return None
     return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
+
+
+def _gemm1_finds_scale(scheme: Scheme, tokens: int, hidden_size: int, row_scale: torch.Tensor | None) -> bool:
+    """Whether GEMM1 quantises its dynamic fp8 input itself (SCALE_IN_GEMM): a small input whose
+    rows share one scale (per tensor, or per token of a single token), without a router weight
+    to apply first."""
+    if not SCALE_IN_GEMM or scheme.act_quant not in FP8_DYNAMIC_MODES or row_scale is not None:
+        return False
+    return (scheme.act_quant == "fp8_tensor" or tokens == 1) and tokens * hidden_size <= SCALE_IN_GEMM_ELEMENTS
+
+
+def _gemm2_finds_scale(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj, activation: str) -> bool:
+    """Whether GEMM2 quantises its dynamic fp8 input itself (SCALE_IN_GEMM), the scale from the
+    row-amax pieces GEMM1's fused activation leaves: per token, a few tokens' pieces (each
+    program reads its own rows'); per tensor, few pieces in all (each program reads them all)."""
+    if (not SCALE_IN_GEMM or scheme.act_quant not in FP8_DYNAMIC_MODES or activation == "none"
+            or config1["SWAP_AB"]):
+        return False
+    if scheme.act_quant == "fp8_token":
+        return tokens <= AMAX_PIECES_MAX_TOKENS
+    return tokens * top_k * _column_tiles(w13.n, config1["BLOCK_N"], activation) <= SCALE_IN_GEMM_PIECES
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -266,7 +338,8 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
     if scheme.act_quant in FP8_DYNAMIC_MODES:  # per-token / per-tensor dynamic fp8 (fp8_act)
         if kwargs.get("expert_num_tokens") is not None:  # the batched format's padding rows would join the amax
             raise ValueError(f"{scheme.act_quant} activations run in the standard activation format only")
-        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"))
+        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"),
+                                 pdl=kwargs.get("pdl", False))
     return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
                                 group=scheme.act_group or 128, **kwargs)
 
@@ -312,12 +385,19 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
+    # a small dynamic fp8 input: GEMM1 quantises it itself (no launch of its own)
+    scale1 = _InputScale(rows=m) if _gemm1_finds_scale(scheme, m, hidden.shape[1], row_scale) else None
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
-        a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl)
+        a1, a1_scale = (hidden, None) if scale1 else _quantize(hidden, scheme, w13.input_scale,
+                                                                row_scale=row_scale, pdl=pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
-    elif scheme.act_quant in FP8_DYNAMIC_MODES:  # alignment, then fp8_act's quantisation
+    elif scale1:
         sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, config1["BLOCK_M"], pdl=pdl)
-        a1, a1_scale = _quantize(hidden, scheme, None, row_scale=row_scale, pdl=pdl)
+        a1, a1_scale = hidden, None
+        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
+    elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
+        sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
+            topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     else:
         sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
@@ -329,9 +409,14 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl)
+          routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
+          input_scale=scale1)
 
-    if scheme.act_quant in FP8_DYNAMIC_MODES:
+    scale2 = None
+    if amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:  # GEMM2 quantises inter itself
+        a2, a2_scale = inter, None
+        scale2 = _InputScale(rows=m * top_k, pieces=amax, pair_ids=topk_ids.reshape(-1))
+    elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         flat_ids = topk_ids.reshape(-1)
         valid = (flat_ids >= 0) & (flat_ids < num_experts) if scheme.act_quant == "fp8_tensor" else None
@@ -344,7 +429,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
-          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl)
+          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2)
     if partial is not out:
         triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids,
                             num_experts=num_experts)

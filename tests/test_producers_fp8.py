@@ -478,6 +478,82 @@ def test_dynamic_per_tensor_skips_foreign_pairs_in_triton(built) -> None:
     assert _rel(got, want) <= 2e-2  # float16 intermediates flip a few fp8 codes
 
 
+class _LoudEmpty:
+    """torch for triton_moe, but its empty float tensors hold 1000.0: rows a kernel never writes
+    (pairs routed to another rank's expert) are loud, so reading one changes the result."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs) -> torch.Tensor:
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(1000.0) if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
+
+
+@pytest.mark.parametrize(("name", "m", "before", "after"), [
+    ("autofp8-dynamic", 1, ["quant", "quant"], []),
+    ("autofp8-dynamic", 5, ["align_quant", "quant"], []),
+    ("llmc-fp8-dynamic", 1, ["quant", "quant"], []),
+    ("llmc-fp8-dynamic", 5, ["align_quant", "quant"], ["align_quant"])])
+def test_gemms_quantising_their_own_input_equal_the_quantisation_kernels(name: str, m: int, before: list,
+                                                                         after: list, built, monkeypatch) -> None:
+    """At decode the GEMMs quantise a dynamic fp8 input themselves (GEMM1 from its rows when they
+    are few and share a scale, GEMM2 from GEMM1's row-amax pieces), so fp8_act launches nothing
+    (per token, GEMM1's input of several tokens still takes alignment + quantisation in one
+    launch): bit-equal to the layer that quantises with fp8_act's kernels, with a foreign pair
+    (id -1) whose unwritten intermediate row and pieces are loud."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import fp8_act, triton_moe
+    from moe_registry_kernels.triton_moe import TritonExperts
+
+    calls: list[str] = []
+
+    def counted(name: str, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(triton_moe, "quant_fp8_dynamic", counted("quant", fp8_act.quant_fp8_dynamic))
+    monkeypatch.setattr(triton_moe, "align_quant_fp8", counted("align_quant", fp8_act.align_quant_fp8))
+    monkeypatch.setattr(triton_moe, "torch", _LoudEmpty())
+    experts = TritonExperts(built[name].weights, ExpertsConfig())
+    ids, w = _routing(31, m)
+    ids[m - 1, 1] = -1
+    x = _hidden(37, m).to(torch.float16)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    want = experts.apply(x, w, ids)
+    assert calls == before
+    calls.clear()
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
+    got = experts.apply(x, w, ids)
+    assert calls == after
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["fp8_token", "fp8_tensor"])
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
+def test_alignment_and_fp8_quantisation_in_one_launch(mode: str, one_launch: bool, monkeypatch) -> None:
+    """align_quant_fp8 (decode: one launch) equals triton_ops.align followed by quant_fp8_dynamic,
+    bit for bit, with a router weight per row too."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import fp8_act, triton_ops
+
+    if not one_launch:
+        monkeypatch.setattr(triton_ops, "ALIGN_ONE_LAUNCH_MAX", 0)
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 700, generator=g) * 3).to(torch.float16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)]).to(torch.int32)
+    for row_scale in (None, torch.rand(6, generator=g) + 0.5):
+        got = fp8_act.align_quant_fp8(ids, E, 16, x, mode, row_scale=row_scale)
+        want = (*triton_ops.align(ids, E, 16), *fp8_act.quant_fp8_dynamic(x, mode, row_scale=row_scale))
+        used = int(want[2].item())
+        assert torch.equal(got[2], want[2]) and torch.equal(got[0][:used], want[0][:used])
+        assert torch.equal(got[1][:used // 16], want[1][:used // 16])
+        assert torch.equal(got[3].view(torch.uint8), want[3].view(torch.uint8)) and torch.equal(got[4], want[4])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> None:

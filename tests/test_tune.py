@@ -361,3 +361,17 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
     args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
     assert tune.main(args) == 0 and tune.main([*args, "--redo", "--registers-only"]) == 0
     assert [kwargs["registers_only"] for kwargs in seen] == [False, True]
+
+
+def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
+    """Packed decode weights: 128-column tiles of 4 warps are tried capped (uncapped they hold 3
+    programs an SM); wider weights and prefill get no capped candidates."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    capped = [c for c in tune.tile_candidates(16, narrow=True) if "maxnreg" in c]
+    assert capped and all(c["maxnreg"] == tune.WIDE_TILE_CAP and c["BLOCK_N"] == 128 and c["num_warps"] == 4
+                          for c in capped)
+    assert {c["BLOCK_K"] for c in capped} == {128, 256}
+    assert not any("maxnreg" in c for c in tune.tile_candidates(16, narrow=False))
+    assert not any("maxnreg" in c for c in tune.tile_candidates(64, narrow=True))

@@ -72,8 +72,8 @@ def block_ms(m: int, shape: bench.Shape) -> list[int]:
 
 
 def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False) -> list[dict]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB]) worth trying at one BLOCK_M (the first
-    ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB][, maxnreg]) worth trying at one BLOCK_M
+    (the first ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
@@ -81,6 +81,11 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
         if narrow:  # a packed tile is small: deeper pipelines and longer K keep more bytes in flight
             tiles += [(64, 256, 4, 5, False), (128, 256, 4, 5, False), (64, 512, 4, 3, False),
                       (128, 512, 4, 3, False), (64, 512, 4, 4, False)]
+            # 128 columns a warp group spread the per-step activation split over twice the weights
+            # of 64 (fewer instructions per weight), but take ~145 registers a thread (3 programs
+            # an SM): capped, they keep 5
+            tiles += [(128, 128, 4, 3, False, WIDE_TILE_CAP), (128, 128, 4, 4, False, WIDE_TILE_CAP),
+                      (128, 256, 4, 4, False, WIDE_TILE_CAP)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
             tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
     elif bm > 128:  # only the swapped kernel takes 256 token rows (its dot's wide side)
@@ -91,11 +96,12 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
         if swap:  # weights dequantised straight into the matrix unit's register operand
             tiles += [(64, 64, 4, 4, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True), (128, 128, 8, 3, True)]
     out = []
-    for bn, bk, warps, stages, swapped in tiles:
+    for bn, bk, warps, stages, swapped, *cap in tiles:
         if bm * bk + bk * bn > 256 * 256 + 128 * 256:  # operand tiles past shared memory at 3+ stages
             continue
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1 if bm <= 32 else 8,
-                    "num_warps": warps, "num_stages": stages, "SPLIT_K": 1, "SWAP_AB": swapped})
+                    "num_warps": warps, "num_stages": stages, "SPLIT_K": 1, "SWAP_AB": swapped}
+                   | ({"maxnreg": cap[0]} if cap else {}))
     return out[:limit]
 
 
@@ -103,6 +109,7 @@ SPLITS = (1, 2, 4, 8)
 # register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
 # a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
 REGISTER_CAPS = (128, 96, 80, 64)
+WIDE_TILE_CAP = 96  # wide decode tiles (BLOCK_N 128, 4 warps) under this cap: 5 programs an SM, few spills
 # a search winner must still beat today's configs by this much when both are timed side by side
 CONFIRM_MARGIN = 0.02
 CONFIRM_ROUNDS = 3
