@@ -24,7 +24,7 @@ import triton.language as tl
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
 from .fp4_dequant import _dequant_e2m1, _e4m3_value
 from .scheme import dot_kind, packed, zero_code
-from .triton_ops import AMAX_FLOOR, FP8_MAX, _fp8_codes, gated_act, grid_release, grid_wait
+from .triton_ops import AMAX_FLOOR, FP8_MAX, _to_e4m3, gated_act, grid_release, grid_wait
 
 
 @triton.constexpr_function
@@ -253,6 +253,22 @@ def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.co
 
 
 @triton.jit
+def _fp8_codes_by_reciprocal(v, scale, reciprocal, HW_FP8_CAST: tl.constexpr):
+    """float32 values -> e4m3 codes at this scale, as triton_ops._fp8_codes rounds them, in a few
+    instructions a value: the quotient RN(v / scale) by Markstein's correction of v * RN(1 /
+    scale) (correctly rounded for these quotients, at most ~448; those too small to keep every
+    bit round to the zero code anyway), without div.rn's range checks, whose slow path every zero
+    of the tile's masked rows would take; then the GPU's saturating round-to-nearest-even cast
+    (HW_FP8_CAST; the sign of a zero code, which it may drop, does not change a dot) or, in the
+    interpreter, whose cast rounds differently, triton_ops._to_e4m3."""
+    q = v * reciprocal
+    q = tl.fma(tl.fma(-q, scale, v), reciprocal, q)
+    if HW_FP8_CAST:
+        return q.to(tl.float8e4nv)
+    return _to_e4m3(q)
+
+
+@triton.jit
 def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
                        num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
@@ -316,8 +332,9 @@ def _fused_moe_kernel(
         # quantises it, its scale found first from A's rows ("rows") or from GEMM1's row-amax
         # pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts, [scale_rows]), so the
         # layer launches no quantisation kernel; "none": A holds codes, a_scale_ptr their scales.
-        # SCALE_ROWS x SCALE_COLS: the tile that search reads a step
-        A_SCALE_IN: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+        # SCALE_ROWS x SCALE_COLS: the tile that search reads a step; HW_FP8_CAST: see
+        # _fp8_codes_by_reciprocal
+        A_SCALE_IN: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HW_FP8_CAST: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr,
@@ -378,6 +395,7 @@ def _fused_moe_kernel(
                                         SCALE_COLS)
         if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
             a_scale_in = a_scale_in[:, None]
+        a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -407,7 +425,7 @@ def _fused_moe_kernel(
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
         a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if A_SCALE_IN != "none":  # the codes fp8_act would have stored
-            a = _fp8_codes(a.to(tl.float32), a_scale_in)
+            a = _fp8_codes_by_reciprocal(a.to(tl.float32), a_scale_in, a_reciprocal, HW_FP8_CAST)
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
             a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,

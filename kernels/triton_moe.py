@@ -40,6 +40,7 @@ skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a C
 """
 
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +168,12 @@ class _InputScale:
 _NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16}
 
 
+def _hardware_fp8_cast(device: torch.device) -> bool:
+    """Whether a kernel's float32 -> e4m3 cast is the GPU's saturating round-to-nearest-even
+    conversion: not under the interpreter, whose cast rounds differently."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -220,6 +227,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         width = w.k if input_scale.pieces is None else input_scale.pieces.shape[1]
         scale_search = {"A_SCALE_IN": input_scale.source,
                         **input_scale.search_tile(width, bm, scheme.act_quant == "fp8_token")}
+    scale_search["HW_FP8_CAST"] = input_scale is not None and _hardware_fp8_cast(a.device)
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]

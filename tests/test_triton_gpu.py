@@ -50,6 +50,11 @@ SCHEMES = {
     "mxfp8": (MXFP8, MXFP8_ACT, "fp8"),
     "fp8-block": ("fp8e4m3 scale:float32:block(128x128):static", FP8_GROUP_ACT, "fp8"),
 }
+# dynamic fp8 activations, which the GEMMs quantise themselves at decode (triton_moe.SCALE_IN_GEMM)
+FP8_DYNAMIC = {
+    "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic", "fp8"),
+    "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic", "fp8"),
+}
 TOLERANCE = {
     (torch.float16, "float"): 5e-3, (torch.float16, "int"): 1e-2, (torch.float16, "fp8"): 3e-2,
     (torch.bfloat16, "float"): 1e-2, (torch.bfloat16, "int"): 2e-2, (torch.bfloat16, "fp8"): 3e-2,
@@ -63,7 +68,7 @@ def _weights(scheme: str, e: int, h: int, i: int, dtype: torch.dtype, *, bias: b
              act_order: bool = False, seed: int = 0) -> ExpertWeights:
     """Random experts like quant_ref.make_random_expert_weights, but drawn and quantised on the
     GPU (the CPU takes minutes at these sizes); act-order goes through quant_ref on the CPU."""
-    wk, ak, _ = SCHEMES[scheme]
+    wk, ak, _ = (SCHEMES | FP8_DYNAMIC)[scheme]
     wkey, akey = parse_quant_key(wk), parse_quant_key(ak)
     if act_order:
         return quant_ref.make_random_expert_weights(
@@ -141,6 +146,38 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
     err = _rel_err(out, ref)
     assert err < _tolerance(scheme, dtype), f"{scheme} swapped split {split_k} {dtype}: relative error {err:.2e}"
 
+
+
+@pytest.mark.parametrize("m", [1, 2, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", list(FP8_DYNAMIC))
+def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkeypatch):
+    """Dynamic fp8 at decode: the layer whose GEMMs quantise their own input (the GPU's fp8 cast,
+    Markstein's reciprocal) gives exactly the output of the layer that quantises with fp8_act's
+    kernels, a pair routed to another rank's expert included; and it is near the reference."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m)
+    topk_ids[0, 0] = -1
+    experts = TritonExperts(weights, ExpertsConfig())
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    want = experts.apply(hidden, topk_weights, topk_ids)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
+    got = experts.apply(hidden, topk_weights, topk_ids)
+    assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    assert _rel_err(got, ref) < TOLERANCE[(torch.bfloat16, "fp8")]
+
+
+@pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
+def test_fp8_codes_by_reciprocal_round_as_the_division(amax):
+    """The GEMM's own fp8 quantisation with the GPU's cast: quant_ref's codes at every e4m3 code
+    and tie, one float32 step either side, past saturation, tiny and random values."""
+    from fp8_codes_probe import hard_values, probe
+
+    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / 448.0)
+    got, want = probe(hard_values(scale, seed=3).to(DEVICE), scale, hw_cast=True)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq8-g128", "awq-g32"])

@@ -806,3 +806,15 @@ def test_moe_sum(weighted):
     ref = (x.float() * (w[..., None] if weighted else 1)).sum(1)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
+def test_fp8_codes_by_reciprocal_round_as_the_division(amax: float) -> None:
+    """The GEMM's own fp8 quantisation (Markstein's corrected reciprocal, no division) gives the
+    codes of quant_ref's true division at every e4m3 code and tie and one float32 step either
+    side, past saturation, for tiny values and random ones, at scales from the floor up."""
+    from fp8_codes_probe import hard_values, probe
+
+    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / 448.0)
+    got, want = probe(hard_values(scale, seed=3), scale, hw_cast=False)
+    assert torch.equal(got, want)
