@@ -30,7 +30,7 @@ from .triton_ops import (
     pdl_launch,
 )
 
-__all__ = ["FP8_DYNAMIC_MODES", "quant_fp8_dynamic", "align_quant_fp8"]
+__all__ = ["FP8_DYNAMIC_MODES", "quant_fp8_dynamic", "quant_fp8_from_pieces", "align_quant_fp8"]
 
 FP8_DYNAMIC_MODES = ("fp8_token", "fp8_tensor")
 BLOCK = 1024  # columns per step of a row
@@ -39,6 +39,7 @@ BLOCK = 1024  # columns per step of a row
 # row programs with an atomic amax (3 launches)
 ONE_PROGRAM_ELEMENTS = 1 << 14
 ONE_PROGRAM_TILE = 1 << 13
+PIECES_TILE = 1 << 13  # row-amax pieces a program reads a step (quant_fp8_from_pieces)
 
 
 @triton.jit
@@ -212,6 +213,59 @@ def quant_fp8_dynamic(x: torch.Tensor, quant: str, *, row_scale: torch.Tensor | 
 def _check_mode(quant: str) -> None:
     if quant not in FP8_DYNAMIC_MODES:
         raise ValueError(f"quant {quant!r}; wanted one of {', '.join(FP8_DYNAMIC_MODES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: the intermediate's amax from GEMM1's pieces
+
+
+@triton.jit
+def _fp8_codes_from_pieces_kernel(x_ptr, out_ptr, scale_ptr, pieces_ptr, ids_ptr, T, D, P, num_experts, stride_x,
+                                  stride_out, QUANT: tl.constexpr, BLOCK: tl.constexpr, PIECE_ROWS: tl.constexpr,
+                                  PIECE_COLS: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(0)'s codes at the scale GEMM1's row-amax pieces [T, P] give: fp8_token its
+    own row's; fp8_tensor every row's whose pair went to one of this rank's experts (ids_ptr: the
+    pairs' experts; the other rows were never written). Program 0 stores the tensor's scale."""
+    grid_dependency(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, PIECE_COLS)
+    amax = tl.zeros([PIECE_ROWS, PIECE_COLS], dtype=tl.float32)
+    first_row = row if QUANT == "fp8_token" else 0
+    last_row = row + 1 if QUANT == "fp8_token" else T
+    for r in range(first_row, last_row, PIECE_ROWS):
+        rows = r + tl.arange(0, PIECE_ROWS)
+        ok = rows < last_row
+        if QUANT == "fp8_tensor":
+            ids = tl.load(ids_ptr + rows, mask=ok, other=-1)
+            ok = ok & (ids >= 0) & (ids < num_experts)
+        for c in range(0, P, PIECE_COLS):
+            amax = tl.maximum(amax, tl.load(pieces_ptr + rows[:, None] * P + c + cols[None, :],
+                                            mask=ok[:, None] & (c + cols < P)[None, :], other=0.0))
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), AMAX_FLOOR), FP8_MAX)
+    if QUANT == "fp8_token" or row == 0:
+        tl.store(scale_ptr + (row if QUANT == "fp8_token" else 0), scale)
+    _row_codes(x_ptr, out_ptr, row, D, stride_x, stride_out, 1.0, scale, BLOCK)
+
+
+def quant_fp8_from_pieces(x: torch.Tensor, quant: str, pieces: torch.Tensor, pair_ids: torch.Tensor,
+                          num_experts: int, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quant_fp8_dynamic` of GEMM1's output x [T, D] in one launch, its amax taken from the
+    row-amax pieces [T, P] GEMM1's epilogue left (the largest |value| of each row per column
+    tile, as stored) instead of a pass over x: per token, each row's own; per tensor, those of
+    the rows whose pair ``pair_ids`` [T] routes to one of this rank's ``num_experts``."""
+    _check_mode(quant)
+    t, d = x.shape
+    if pieces.shape[0] != t or pair_ids.numel() != t or not pieces.is_contiguous() or x.stride(-1) != 1:
+        raise ValueError(f"pieces {tuple(pieces.shape)} and pair ids {tuple(pair_ids.shape)} for {t} rows")
+    out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(t if quant == "fp8_token" else 1, dtype=torch.float32, device=x.device)
+    if t:
+        cols = min(triton.next_power_of_2(pieces.shape[1]), 1024)
+        rows = 1 if quant == "fp8_token" else max(1, min(triton.next_power_of_2(t), PIECES_TILE // cols))
+        _fp8_codes_from_pieces_kernel[(t,)](x, out, scale, pieces, pair_ids, t, d, pieces.shape[1], num_experts,
+                                            x.stride(0), out.stride(0), QUANT=quant, BLOCK=_tensor_meta(1, d)["BLOCK"],
+                                            PIECE_ROWS=rows, PIECE_COLS=cols, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    return out, scale.view(-1, 1) if quant == "fp8_token" else scale
 
 
 # ---------------------------------------------------------------------------------------------

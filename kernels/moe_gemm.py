@@ -272,14 +272,14 @@ def _fp8_codes_by_reciprocal(v, scale, reciprocal, HW_FP8_CAST: tl.constexpr):
 def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
                        num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
                        SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """The scale of a dynamic fp8 input this GEMM quantises itself (A_SCALE_IN), max(amax, 1e-10) /
-    448 as fp8_act finds it: fp8_tensor's over every one of ``scale_rows`` rows ("rows": of A, all
-    holding data; "pieces": of the row-amax pieces GEMM1's epilogue left, only rows of pairs routed
-    to this rank's experts, which GEMM1 wrote); fp8_token's ("pieces") over each of the tile's own
-    rows ([BLOCK_M]). A scalar, or [BLOCK_M]."""
+    """The scale of the one token's dynamic fp8 input this GEMM quantises itself (A_SCALE_IN),
+    max(amax, 1e-10) / 448 as fp8_act finds it: from A's ``scale_rows`` rows ("rows": the token's
+    hidden state, per token or per tensor alike), or from the row-amax pieces GEMM1's epilogue
+    left ("pieces": fp8_token the block's own pair's; fp8_tensor those of every one of the
+    ``scale_rows`` pairs routed to this rank's experts, the only rows GEMM1 wrote)."""
     if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
-        amax = _rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS)
-    else:  # one amax over scale_rows rows (fp8_token of a one-token A too: its one row is the tensor)
+        amax = tl.max(_rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS), axis=0)
+    else:
         amax = tl.zeros([SCALE_ROWS], dtype=tl.float32)
         for r in range(0, scale_rows, SCALE_ROWS):
             rows = r + tl.arange(0, SCALE_ROWS)
@@ -293,7 +293,6 @@ def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, strid
                                                    SCALE_COLS))
         amax = tl.max(amax, axis=0)
     return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-
 
 # ---------------------------------------------------------------------------------------------
 # the kernels
@@ -328,10 +327,11 @@ def _fused_moe_kernel(
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
-        # A_SCALE_IN (dynamic fp8 activations at decode): A holds the 16-bit input and the kernel
-        # quantises it, its scale found first from A's rows ("rows") or from GEMM1's row-amax
-        # pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts, [scale_rows]), so the
-        # layer launches no quantisation kernel; "none": A holds codes, a_scale_ptr their scales.
+        # A_SCALE_IN (dynamic fp8 activations of one token, ONE_PAIR_BLOCKS): A holds the 16-bit
+        # input and the kernel quantises it, its scale found first from A's rows ("rows") or from
+        # GEMM1's row-amax pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts,
+        # [scale_rows]), so the layer launches no quantisation kernel; "none": A holds codes,
+        # a_scale_ptr their scales.
         # SCALE_ROWS x SCALE_COLS: the tile that search reads a step; HW_FP8_CAST: see
         # _fp8_codes_by_reciprocal
         A_SCALE_IN: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HW_FP8_CAST: tl.constexpr,
@@ -370,8 +370,9 @@ def _fused_moe_kernel(
     tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
-    tl.static_assert(A_SCALE_IN == "none" or A_QUANT == "fp8_tensor" or A_QUANT == "fp8_token",
-                     "the GEMM finds dynamic fp8 scales only")
+    tl.static_assert(A_SCALE_IN == "none" or (A_QUANT == "fp8_tensor" or A_QUANT == "fp8_token") and ONE_PAIR_BLOCKS,
+                     "the GEMM quantises one token's dynamic fp8 input only")
+    tl.static_assert(A_SCALE_IN == "none" or not ACT_ORDER, "fp8 weights keep their column order")
     grid_wait(PDL)
     pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
@@ -393,9 +394,12 @@ def _fused_moe_kernel(
         a_scale_in = _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
                                         amax_parts, num_experts, A_QUANT, A_SCALE_IN, BLOCK_M, SCALE_ROWS,
                                         SCALE_COLS)
-        if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
-            a_scale_in = a_scale_in[:, None]
         a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
+        # the block's one row (its other rows are never stored), quantised once a step; each
+        # step's slice is loaded a step ahead (the pipeliner would read it in the dot's layout,
+        # every thread quantising many values)
+        a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -423,9 +427,13 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if A_SCALE_IN != "none":  # the codes fp8_act would have stored
-            a = _fp8_codes_by_reciprocal(a.to(tl.float32), a_scale_in, a_reciprocal, HW_FP8_CAST)
+        if A_SCALE_IN != "none":  # the codes fp8_act would have stored, in every row of the tile
+            a_row = a_next.to(tl.float32)
+            a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
+            a = tl.broadcast_to(_fp8_codes_by_reciprocal(a_row, a_scale_in, a_reciprocal, HW_FP8_CAST)[None, :],
+                                (BLOCK_M, BLOCK_K))
+        else:
+            a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
             a_exp = tl.load(a_scale_ptr + a_rows[:, None] * stride_as_m + a_groups[None, :] * stride_as_k,

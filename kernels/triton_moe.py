@@ -58,7 +58,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
     _offset_zero,
     _paired_halves,
 )
-from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic
+from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .scheme import Scheme, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
@@ -90,19 +90,19 @@ __all__ = [
     "TritonBatchedExperts",
 ]
 
-# GEMM1 leaves per-token int8 intermediates their amax in pieces (see _amax_pieces_shape): up to
-# this many tokens, and past them where act_quant would cut rows into more than this many chunks
+# GEMM1 leaves its intermediates their amax in pieces (see _amax_pieces_shape) for per-token
+# int8 up to this many tokens, and past them where act_quant would cut rows into more than this
+# many chunks; for dynamic fp8 up to this many tokens (per tensor: up to FP8_TENSOR_PIECES pieces,
+# since each row's quantisation reads them all)
 AMAX_PIECES = True
 AMAX_PIECES_MAX_TOKENS = 64
 AMAX_PIECES_MIN_CHUNKS = 8
-# dynamic fp8 inputs at decode are quantised by the GEMM that reads them (_InputScale), which
-# finds the scale itself: GEMM1 from its input when it holds at most SCALE_IN_GEMM_ELEMENTS
-# values (every program reads them all, from L2), GEMM2 from GEMM1's row-amax pieces (per
-# tensor: at most SCALE_IN_GEMM_PIECES of them, read by every program; per token: up to
-# AMAX_PIECES_MAX_TOKENS tokens, each program its own rows'). SCALE_TILE: values a search step reads
+FP8_TENSOR_PIECES = 16384
+# one token's dynamic fp8 inputs are quantised by the GEMM that reads them (_InputScale): GEMM1
+# finds the scale in the token's hidden state, GEMM2 in GEMM1's row-amax pieces, and each
+# program quantises the token's row once a K step, so the layer launches no quantisation kernel.
+# SCALE_TILE: values a step of that search reads
 SCALE_IN_GEMM = True
-SCALE_IN_GEMM_ELEMENTS = 8192
-SCALE_IN_GEMM_PIECES = 4096
 SCALE_TILE = 8192
 
 
@@ -144,9 +144,9 @@ class _Rows:
 
 @dataclass(frozen=True)
 class _InputScale:
-    """A GEMM quantising its own dynamic fp8 input (the kernel's A_SCALE_IN): the scale from the
-    first ``rows`` rows of A (``pieces`` None), or from GEMM1's row-amax ``pieces`` [pairs, column
-    tiles], the per-tensor amax over the pairs ``pair_ids`` routes to this rank's experts."""
+    """A GEMM quantising one token's dynamic fp8 input itself (the kernel's A_SCALE_IN): the scale
+    from the first ``rows`` rows of A (``pieces`` None), or from GEMM1's row-amax ``pieces``
+    [pairs, column tiles] (per tensor: over the pairs ``pair_ids`` routes to this rank's experts)."""
 
     rows: int
     pieces: torch.Tensor | None = None
@@ -300,14 +300,15 @@ def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:
 
 def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj,
                        activation: str) -> tuple[int, int] | None:
-    """The shape [rows, column tiles] of the amax pieces GEMM1 leaves, or None: per-token int8
-    intermediates (AMAX_PIECES). Their quantisation then cuts rows into chunks like the group
-    modes and reads each value once: at decode, instead of one program reading a whole row
-    (14336 columns on Mixtral); at prefill, only instead of an amax pass and a codes pass over
-    many chunks (1408 columns in 11 on DeepSeek-V2-Lite: the layer 2-3% faster on an H100; on
-    Qwen3's 768 in 3 and Mixtral's 14336 in 7, 1% slower: the epilogue's row max costs more)."""
-    if _gemm2_finds_scale(scheme, tokens, top_k, config1, w13, activation):
-        return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
+    """The shape [rows, column tiles] of the amax pieces GEMM1 leaves, or None: dynamic fp8
+    intermediates at decode (_fp8_pieces_shape) and per-token int8 ones (AMAX_PIECES). The int8
+    ones' quantisation then cuts rows into chunks like the group modes and reads each value once:
+    at decode, instead of one program reading a whole row (14336 columns on Mixtral); at prefill,
+    only instead of an amax pass and a codes pass over many chunks (1408 columns in 11 on
+    DeepSeek-V2-Lite: the layer 2-3% faster on an H100; on Qwen3's 768 in 3 and Mixtral's 14336
+    in 7, 1% slower: the epilogue's row max costs more)."""
+    if scheme.act_quant in FP8_DYNAMIC_MODES:
+        return _fp8_pieces_shape(scheme, tokens, top_k, config1, w13, activation)
     if scheme.act_quant != "int8_token" or not AMAX_PIECES or config1["SWAP_AB"]:
         return None
     width = w13.n // 2 if activation != "none" else w13.n
@@ -316,25 +317,19 @@ def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w
     return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
 
 
-def _gemm1_finds_scale(scheme: Scheme, tokens: int, hidden_size: int, row_scale: torch.Tensor | None) -> bool:
-    """Whether GEMM1 quantises its dynamic fp8 input itself (SCALE_IN_GEMM): a small input whose
-    rows share one scale (per tensor, or per token of a single token), without a router weight
-    to apply first."""
-    if not SCALE_IN_GEMM or scheme.act_quant not in FP8_DYNAMIC_MODES or row_scale is not None:
-        return False
-    return (scheme.act_quant == "fp8_tensor" or tokens == 1) and tokens * hidden_size <= SCALE_IN_GEMM_ELEMENTS
-
-
-def _gemm2_finds_scale(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj, activation: str) -> bool:
-    """Whether GEMM2 quantises its dynamic fp8 input itself (SCALE_IN_GEMM), the scale from the
-    row-amax pieces GEMM1's fused activation leaves: per token, a few tokens' pieces (each
-    program reads its own rows'); per tensor, few pieces in all (each program reads them all)."""
-    if (not SCALE_IN_GEMM or scheme.act_quant not in FP8_DYNAMIC_MODES or activation == "none"
-            or config1["SWAP_AB"]):
-        return False
-    if scheme.act_quant == "fp8_token":
-        return tokens <= AMAX_PIECES_MAX_TOKENS
-    return tokens * top_k * _column_tiles(w13.n, config1["BLOCK_N"], activation) <= SCALE_IN_GEMM_PIECES
+def _fp8_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj,
+                      activation: str) -> tuple[int, int] | None:
+    """The amax pieces of a dynamic fp8 intermediate at decode: for GEMM2 itself to quantise one
+    token's (SCALE_IN_GEMM), else for fp8_act.quant_fp8_from_pieces (AMAX_PIECES; per tensor,
+    at most FP8_TENSOR_PIECES of them)."""
+    if activation == "none" or config1["SWAP_AB"]:
+        return None
+    shape = tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
+    if tokens == 1 and SCALE_IN_GEMM:
+        return shape
+    if not AMAX_PIECES or tokens > AMAX_PIECES_MAX_TOKENS:
+        return None
+    return shape if scheme.act_quant == "fp8_token" or shape[0] * shape[1] <= FP8_TENSOR_PIECES else None
 
 
 def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None, **kwargs
@@ -393,16 +388,13 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
-    # a small dynamic fp8 input: GEMM1 quantises it itself (no launch of its own)
-    scale1 = _InputScale(rows=m) if _gemm1_finds_scale(scheme, m, hidden.shape[1], row_scale) else None
+    # one token's dynamic fp8 input: GEMM1 quantises it itself (no launch of its own)
+    in_gemm = m == 1 and SCALE_IN_GEMM and scheme.act_quant in FP8_DYNAMIC_MODES and row_scale is None
+    scale1 = _InputScale(rows=1) if in_gemm else None
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
-        a1, a1_scale = (hidden, None) if scale1 else _quantize(hidden, scheme, w13.input_scale,
-                                                                row_scale=row_scale, pdl=pdl)
+        a1, a1_scale = (hidden, None) if in_gemm else _quantize(hidden, scheme, w13.input_scale,
+                                                                 row_scale=row_scale, pdl=pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
-    elif scale1:
-        sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, config1["BLOCK_M"], pdl=pdl)
-        a1, a1_scale = hidden, None
-        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
@@ -421,9 +413,13 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
           input_scale=scale1)
 
     scale2 = None
-    if amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:  # GEMM2 quantises inter itself
-        a2, a2_scale = inter, None
-        scale2 = _InputScale(rows=m * top_k, pieces=amax, pair_ids=topk_ids.reshape(-1))
+    if amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
+        pair_ids = topk_ids.reshape(-1)
+        if in_gemm:  # GEMM2 quantises the token's intermediates itself
+            a2, a2_scale = inter, None
+            scale2 = _InputScale(rows=m * top_k, pieces=amax, pair_ids=pair_ids)
+        else:
+            a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         flat_ids = topk_ids.reshape(-1)

@@ -491,18 +491,17 @@ class _LoudEmpty:
         return t.fill_(1000.0) if t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
 
 
-@pytest.mark.parametrize(("name", "m", "before", "after"), [
-    ("autofp8-dynamic", 1, ["quant", "quant"], []),
-    ("autofp8-dynamic", 5, ["align_quant", "quant"], []),
-    ("llmc-fp8-dynamic", 1, ["quant", "quant"], []),
-    ("llmc-fp8-dynamic", 5, ["align_quant", "quant"], ["align_quant"])])
-def test_gemms_quantising_their_own_input_equal_the_quantisation_kernels(name: str, m: int, before: list,
-                                                                         after: list, built, monkeypatch) -> None:
-    """At decode the GEMMs quantise a dynamic fp8 input themselves (GEMM1 from its rows when they
-    are few and share a scale, GEMM2 from GEMM1's row-amax pieces), so fp8_act launches nothing
-    (per token, GEMM1's input of several tokens still takes alignment + quantisation in one
-    launch): bit-equal to the layer that quantises with fp8_act's kernels, with a foreign pair
-    (id -1) whose unwritten intermediate row and pieces are loud."""
+@pytest.mark.parametrize(("name", "m", "after"), [
+    ("autofp8-dynamic", 1, []), ("autofp8-dynamic", 5, ["align_quant", "from_pieces"]),
+    ("llmc-fp8-dynamic", 1, []), ("llmc-fp8-dynamic", 5, ["align_quant", "from_pieces"])])
+def test_decode_quantisation_from_the_gemms_equals_the_quantisation_kernels(name: str, m: int, after: list,
+                                                                            built, monkeypatch) -> None:
+    """Dynamic fp8 at decode: for one token the GEMMs quantise their input themselves (GEMM1 from
+    the token's row, GEMM2 from GEMM1's row-amax pieces), so fp8_act launches nothing; for a few,
+    alignment and GEMM1's input share a launch and GEMM2's input is quantised from the pieces.
+    Bit-equal to the layer that quantises with fp8_act's own passes (an alignment, a quantisation
+    of each input), with a foreign pair (id -1) whose unwritten intermediate row and pieces are
+    loud."""
     pytest.importorskip("triton")
     from moe_registry_kernels import fp8_act, triton_moe
     from moe_registry_kernels.triton_moe import TritonExperts
@@ -515,18 +514,21 @@ def test_gemms_quantising_their_own_input_equal_the_quantisation_kernels(name: s
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(triton_moe, "quant_fp8_dynamic", counted("quant", fp8_act.quant_fp8_dynamic))
-    monkeypatch.setattr(triton_moe, "align_quant_fp8", counted("align_quant", fp8_act.align_quant_fp8))
+    for label, fn in (("quant", "quant_fp8_dynamic"), ("align_quant", "align_quant_fp8"),
+                      ("from_pieces", "quant_fp8_from_pieces")):
+        monkeypatch.setattr(triton_moe, fn, counted(label, getattr(fp8_act, fn)))
     monkeypatch.setattr(triton_moe, "torch", _LoudEmpty())
     experts = TritonExperts(built[name].weights, ExpertsConfig())
     ids, w = _routing(31, m)
     ids[m - 1, 1] = -1
     x = _hidden(37, m).to(torch.float16)
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, False)
     want = experts.apply(x, w, ids)
-    assert calls == before
+    assert calls == (["quant", "quant"] if m == 1 else ["align_quant", "quant"])
     calls.clear()
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, True)
     got = experts.apply(x, w, ids)
     assert calls == after
     assert torch.equal(got, want)

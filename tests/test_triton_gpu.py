@@ -152,17 +152,20 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", list(FP8_DYNAMIC))
 def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkeypatch):
-    """Dynamic fp8 at decode: the layer whose GEMMs quantise their own input (the GPU's fp8 cast,
-    Markstein's reciprocal) gives exactly the output of the layer that quantises with fp8_act's
-    kernels, a pair routed to another rank's expert included; and it is near the reference."""
+    """Dynamic fp8 at decode: the layer whose GEMMs quantise one token's input themselves (the
+    GPU's fp8 cast, Markstein's reciprocal), or whose GEMM2 input is quantised from GEMM1's
+    row-amax pieces, gives exactly the output of the layer that quantises with fp8_act's own
+    passes, a pair routed to another rank's expert included; and it is near the reference."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m)
     topk_ids[0, 0] = -1
     experts = TritonExperts(weights, ExpertsConfig())
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, False)
     want = experts.apply(hidden, topk_weights, topk_ids)
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, True)
     got = experts.apply(hidden, topk_weights, topk_ids)
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
