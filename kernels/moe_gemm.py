@@ -24,7 +24,16 @@ import triton.language as tl
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
 from .fp4_dequant import _dequant_e2m1, _e4m3_value
 from .scheme import dot_kind, packed, zero_code
-from .triton_ops import AMAX_FLOOR, FP8_MAX, _to_e4m3, gated_act, grid_release, grid_wait
+from .triton_ops import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    INT8_MAX,
+    _to_e4m3,
+    _to_int8,
+    gated_act,
+    grid_release,
+    grid_wait,
+)
 
 
 @triton.constexpr_function
@@ -253,31 +262,39 @@ def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.co
 
 
 @triton.jit
-def _fp8_codes_by_reciprocal(v, scale, reciprocal, HW_FP8_CAST: tl.constexpr):
-    """float32 values -> e4m3 codes at this scale, as triton_ops._fp8_codes rounds them, in a few
-    instructions a value: the quotient RN(v / scale) by Markstein's correction of v * RN(1 /
-    scale) (correctly rounded for these quotients, at most ~448; those too small to keep every
-    bit round to the zero code anyway), without div.rn's range checks, whose slow path every zero
-    of the tile's masked rows would take; then the GPU's saturating round-to-nearest-even cast
-    (HW_FP8_CAST; the sign of a zero code, which it may drop, does not change a dot) or, in the
-    interpreter, whose cast rounds differently, triton_ops._to_e4m3."""
+def _codes_by_reciprocal(v, scale, reciprocal, DOT: tl.constexpr, HW_FP8_CAST: tl.constexpr):
+    """float32 values -> the int8 or e4m3 codes of the dot (DOT) at this scale, as
+    triton_ops._int8_codes / _fp8_codes round them, in a few instructions a value: the quotient
+    RN(v / scale) by Markstein's correction of v * RN(1 / scale) (correctly rounded for these
+    quotients, at most ~448; those too small to keep every bit round to the zero code anyway),
+    without div.rn's range checks, whose slow path every zero would take; then round half to
+    even and saturate (int8), or the GPU's saturating round-to-nearest-even cast (HW_FP8_CAST;
+    the sign of a zero code, which it may drop, does not change a dot) or, in the interpreter,
+    whose cast rounds differently, triton_ops._to_e4m3."""
     q = v * reciprocal
     q = tl.fma(tl.fma(-q, scale, v), reciprocal, q)
-    if HW_FP8_CAST:
-        return q.to(tl.float8e4nv)
-    return _to_e4m3(q)
+    if DOT == "int8":
+        codes = _to_int8(q)
+    elif HW_FP8_CAST:
+        codes = q.to(tl.float8e4nv)
+    else:
+        codes = _to_e4m3(q)
+    return codes
 
 
 @triton.jit
-def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
-                       num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
-                       SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """The scale of the one token's dynamic fp8 input this GEMM quantises itself (A_SCALE_IN),
-    max(amax, 1e-10) / 448 as fp8_act finds it: from A's ``scale_rows`` rows ("rows": the token's
-    hidden state, per token or per tensor alike), or from the row-amax pieces GEMM1's epilogue
-    left ("pieces": fp8_token the block's own pair's; fp8_tensor those of every one of the
-    ``scale_rows`` pairs routed to this rank's experts, the only rows GEMM1 wrote)."""
-    if A_QUANT == "fp8_token" and A_SCALE_IN == "pieces":
+def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
+                     amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The scale of the one token's input this GEMM quantises itself (A_SCALE_IN): a static
+    scale's value ("static"), or max(amax, 1e-10) / (448 or 127) as the quantisation kernels find
+    it, the amax from A's ``scale_rows`` rows ("rows": the token's hidden state, per token or per
+    tensor alike), or from the row-amax pieces GEMM1's epilogue left ("pieces": per token the
+    block's own pair's; fp8_tensor those of every one of the ``scale_rows`` pairs routed to this
+    rank's experts, the only rows GEMM1 wrote)."""
+    if A_SCALE_IN == "static":
+        return tl.load(a_scale_ptr).to(tl.float32)
+    if A_QUANT != "fp8_tensor" and A_SCALE_IN == "pieces":
         amax = tl.max(_rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS), axis=0)
     else:
         amax = tl.zeros([SCALE_ROWS], dtype=tl.float32)
@@ -292,7 +309,7 @@ def _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, strid
                 amax = tl.maximum(amax, _rows_amax(amax_ptr, rows, ok, amax_parts, amax_parts, SCALE_ROWS,
                                                    SCALE_COLS))
         amax = tl.max(amax, axis=0)
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX if DOT == "int8" else FP8_MAX)
 
 # ---------------------------------------------------------------------------------------------
 # the kernels
@@ -327,13 +344,13 @@ def _fused_moe_kernel(
         ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
         TOP_K: tl.constexpr, BATCHED: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, WRITE_EMPTY: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr, AMAX_OUT: tl.constexpr,
-        # A_SCALE_IN (dynamic fp8 activations of one token, ONE_PAIR_BLOCKS): A holds the 16-bit
-        # input and the kernel quantises it, its scale found first from A's rows ("rows") or from
-        # GEMM1's row-amax pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts,
-        # [scale_rows]), so the layer launches no quantisation kernel; "none": A holds codes,
-        # a_scale_ptr their scales.
+        # A_SCALE_IN (one token's activations quantised per token or per tensor, ONE_PAIR_BLOCKS):
+        # A holds the 16-bit input and the kernel quantises it, its scale the static one in
+        # a_scale_ptr ("static") or found first from A's rows ("rows") or from GEMM1's row-amax
+        # pieces in amax_ptr ("pieces"; pair_ids_ptr: the pairs' experts, [scale_rows]), so the
+        # layer launches no quantisation kernel; "none": A holds codes, a_scale_ptr their scales.
         # SCALE_ROWS x SCALE_COLS: the tile that search reads a step; HW_FP8_CAST: see
-        # _fp8_codes_by_reciprocal
+        # _codes_by_reciprocal
         A_SCALE_IN: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HW_FP8_CAST: tl.constexpr,
         # tiles
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -370,9 +387,10 @@ def _fused_moe_kernel(
     tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
-    tl.static_assert(A_SCALE_IN == "none" or (A_QUANT == "fp8_tensor" or A_QUANT == "fp8_token") and ONE_PAIR_BLOCKS,
-                     "the GEMM quantises one token's dynamic fp8 input only")
-    tl.static_assert(A_SCALE_IN == "none" or not ACT_ORDER, "fp8 weights keep their column order")
+    STATIC_INPUT: tl.constexpr = A_QUANT == "int8_static" or A_QUANT == "fp8_static"
+    tl.static_assert(A_SCALE_IN == "none" or (DOT == "int8" or DOT == "fp8_outer") and ONE_PAIR_BLOCKS
+                     and not ACT_ORDER and (A_SCALE_IN == "static") == STATIC_INPUT,
+                     "the GEMM quantises one token's input, per token or per tensor, in column order")
     grid_wait(PDL)
     pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
@@ -391,13 +409,18 @@ def _fused_moe_kernel(
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
     if A_SCALE_IN != "none":
-        a_scale_in = _dynamic_fp8_scale(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
-                                        amax_parts, num_experts, A_QUANT, A_SCALE_IN, BLOCK_M, SCALE_ROWS,
-                                        SCALE_COLS)
+        a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
+                                      scale_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
+                                      SCALE_ROWS, SCALE_COLS)
         a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
-        # the block's one row (its other rows are never stored), quantised once a step; each
-        # step's slice is loaded a step ahead (the pipeliner would read it in the dot's layout,
-        # every thread quantising many values)
+    # one token quantised here (A_SCALE_IN): the block's one row (its other rows are never stored)
+    # is read as a vector, quantised and split into nibble halves (packed weights) as one, then
+    # repeated down the tile, instead of each step handling BLOCK_M rows; each step's slice is
+    # loaded a step ahead (the pipeliner would read it in the dot's layout, each thread then
+    # handling many values). (16-bit rows taken so on an H100's int4 decode: more instructions
+    # a step, the tile's activation split traded for a pass through shared memory.)
+    ONE_ROW: tl.constexpr = ONE_PAIR_BLOCKS and not ACT_ORDER and A_SCALE_IN != "none"
+    if ONE_ROW:
         a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
         a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
@@ -427,11 +450,12 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if A_SCALE_IN != "none":  # the codes fp8_act would have stored, in every row of the tile
-            a_row = a_next.to(tl.float32)
+        if ONE_ROW:
+            a_row = a_next
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
-            a = tl.broadcast_to(_fp8_codes_by_reciprocal(a_row, a_scale_in, a_reciprocal, HW_FP8_CAST)[None, :],
-                                (BLOCK_M, BLOCK_K))
+            if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored
+                a_row = _codes_by_reciprocal(a_row.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
+            a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
         else:
             a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if A_QUANT == "mxfp8":
@@ -457,7 +481,12 @@ def _fused_moe_kernel(
         if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            if ONE_ROW:  # the token's row split before it is repeated down the tile
+                row_even, row_odd = tl.split(tl.reshape(a_row, (BLOCK_K // 2, 2)))
+                a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, BLOCK_K // 2))
+                a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, BLOCK_K // 2))
+            else:
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             if W4A8_FLOAT:  # W4A8 on few rows: code - 8 in 16 bits, a float dot of the int8 codes (exact)
                 low, high = _dequant_nibbles(packed_codes, zero, 1.0, dtype, False, ASM_DEQUANT, False)
                 part = _dot(a_even.to(dtype), low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))

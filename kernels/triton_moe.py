@@ -103,6 +103,9 @@ FP8_TENSOR_PIECES = 16384
 # program quantises the token's row once a K step, so the layer launches no quantisation kernel.
 # SCALE_TILE: values a step of that search reads
 SCALE_IN_GEMM = True
+# the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
+ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
+STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
 
 
@@ -144,17 +147,19 @@ class _Rows:
 
 @dataclass(frozen=True)
 class _InputScale:
-    """A GEMM quantising one token's dynamic fp8 input itself (the kernel's A_SCALE_IN): the scale
-    from the first ``rows`` rows of A (``pieces`` None), or from GEMM1's row-amax ``pieces``
-    [pairs, column tiles] (per tensor: over the pairs ``pair_ids`` routes to this rank's experts)."""
+    """A GEMM quantising one token's input itself (the kernel's A_SCALE_IN): at the static scale
+    (``static``), or the dynamic scale from the first ``rows`` rows of A (``pieces`` None) or from
+    GEMM1's row-amax ``pieces`` [pairs, column tiles] (per tensor: over the pairs ``pair_ids``
+    routes to this rank's experts)."""
 
     rows: int
     pieces: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
+    static: bool = False
 
     @property
     def source(self) -> str:
-        return "rows" if self.pieces is None else "pieces"
+        return "static" if self.static else "rows" if self.pieces is None else "pieces"
 
     def search_tile(self, width: int, block_m: int, per_token: bool) -> dict:
         """SCALE_ROWS x SCALE_COLS, at most SCALE_TILE values: whole rows of ``width`` where they
@@ -217,16 +222,17 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     n_tiles = _column_tiles(w.n, bn, fuse_act)
     if amax_pieces is not None and (fuse_act == "none" or config["SWAP_AB"] or amax_pieces.shape[1] != n_tiles):
         raise ValueError("row-amax pieces come from the fused-activation kernel, one per column tile")
-    if input_scale is not None and (scheme.act_quant not in FP8_DYNAMIC_MODES or config["SWAP_AB"]
-                                    or a_scale is not None
+    if input_scale is not None and (scheme.act_quant not in ONE_TOKEN_QUANTS or config["SWAP_AB"]
+                                    or not rows.one_pair_blocks or w.perm is not None
+                                    or (a_scale is not None) != input_scale.static
                                     or input_scale.pieces is not None and amax_pieces is not None):
-        raise ValueError("only a dynamic fp8 GEMM finds its input's scale, and not from pieces while it "
-                         "leaves pieces of its own")
+        raise ValueError("a GEMM quantises its own input for one token, per token or per tensor (a static "
+                         "scale given), in column order, and not from pieces while it leaves pieces of its own")
     scale_search = _NO_SCALE_SEARCH
     if input_scale is not None:
         width = w.k if input_scale.pieces is None else input_scale.pieces.shape[1]
         scale_search = {"A_SCALE_IN": input_scale.source,
-                        **input_scale.search_tile(width, bm, scheme.act_quant == "fp8_token")}
+                        **input_scale.search_tile(width, bm, scheme.act_quant != "fp8_tensor")}
     scale_search["HW_FP8_CAST"] = input_scale is not None and _hardware_fp8_cast(a.device)
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if rows.batched:
@@ -389,11 +395,15 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
     # one token's dynamic fp8 input: GEMM1 quantises it itself (no launch of its own)
-    in_gemm = m == 1 and SCALE_IN_GEMM and scheme.act_quant in FP8_DYNAMIC_MODES and row_scale is None
-    scale1 = _InputScale(rows=1) if in_gemm else None
+    in_gemm = (m == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None
+               and w13.perm is None and w2.perm is None)
+    static = scheme.act_quant in STATIC_QUANTS
+    scale1 = _InputScale(rows=1, static=static) if in_gemm else None
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
-        a1, a1_scale = (hidden, None) if in_gemm else _quantize(hidden, scheme, w13.input_scale,
-                                                                 row_scale=row_scale, pdl=pdl)
+        if in_gemm:
+            a1, a1_scale = hidden, w13.input_scale if static else None
+        else:
+            a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
@@ -413,13 +423,12 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
           input_scale=scale1)
 
     scale2 = None
-    if amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
-        pair_ids = topk_ids.reshape(-1)
-        if in_gemm:  # GEMM2 quantises the token's intermediates itself
-            a2, a2_scale = inter, None
-            scale2 = _InputScale(rows=m * top_k, pieces=amax, pair_ids=pair_ids)
-        else:
-            a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
+    if in_gemm and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
+        a2, a2_scale = inter, w2.input_scale if static else None
+        scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=topk_ids.reshape(-1), static=static)
+    elif amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
+        a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, topk_ids.reshape(-1), num_experts,
+                                             pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         flat_ids = topk_ids.reshape(-1)

@@ -50,10 +50,13 @@ SCHEMES = {
     "mxfp8": (MXFP8, MXFP8_ACT, "fp8"),
     "fp8-block": ("fp8e4m3 scale:float32:block(128x128):static", FP8_GROUP_ACT, "fp8"),
 }
-# dynamic fp8 activations, which the GEMMs quantise themselves at decode (triton_moe.SCALE_IN_GEMM)
-FP8_DYNAMIC = {
+# activations with one scale per token or per tensor, which the GEMMs quantise themselves for
+# one token (triton_moe.SCALE_IN_GEMM); the dynamic fp8 ones from GEMM1's row-amax pieces for a few
+ONE_TOKEN = {
     "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic", "fp8"),
     "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic", "fp8"),
+    "fp8-static": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:static", "fp8"),
+    "w4a8-int8-token": ("uint4b8 scale:float32:group(128):static", INT8_TOKEN, "int"),
 }
 TOLERANCE = {
     (torch.float16, "float"): 5e-3, (torch.float16, "int"): 1e-2, (torch.float16, "fp8"): 3e-2,
@@ -68,7 +71,7 @@ def _weights(scheme: str, e: int, h: int, i: int, dtype: torch.dtype, *, bias: b
              act_order: bool = False, seed: int = 0) -> ExpertWeights:
     """Random experts like quant_ref.make_random_expert_weights, but drawn and quantised on the
     GPU (the CPU takes minutes at these sizes); act-order goes through quant_ref on the CPU."""
-    wk, ak, _ = (SCHEMES | FP8_DYNAMIC)[scheme]
+    wk, ak, _ = (SCHEMES | ONE_TOKEN)[scheme]
     wkey, akey = parse_quant_key(wk), parse_quant_key(ak)
     if act_order:
         return quant_ref.make_random_expert_weights(
@@ -150,12 +153,13 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
 
 @pytest.mark.parametrize("m", [1, 2, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", list(FP8_DYNAMIC))
+@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static"])
 def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkeypatch):
-    """Dynamic fp8 at decode: the layer whose GEMMs quantise one token's input themselves (the
-    GPU's fp8 cast, Markstein's reciprocal), or whose GEMM2 input is quantised from GEMM1's
-    row-amax pieces, gives exactly the output of the layer that quantises with fp8_act's own
-    passes, a pair routed to another rank's expert included; and it is near the reference."""
+    """Per-token and per-tensor activations at decode: the layer whose GEMMs quantise one token's
+    input themselves (Markstein's reciprocal, the GPU's fp8 cast), or whose GEMM2 input is
+    quantised from GEMM1's row-amax pieces, gives exactly the output of the layer whose
+    quantisation kernels read whole rows, a pair routed to another rank's expert included; and
+    it is near the reference."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m)
@@ -169,17 +173,19 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
     got = experts.apply(hidden, topk_weights, topk_ids)
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
-    assert _rel_err(got, ref) < TOLERANCE[(torch.bfloat16, "fp8")]
+    assert _rel_err(got, ref) < TOLERANCE[(torch.bfloat16, (SCHEMES | ONE_TOKEN)[scheme][2])]
 
 
 @pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
-def test_fp8_codes_by_reciprocal_round_as_the_division(amax):
-    """The GEMM's own fp8 quantisation with the GPU's cast: quant_ref's codes at every e4m3 code
-    and tie, one float32 step either side, past saturation, tiny and random values."""
-    from fp8_codes_probe import hard_values, probe
+@pytest.mark.parametrize("dot", ["fp8_outer", "int8"])
+def test_codes_by_reciprocal_round_as_the_division(dot, amax):
+    """The GEMM's own int8 / fp8 quantisation (Markstein's corrected reciprocal, no division, the GPU's fp8 cast)
+    gives the codes of quant_ref's true division at every code and tie and one float32 step
+    either side, past saturation, for tiny values and random ones, at scales from the floor up."""
+    from quant_codes_probe import MAX, hard_values, probe
 
-    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / 448.0)
-    got, want = probe(hard_values(scale, seed=3).to(DEVICE), scale, hw_cast=True)
+    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / MAX[dot])
+    got, want = probe(hard_values(scale, dot, seed=3).to(DEVICE), scale, dot, hw_cast=True)
     assert torch.equal(got, want)
 
 

@@ -321,6 +321,8 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, tiles, monke
     weights = _weights("w8a8-int8-token", seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
     monkeypatch.setattr(triton_ops, "PIECES_STEP", 2)  # the four pieces in two steps
+    # one token's GEMM2 would quantise its input itself (test_one_token_gemms_quantise_their_own_input)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
     monkeypatch.setattr(triton_ops, "ROW_CHUNK", 16)  # four chunks per 64-column row
     if tiles:  # 14 rows: four a program
         monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
@@ -809,12 +811,55 @@ def test_moe_sum(weighted):
 
 
 @pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
-def test_fp8_codes_by_reciprocal_round_as_the_division(amax: float) -> None:
-    """The GEMM's own fp8 quantisation (Markstein's corrected reciprocal, no division) gives the
-    codes of quant_ref's true division at every e4m3 code and tie and one float32 step either
-    side, past saturation, for tiny values and random ones, at scales from the floor up."""
-    from fp8_codes_probe import hard_values, probe
+@pytest.mark.parametrize("dot", ["fp8_outer", "int8"])
+def test_codes_by_reciprocal_round_as_the_division(dot, amax):
+    """The GEMM's own int8 / fp8 quantisation (Markstein's corrected reciprocal, no division)
+    gives the codes of quant_ref's true division at every code and tie and one float32 step
+    either side, past saturation, for tiny values and random ones, at scales from the floor up."""
+    from quant_codes_probe import MAX, hard_values, probe
 
-    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / 448.0)
-    got, want = probe(hard_values(scale, seed=3), scale, hw_cast=False)
+    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / MAX[dot])
+    got, want = probe(hard_values(scale, dot, seed=3), scale, dot, hw_cast=False)
     assert torch.equal(got, want)
+
+
+# one token's activations quantised per token or per tensor: (weight key, activation key)
+ONE_TOKEN_SCHEMES = {
+    "w8a8-int8-token": SCHEMES["w8a8-int8-token"][:2],
+    "w8a8-int8-static": SCHEMES["w8a8-int8-static"][:2],
+    "w4a8-int8-token": ("uint4b8 scale:float32:group(32):static", INT8_TOKEN),
+    "fp8-static": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:static"),
+    "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic"),
+    "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic"),
+}
+
+
+@pytest.mark.parametrize("scheme", list(ONE_TOKEN_SCHEMES))
+def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
+    """One token whose activations take one scale per token or per tensor: both GEMMs quantise its
+    input themselves (static scale, or the amax of its hidden state and of GEMM1's row-amax
+    pieces), so no quantisation kernel runs; bit-equal to the layer whose quantisation kernels
+    do it, with a pair routed to another rank's expert; and near the reference."""
+    wk, ak = ONE_TOKEN_SCHEMES[scheme]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
+    hidden, topk_weights, topk_ids = _routing(1, 3, seed=5)
+    topk_ids[0, 1] = -1
+    experts = TritonExperts(weights, ExpertsConfig())
+    quantised = []
+    for name in ("_quantize", "quant_fp8_from_pieces"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: quantised.append(_name)
+                            or _real(*a, **k))
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, False)
+    want = experts.apply(hidden, topk_weights, topk_ids)
+    assert quantised == ["_quantize", "_quantize"]
+    quantised.clear()
+    for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
+        monkeypatch.setattr(triton_moe, switch, True)
+    got = experts.apply(hidden, topk_weights, topk_ids)
+    assert quantised == []
+    assert torch.equal(got, want)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(got, ref) < 3e-2
