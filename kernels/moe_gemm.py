@@ -288,12 +288,24 @@ def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mas
                      BLOCK_M: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
     """The scale of the one token's input this GEMM quantises itself (A_SCALE_IN): a static
     scale's value ("static"), or max(amax, 1e-10) / (448 or 127) as the quantisation kernels find
-    it, the amax from A's ``scale_rows`` rows ("rows": the token's hidden state, per token or per
+    it (:func:`_one_token_amax`). One return: Triton 3.6 compiles what follows an early one."""
+    if A_SCALE_IN == "static":
+        scale = tl.load(a_scale_ptr).to(tl.float32)
+    else:
+        amax = _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
+                               num_experts, A_QUANT, A_SCALE_IN, BLOCK_M, SCALE_ROWS, SCALE_COLS)
+        scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX if DOT == "int8" else FP8_MAX)
+    return scale
+
+
+@triton.jit
+def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
+                    num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """The amax from A's ``scale_rows`` rows ("rows": the token's hidden state, per token or per
     tensor alike), or from the row-amax pieces GEMM1's epilogue left ("pieces": per token the
     block's own pair's; fp8_tensor those of every one of the ``scale_rows`` pairs routed to this
     rank's experts, the only rows GEMM1 wrote)."""
-    if A_SCALE_IN == "static":
-        return tl.load(a_scale_ptr).to(tl.float32)
     if A_QUANT != "fp8_tensor" and A_SCALE_IN == "pieces":
         amax = tl.max(_rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS), axis=0)
     else:
@@ -309,7 +321,7 @@ def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mas
                 amax = tl.maximum(amax, _rows_amax(amax_ptr, rows, ok, amax_parts, amax_parts, SCALE_ROWS,
                                                    SCALE_COLS))
         amax = tl.max(amax, axis=0)
-    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX if DOT == "int8" else FP8_MAX)
+    return amax
 
 # ---------------------------------------------------------------------------------------------
 # the kernels
@@ -417,8 +429,9 @@ def _fused_moe_kernel(
     # is read as a vector, quantised and split into nibble halves (packed weights) as one, then
     # repeated down the tile, instead of each step handling BLOCK_M rows; each step's slice is
     # loaded a step ahead (the pipeliner would read it in the dot's layout, each thread then
-    # handling many values). (16-bit rows taken so on an H100's int4 decode: more instructions
-    # a step, the tile's activation split traded for a pass through shared memory.)
+    # handling many values). (16-bit rows taken so ran int4 decode slower on an H100: more
+    # instructions a step, the tile's activation split traded for a pass through shared memory;
+    # gptq-w4a16 at M = 1 on Mixtral's shape 105 us against 96.)
     ONE_ROW: tl.constexpr = ONE_PAIR_BLOCKS and not ACT_ORDER and A_SCALE_IN != "none"
     if ONE_ROW:
         a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
