@@ -283,14 +283,6 @@ def _codes_by_reciprocal(v, scale, reciprocal, DOT: tl.constexpr, HW_FP8_CAST: t
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """Ask for the lines at ``ptrs`` in L1 (no result waited on; addresses past the tensor are
-    dropped by the hardware)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
                      amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
                      BLOCK_M: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
@@ -474,8 +466,6 @@ def _fused_moe_kernel(
         if ONE_ROW:
             a_row = a_next
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
-            if HW_FP8_CAST:  # the slice four steps on is fetched into L1 now (a GPU, not the interpreter)
-                _prefetch_l1(a_one_row + 4 * BLOCK_K + offs_k)
             if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored
                 a_row = _codes_by_reciprocal(a_row.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))

@@ -863,3 +863,27 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     assert torch.equal(got, want)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
+
+
+def test_one_token_gemms_quantise_only_up_to_a_weight_budget(monkeypatch):
+    """The GEMMs quantise one token's input themselves only while the token's experts' weights fit
+    SCALE_IN_GEMM_MAX_BYTES (past it their longer loops cost more than the launches save); past it
+    the hidden state takes a quantisation launch and GEMM2's input one from GEMM1's pieces."""
+    wk, ak = ONE_TOKEN_SCHEMES["fp8-tensor-dynamic"]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
+    hidden, topk_weights, topk_ids = _routing(1, 3, seed=5)
+    token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # fp8: a byte a weight
+    experts = TritonExperts(weights, ExpertsConfig())
+    quantised = []
+    for name in ("_quantize", "quant_fp8_from_pieces"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: quantised.append(_name)
+                            or _real(*a, **k))
+    outputs = []
+    for budget, launches in ((token_bytes, []), (token_bytes - 1, ["_quantize", "quant_fp8_from_pieces"])):
+        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget)
+        quantised.clear()
+        outputs.append(experts.apply(hidden, topk_weights, topk_ids))
+        assert quantised == launches
+    assert torch.equal(*outputs)
