@@ -7,8 +7,9 @@ each GEMM input with one amax over all of its rows). Static per-tensor fp8 (``fp
 Numerics are :mod:`moe_registry_kernels.quant_ref`'s bit for bit: scale = max(amax, 1e-10) / 448
 (a true division), codes rounded as ``triton_ops._fp8_codes`` rounds them. Every kernel takes part
 in the layer's programmatic-dependent-launch chain (PDL). At decode :func:`align_quant_fp8` runs
-the alignment and the quantisation in one launch, and the GEMMs may quantise a small input
-themselves (moe_gemm's A_SCALE_IN).
+the alignment and the quantisation in one launch, :func:`quant_fp8_from_pieces` quantises the
+intermediate from GEMM1's row-amax pieces, and one token's GEMMs quantise their own input
+(moe_gemm's A_SCALE_IN).
 """
 
 import torch
@@ -255,8 +256,10 @@ def quant_fp8_from_pieces(x: torch.Tensor, quant: str, pieces: torch.Tensor, pai
     the rows whose pair ``pair_ids`` [T] routes to one of this rank's ``num_experts``."""
     _check_mode(quant)
     t, d = x.shape
-    if pieces.shape[0] != t or pair_ids.numel() != t or not pieces.is_contiguous() or x.stride(-1) != 1:
-        raise ValueError(f"pieces {tuple(pieces.shape)} and pair ids {tuple(pair_ids.shape)} for {t} rows")
+    if (pieces.shape[0] != t or pair_ids.numel() != t or not pieces.is_contiguous() or not pair_ids.is_contiguous()
+            or x.stride(-1) != 1):
+        raise ValueError(f"pieces {tuple(pieces.shape)} and pair ids {tuple(pair_ids.shape)} for x {tuple(x.shape)}; "
+                         f"wanted contiguous [{t}, P] pieces and {t} contiguous pair ids")
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t if quant == "fp8_token" else 1, dtype=torch.float32, device=x.device)
     if t:

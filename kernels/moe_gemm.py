@@ -323,6 +323,7 @@ def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_a
         amax = tl.max(amax, axis=0)
     return amax
 
+
 # ---------------------------------------------------------------------------------------------
 # the kernels
 
@@ -425,15 +426,13 @@ def _fused_moe_kernel(
                                       scale_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
                                       SCALE_ROWS, SCALE_COLS)
         a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
-    # one token quantised here (A_SCALE_IN): the block's one row (its other rows are never stored)
-    # is read as a vector, quantised and split into nibble halves (packed weights) as one, then
-    # repeated down the tile, instead of each step handling BLOCK_M rows; each step's slice is
-    # loaded a step ahead (the pipeliner would read it in the dot's layout, each thread then
-    # handling many values). (16-bit rows taken so ran int4 decode slower on an H100: more
-    # instructions a step, the tile's activation split traded for a pass through shared memory;
-    # gptq-w4a16 at M = 1 on Mixtral's shape 105 us against 96.)
-    ONE_ROW: tl.constexpr = ONE_PAIR_BLOCKS and not ACT_ORDER and A_SCALE_IN != "none"
-    if ONE_ROW:
+        # the block's one row (its other rows are never stored) is read as a vector, quantised and
+        # split into nibble halves (packed weights) as one, then repeated down the tile, instead
+        # of each step handling BLOCK_M rows; each step's slice is loaded a step ahead (the
+        # pipeliner would read it in the dot's layout, each thread then handling many values).
+        # (16-bit rows taken so ran int4 decode slower on an H100: more instructions a step, the
+        # tile's activation split traded for a pass through shared memory; gptq-w4a16 at M = 1
+        # on Mixtral's shape 105 us against 96.)
         a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
         a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
@@ -463,11 +462,9 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if ONE_ROW:
-            a_row = a_next
+        if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored
+            a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
-            if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored
-                a_row = _codes_by_reciprocal(a_row.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
         else:
             a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -494,7 +491,7 @@ def _fused_moe_kernel(
         if PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            if ONE_ROW:  # the token's row split before it is repeated down the tile
+            if A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
                 row_even, row_odd = tl.split(tl.reshape(a_row, (BLOCK_K // 2, 2)))
                 a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, BLOCK_K // 2))
                 a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, BLOCK_K // 2))

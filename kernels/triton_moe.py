@@ -103,9 +103,9 @@ FP8_TENSOR_PIECES = 16384
 # row-amax pieces, and each program quantises the token's row once a K step, so the layer
 # launches no quantisation kernel. That costs the GEMMs time in proportion to the weights they
 # read and saves a fixed few microseconds: taken up to SCALE_IN_GEMM_MAX_BYTES of the token's
-# experts' weights (H100, M = 1: 1.03-1.45x faster on Qwen3-30B-A3B's 38 MB and
-# DeepSeek-V2-Lite's 52 MB of fp8; 0.87-0.98x on Mixtral's 176-352 MB). SCALE_TILE: values a
-# step of the scale search reads
+# experts' weights (H100, M = 1, against the same layer with its quantisation launches:
+# 1.02-1.20x on Qwen3-30B-A3B's 38 MB and DeepSeek-V2-Lite's 52 MB of int8/fp8 experts,
+# 0.88-1.01x on Mixtral's 176-352 MB). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
 # the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
@@ -175,7 +175,7 @@ class _InputScale:
         return {"SCALE_ROWS": max(1, min(SCALE_TILE // cols, triton.next_power_of_2(self.rows))), "SCALE_COLS": cols}
 
 
-_NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16}
+_NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16, "HW_FP8_CAST": False}
 
 
 def _hardware_fp8_cast(device: torch.device) -> bool:
@@ -209,8 +209,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
     ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
     per column tile there (see _amax_pieces_shape); ``pdl``: as part of a
-    programmatic-dependent-launch chain; ``input_scale``: A is the 16-bit input of a dynamic
-    fp8 scheme, quantised by the kernel (a_scale None)."""
+    programmatic-dependent-launch chain; ``input_scale``: A is one token's 16-bit input, which
+    the kernel quantises (``a_scale``: the static scale, else None)."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -236,9 +236,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     scale_search = _NO_SCALE_SEARCH
     if input_scale is not None:
         width = w.k if input_scale.pieces is None else input_scale.pieces.shape[1]
-        scale_search = {"A_SCALE_IN": input_scale.source,
+        scale_search = {"A_SCALE_IN": input_scale.source, "HW_FP8_CAST": _hardware_fp8_cast(a.device),
                         **input_scale.search_tile(width, bm, scheme.act_quant != "fp8_tensor")}
-    scale_search["HW_FP8_CAST"] = input_scale is not None and _hardware_fp8_cast(a.device)
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
@@ -404,7 +403,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
-    # one token's dynamic fp8 input: GEMM1 quantises it itself (no launch of its own)
+    # one token whose activations take one scale per token or per tensor: both GEMMs quantise
+    # their input themselves (SCALE_IN_GEMM), no quantisation launch
     in_gemm = (m == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None
                and w13.perm is None and w2.perm is None
                and _expert_weight_bytes(w13, w2) * top_k <= SCALE_IN_GEMM_MAX_BYTES)
@@ -434,12 +434,12 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
           input_scale=scale1)
 
     scale2 = None
+    pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
     if in_gemm and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
         a2, a2_scale = inter, w2.input_scale if static else None
-        scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=topk_ids.reshape(-1), static=static)
+        scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static)
     elif amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
-        a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, topk_ids.reshape(-1), num_experts,
-                                             pdl=pdl)
+        a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         flat_ids = topk_ids.reshape(-1)
