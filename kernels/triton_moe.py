@@ -327,6 +327,16 @@ def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w
     return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
 
 
+def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
+                                 row_scale: torch.Tensor | None) -> bool:
+    """Whether the GEMMs quantise the layer's input themselves (SCALE_IN_GEMM): one token, one
+    scale per token or per tensor, no router weight to apply first, weights in column order, and
+    its experts' weights within SCALE_IN_GEMM_MAX_BYTES."""
+    return (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None
+            and w13.perm is None and w2.perm is None
+            and _expert_weight_bytes(w13, w2) * top_k <= SCALE_IN_GEMM_MAX_BYTES)
+
+
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:
     """Bytes of one expert's weights (both projections; scales left out)."""
     return (w13.weight.numel() + w2.weight.numel()) * w13.weight.element_size() // w13.weight.shape[0]
@@ -405,9 +415,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     pdl = triton_ops.pdl_supported(hidden.device)
     # one token whose activations take one scale per token or per tensor: both GEMMs quantise
     # their input themselves (SCALE_IN_GEMM), no quantisation launch
-    in_gemm = (m == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None
-               and w13.perm is None and w2.perm is None
-               and _expert_weight_bytes(w13, w2) * top_k <= SCALE_IN_GEMM_MAX_BYTES)
+    in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
     scale1 = _InputScale(rows=1, static=static) if in_gemm else None
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids

@@ -66,3 +66,18 @@ def test_a_register_cap_reaches_the_compiled_kernels():
     assert all(r["config"]["maxnreg"] == 80 and r["registers"] <= 80 for r in capped)
     # what no longer fits in registers goes to ptxas's stack frame, which counts as spilled
     assert all(r["spill_bytes"] == 0 for r in uncapped) and any(r["spill_bytes"] > 0 for r in capped)
+
+
+def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
+    """A token of a per-tensor fp8 scheme: the tool compiles the GEMMs that quantise their own input
+    (GEMM1 from its rows, GEMM2 from GEMM1's pieces), their weights still copied ahead and only the
+    token's row loaded in the step; past the weight budget (Mixtral's shape) they take codes."""
+    done = _run("--scheme", "fp8-w8a8-dynamic", "--shape", "qwen3", "--m", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert [r["input_quantised"] for r in results] == ["rows", "pieces"]
+    assert all(r["loop_async_copies"] >= 2 and r["loop_global_loads"] == 1 for r in results), results
+    assert "quantises its input (scale: rows)" in _run("--scheme", "fp8-w8a8-dynamic", "--shape", "qwen3",
+                                                       "--m", "1").stdout
+    mixtral = json.loads(_run("--scheme", "fp8-w8a8-dynamic", "--shape", "mixtral", "--m", "1", "--json").stdout)
+    assert [r["input_quantised"] for r in mixtral] == ["none", "none"]

@@ -57,6 +57,7 @@ class GemmSass:
     loop_opcodes: dict[str, int]  # opcode (without modifiers) -> count in the loop body
     loop_async_copies: int  # LDGSTS: global -> shared copies the pipeliner issues ahead
     loop_global_loads: int  # LDG: global loads into registers, waited on in the step
+    input_quantised: str = "none"  # A_SCALE_IN: how the GEMM quantises one token's input itself ("none": it does not)
 
     @property
     def instructions_per_weight(self) -> float:
@@ -70,7 +71,9 @@ class GemmSass:
         return (f"{self.gemm} {self.kernel}: {self.registers} registers, {self.spill_bytes} B spilled; main loop "
                 f"{self.loop_instructions} instructions ({top}), {self.instructions_per_weight:.3f} warp "
                 f"instructions per weight; loads in the loop: {self.loop_async_copies} "
-                f"cp.async (LDGSTS), {self.loop_global_loads} waited on (LDG)\n    config {json.dumps(self.config)}")
+                f"cp.async (LDGSTS), {self.loop_global_loads} waited on (LDG)"
+                + (f"; quantises its input (scale: {self.input_quantised})" if self.input_quantised != "none" else "")
+                + f"\n    config {json.dumps(self.config)}")
 
 
 class _Recorder:
@@ -122,7 +125,8 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         # the tuned configs and sm_90's paths of DEVICE_NAME; the GEMM launches recorded, not run
         patches = [(tile_config, "_device_name", lambda device: DEVICE_NAME),
                    (tile_config, "_num_sms", lambda device: DEVICE_SMS),
-                   (triton_moe, "_paired_halves", lambda device, dtype: True)]
+                   (triton_moe, "_paired_halves", lambda device, dtype: True),
+                   (triton_moe, "_hardware_fp8_cast", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
                     for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel")]
         for module, name, value in patches:
@@ -142,30 +146,45 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
             rows = triton_moe._Rows(torch.empty(padded, dtype=torch.int32, device="meta"),
                                     torch.empty(blocks, dtype=torch.int32, device="meta"),
                                     torch.empty(1, dtype=torch.int32, device="meta"), num_valid=pairs)
-        a1, a1_scale = _activations(kscheme, m, shape.hidden)
+        # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
+        own = triton_moe._one_token_quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
+        static = kscheme.act_quant in triton_moe.STATIC_QUANTS
+        a1, a1_scale = _activations(kscheme, m, shape.hidden, own)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
+        pieces = triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13, "silu")
+        amax = torch.empty(pieces, device="meta") if pieces else None
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
-                         topk_weights=weights, fuse_act="silu", pdl=True)
-        a2, a2_scale = _activations(kscheme, pairs, w2.k)
+                         topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
+                         input_scale=triton_moe._InputScale(rows=1, static=static) if own else None)
+        a2, a2_scale = _activations(kscheme, pairs, w2.k, own)
+        scale2 = None
+        if own and (static or amax is not None):
+            scale2 = triton_moe._InputScale(rows=pairs, pieces=amax, pair_ids=torch.empty(pairs, dtype=torch.int32,
+                                                                                          device="meta"), static=static)
+        elif own:  # GEMM2's input quantised by its own launch after all
+            a2, a2_scale = _activations(kscheme, pairs, w2.k)
         split = config2["SPLIT_K"]
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
         triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,
-                         routed_weight="output", topk_weights=weights, pdl=True)
+                         routed_weight="output", topk_weights=weights, pdl=True, input_scale=scale2)
     return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
-def _activations(kscheme, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _activations(kscheme, rows: int, k: int, own: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(codes or 16-bit activations, scales) a GEMM reads, on the meta device, shaped as the layer's
-    quantisation writes them: triton_ops' fake outputs, fp8_act's for the dynamic fp8 modes."""
-    from moe_registry_kernels import triton_ops
+    quantisation writes them: triton_ops' fake outputs, fp8_act's for the dynamic fp8 modes; ``own``:
+    the 16-bit input a GEMM quantises itself (and the static scale, if any)."""
+    from moe_registry_kernels import triton_moe, triton_ops
     from moe_registry_kernels.fp8_act import FP8_DYNAMIC_MODES
 
     x = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
     quant = kscheme.act_quant
     if quant == "none":
         return x, None
+    if own:
+        return x, x.new_empty(1, dtype=torch.float32) if quant in triton_moe.STATIC_QUANTS else None
     if quant in FP8_DYNAMIC_MODES:  # per token [T, 1], per tensor [1]
         return (x.new_empty(rows, k, dtype=torch.float8_e4m3fn),
                 x.new_empty((rows, 1) if quant == "fp8_token" else (1,), dtype=torch.float32))
@@ -208,7 +227,7 @@ def main_loop(sass: str) -> list[str]:
     return [line for line in lines[best[0]:best[1] + 1] if INSTRUCTION.search(line)]
 
 
-def analyse(gemm: str, fn, config: dict, cubin: Path) -> GemmSass:
+def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "none") -> GemmSass:
     """Registers, spills and the main loop's instruction mix of a compiled kernel."""
     usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
@@ -217,7 +236,7 @@ def analyse(gemm: str, fn, config: dict, cubin: Path) -> GemmSass:
     sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(INSTRUCTION.search(line).group(2) for line in main_loop(sass))
     return GemmSass(gemm, fn.__name__, {k: config[k] for k in sorted(config)}, int(regs.group(1)) if regs else -1,
-                    spilled, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"])
+                    spilled, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"], input_quantised)
 
 
 def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: dict | None = None,
@@ -228,7 +247,7 @@ def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: 
         for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), record_launches(scheme, shape, m, overrides),
                                                  strict=True):
             _, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
-            out.append(analyse(gemm, fn, cfg, cubin))
+            out.append(analyse(gemm, fn, cfg, cubin, kwargs.get("A_SCALE_IN", "none")))
         return out
 
 
