@@ -83,7 +83,8 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
                       (128, 512, 4, 3, False), (64, 512, 4, 4, False)]
             # 128 columns a warp group spread the per-step activation split over twice the weights
             # of 64 (fewer instructions per weight), but take ~145 registers a thread (3 programs
-            # an SM): capped, they keep 5
+            # an SM): capped, they keep 5 (H100, GPTQ int4 at M = 8: none won on the Qwen3 or
+            # DeepSeek shapes; the uncapped 128-column tiles did on Qwen3's)
             tiles += [(128, 128, 4, 3, False, WIDE_TILE_CAP), (128, 128, 4, 4, False, WIDE_TILE_CAP),
                       (128, 256, 4, 4, False, WIDE_TILE_CAP)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
