@@ -25,6 +25,7 @@ from .triton_ops import (
     _flat_ids,
     _fp8_codes,
     _one_launch_grid,
+    _span_amax,
     align,
     align_sizes,
     grid_dependency,
@@ -229,20 +230,11 @@ def _fp8_codes_from_pieces_kernel(x_ptr, out_ptr, scale_ptr, pieces_ptr, ids_ptr
     pairs' experts; the other rows were never written). Program 0 stores the tensor's scale."""
     grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, PIECE_COLS)
-    amax = tl.zeros([PIECE_ROWS, PIECE_COLS], dtype=tl.float32)
-    first_row = row if QUANT == "fp8_token" else 0
-    last_row = row + 1 if QUANT == "fp8_token" else T
-    for r in range(first_row, last_row, PIECE_ROWS):
-        rows = r + tl.arange(0, PIECE_ROWS)
-        ok = rows < last_row
-        if QUANT == "fp8_tensor":
-            ids = tl.load(ids_ptr + rows, mask=ok, other=-1)
-            ok = ok & (ids >= 0) & (ids < num_experts)
-        for c in range(0, P, PIECE_COLS):
-            amax = tl.maximum(amax, tl.load(pieces_ptr + rows[:, None] * P + c + cols[None, :],
-                                            mask=ok[:, None] & (c + cols < P)[None, :], other=0.0))
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(amax, axis=1), axis=0), AMAX_FLOOR), FP8_MAX)
+    if QUANT == "fp8_token":
+        amax = _span_amax(pieces_ptr, P, P, row, row + 1, ids_ptr, num_experts, False, PIECE_ROWS, PIECE_COLS)
+    else:
+        amax = _span_amax(pieces_ptr, P, P, 0, T, ids_ptr, num_experts, True, PIECE_ROWS, PIECE_COLS)
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
     if QUANT == "fp8_token" or row == 0:
         tl.store(scale_ptr + (row if QUANT == "fp8_token" else 0), scale)
     _row_codes(x_ptr, out_ptr, row, D, stride_x, stride_out, 1.0, scale, BLOCK)

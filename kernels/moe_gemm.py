@@ -28,6 +28,8 @@ from .triton_ops import (
     AMAX_FLOOR,
     FP8_MAX,
     INT8_MAX,
+    _rows_amax,
+    _span_amax,
     _to_e4m3,
     _to_int8,
     gated_act,
@@ -249,19 +251,6 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Each row's max |value| over its first ``width`` columns (float32 [ROWS]; rows not ok: 0),
-    COLS columns a step (one wide load each: a step is a round trip to L2)."""
-    amax = tl.zeros([ROWS, COLS], dtype=tl.float32)
-    for c in range(0, width, COLS):
-        cols = c + tl.arange(0, COLS)
-        v = tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :],
-                    mask=row_ok[:, None] & (cols < width)[None, :], other=0.0)
-        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-    return tl.max(amax, axis=1)
-
-
-@triton.jit
 def _codes_by_reciprocal(v, scale, reciprocal, DOT: tl.constexpr, HW_FP8_CAST: tl.constexpr):
     """float32 values -> the int8 or e4m3 codes of the dot (DOT) at this scale, as
     triton_ops._int8_codes / _fp8_codes round them, in a few instructions a value: the quotient
@@ -308,19 +297,12 @@ def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_a
     rank's experts, the only rows GEMM1 wrote)."""
     if A_QUANT != "fp8_tensor" and A_SCALE_IN == "pieces":
         amax = tl.max(_rows_amax(amax_ptr, a_rows, row_mask, amax_parts, amax_parts, BLOCK_M, SCALE_COLS), axis=0)
+    elif A_SCALE_IN == "rows":
+        amax = _span_amax(a_ptr, stride_am, K, 0, scale_rows, pair_ids_ptr, num_experts, False, SCALE_ROWS,
+                          SCALE_COLS)
     else:
-        amax = tl.zeros([SCALE_ROWS], dtype=tl.float32)
-        for r in range(0, scale_rows, SCALE_ROWS):
-            rows = r + tl.arange(0, SCALE_ROWS)
-            ok = rows < scale_rows
-            if A_SCALE_IN == "rows":
-                amax = tl.maximum(amax, _rows_amax(a_ptr, rows, ok, stride_am, K, SCALE_ROWS, SCALE_COLS))
-            else:
-                ids = tl.load(pair_ids_ptr + rows, mask=ok, other=-1)
-                ok = ok & (ids >= 0) & (ids < num_experts)
-                amax = tl.maximum(amax, _rows_amax(amax_ptr, rows, ok, amax_parts, amax_parts, SCALE_ROWS,
-                                                   SCALE_COLS))
-        amax = tl.max(amax, axis=0)
+        amax = _span_amax(amax_ptr, amax_parts, amax_parts, 0, scale_rows, pair_ids_ptr, num_experts, True,
+                          SCALE_ROWS, SCALE_COLS)
     return amax
 
 

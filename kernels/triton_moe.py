@@ -40,6 +40,7 @@ skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a C
 """
 
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -178,6 +179,7 @@ class _InputScale:
 _NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16, "HW_FP8_CAST": False}
 
 
+@functools.cache
 def _hardware_fp8_cast(device: torch.device) -> bool:
     """Whether a kernel's float32 -> e4m3 cast is the GPU's saturating round-to-nearest-even
     conversion: not under the interpreter, whose cast rounds differently."""
@@ -450,8 +452,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
-        flat_ids = topk_ids.reshape(-1)
-        valid = (flat_ids >= 0) & (flat_ids < num_experts) if scheme.act_quant == "fp8_tensor" else None
+        valid = (pair_ids >= 0) & (pair_ids < num_experts) if scheme.act_quant == "fp8_tensor" else None
         a2, a2_scale = _quantize(inter, scheme, None, rows=valid, pdl=pdl)
     else:
         a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)

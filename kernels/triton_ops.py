@@ -553,6 +553,36 @@ def _group_scale(amax, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Each row's max |value| over its first ``width`` columns (float32 [ROWS]; rows not ok: 0),
+    COLS columns a step (one wide load each: a step is a round trip to L2)."""
+    amax = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for c in range(0, width, COLS):
+        cols = c + tl.arange(0, COLS)
+        v = tl.load(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :],
+                    mask=row_ok[:, None] & (cols < width)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    return tl.max(amax, axis=1)
+
+
+@triton.jit
+def _span_amax(ptr, stride, width, row_lo, row_hi, ids_ptr, num_experts, SKIP_FOREIGN: tl.constexpr,
+               ROWS: tl.constexpr, COLS: tl.constexpr):
+    """max |value| (float32) over rows [row_lo, row_hi) and their first ``width`` columns, a
+    [ROWS, COLS] tile a step; SKIP_FOREIGN: only rows whose pair ``ids_ptr`` routes to one of
+    this rank's ``num_experts`` (rows of pairs routed elsewhere were never written)."""
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    for r in range(row_lo, row_hi, ROWS):
+        rows = r + tl.arange(0, ROWS)
+        ok = rows < row_hi
+        if SKIP_FOREIGN:
+            ids = tl.load(ids_ptr + rows, mask=ok, other=-1)
+            ok = ok & (ids >= 0) & (ids < num_experts)
+        amax = tl.maximum(amax, _rows_amax(ptr, rows, ok, stride, width, ROWS, COLS))
+    return tl.max(amax, axis=0)
+
+
+@triton.jit
 def _int8_token_scale(amax):
     """A row's int8 scale from its amax (floored so an all-zero row divides by a positive)."""
     return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), INT8_MAX)

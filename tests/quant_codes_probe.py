@@ -55,3 +55,9 @@ def probe(values: torch.Tensor, scale: float, dot: str, hw_cast: bool) -> tuple[
 
 def _unsigned_zero(codes: torch.Tensor, dot: str) -> torch.Tensor:
     return torch.where(codes == 0x80, torch.zeros_like(codes), codes) if dot == "fp8_outer" else codes
+
+
+def codes_at_scale_of(amax: float, dot: str, device: str, hw_cast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`probe` on :func:`hard_values` at the scale an amax gives (floored at 1e-10)."""
+    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / MAX[dot])
+    return probe(hard_values(scale, dot, seed=3).to(device), scale, dot, hw_cast)

@@ -182,10 +182,9 @@ def test_codes_by_reciprocal_round_as_the_division(dot, amax):
     """The GEMM's own int8 / fp8 quantisation (Markstein's corrected reciprocal, no division, the GPU's fp8 cast)
     gives the codes of quant_ref's true division at every code and tie and one float32 step
     either side, past saturation, for tiny values and random ones, at scales from the floor up."""
-    from quant_codes_probe import MAX, hard_values, probe
+    from quant_codes_probe import codes_at_scale_of
 
-    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / MAX[dot])
-    got, want = probe(hard_values(scale, dot, seed=3).to(DEVICE), scale, dot, hw_cast=True)
+    got, want = codes_at_scale_of(amax, dot, DEVICE, hw_cast=True)
     assert torch.equal(got, want)
 
 

@@ -816,10 +816,9 @@ def test_codes_by_reciprocal_round_as_the_division(dot, amax):
     """The GEMM's own int8 / fp8 quantisation (Markstein's corrected reciprocal, no division)
     gives the codes of quant_ref's true division at every code and tie and one float32 step
     either side, past saturation, for tiny values and random ones, at scales from the floor up."""
-    from quant_codes_probe import MAX, hard_values, probe
+    from quant_codes_probe import codes_at_scale_of
 
-    scale = float(torch.tensor(max(amax, 1e-10), dtype=torch.float32) / MAX[dot])
-    got, want = probe(hard_values(scale, dot, seed=3), scale, dot, hw_cast=False)
+    got, want = codes_at_scale_of(amax, dot, "cpu", hw_cast=False)
     assert torch.equal(got, want)
 
 
@@ -834,23 +833,34 @@ ONE_TOKEN_SCHEMES = {
 }
 
 
+def _one_token(scheme: str):
+    """(weights, hidden, topk_weights, topk_ids) of a ONE_TOKEN_SCHEMES layer and one token (top-3)."""
+    wk, ak = ONE_TOKEN_SCHEMES[scheme]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
+    return (weights, *_routing(1, 3, seed=5))
+
+
+def _quantisation_calls(monkeypatch) -> list[str]:
+    """The names of the layer's activation-quantisation calls (triton_moe's), in order, as they happen."""
+    calls: list[str] = []
+    for name in ("_quantize", "quant_fp8_from_pieces"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: calls.append(_name)
+                            or _real(*a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("scheme", list(ONE_TOKEN_SCHEMES))
 def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     """One token whose activations take one scale per token or per tensor: both GEMMs quantise its
     input themselves (static scale, or the amax of its hidden state and of GEMM1's row-amax
     pieces), so no quantisation kernel runs; bit-equal to the layer whose quantisation kernels
     do it, with a pair routed to another rank's expert; and near the reference."""
-    wk, ak = ONE_TOKEN_SCHEMES[scheme]
-    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
-                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
-    hidden, topk_weights, topk_ids = _routing(1, 3, seed=5)
+    weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     topk_ids[0, 1] = -1
     experts = TritonExperts(weights, ExpertsConfig())
-    quantised = []
-    for name in ("_quantize", "quant_fp8_from_pieces"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: quantised.append(_name)
-                            or _real(*a, **k))
+    quantised = _quantisation_calls(monkeypatch)
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
         monkeypatch.setattr(triton_moe, switch, False)
     want = experts.apply(hidden, topk_weights, topk_ids)
@@ -869,17 +879,10 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(monkeypatch):
     """The GEMMs quantise one token's input themselves only while the token's experts' weights fit
     SCALE_IN_GEMM_MAX_BYTES (past it their longer loops cost more than the launches save); past it
     the hidden state takes a quantisation launch and GEMM2's input one from GEMM1's pieces."""
-    wk, ak = ONE_TOKEN_SCHEMES["fp8-tensor-dynamic"]
-    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
-                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
-    hidden, topk_weights, topk_ids = _routing(1, 3, seed=5)
+    weights, hidden, topk_weights, topk_ids = _one_token("fp8-tensor-dynamic")
     token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # fp8: a byte a weight
     experts = TritonExperts(weights, ExpertsConfig())
-    quantised = []
-    for name in ("_quantize", "quant_fp8_from_pieces"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: quantised.append(_name)
-                            or _real(*a, **k))
+    quantised = _quantisation_calls(monkeypatch)
     outputs = []
     for budget, launches in ((token_bytes, []), (token_bytes - 1, ["_quantize", "quant_fp8_from_pieces"])):
         monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget)
