@@ -15,6 +15,14 @@ On the GPU the same moves run as paired PTX (:func:`_e2m1_asm`), two weights per
 multiply by the scale rounds once -- the same value again. The group scale arrives in the 16-bit
 dtype (an e4m3 scale is exact in either; an e8m0 power of two is exact in bfloat16 and in float16
 from 2^-24 to 2^15, which holds every float16 weight but those below 2^-24).
+
+FOLDED: the scale arrives already times 2^U / 2^D (U the half's unscale exponent, 14 or 126; D a
+shift the GEMM's epilogue takes back in float32), so each pair costs one multiply, not two: the
+tile then holds value * scale * 2^-D, still rounded once. The GEMM folds only where that is exact
+(triton_moe._e2m1_fold): NVFP4's e4m3 scales (at most 448) with D = 8 always -- value * scale is a
+multiple of 2^-10 below 2688, so times 2^-8 it is exact in either 16-bit type -- and MX's powers
+of two with D = 0 where every scale times 2^U stays a normal number of the 16-bit type, built from
+the code's bits (_folded_e8m0).
 """
 
 import triton
@@ -41,13 +49,14 @@ E4M3_UNSCALE = tl.constexpr(256.0)  # 2^8: float16's exponent bias 15 minus e4m3
 
 
 @triton.jit
-def _e4m3_value(codes):
+def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
     """float8_e4m3fn bytes (uint8) -> their values in float32, by the same bit move as _e2m1_value (the
     half reads value * 2^-8; e4m3 subnormals become float16 subnormals, exactly): no fp8 conversion, which
-    Triton has only from sm_89, and no masked fp8 load, which cannot fill in 0. NaN codes are refused at load."""
+    Triton has only from sm_89, and no masked fp8 load, which cannot fill in 0. NaN codes are refused at load.
+    TIMES: a power of two to multiply in as well, in the same multiply (exact where it stays finite)."""
     c = codes.to(tl.uint16)
     bits = ((c & 0x80) << E4M3_SIGN_SHIFT) | ((c & 0x7F) << E4M3_MAGNITUDE_SHIFT)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * E4M3_UNSCALE
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * (E4M3_UNSCALE * TIMES)
 
 
 # the paired form: a code moved to the top nibble of a 16-bit half (bits 12..15) keeps its sign
@@ -65,13 +74,54 @@ E2M1_F16_UNSCALE_PAIR = _immediate(E2M1_F16_UNSCALE_BITS, 2)
 E2M1_BF16_UNSCALE_PAIR = _immediate(E2M1_BF16_UNSCALE_BITS, 2)
 
 
+E2M1_F16_UNSCALE_EXPONENT = tl.constexpr(14)  # U: a moved code's half reads value * 2^-U in float16
+E2M1_BF16_UNSCALE_EXPONENT = tl.constexpr(126)  # and in bfloat16
+
+
 @triton.constexpr_function
-def _e2m1_asm(half: str) -> str:
+def _e2m1_half_unit(dtype) -> float:
+    """2^-U: what a moved e2m1 code of value 1 reads as a half of ``dtype``."""
+    unscale = E2M1_BF16_UNSCALE_EXPONENT if dtype == tl.bfloat16 else E2M1_F16_UNSCALE_EXPONENT
+    return 2.0 ** -unscale.value
+
+
+@triton.constexpr_function
+def e2m1_fold_factor(dtype, folded: bool, shift: int) -> float:
+    """What a group scale is multiplied by before its tile takes it: 2^(U - shift) when ``folded``
+    (see the module note), else 1."""
+    unscale = E2M1_BF16_UNSCALE_EXPONENT if dtype == tl.bfloat16 else E2M1_F16_UNSCALE_EXPONENT
+    return 2.0 ** (unscale.value - shift) if folded else 1.0
+
+
+@triton.constexpr_function
+def _folded_e8m0_exponent(dtype) -> int:
+    """What an e8m0 code adds up to in ``dtype``'s exponent field once times 2^U: bias - 127 + U
+    (bfloat16: 127 - 127 + 126, float16: 15 - 127 + 14)."""
+    return 126 if dtype == tl.bfloat16 else -98
+
+
+@triton.constexpr_function
+def _mantissa_bits(dtype) -> int:
+    return 7 if dtype == tl.bfloat16 else 10
+
+
+@triton.jit
+def _folded_e8m0(codes, dtype):
+    """MX scale codes (uint8) -> 2^(e - 127) * 2^U in the 16-bit ``dtype``, straight from the
+    code's bits (one integer multiply-add each, no float32 detour): normal for every code the fold
+    admits (triton_moe.E2M1_MX_FOLD_CODES: bfloat16 0..128, float16 99..128)."""
+    field = codes.to(tl.int16) + _folded_e8m0_exponent(dtype)
+    return (field << _mantissa_bits(dtype)).to(dtype, bitcast=True)
+
+
+@triton.constexpr_function
+def _e2m1_asm(half: str, folded: bool = False) -> str:
     """PTX turning 4 packed bytes (8 e2m1 codes) into value * scale for the low and the high
     nibbles, two at a time in 16-bit pairs: each byte is moved to the high byte of a half (prmt),
     a nibble's sign kept and its magnitude shifted into place (and, shr, lop3), then one paired
-    multiply by 2^14 or 2^126 (exact) and one by the scale. Operands: $0 $1 low pairs, $2 $3 high
-    pairs, $4 the bytes, $5 $6 the scales in ``half`` (Triton's pack=4 register order)."""
+    multiply by 2^14 or 2^126 (exact; ``folded``: already in the scale) and one by the scale.
+    Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 the scales in ``half``
+    (Triton's pack=4 register order)."""
     sign, magnitude = E2M1_TOP_SIGN_PAIR, E2M1_TOP_MAGNITUDE_PAIR
     shift = E2M1_BF16_SHIFT.value if half == "bf16" else E2M1_F16_SHIFT.value
     unscale = E2M1_BF16_UNSCALE_PAIR if half == "bf16" else E2M1_F16_UNSCALE_PAIR
@@ -84,24 +134,29 @@ def _e2m1_asm(half: str) -> str:
             lines += ["mov.b32 v0, t0;", "mov.b32 v1, t1;"]
         for i in range(2):
             lines += [f"and.b32 m{i}, v{i}, {magnitude};", f"shr.b32 m{i}, m{i}, {shift};",
-                      f"lop3.b32 v{i}, v{i}, {sign}, m{i}, 0xEA;",  # (v & sign) | m
-                      f"mul.rn.{half}x2 v{i}, v{i}, k;", f"mul.rn.{half}x2 ${out + i}, v{i}, ${5 + i};"]
+                      f"lop3.b32 v{i}, v{i}, {sign}, m{i}, 0xEA;"]  # (v & sign) | m
+            if not folded:
+                lines += [f"mul.rn.{half}x2 v{i}, v{i}, k;"]
+            lines += [f"mul.rn.{half}x2 ${out + i}, v{i}, ${5 + i};"]
     return "\n".join([*lines, "}"])
 
 
 @triton.jit
-def _dequant_e2m1(packed, scale, dtype, ASM: tl.constexpr = False):
+def _dequant_e2m1(packed, scale, dtype, ASM: tl.constexpr = False, FOLDED: tl.constexpr = False):
     """(low, high): a packed FP4 tile (uint8, low nibble the even input column) times ``scale``
-    (broadcast to the tile; e8m0 or e4m3 values in ``dtype``), in the 16-bit ``dtype``. ASM: the
-    paired PTX of _e2m1_asm (GPU); else plain Triton (the same values)."""
+    (broadcast to the tile; e8m0 or e4m3 values in ``dtype``; FOLDED: times 2^U / 2^D, see the
+    module note), in the 16-bit ``dtype``. ASM: the paired PTX of _e2m1_asm (GPU); else plain
+    Triton (the same values)."""
     if ASM:
-        program: tl.constexpr = _e2m1_asm("bf16" if dtype == tl.bfloat16 else "f16")
+        program: tl.constexpr = _e2m1_asm("bf16" if dtype == tl.bfloat16 else "f16", FOLDED)
         result: tl.constexpr = _asm_result_dtype(dtype, 2)
         scale_t = tl.broadcast_to(scale.to(dtype), packed.shape)
         low, high = tl.inline_asm_elementwise(program, _asm_constraints(4, 2, (8, 16)), [packed, scale_t],
                                               dtype=result.value, is_pure=True, pack=4)
     else:
         s = scale.to(tl.float32)
+        if FOLDED:  # value * (scale * 2^-U): exact in float32, as the PTX's one multiply of the half
+            s = s * _e2m1_half_unit(dtype)
         low = (_e2m1_value(packed & 0xF) * s).to(dtype)
         high = (_e2m1_value(packed >> 4) * s).to(dtype)
     return low, high

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
-from .fp4_dequant import _dequant_e2m1, _e4m3_value
+from .fp4_dequant import _dequant_e2m1, _e4m3_value, _folded_e8m0, e2m1_fold_factor
 from .scheme import dot_kind, packed, zero_code
 from .triton_ops import (
     AMAX_FLOOR,
@@ -48,6 +48,11 @@ def _groups_per_tile(block_k: int, group: int) -> int:
 @triton.constexpr_function
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+@triton.constexpr_function
+def _exp2(n: int) -> float:
+    return 2.0 ** n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,25 +210,29 @@ def _repeat_cols(x, COLS: tl.constexpr):
 @triton.jit
 def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk, dtype, W_SCALE: tl.constexpr,
                   W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
-                  K_AXIS: tl.constexpr, K_LEN: tl.constexpr):
+                  K_AXIS: tl.constexpr, K_LEN: tl.constexpr, FOLD: tl.constexpr = 1.0):
     """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
     points with HAS_ZERO, else ``zero``. ``scale_groups``: the groups a weight row's scales hold
     (a multiple of 16 where TritonExperts pads them, so the masked load of a row's groups is still
     one vector, which the pipeliner streams ahead of the tile like the codes; past K the pad is
-    finite and meets masked-off codes and activations)."""
+    finite and meets masked-off codes and activations). FOLD: what an FP4 tile's scales are
+    multiplied by first (fp4_dequant.e2m1_fold_factor; MX, never shifted: 2^U, see _folded_e8m0)."""
     # a K tile starts at a multiple of W_GROUPS groups
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
     g_mask = groups < scale_groups
     scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
     if W_SCALE == "mx":
-        scale = _e8m0(scale)
-        if NARROW:  # e2m1 tiles take the power of two in the 16-bit dtype (fp4_dequant: exact where it matters)
-            scale = scale.to(dtype)
+        if NARROW and FOLD != 1.0:  # folded e2m1 tiles: 2^U times the power of two (MX: no shift)
+            scale = _folded_e8m0(scale, dtype)
+        elif NARROW:  # e2m1 tiles take the power of two in the 16-bit dtype (fp4_dequant: exact where it matters)
+            scale = _e8m0(scale).to(dtype)
+        else:
+            scale = _e8m0(scale)
     elif scale.dtype == tl.uint8:  # e4m3 group scales (NVFP4) come as bytes (fp4_dequant._e4m3_value)
-        scale = _e4m3_value(scale).to(dtype)
+        scale = _e4m3_value(scale, FOLD).to(dtype)
     else:
         scale = scale.to(dtype)
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
@@ -233,6 +242,22 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
                                   dtype, NARROW)
         tile_zero = _repeat_rows(group_zero, K_LEN) if K_AXIS == 0 else _repeat_cols(group_zero, K_LEN)
     return scale, tile_zero
+
+
+@triton.jit
+def _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2: tl.constexpr, E2M1_SHIFT: tl.constexpr,
+                   N_AXIS: tl.constexpr):
+    """The dot's float32 result times the second-level weight scale of each weight row (W_SCALE2)
+    and 2^E2M1_SHIFT, the power of two folded FP4 tiles left out (exact). N_AXIS: where the weight
+    rows run in ``acc``."""
+    if W_SCALE2:
+        scale2 = tl.load(b_scale2_ptr + expert * N + offs_bn)
+        if E2M1_SHIFT != 0:
+            scale2 = scale2 * _exp2(E2M1_SHIFT)
+        acc = acc * (scale2[None, :] if N_AXIS == 1 else scale2[:, None])
+    elif E2M1_SHIFT != 0:
+        acc = acc * _exp2(E2M1_SHIFT)
+    return acc
 
 
 @triton.jit
@@ -351,8 +376,10 @@ def _fused_moe_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr,
         # W_SCALE2: a second-level weight scale per (expert, weight row), float32 [E, N] (NVFP4's global
-        # scale), multiplied into the dot's result before the epilogue
-        b_scale2_ptr, W_SCALE2: tl.constexpr,
+        # scale), multiplied into the dot's result before the epilogue; E2M1_FOLDED, E2M1_SHIFT: FP4
+        # tiles whose scales carry their unscale, holding 2^-E2M1_SHIFT times the weights, which the
+        # result takes back (fp4_dequant's module note)
+        b_scale2_ptr, W_SCALE2: tl.constexpr, E2M1_FOLDED: tl.constexpr, E2M1_SHIFT: tl.constexpr,
         # the groups each weight row's group (or MX) scales hold: ceil(K / W_GROUP), or more where padded
         scale_groups):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
@@ -463,7 +490,8 @@ def _fused_moe_kernel(
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
-                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS)
+                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
+                                             e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -494,7 +522,7 @@ def _fused_moe_kernel(
                 else:
                     acc += part
             elif W_TYPE == "e2m1":  # FP4 codes (fp4_dequant): never FACTORED (mx or 16-column groups)
-                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT, E2M1_FOLDED)
                 acc = _dot(a_even, low, acc)
                 acc = _dot(a_odd, high, acc)
             elif FACTORED:
@@ -536,8 +564,7 @@ def _fused_moe_kernel(
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]
-    if W_SCALE2:
-        acc *= tl.load(b_scale2_ptr + expert * N + offs_bn)[None, :]
+    acc = _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2, E2M1_SHIFT, 1)
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
                  FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts, AMAX_OUT)
@@ -593,7 +620,8 @@ def _fused_moe_swap_kernel(
         HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr, scale_groups):
+        PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr, E2M1_FOLDED: tl.constexpr,
+        E2M1_SHIFT: tl.constexpr, scale_groups):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -639,7 +667,8 @@ def _fused_moe_swap_kernel(
         tile_zero = zero
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
-                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS)
+                                             W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS,
+                                             e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 
@@ -649,7 +678,7 @@ def _fused_moe_swap_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
             if W_TYPE == "e2m1":  # FP4 codes (fp4_dequant)
-                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT)
+                low, high = _dequant_e2m1(packed_codes, scale, dtype, ASM_DEQUANT, E2M1_FOLDED)
             else:
                 low, high = _dequant_nibbles(packed_codes, tile_zero, scale, dtype, W_TYPE == "int4", ASM_DEQUANT)
             b = tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
@@ -677,8 +706,7 @@ def _fused_moe_swap_kernel(
         acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
     grid_release(PDL)
-    if W_SCALE2:  # [BN, BM] here: the weight rows run down
-        acc *= tl.load(b_scale2_ptr + expert * N + offs_bn)[:, None]
+    acc = _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2, E2M1_SHIFT, 0)  # weight rows down
     _, scale_cols, _ = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn,
                                            stride_se, stride_sn, 1)
     _finish_tile(tl.trans(acc), expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols,

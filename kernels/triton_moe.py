@@ -132,6 +132,8 @@ class _Proj:
     n: int
     k: int
     scale2: torch.Tensor | None = None  # second-level weight scale per (expert, row), float32 [E, N] (NVFP4)
+    # MX scales: their lowest and highest e8m0 code where known, which decide _e2m1_fold
+    scale_codes: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -267,7 +269,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, scheme, dummy),
-            **_launch_options(config), **triton_ops.pdl_launch(pdl))
+            **_e2m1_fold(w, scheme, compute_dtype), **_launch_options(config), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -289,8 +291,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         TOP_K=top_k, BATCHED=rows.batched, ONE_PAIR_BLOCKS=rows.one_pair_blocks, WRITE_EMPTY=write_empty,
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
-        scale_groups=groups, **_scale2_args(w, scheme, dummy), **_launch_options(config),
-        **triton_ops.pdl_launch(pdl))
+        scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
+        **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
 def _launch_options(config: dict) -> dict:
@@ -308,6 +310,35 @@ def _scale2_args(w: _Proj, scheme: Scheme, dummy: torch.Tensor) -> dict:
         raise ValueError(f"weight key {'has' if scheme.weight_scale2 else 'has no'} second-level scale, but the "
                          f"projection {'has none' if w.scale2 is None else 'has one'}")
     return {"b_scale2_ptr": w.scale2 if w.scale2 is not None else dummy, "W_SCALE2": scheme.weight_scale2}
+
+
+# FP4 tiles folded (fp4_dequant's module note): the power of two NVFP4 tiles leave to the result, and
+# the e8m0 codes an MX scale may have, by activation dtype, for scale * 2^U to be a normal number
+E2M1_E4M3_SHIFT = 8
+E2M1_MX_FOLD_CODES = {torch.bfloat16: (0, 128), torch.float16: (99, 128)}
+
+
+def _e2m1_fold(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype) -> dict:
+    """Whether an FP4 GEMM's group scales carry the codes' unscale (one multiply a weight pair, not
+    two; H100: see fp4_dequant), and the shift its result takes back. NVFP4's e4m3 scales always
+    may; MX ones where every scale code is known to lie in E2M1_MX_FOLD_CODES."""
+    if scheme.weight_type != "e2m1" or compute_dtype not in E2M1_MX_FOLD_CODES:
+        return {"E2M1_FOLDED": False, "E2M1_SHIFT": 0}
+    if scheme.weight_scale != "mx":  # e4m3 group scales, at most 448
+        return {"E2M1_FOLDED": True, "E2M1_SHIFT": E2M1_E4M3_SHIFT}
+    lowest, highest = E2M1_MX_FOLD_CODES[compute_dtype]
+    codes = w.scale_codes
+    return {"E2M1_FOLDED": codes is not None and lowest <= codes[0] and codes[1] <= highest, "E2M1_SHIFT": 0}
+
+
+def mx_scale_codes(weights: ExpertWeights, scheme: Scheme) -> list[int] | None:
+    """[lowest, highest] e8m0 code of MX FP4 experts' scales (None for any other key), read once where
+    the weights are set up: the layer's custom ops take it as ``mx_scale_codes`` (_e2m1_fold)."""
+    if scheme.weight_type != "e2m1" or scheme.weight_scale != "mx":
+        return None
+    codes = torch.cat([p.scale.reshape(-1).view(torch.uint8) for p in (weights.w13, weights.w2)])
+    lowest, highest = torch.aminmax(codes)
+    return [int(lowest), int(highest)]
 
 
 def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w13: _Proj,
@@ -376,10 +407,14 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
 
 def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_perm, w13_bias,
                  w13_input_scale, w2: torch.Tensor, w2_scale, w2_zero, w2_perm, w2_bias,
-                 w2_input_scale, w13_scale2=None, w2_scale2=None) -> tuple[_Proj, _Proj]:
+                 w2_input_scale, w13_scale2=None, w2_scale2=None,
+                 mx_scale_codes: list[int] | None = None) -> tuple[_Proj, _Proj]:
     n13 = w13.shape[1]
-    return (_Proj(w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale, n13, hidden_size, w13_scale2),
-            _Proj(w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w2.shape[1], n13 // 2, w2_scale2))
+    codes = (mx_scale_codes[0], mx_scale_codes[1]) if mx_scale_codes is not None else None
+    return (_Proj(w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale, n13, hidden_size, w13_scale2,
+                  codes),
+            _Proj(w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w2.shape[1], n13 // 2, w2_scale2,
+                  codes))
 
 
 def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -505,11 +540,12 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                   w2_input_scale: torch.Tensor | None,
                   weight_key: str, activation_key: str, activation: str,
                   router_weight_on_input: bool, w13_scale2: torch.Tensor | None = None,
-                  w2_scale2: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale2: torch.Tensor | None = None, mx_scale_codes: list[int] | None = None) -> torch.Tensor:
     """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
-    fields, flattened); the keys are QuantKey strings."""
+    fields, flattened); the keys are QuantKey strings; ``mx_scale_codes``: see scale_code_range."""
     p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
-                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2)
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
+                           mx_scale_codes)
     return _fused_experts(hidden, topk_weights, topk_ids, p13, p2, weight_key, activation_key, activation,
                           router_weight_on_input)
 
@@ -528,12 +564,13 @@ def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
                           w2_perm: torch.Tensor | None, w2_bias: torch.Tensor | None,
                           w2_input_scale: torch.Tensor | None,
                           weight_key: str, activation_key: str, activation: str,
-                          w13_scale2: torch.Tensor | None = None, w2_scale2: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+                          w13_scale2: torch.Tensor | None = None, w2_scale2: torch.Tensor | None = None,
+                          mx_scale_codes: list[int] | None = None) -> torch.Tensor:
     """The batched-format layer: x [E, T, H] with expert_num_tokens [E] -> [E, T, H] (rows past a
     count are zero; no router weights)."""
     p13, p2 = _projections(x.shape[2], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
-                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2)
+                           w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
+                           mx_scale_codes)
     return _fused_experts_batched(x, expert_num_tokens, p13, p2, weight_key, activation_key, activation)
 
 
@@ -589,9 +626,14 @@ class _TritonBase(Experts):
         self.activation_key = str(weights.activation_key)
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
         self._tensors = _kernel_tensors(weights.w13, self.scheme) + _kernel_tensors(weights.w2, self.scheme)
-        # second-level weight scales (NVFP4), [E, N] float32: passed by keyword, absent for every other key
-        self._scale2 = {f"{name}_scale2": p.scale2.reshape(p.scale2.shape[0], -1).to(torch.float32).contiguous()
-                        for name, p in (("w13", weights.w13), ("w2", weights.w2)) if p.scale2 is not None}
+        # by keyword, absent for every other key: second-level weight scales (NVFP4), [E, N] float32,
+        # and MX FP4 scales' code range (whether their tiles may fold, _e2m1_fold)
+        self._options: dict[str, object] = {
+            f"{name}_scale2": p.scale2.reshape(p.scale2.shape[0], -1).to(torch.float32).contiguous()
+            for name, p in (("w13", weights.w13), ("w2", weights.w2)) if p.scale2 is not None}
+        codes = mx_scale_codes(weights, self.scheme)
+        if codes is not None:
+            self._options["mx_scale_codes"] = codes
 
 
 class TritonExperts(_TritonBase):
@@ -601,7 +643,7 @@ class TritonExperts(_TritonBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._scale2)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._options)
 
 
 class TritonBatchedExperts(_TritonBase):
@@ -612,11 +654,11 @@ class TritonBatchedExperts(_TritonBase):
         rows past the count zero. No router weights (finalize applies them)."""
         return torch.ops.moe_registry.fused_experts_batched(
             x, expert_num_tokens.to(torch.int32), *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, **self._scale2)
+            self.config.activation, **self._options)
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """The standard format through the same weights (for callers that hold both formats)."""
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._scale2)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._options)

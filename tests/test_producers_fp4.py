@@ -32,7 +32,7 @@ from moe_registry.layer.experts import ExpertsConfig
 try:  # the Triton decoders, for the exhaustive test below (a jit function resolves names in module globals)
     import triton
     import triton.language as tl
-    from moe_registry_kernels.fp4_dequant import _e2m1_value, _e4m3_value
+    from moe_registry_kernels.fp4_dequant import _dequant_e2m1, _e2m1_value, _e4m3_value, _folded_e8m0
 except ImportError:
     triton = None
 else:
@@ -41,6 +41,22 @@ else:
         offs = tl.arange(0, 256)
         tl.store(e4m3_out + offs, _e4m3_value(tl.load(e4m3_ptr + offs)))
         tl.store(e2m1_out + tl.arange(0, 16), _e2m1_value(tl.load(e2m1_ptr + tl.arange(0, 16))))
+
+    @triton.jit
+    def _folded_scales(codes_ptr, out_ptr, n, DT: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(out_ptr + offs, _folded_e8m0(tl.load(codes_ptr + offs, mask=offs < n, other=127), DT), mask=offs < n)
+
+    @triton.jit
+    def _dequant_folded(codes_ptr, scale_ptr, low_ptr, high_ptr, rows):
+        """Every byte of codes_ptr (256) under each of ``rows`` folded float16 scales (at most 256)."""
+        r = tl.arange(0, 256)[:, None]
+        c = tl.arange(0, 256)[None, :]
+        scale = tl.load(scale_ptr + r, mask=r < rows, other=0.0)
+        low, high = _dequant_e2m1(tl.broadcast_to(tl.load(codes_ptr + c), (256, 256)), scale, tl.float16,
+                                  False, True)
+        tl.store(low_ptr + r * 256 + c, low, mask=r < rows)
+        tl.store(high_ptr + r * 256 + c, high, mask=r < rows)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fp4"
 MXFP4 = FIXTURES / "gpt-oss-mxfp4"
@@ -360,6 +376,140 @@ def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
         got = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
     want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
     assert _rel(got, want) <= 1e-2, f"{config}: {_rel(got, want):.2e}"
+
+
+# ---------------------------------------------------------------- FP4 tiles whose scales carry the codes' unscale
+
+
+def _with_scale_codes(weights, codes: dict[tuple[int, int], int]):
+    """The experts with some scale bytes set (expert 0, weight row r, group g -> code), both projections."""
+    import dataclasses
+
+    def set_codes(p):
+        scale = p.scale.clone()
+        raw = scale.view(torch.uint8)
+        for (row, group), code in codes.items():
+            raw[0, row, group] = code
+        return dataclasses.replace(p, scale=scale)
+
+    return dataclasses.replace(weights, w13=set_codes(weights.w13), w2=set_codes(weights.w2))
+
+
+def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str, fold: bool):
+    """(output, the fold arguments each GEMM took) of a float16 FP4 layer; fold False: unfolded tiles."""
+    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+
+    from moe_registry.core.keys import parse_quant_key
+
+    weights = _with_scale_codes(make_random_expert_weights(
+        parse_quant_key(key), parse_quant_key("unquantized"), num_experts=4, hidden=128, intermediate=64,
+        dtype=torch.float16, bias=True, seed=8), codes)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(m, 128, generator=gen).to(torch.float16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(m)]).to(torch.int32)
+    w = torch.rand(m, 2, generator=gen) + 0.1
+    seen: list[dict] = []
+    real = triton_moe._e2m1_fold
+
+    def spy(proj, scheme, dtype):
+        args = real(proj, scheme, dtype) if fold else {"E2M1_FOLDED": False, "E2M1_SHIFT": 0}
+        seen.append(args)
+        return args
+
+    gemms = {"tuned": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
+    with pytest.MonkeyPatch.context() as mp, triton_moe.config_override(*gemms):
+        mp.setattr(triton_moe, "_e2m1_fold", spy)
+        out = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    return out, seen, weights, (x, w, ids)
+
+
+# scale codes at the edges of what folding keeps exact, where the unfolded float16 tile is exact too:
+# MX up to 2 (code 128) and down to 2^-24 (code 103); NVFP4 e4m3 448 (0x7E) and its smallest subnormal
+EDGE_CODES = {MXFP4_KEY: {(0, 0): 128, (1, 1): 103, (2, 0): 127}, NVFP4_KEY: {(0, 0): 0x7E, (1, 1): 0x01}}
+
+
+@pytest.mark.parametrize("key", [MXFP4_KEY, NVFP4_KEY], ids=["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("config", ["tuned", "swapped", "split-k"])
+@pytest.mark.parametrize("m", [1, 7])
+def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(key: str, config: str, m: int) -> None:
+    """One multiply a weight pair instead of two (fp4_dequant's module note): the layer's output is
+    bit-equal with the unfolded tiles', scales at the edges of the folded range included."""
+    pytest.importorskip("triton")
+    folded, seen, _, _ = _fp4_layer(key, EDGE_CODES[key], m, config, fold=True)
+    plain, _, _, _ = _fp4_layer(key, EDGE_CODES[key], m, config, fold=False)
+    shift = 0 if key == MXFP4_KEY else 8
+    assert seen and all(s == {"E2M1_FOLDED": True, "E2M1_SHIFT": shift} for s in seen), seen
+    assert torch.equal(folded, plain)
+
+
+@pytest.mark.parametrize("code", [129, 98])
+def test_mx_scales_outside_the_folded_range_keep_two_multiplies(code: int) -> None:
+    """An MX code above 128 (2 * 2^U overflows the 16-bit scale) or, in float16, below 99 (2^U times
+    it is no normal float16): the tiles stay unfolded and the layer still matches the reference."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels.reference import reference_moe
+
+    out, seen, weights, (x, w, ids) = _fp4_layer(MXFP4_KEY, {(0, 0): code}, 7, "tuned", fold=True)
+    assert seen and not any(s["E2M1_FOLDED"] for s in seen)
+    want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
+    assert torch.isfinite(out).all() and _rel(out, want) <= 1e-2, f"{_rel(out, want):.2e}"
+
+
+@pytest.mark.parametrize("dtype, codes, folded", [
+    (torch.bfloat16, (0, 128), True), (torch.bfloat16, (0, 129), False), (torch.float16, (99, 128), True),
+    (torch.float16, (98, 128), False), (torch.float16, None, False), (torch.float32, (100, 120), False)])
+def test_mx_fold_needs_every_scale_code_in_range(dtype: torch.dtype, codes, folded: bool) -> None:
+    """MX tiles fold only where the layer knows every scale code lies in range for its dtype; NVFP4
+    tiles always (16-bit), leaving 2^8 to the result."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+
+    w = torch.zeros(1, 2, 16, dtype=torch.uint8)
+    proj = triton_moe._Proj(w, None, None, None, None, None, 2, 32, scale_codes=codes)
+    mx = triton_moe.scheme_from_keys(MXFP4_KEY, "unquantized")
+    nv = triton_moe.scheme_from_keys(NVFP4_KEY, "unquantized")
+    assert triton_moe._e2m1_fold(proj, mx, dtype) == {"E2M1_FOLDED": folded, "E2M1_SHIFT": 0}
+    assert triton_moe._e2m1_fold(proj, nv, dtype) == {"E2M1_FOLDED": dtype != torch.float32,
+                                                      "E2M1_SHIFT": 8 if dtype != torch.float32 else 0}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_folded_mx_scales_are_built_from_the_codes_bits(dtype: torch.dtype) -> None:
+    """_folded_e8m0: 2^(e - 127) * 2^U (U: 126 bfloat16, 14 float16) for every code the fold admits."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+
+    lowest, highest = triton_moe.E2M1_MX_FOLD_CODES[dtype]
+    codes = torch.arange(lowest, highest + 1, dtype=torch.uint8)
+    out = torch.empty(256, dtype=dtype)
+    _folded_scales[(1,)](codes, out, codes.numel(), DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    unscale = 126 if dtype == torch.bfloat16 else 14
+    assert torch.equal(out[:codes.numel()].double(), torch.exp2(codes.double() - 127 + unscale))
+
+
+@pytest.mark.parametrize("scales", ["e8m0", "e4m3"])
+def test_folded_fp4_tiles_are_the_code_table_times_the_scale(scales: str) -> None:
+    """The folded tile (plain Triton; the GPU's PTX is held to it in test_triton_gpu) for every e2m1
+    code times every scale the fold admits in float16 -- MX codes 99..128, every finite e4m3 byte -- is
+    the table value times the scale rounded once, times 2^-8 for e4m3 (exact)."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels.fp4 import e2m1_to_float
+
+    if scales == "e8m0":
+        scale, shift = torch.exp2(torch.arange(99, 129).double() - 127), 0
+    else:
+        scale = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+        scale, shift = torch.cat([scale, -scale]), 8
+    codes = torch.arange(256, dtype=torch.uint8)
+    folded = (scale * 2.0 ** (14 - shift)).to(torch.float16)  # what _group_scales hands the tile
+    assert torch.equal(folded.double(), scale * 2.0 ** (14 - shift))  # exact
+    low = torch.empty(scale.numel(), 256, dtype=torch.float16)
+    high = torch.empty_like(low)
+    _dequant_folded[(1,)](codes, folded, low, high, scale.numel())
+    for nibbles, got in ((codes & 0xF, low), (codes >> 4, high)):
+        want = (e2m1_to_float(nibbles).double()[None, :] * scale[:, None]).to(torch.float16)
+        assert torch.equal(got.double() * 2.0 ** shift, want.double())
 
 
 # ------------------------------------------------------------------------------------ bad input

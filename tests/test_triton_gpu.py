@@ -58,6 +58,9 @@ ONE_TOKEN = {
     "fp8-static": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:static", "fp8"),
     "w4a8-int8-token": ("uint4b8 scale:float32:group(128):static", INT8_TOKEN, "int"),
 }
+# FP4 weights, dequantised in registers (fp4_dequant)
+FP4 = {"mxfp4": ("e2m1 scale:e8m0:group(32):static", UNQ, "int"),
+       "nvfp4": ("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", UNQ, "int")}
 TOLERANCE = {
     (torch.float16, "float"): 5e-3, (torch.float16, "int"): 1e-2, (torch.float16, "fp8"): 3e-2,
     (torch.bfloat16, "float"): 1e-2, (torch.bfloat16, "int"): 2e-2, (torch.bfloat16, "fp8"): 3e-2,
@@ -71,7 +74,7 @@ def _weights(scheme: str, e: int, h: int, i: int, dtype: torch.dtype, *, bias: b
              act_order: bool = False, seed: int = 0) -> ExpertWeights:
     """Random experts like quant_ref.make_random_expert_weights, but drawn and quantised on the
     GPU (the CPU takes minutes at these sizes); act-order goes through quant_ref on the CPU."""
-    wk, ak, _ = (SCHEMES | ONE_TOKEN)[scheme]
+    wk, ak, _ = (SCHEMES | ONE_TOKEN | FP4)[scheme]
     wkey, akey = parse_quant_key(wk), parse_quant_key(ak)
     if act_order:
         return quant_ref.make_random_expert_weights(
@@ -174,6 +177,33 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
     assert _rel_err(got, ref) < TOLERANCE[(torch.bfloat16, (SCHEMES | ONE_TOKEN)[scheme][2])]
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("scheme", list(FP4))
+def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(scheme, dtype, shape, m, monkeypatch):
+    """FP4 tiles whose scales carry the codes' unscale (one paired multiply a weight pair, the PTX
+    path, the layer's tile configs) give exactly the output of the two-multiply tiles, near the reference."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m)
+    experts = TritonExperts(weights, ExpertsConfig())
+    real, taken = triton_moe._e2m1_fold, []
+
+    def spy(w, s, d):
+        taken.append(real(w, s, d)["E2M1_FOLDED"])
+        return real(w, s, d)
+
+    monkeypatch.setattr(triton_moe, "_e2m1_fold", spy)
+    got = experts.apply(hidden, topk_weights, topk_ids)
+    monkeypatch.setattr(triton_moe, "_e2m1_fold", lambda w, s, d: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
+    want = experts.apply(hidden, topk_weights, topk_ids)
+    assert taken == [True, True]
+    assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    assert _rel_err(got, ref) < TOLERANCE[(dtype, "int")]
 
 
 @pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
@@ -436,19 +466,22 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
 # the PTX e2m1 (FP4) dequantisation against the plain Triton one and the code table, bit for bit
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
 @pytest.mark.parametrize("scales", ["e8m0", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_e2m1_asm_matches_plain_dequant(dtype, scales):
+def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
+    """Folded: the scale arrives times 2^U / 2^shift (fp4_dequant's module note; MX codes in the fold's
+    range, e4m3 with shift 8), and the tile holds the table value times the scale over 2^shift."""
     import triton
     import triton.language as tl
     from moe_registry_kernels.fp4 import e2m1_to_float
     from moe_registry_kernels.fp4_dequant import _dequant_e2m1
 
     @triton.jit
-    def dequant(p_ptr, s_ptr, lo_ptr, hi_ptr, DT: tl.constexpr, ASM: tl.constexpr):
+    def dequant(p_ptr, s_ptr, lo_ptr, hi_ptr, DT: tl.constexpr, ASM: tl.constexpr, FOLDED: tl.constexpr):
         offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
         scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
-        low, high = _dequant_e2m1(tl.load(p_ptr + offs), scale, DT, ASM)
+        low, high = _dequant_e2m1(tl.load(p_ptr + offs), scale, DT, ASM, FOLDED)
         tl.store(lo_ptr + offs, low)
         tl.store(hi_ptr + offs, high)
 
@@ -456,21 +489,25 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales):
         pytest.skip("paired 16-bit arithmetic unavailable here")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     packed = torch.arange(256, device=DEVICE, dtype=torch.uint8).repeat(8).view(64, 32)  # every byte, 8 times
-    if scales == "e8m0":  # powers of two 2^-14 .. 2^9: float16's range for every code (fp4_dequant)
-        scale = torch.exp2(torch.randint(-14, 10, (64,), generator=gen, device=DEVICE).float())
+    if scales == "e8m0":  # powers of two 2^-14 .. 2^9 (folded: to 2^1): float16's range for every code
+        scale = torch.exp2(torch.randint(-14, 2 if folded else 10, (64,), generator=gen, device=DEVICE).float())
     else:  # e4m3 values, subnormals included
         scale = torch.randint(1, 127, (64,), generator=gen, device=DEVICE, dtype=torch.uint8).view(
             torch.float8_e4m3fn).float()
-    scale = scale.to(dtype)
+    shift = 8 if folded and scales == "e4m3" else 0
+    unscale = (126 if dtype == torch.bfloat16 else 14) if folded else 0
+    given = (scale * 2.0 ** (unscale - shift)).to(dtype)
+    assert torch.equal(given.float(), scale * 2.0 ** (unscale - shift))
     outs = {}
     for asm in (False, True):
         low, high = torch.empty(64, 32, dtype=dtype, device=DEVICE), torch.empty(64, 32, dtype=dtype, device=DEVICE)
-        dequant[(1,)](packed, scale, low, high, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, ASM=asm)
+        dequant[(1,)](packed, given, low, high, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, ASM=asm,
+                      FOLDED=folded)
         outs[asm] = (low, high)
     assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
-    # and both are the code table times the scale, rounded once
+    # and both are the code table times the scale, rounded once (over 2^shift: exact)
     for codes, got in (((packed & 0xF), outs[True][0]), ((packed >> 4), outs[True][1])):
-        assert torch.equal(got, (e2m1_to_float(codes) * scale.float()[:, None]).to(dtype))
+        assert torch.equal(got.float() * 2.0 ** shift, (e2m1_to_float(codes) * scale[:, None]).to(dtype).float())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,7 +119,9 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         return [*tensors, scale2]
 
     t13, t2 = projection(one.w13), projection(one.w2)
-    w13, w2 = triton_moe._projections(shape.hidden, *t13[:6], *t2[:6], t13[6], t2[6])
+    # MX scales' code range from the random expert's (as TritonExperts reads it from the real ones)
+    w13, w2 = triton_moe._projections(shape.hidden, *t13[:6], *t2[:6], t13[6], t2[6],
+                                      triton_moe.mx_scale_codes(one, kscheme))
     launches: list = []
     with contextlib.ExitStack() as stack:
         # the tuned configs and sm_90's paths of DEVICE_NAME; the GEMM launches recorded, not run
