@@ -95,9 +95,11 @@ def e2m1_fold_factor(dtype, folded: bool, shift: int) -> float:
 
 @triton.constexpr_function
 def _folded_e8m0_exponent(dtype) -> int:
-    """What an e8m0 code adds up to in ``dtype``'s exponent field once times 2^U: bias - 127 + U
-    (bfloat16: 127 - 127 + 126, float16: 15 - 127 + 14)."""
-    return 126 if dtype == tl.bfloat16 else -98
+    """What an e8m0 code adds up to in ``dtype``'s exponent field once times 2^U: the type's bias
+    - 127 + U (bfloat16: 126, float16: -98)."""
+    if dtype == tl.bfloat16:
+        return 127 - 127 + E2M1_BF16_UNSCALE_EXPONENT.value
+    return 15 - 127 + E2M1_F16_UNSCALE_EXPONENT.value
 
 
 @triton.constexpr_function
@@ -109,7 +111,8 @@ def _mantissa_bits(dtype) -> int:
 def _folded_e8m0(codes, dtype):
     """MX scale codes (uint8) -> 2^(e - 127) * 2^U in the 16-bit ``dtype``, straight from the
     code's bits (one integer multiply-add each, no float32 detour): normal for every code the fold
-    admits (triton_moe.E2M1_MX_FOLD_CODES: bfloat16 0..128, float16 99..128)."""
+    admits (triton_moe.E2M1_MX_FOLD_CODES: bfloat16 0..128, float16 99..128), and finite for the
+    code 0 that pads a row's groups (float16: 2^15, int16 wrap-around), which meets zero codes."""
     field = codes.to(tl.int16) + _folded_e8m0_exponent(dtype)
     return (field << _mantissa_bits(dtype)).to(dtype, bitcast=True)
 

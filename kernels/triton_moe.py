@@ -542,7 +542,7 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                   router_weight_on_input: bool, w13_scale2: torch.Tensor | None = None,
                   w2_scale2: torch.Tensor | None = None, mx_scale_codes: list[int] | None = None) -> torch.Tensor:
     """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
-    fields, flattened); the keys are QuantKey strings; ``mx_scale_codes``: see scale_code_range."""
+    fields, flattened); the keys are QuantKey strings; ``mx_scale_codes``: see mx_scale_codes."""
     p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
                            w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
                            mx_scale_codes)

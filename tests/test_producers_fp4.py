@@ -486,6 +486,11 @@ def test_folded_mx_scales_are_built_from_the_codes_bits(dtype: torch.dtype) -> N
     _folded_scales[(1,)](codes, out, codes.numel(), DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
     unscale = 126 if dtype == torch.bfloat16 else 14
     assert torch.equal(out[:codes.numel()].double(), torch.exp2(codes.double() - 127 + unscale))
+    # the pad's code 0 (past a row's groups, where the codes are masked to 0) stays finite
+    pad = torch.empty(256, dtype=dtype)
+    _folded_scales[(1,)](torch.zeros(1, dtype=torch.uint8), pad, 1, DT=tl.bfloat16 if dtype == torch.bfloat16
+                         else tl.float16)
+    assert torch.isfinite(pad[0])
 
 
 @pytest.mark.parametrize("scales", ["e8m0", "e4m3"])
