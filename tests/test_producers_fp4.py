@@ -417,7 +417,7 @@ def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str,
         seen.append(args)
         return args
 
-    gemms = {"tuned": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
+    gemms = {"default": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
     with pytest.MonkeyPatch.context() as mp, triton_moe.config_override(*gemms):
         mp.setattr(triton_moe, "_e2m1_fold", spy)
         out = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
@@ -430,7 +430,7 @@ EDGE_CODES = {MXFP4_KEY: {(0, 0): 128, (1, 1): 103, (2, 0): 127}, NVFP4_KEY: {(0
 
 
 @pytest.mark.parametrize("key", [MXFP4_KEY, NVFP4_KEY], ids=["mxfp4", "nvfp4"])
-@pytest.mark.parametrize("config", ["tuned", "swapped", "split-k"])
+@pytest.mark.parametrize("config", ["default", "swapped", "split-k"])
 @pytest.mark.parametrize("m", [1, 7])
 def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(key: str, config: str, m: int) -> None:
     """One multiply a weight pair instead of two (fp4_dequant's module note): the layer's output is
@@ -450,7 +450,7 @@ def test_mx_scales_outside_the_folded_range_keep_two_multiplies(code: int) -> No
     pytest.importorskip("triton")
     from moe_registry_kernels.reference import reference_moe
 
-    out, seen, weights, (x, w, ids) = _fp4_layer(MXFP4_KEY, {(0, 0): code}, 7, "tuned", fold=True)
+    out, seen, weights, (x, w, ids) = _fp4_layer(MXFP4_KEY, {(0, 0): code}, 7, "default", fold=True)
     assert seen and not any(s["E2M1_FOLDED"] for s in seen)
     want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
     assert torch.isfinite(out).all() and _rel(out, want) <= 1e-2, f"{_rel(out, want):.2e}"
