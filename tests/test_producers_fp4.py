@@ -517,6 +517,30 @@ def test_folded_fp4_tiles_are_the_code_table_times_the_scale(scales: str) -> Non
         assert torch.equal(got.double() * 2.0 ** shift, want.double())
 
 
+@pytest.mark.parametrize("name", ["gpt-oss-mxfp4", *sorted(QWEN_FP4)])
+def test_producers_fp4_checkpoints_take_the_folded_tiles(name: str, mxfp4_built, nvfp4_built, mxfp4_ref,
+                                                         monkeypatch) -> None:
+    """What transformers' gpt-oss layout, llm-compressor and ModelOpt write folds in both 16-bit dtypes
+    (its MX scale codes lie in range), and the folded layer gives the two-multiply layer's output exactly."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+
+    if name == "gpt-oss-mxfp4":
+        weights, config = mxfp4_built.weights, ExpertsConfig(activation="swigluoai")
+        x, (ids, w) = mxfp4_ref["hidden_states"], (mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"])
+    else:
+        weights, config = nvfp4_built[name].weights, ExpertsConfig()
+        x, (ids, w) = load_file(str(FIXTURES / name / "ref.safetensors"))["hidden_states"], _routing(11)
+    experts = triton_moe.TritonExperts(weights, config)
+    p13, _ = triton_moe._projections(1, *experts._tensors, mx_scale_codes=experts._options.get("mx_scale_codes"))
+    for dtype in (torch.float16, torch.bfloat16):
+        assert triton_moe._e2m1_fold(p13, experts.scheme, dtype)["E2M1_FOLDED"], (name, dtype)
+    x, w = x.to(torch.float16), w.float()
+    folded = experts.apply(x, w, ids)
+    monkeypatch.setattr(triton_moe, "_e2m1_fold", lambda proj, scheme, dtype: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
+    assert torch.equal(folded, experts.apply(x, w, ids))
+
+
 # ------------------------------------------------------------------------------------ bad input
 
 
