@@ -210,29 +210,31 @@ def _repeat_cols(x, COLS: tl.constexpr):
 @triton.jit
 def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk, dtype, W_SCALE: tl.constexpr,
                   W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
-                  K_AXIS: tl.constexpr, K_LEN: tl.constexpr, FOLD: tl.constexpr = 1.0):
+                  K_AXIS: tl.constexpr, K_LEN: tl.constexpr, E2M1_FOLDED: tl.constexpr = False,
+                  E2M1_SHIFT: tl.constexpr = 0):
     """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
     points with HAS_ZERO, else ``zero``. ``scale_groups``: the groups a weight row's scales hold
     (a multiple of 16 where TritonExperts pads them, so the masked load of a row's groups is still
     one vector, which the pipeliner streams ahead of the tile like the codes; past K the pad is
-    finite and meets masked-off codes and activations). FOLD: what an FP4 tile's scales are
-    multiplied by first (fp4_dequant.e2m1_fold_factor; MX, never shifted: 2^U, see _folded_e8m0)."""
+    finite and meets masked-off codes and activations). E2M1_FOLDED, E2M1_SHIFT: an FP4 tile's
+    scales carry the codes' unscale over 2^E2M1_SHIFT (fp4_dequant's module note; MX: no shift)."""
     # a K tile starts at a multiple of W_GROUPS groups
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
     g_mask = groups < scale_groups
     scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
     if W_SCALE == "mx":
-        if NARROW and FOLD != 1.0:  # folded e2m1 tiles: 2^U times the power of two (MX: no shift)
+        if NARROW and E2M1_FOLDED:  # 2^U times the power of two, from the code's bits
+            tl.static_assert(E2M1_SHIFT == 0, "folded MX scales are not shifted")
             scale = _folded_e8m0(scale, dtype)
         elif NARROW:  # e2m1 tiles take the power of two in the 16-bit dtype (fp4_dequant: exact where it matters)
             scale = _e8m0(scale).to(dtype)
         else:
             scale = _e8m0(scale)
     elif scale.dtype == tl.uint8:  # e4m3 group scales (NVFP4) come as bytes (fp4_dequant._e4m3_value)
-        scale = _e4m3_value(scale, FOLD).to(dtype)
+        scale = _e4m3_value(scale, e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT)).to(dtype)
     else:
         scale = scale.to(dtype)
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
@@ -491,7 +493,7 @@ def _fused_moe_kernel(
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
-                                             e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
+                                             E2M1_FOLDED, E2M1_SHIFT)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -668,7 +670,7 @@ def _fused_moe_swap_kernel(
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS,
-                                             e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
+                                             E2M1_FOLDED, E2M1_SHIFT)
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 
