@@ -3,6 +3,7 @@ picked up by get_config, and an interrupted run resumes instead of starting over
 keeps today's configs unless a candidate beats them side by side."""
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
     assert code == 0
     files = list(tmp_path.glob("*.json"))
     assert [f.name for f in files] == ["dry_run__uint4_scale_float16_group_128_static_zp_group__unquantized.json"]
+    assert not list(tmp_path.glob("*.partial"))  # the entry's measurements go once it is written
     table = json.loads(files[0].read_text())
     # tiny shape: E=8, top-2, hidden 128, intermediate 128; one entry per GEMM for M=1
     assert table.pop("meta") == {"device": "dry-run", "weight_key": AWQ, "activation_key": "unquantized"}
@@ -220,6 +222,115 @@ def test_tuner_caps_registers_of_the_winner(registers_only, tmp_path, monkeypatc
         assert any(pair != (today1, today2) for pair in tiles)
 
 
+class _KilledAt(_RegisterBound):
+    """_RegisterBound whose ``kill_at``-th candidate timing is killed (a time limit's kill); the
+    candidate pairs time differently, so the winner depends on every measurement."""
+
+    def __init__(self, tune, kill_at: int | None = None) -> None:
+        super().__init__(tune)
+        self.kill_at = kill_at
+
+    def time(self, configs, *args):
+        if configs == (None, None):
+            return 1.0
+        if len(self.timed) + 1 == self.kill_at:
+            raise KeyboardInterrupt
+        c1, c2 = configs
+        return super().time(configs) - 1e-4 * (c1["BLOCK_N"] + c2["BLOCK_N"] / 7 + c2["SPLIT_K"])
+
+
+def test_a_search_killed_midway_goes_on_from_its_last_measurement(tmp_path, monkeypatch):
+    """Each candidate's measurement is on disk as it is taken: the search run again after a kill
+    times only what the first run had not, and ends where an uninterrupted search ends."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    search = {"limit": 2, "splits": (1, 2)}
+    whole = _KilledAt(tune)
+    expected = tune.tune_target(whole, 1, 1e-2, [], **search)
+    candidates = [pair for pair in whole.timed]
+    assert len(candidates) > 8
+
+    path = tmp_path / "table.json.partial"
+    first = _KilledAt(tune, kill_at=6)
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune_target(first, 1, 1e-2, [], taken=tune.Measurements(path, "cpu", "E8 M=1"), **search)
+    assert len(first.timed) == 5
+    record = json.loads(path.read_text())
+    assert record["device"] == "cpu" and len(record["entries"]["E8 M=1"]) == 5
+
+    again = _KilledAt(tune)
+    seen: list[int] = []
+    got = tune.tune_target(again, 1, 1e-2, [], taken=tune.Measurements(path, "cpu", "E8 M=1"),
+                           progress=seen.append, **search)
+    assert got == expected
+    assert first.timed + again.timed == candidates  # nothing timed twice, nothing left out
+    assert seen == list(range(6, len(candidates) - tune.CONFIRM_ROUNDS + 1))
+
+
+def test_a_search_past_its_deadline_stops_at_the_first_candidate_not_measured(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    path = tmp_path / "table.json.partial"
+    layer = _KilledAt(tune)
+    with pytest.raises(tune.SearchCutOff):
+        tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), taken=tune.Measurements(path, "cpu", "M=1"),
+                         deadline=0.0)
+    assert layer.timed == [] and not path.exists()
+    # measured before the cut-off: a refused candidate stays refused (logged), the rest are read back
+    whole = _KilledAt(tune)
+    expected = tune.tune_target(whole, 1, 1e-2, [], limit=2, splits=(1,), taken=tune.Measurements(path, "cpu", "M=1"))
+    record = json.loads(path.read_text())["entries"]["M=1"]
+    refused = next(iter(record))
+    record[refused] = None
+    path.write_text(json.dumps({"device": "cpu", "entries": {"M=1": record}}))
+    layer, log = _KilledAt(tune), []
+    got = tune.tune_target(layer, 1, 1e-2, log, limit=2, splits=(1,), taken=tune.Measurements(path, "cpu", "M=1"),
+                           deadline=0.0)
+    assert len(layer.timed) == tune.CONFIRM_ROUNDS  # only the side-by-side confirmation
+    assert got[:2] == expected[:2]
+    assert [line.endswith(": refused before the search was cut off") for line in log
+            if line.lstrip().startswith("skip")] == [True]
+
+
+def test_measurements_of_another_device_or_unreadable_are_not_used(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tune
+
+    path = tmp_path / "t.json.partial"
+    c = {"BLOCK_M": 16}
+    path.write_text(json.dumps({"device": "NVIDIA H200", "entries": {"M=1": {tune.pair_key(c, c): 1.0}}}))
+    kept = tune.Measurements(path, "NVIDIA H100 80GB HBM3", "M=1")
+    assert len(kept) == 0
+    assert capsys.readouterr().err.strip() == (f"tune.py: {path}: measured on 'NVIDIA H200', not "
+                                                 "'NVIDIA H100 80GB HBM3'; starting over")
+    path.write_text("{not json")
+    assert len(tune.Measurements(path, "cpu", "M=1")) == 0
+    assert capsys.readouterr().err.strip() == (f"tune.py: {path}: not a record of measurements "
+                                                 "(JSONDecodeError); starting over")
+    # two entries share the file; finishing one keeps the other's record, finishing both removes it
+    path.unlink()
+    one, two = tune.Measurements(path, "cpu", "M=1"), tune.Measurements(path, "cpu", "M=8")
+    one.add(c, c, 1.0)
+    two.add(c, c, math.inf)
+    assert json.loads(path.read_text())["entries"] == {"M=1": {tune.pair_key(c, c): 1.0},
+                                                       "M=8": {tune.pair_key(c, c): None}}
+    assert tune.Measurements(path, "cpu", "M=8").seconds(c, c) == math.inf
+    one.forget()
+    assert set(json.loads(path.read_text())["entries"]) == {"M=8"}
+    two.forget()
+    assert not path.exists()
+
+
 def test_register_variants_and_compile_workers(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
@@ -346,6 +457,42 @@ def test_tune_cut_off_keeps_finished_entries_and_resumes(tune_fake, tmp_path, mo
     assert [m for _, m, _ in search.calls] == [1, 8, 64]
     with pytest.raises(SystemExit):
         tune.main([*args, "--redo", "--resume"])
+
+
+def test_a_budget_spent_midway_keeps_the_entrys_measurements_for_the_next_run(tune_fake, tmp_path, monkeypatch,
+                                                                              capsys):
+    tune = tune_fake
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "8", "--out", str(tmp_path)]
+    c = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+    calls: list[tuple[int, int]] = []
+
+    def cut_at_8(layer, m, tolerance, log, *, taken, deadline, progress, **search):
+        calls.append((m, len(taken)))
+        if m == 8:  # one candidate measured, then the budget is gone
+            taken.add(c, {**c, "BLOCK_N": 32}, 2.0)
+            raise tune.SearchCutOff
+        return c, c, 1.0, 1.0
+
+    monkeypatch.setattr(tune, "tune_target", cut_at_8)
+    assert tune.main(args) == 0
+    (path,) = tmp_path.glob("*.json")
+    partial = tune.partial_path(path)
+    err = capsys.readouterr().err
+    assert (f"spent in the middle of tiny awq-w4a16 M=8: its 1 measurements are kept in {partial}; "
+            "run again to go on") in err
+    assert all(set(by_tokens) == {"1"} for by_tokens in _entries(path).values())
+    assert len(json.loads(partial.read_text())["entries"]) == 1
+
+    def finish(layer, m, tolerance, log, *, taken, deadline, progress, **search):
+        calls.append((m, len(taken)))
+        assert taken.seconds(c, {**c, "BLOCK_N": 32}) == 2.0
+        return c, c, 1.0, 1.0
+
+    monkeypatch.setattr(tune, "tune_target", finish)
+    assert tune.main(args) == 0
+    assert calls == [(1, 0), (8, 0), (8, 1)]
+    assert all(set(by_tokens) == {"1", "8"} for by_tokens in _entries(path).values())
+    assert not partial.exists()
 
 
 def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):

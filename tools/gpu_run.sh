@@ -40,7 +40,10 @@ PY
   tune) touch /tmp/tune-start  # only the files this run wrote come back (the lender returns a few files per call)
         python3 tools/tune.py "$@"
         rc=$?
-        mkdir -p "$out/configs" && find kernels/configs -name '*.json' -newer /tmp/tune-start -exec cp {} "$out/configs/" \;
+        # with the tables, the measurements of an entry cut off (<table>.partial): put them back in
+        # kernels/configs for the next call to go on from there (a finished entry's record is gone)
+        mkdir -p "$out/configs" && find kernels/configs \( -name '*.json' -o -name '*.partial' \) -newer /tmp/tune-start \
+          -exec cp {} "$out/configs/" \;
         exit $rc ;;
   *) echo "usage: $0 tests|bench|decode|tune" >&2; exit 2 ;;
 esac

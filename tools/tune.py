@@ -22,7 +22,11 @@ strictest of their tolerances. Results go to
 kernels/configs/<device>__<weight key>__<activation key>.json (the canonical keys: the file the
 kernel reads; ``--out`` to put them elsewhere), one entry per GEMM shape and token count,
 rewritten in one step after every entry: an interrupted run keeps every finished entry and picks
-up where it stopped (``--resume``, the default; ``--redo`` to tune entries again).
+up where it stopped (``--resume``, the default; ``--redo`` to tune entries again). Within an entry,
+each candidate's measurement is kept as it is taken (``<config file>.partial`` beside the table,
+removed when the entry is written), so a search cut off by ``--budget-s`` or killed by a time
+limit goes on from its last measurement: one prefill entry of Mixtral's shape takes longer than
+a GPU lent for 10 minutes a call.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -237,6 +242,81 @@ def precompile(shape_name: str, scheme: bench.Scheme, pairs: list[tuple[dict, di
 
 
 # ---------------------------------------------------------------------------------------------
+# measurements an entry's search has taken, kept across runs
+
+
+class SearchCutOff(Exception):
+    """The budget ran out in the middle of an entry's search; its measurements are kept."""
+
+
+def pair_key(c1: dict, c2: dict) -> str:
+    return json.dumps([c1, c2], sort_keys=True)
+
+
+class Measurements:
+    """The candidates one entry's search has timed (seconds; None: refused), written to ``path``
+    after each, so a search cut off goes on where it stopped. One file per config table, one record
+    per entry (its two GEMM shapes and M); a file written on another device, or unreadable, is not
+    used (a warning says so). Only search times are kept: a winner is still timed side by side
+    against today's configs before it replaces them (``confirm``)."""
+
+    def __init__(self, path: Path, device: str, entry: str) -> None:
+        self.path, self.device, self.entry = path, device, entry
+        self.taken: dict[str, float | None] = dict(self._read(warn=True)["entries"].get(entry, {}))
+
+    def _read(self, warn: bool = False) -> dict:
+        """The file's record of every entry (read again before each write: other entries' records
+        change between this entry's measurements)."""
+        empty: dict = {"device": self.device, "entries": {}}
+        if not self.path.is_file():
+            return empty
+        try:
+            data = json.loads(self.path.read_text())
+            usable = data["device"] == self.device and isinstance(data["entries"], dict)
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            why = f"not a record of measurements ({type(exc).__name__})"
+            usable = False
+        else:
+            why = f"measured on {data['device']!r}, not {self.device!r}"
+        if not usable:
+            if warn:
+                print(f"tune.py: {self.path}: {why}; starting over", file=sys.stderr)
+            return empty
+        return data
+
+    def __len__(self) -> int:
+        return len(self.taken)
+
+    def known(self, c1: dict, c2: dict) -> bool:
+        return pair_key(c1, c2) in self.taken
+
+    def seconds(self, c1: dict, c2: dict) -> float:
+        """The kept measurement (math.inf: refused)."""
+        t = self.taken[pair_key(c1, c2)]
+        return math.inf if t is None else t
+
+    def add(self, c1: dict, c2: dict, seconds: float) -> None:
+        self.taken[pair_key(c1, c2)] = None if math.isinf(seconds) else seconds
+        data = self._read()
+        data["entries"][self.entry] = self.taken
+        write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+    def forget(self) -> None:
+        """The entry is written: drop its record (and the file, once it holds none)."""
+        data = self._read()
+        data["entries"].pop(self.entry, None)
+        if data["entries"]:
+            write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        else:
+            self.path.unlink(missing_ok=True)
+
+
+def partial_path(config_path: Path) -> Path:
+    """Where the measurements of the entries of ``config_path`` that are not finished are kept."""
+    return config_path.with_name(config_path.name + ".partial")
+
+
+# ---------------------------------------------------------------------------------------------
 # search
 
 
@@ -250,6 +330,11 @@ def _progress(done: int, total: int, label: str, started: float) -> None:
     print(line, end=end, file=sys.stderr, flush=True)
 
 
+def _entry_progress(done: int, total: int, label: str, started: float) -> Callable[[int], None]:
+    """The progress line of one entry's search: how many candidates it has measured."""
+    return lambda measured: _progress(done, total, f"{label}: {measured} measured", started)
+
+
 def register_variants(config: dict) -> list[dict]:
     """``config`` under each register cap it does not already have (and uncapped, if it is capped)."""
     caps = [cap for cap in (None, *REGISTER_CAPS) if cap != config.get("maxnreg")]  # None: no cap
@@ -257,10 +342,14 @@ def register_variants(config: dict) -> list[dict]:
 
 
 def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit: int | None = None,
-                splits: tuple[int, ...] = SPLITS, registers_only: bool = False) -> tuple[dict, dict, float, float]:
+                splits: tuple[int, ...] = SPLITS, registers_only: bool = False, taken: Measurements | None = None,
+                deadline: float = math.inf, progress: Callable[[int], None] | None = None,
+                ) -> tuple[dict, dict, float, float]:
     """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
     kernel picks today (defaults, or an earlier tuning). ``registers_only``: no tile search, only
-    register caps on today's configs."""
+    register caps on today's configs. ``taken``: measurements kept from a search cut off before
+    (not taken again) and where new ones go; past ``deadline`` (time.monotonic()) a candidate not
+    yet measured raises SearchCutOff. ``progress``: told the count of candidates measured."""
     from moe_registry_kernels import triton_moe
     from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
 
@@ -276,7 +365,25 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
                             triton_moe._num_sms(layer.device))
     base_t = layer.time((None, None), m, x, tw, ti)
 
+    measured: list[float] = []  # this run's measurements
+
     def measure(c1: dict, c2: dict) -> float:
+        if taken is not None and taken.known(c1, c2):
+            t = taken.seconds(c1, c2)
+            if math.isinf(t):
+                log.append(f"  skip {c1} {c2}: refused before the search was cut off")
+            return t
+        if time.monotonic() > deadline:
+            raise SearchCutOff
+        t = _measure_once(c1, c2)
+        measured.append(t)
+        if taken is not None:
+            taken.add(c1, c2, t)
+        if progress is not None:
+            progress(len(taken) if taken is not None else len(measured))
+        return t
+
+    def _measure_once(c1: dict, c2: dict) -> float:
         try:
             err = layer.error((c1, c2), x, tw, ti, ref)
         except Exception as exc:  # noqa: BLE001 (out of resources and the like: not a candidate)
@@ -445,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [Target(sn, sc, m) for sn in shapes for sc in names for m in ms]
     started, done = time.monotonic(), 0
     summary = []
+    cut_off = False
     for (shape_name, name), group in itertools.groupby(targets, key=lambda t: (t.shape, t.scheme)):
         group = list(group)
         shape, scheme = shapes[shape_name], schemes[name]
@@ -463,8 +571,11 @@ def main(argv: list[str] | None = None) -> int:
             break
         _progress(done, len(targets), f"{shape_name} {name}: compiling", started)
         todo_ms = [t.m for t in todo]
+        # what earlier runs cut off in the middle of these entries measured (not compiled or timed again)
+        taken = {m: Measurements(partial_path(path), device_name, f"{key1} {key2} M={m}") for m in todo_ms}
         pairs = (register_pairs(shape, scheme, todo_ms, device_name, triton_moe._num_sms(device))
                  if args.registers_only else all_pairs(shape, scheme, todo_ms))
+        pairs = [pair for pair in pairs if not all(kept.known(*pair) for kept in taken.values())]
         precompile(shape_name, scheme, pairs, dry, args.workers)
         layer = Layer(shape, scheme, device, dry)
         tolerance = tolerance_for_keys(schemes, scheme.keys, dtype)
@@ -472,19 +583,32 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() - started > args.budget_s:
                 print(f"\nbudget of {args.budget_s:.0f}s spent: stopping; run again to resume", file=sys.stderr)
                 break
-            _progress(done, len(targets), f"{shape_name} {name} M={target.m}", started)
+            label = f"{shape_name} {name} M={target.m}"
+            _progress(done, len(targets), label, started)
             log: list[str] = []
-            c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
-                                            **search)
+            kept = taken[target.m]
+            try:
+                c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
+                                                taken=kept, deadline=started + args.budget_s,
+                                                progress=_entry_progress(done, len(targets), label, started),
+                                                **search)
+            except SearchCutOff:
+                print(f"\nbudget of {args.budget_s:.0f}s spent in the middle of {label}: its {len(kept)} "
+                      f"measurements are kept in {kept.path}; run again to go on", file=sys.stderr)
+                cut_off = True
+                break
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
             write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+            kept.forget()
             done += 1
             refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
             summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, refused))
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if cut_off:
+            break
     _progress(done, len(targets), "done", started)
     print(file=sys.stderr)
     print(f"{'shape':<10}{'scheme':<26}{'M':>6}{'before us':>11}{'tuned us':>10}{'speed-up':>10}{'refused':>9}")
