@@ -331,6 +331,35 @@ def test_measurements_of_another_device_or_unreadable_are_not_used(tmp_path, cap
     assert not path.exists()
 
 
+def test_precompile_counts_what_compiled(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    class InProcess:
+        def __init__(self, max_workers, mp_context):
+            self.workers = max_workers
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def map(self, fn, jobs):
+            jobs = list(jobs)
+            assert len(jobs) == self.workers == 3
+            return map(fn, jobs)
+
+    monkeypatch.setattr(tune, "ProcessPoolExecutor", InProcess)
+    monkeypatch.setattr(tune, "compile_workers", lambda requested, shape: 3)
+    monkeypatch.setattr(tune, "_compile_worker", lambda job: len(job[2]) - 1)  # one of each worker's fails
+    pairs = [({"BLOCK_N": n}, {}) for n in range(10)]
+    scheme = tune.bench.registry_schemes()["awq-w4a16"]
+    assert tune.precompile("qwen3", scheme, pairs, False, 12) == 10 - 3
+    assert tune.precompile("qwen3", scheme, pairs, True, 12) is None  # the interpreter compiles nothing ahead
+    assert tune.precompile("qwen3", scheme, pairs[:3], False, 12) is None
+
+
 def test_register_variants_and_compile_workers(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
@@ -488,8 +517,19 @@ def test_a_budget_spent_midway_keeps_the_entrys_measurements_for_the_next_run(tu
         assert taken.seconds(c, {**c, "BLOCK_N": 32}) == 2.0
         return c, c, 1.0, 1.0
 
+    # each entry's candidates are compiled ahead before its search, less those measured already
+    compiled: list[list] = []
+
+    def precompile(shape_name, scheme, pairs, dry, workers):
+        compiled.append(pairs)
+        return len(pairs) - 1
+
     monkeypatch.setattr(tune, "tune_target", finish)
+    monkeypatch.setattr(tune, "all_pairs", lambda shape, scheme, ms: [(c, c), (c, {**c, "BLOCK_N": 32})])
+    monkeypatch.setattr(tune, "precompile", precompile)
     assert tune.main(args) == 0
+    assert compiled == [[(c, c)]]
+    assert "tiny awq-w4a16 M=8: 0 of 1 candidates compiled ahead in " in capsys.readouterr().err
     assert calls == [(1, 0), (8, 0), (8, 1)]
     assert all(set(by_tokens) == {"1", "8"} for by_tokens in _entries(path).values())
     assert not partial.exists()

@@ -8,8 +8,9 @@ programs share an SM; ``--registers-only`` tries just those on today's configs).
 counts only if its output is within the scheme spec's conformance tolerance of the reference, so
 speed never buys accuracy. The winner is then timed again in alternation with the configs the
 kernel picks today, and replaces them only if it is still faster by CONFIRM_MARGIN: a candidate
-timed once, minutes apart from the incumbent, can win on the GPU's clocks alone. Candidates are
-compiled first by parallel worker processes (Triton's disk cache is shared), then timed in this one.
+timed once, minutes apart from the incumbent, can win on the GPU's clocks alone. An entry's
+candidates are compiled first by parallel worker processes (Triton's disk cache is shared; the
+log says how many compiled), then timed in this one.
 
     python tools/tune.py                                  # every shape, key pair and M (resumes)
     python tools/tune.py --shapes qwen3 --schemes awq-w4a16 --m 1 8 64
@@ -231,14 +232,17 @@ def compile_workers(requested: int, shape: bench.Shape) -> int:
     return max(1, min(requested, fits))
 
 
-def precompile(shape_name: str, scheme: bench.Scheme, pairs: list[tuple[dict, dict]], dry: bool, workers: int) -> None:
+def precompile(shape_name: str, scheme: bench.Scheme, pairs: list[tuple[dict, dict]], dry: bool,
+               workers: int) -> int | None:
+    """Compile ``pairs`` in parallel worker processes: how many compiled and ran (None: not
+    compiled ahead, the search compiles each as it comes)."""
     if workers <= 1 or dry or len(pairs) < 4:
-        return
+        return None
     workers = compile_workers(workers, bench.SHAPES[shape_name])
     chunks = [pairs[i::workers] for i in range(workers)]
     ctx = __import__("multiprocessing").get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        list(pool.map(_compile_worker, [(shape_name, scheme, c, dry) for c in chunks if c]))
+        return sum(pool.map(_compile_worker, [(shape_name, scheme, c, dry) for c in chunks if c]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,24 +573,29 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if time.monotonic() - started > args.budget_s:
             break
-        _progress(done, len(targets), f"{shape_name} {name}: compiling", started)
-        todo_ms = [t.m for t in todo]
-        # what earlier runs cut off in the middle of these entries measured (not compiled or timed again)
-        taken = {m: Measurements(partial_path(path), device_name, f"{key1} {key2} M={m}") for m in todo_ms}
-        pairs = (register_pairs(shape, scheme, todo_ms, device_name, triton_moe._num_sms(device))
-                 if args.registers_only else all_pairs(shape, scheme, todo_ms))
-        pairs = [pair for pair in pairs if not all(kept.known(*pair) for kept in taken.values())]
-        precompile(shape_name, scheme, pairs, dry, args.workers)
-        layer = Layer(shape, scheme, device, dry)
+        layer = None
         tolerance = tolerance_for_keys(schemes, scheme.keys, dtype)
         for target in todo:
             if time.monotonic() - started > args.budget_s:
                 print(f"\nbudget of {args.budget_s:.0f}s spent: stopping; run again to resume", file=sys.stderr)
                 break
             label = f"{shape_name} {name} M={target.m}"
+            # what an earlier run cut off in the middle of this entry measured (not compiled or timed again)
+            kept = Measurements(partial_path(path), device_name, f"{key1} {key2} M={target.m}")
+            # each entry's candidates are compiled ahead on their own: a run cut off compiled none in vain
+            _progress(done, len(targets), f"{label}: compiling", started)
+            pairs = (register_pairs(shape, scheme, [target.m], device_name, triton_moe._num_sms(device))
+                     if args.registers_only else all_pairs(shape, scheme, [target.m]))
+            pairs = [pair for pair in pairs if not kept.known(*pair)]
+            compile_started = time.monotonic()
+            compiled = precompile(shape_name, scheme, pairs, dry, args.workers)
+            if compiled is not None:
+                print(f"\n{label}: {compiled} of {len(pairs)} candidates compiled ahead in "
+                      f"{time.monotonic() - compile_started:.0f}s", file=sys.stderr)
+            if layer is None:  # after the first compiling: the workers had the GPU's memory to themselves
+                layer = Layer(shape, scheme, device, dry)
             _progress(done, len(targets), label, started)
             log: list[str] = []
-            kept = taken[target.m]
             try:
                 c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
                                                 taken=kept, deadline=started + args.budget_s,
