@@ -4,6 +4,7 @@ keeps today's configs unless a candidate beats them side by side."""
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -358,6 +359,36 @@ def test_precompile_counts_what_compiled(monkeypatch):
     assert tune.precompile("qwen3", scheme, pairs, False, 12) == 10 - 3
     assert tune.precompile("qwen3", scheme, pairs, True, 12) is None  # the interpreter compiles nothing ahead
     assert tune.precompile("qwen3", scheme, pairs[:3], False, 12) is None
+
+
+class _CompilerCrash(_SlowCandidates):
+    """A stand-in layer on which GEMM1 tiles 32 columns wide crash the compiler, which prints its
+    IR to file descriptor 2 first."""
+
+    def error(self, configs, *args):
+        if configs[0]["BLOCK_N"] == 32:
+            os.write(2, b"// -----// IR Dump Before TritonGPUPipeline\n" + b"  %0 = tt.load ...\n" * 2000
+                     + b'loc("moe_gemm.py":420:12): error: failed to legalize operation\n')
+            raise RuntimeError("PassManager::run failed")
+        os.write(2, b"Using default MoE config for a shape\n")
+        return 0.0
+
+
+def test_a_candidate_that_crashes_the_compiler_is_one_line(tmp_path, monkeypatch, capfd):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    log: list[str] = []
+    tune.tune_target(_CompilerCrash(tune), 1, 1e-2, log, limit=2, splits=(1,))
+    skipped = [line for line in log if line.lstrip().startswith("skip")]
+    assert skipped and all(line.endswith(": RuntimeError: PassManager::run failed: loc(\"moe_gemm.py\":420:12): "
+                                         "error: failed to legalize operation") for line in skipped)
+    err = capfd.readouterr().err
+    assert "IR Dump" not in err and "tt.load" not in err  # the dump is held back
+    assert "Using default MoE config for a shape" in err  # what a candidate that runs prints still shows
 
 
 def test_register_variants_and_compile_workers(monkeypatch):

@@ -33,14 +33,16 @@ a GPU lent for 10 minutes a call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,41 @@ class Layer:
 # compiling ahead, in parallel
 
 
+class CandidateFailed(Exception):
+    """A candidate that did not compile or run; the message is one line."""
+
+
+@contextlib.contextmanager
+def compiler_output_held() -> Iterator[None]:
+    """While a candidate compiles and runs, what is written to file descriptor 2 goes to a
+    temporary file: replayed if the candidate runs, and if it fails, summed up in the one line of
+    the CandidateFailed raised instead (a compiler pass that fails prints its whole IR there,
+    thousands of lines, and the tuner would bury its own progress in them)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failure: Exception | None = None
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 (whatever failed, the candidate is refused)
+            failure = exc
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        text = held.read().decode(errors="replace")
+    if failure is None:
+        sys.stderr.write(text)
+        return
+    errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+    said = str(failure).strip().splitlines()
+    why = ": ".join(part for part in (type(failure).__name__, said[0][:160] if said else "",
+                                      errors[0][:160] if errors else "") if part)
+    raise CandidateFailed(why) from failure
+
+
 def _compile_worker(job: tuple[str, bench.Scheme, list[tuple[dict, dict]], bool]) -> int:
     """Run a small layer call under each config pair (the kernel does not specialise on the token
     count, so this compiles what the real calls will use)."""
@@ -203,9 +240,10 @@ def _compile_worker(job: tuple[str, bench.Scheme, list[tuple[dict, dict]], bool]
     done = 0
     for pair in pairs:
         try:
-            layer.error(pair, x, tw, ti, torch.ones(1, device=device))
+            with compiler_output_held():
+                layer.error(pair, x, tw, ti, torch.ones(1, device=device))
             done += 1
-        except Exception:  # noqa: BLE001 (a config that cannot compile is dropped when timed)
+        except CandidateFailed:  # refused when it is timed
             pass
     return done
 
@@ -389,9 +427,10 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
 
     def _measure_once(c1: dict, c2: dict) -> float:
         try:
-            err = layer.error((c1, c2), x, tw, ti, ref)
-        except Exception as exc:  # noqa: BLE001 (out of resources and the like: not a candidate)
-            log.append(f"  skip {c1} {c2}: {type(exc).__name__}")
+            with compiler_output_held():
+                err = layer.error((c1, c2), x, tw, ti, ref)
+        except CandidateFailed as exc:  # out of resources, a compiler error and the like: not a candidate
+            log.append(f"  skip {c1} {c2}: {exc}")
             return math.inf
         if not err <= tolerance:
             log.append(f"  reject {c1} {c2}: relative error {err:.2e} > {tolerance:.0e}")
