@@ -252,7 +252,7 @@ def test_a_search_killed_midway_goes_on_from_its_last_measurement(tmp_path, monk
     search = {"limit": 2, "splits": (1, 2)}
     whole = _KilledAt(tune)
     expected = tune.tune_target(whole, 1, 1e-2, [], **search)
-    candidates = [pair for pair in whole.timed]
+    candidates = list(whole.timed)
     assert len(candidates) > 8
 
     path = tmp_path / "table.json.partial"
@@ -301,10 +301,8 @@ def test_a_search_past_its_deadline_stops_at_the_first_candidate_not_measured(tm
             if line.lstrip().startswith("skip")] == [True]
 
 
-def test_measurements_of_another_device_or_unreadable_are_not_used(tmp_path, capsys):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "tools"))
+def test_measurements_of_another_device_or_unreadable_are_not_used(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
 
     path = tmp_path / "t.json.partial"
