@@ -2,7 +2,8 @@
 config legal for a scheme.
 
 :func:`get_config` picks BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps and num_stages (and, where a
-tuned entry sets it, ``maxnreg``: a cap on registers per thread) for one GEMM:
+tuned entry sets them, ``maxnreg``: a cap on registers per thread, and ``GROUP_DOTS``: one dot
+per weight group, :func:`group_dot_width`) for one GEMM:
 the nearest entry of a tuned table (``configs/<device>__<weight key>__<activation key>.json``,
 written by tools/tune.py) over :func:`default_config`'s heuristics. :func:`config_override`
 replaces both for the layers called inside it (tuner, tests). :func:`_fit_config` then makes a
@@ -27,7 +28,8 @@ from moe_registry.core.keys import QuantKey, parse_quant_key
 
 from .scheme import Scheme, swappable
 
-__all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override"]
+__all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override",
+           "group_dot_width"]
 
 log = logging.getLogger("moe_registry")
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -155,11 +157,23 @@ def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
         _OVERRIDE.reset(token)
 
 
+def group_dot_width(scheme: Scheme) -> int:
+    """The weight group a tile's per-group dots (the ``GROUP_DOTS`` config key: one dot per group,
+    each group's scale on its result) span, or 0 where the scheme cannot take them: 4-bit integer
+    codes with a fixed zero code and group scales of 32 columns or more, under a 16-bit dot. The
+    kernel takes them on tiles of BLOCK_M <= 32 that span several groups, on weights without
+    act-order or zero-point tensors."""
+    takes = (scheme.weight_type in ("uint4b8", "int4") and scheme.weight_scale == "group"
+             and scheme.act_quant == "none" and scheme.weight_group >= 32)
+    return scheme.weight_group if takes else 0
+
+
 def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
     """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
     weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
-    SWAP_AB (the swapped-operand kernel) only where it runs the scheme."""
+    SWAP_AB (the swapped-operand kernel) only where it runs the scheme; GROUP_DOTS kept only
+    where the tile spans several of the scheme's groups (group_dot_width; absent otherwise)."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
     bk = config["BLOCK_K"]
@@ -173,6 +187,8 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
         bk = max(bk, 32)
     config["BLOCK_K"] = bk
     config["BLOCK_N"] = max(config["BLOCK_N"], 32)
+    if config.pop("GROUP_DOTS", False) and not config["SWAP_AB"] and 0 < group_dot_width(scheme) < bk:
+        config["GROUP_DOTS"] = True
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)

@@ -73,6 +73,7 @@ from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests 
     config_override,
     default_config,
     get_config,
+    group_dot_width,
     shape_key,
 )
 
@@ -292,7 +293,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
-        **_launch_options(config), **triton_ops.pdl_launch(pdl))
+        GROUP_DOTS=config.get("GROUP_DOTS", False), **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
 def _launch_options(config: dict) -> dict:

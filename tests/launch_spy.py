@@ -13,3 +13,20 @@ class LaunchSpy:
     def __getitem__(self, grid: Any) -> Any:
         self.launched.append(grid)
         return self.kernel[grid]
+
+
+class KwargSpy:
+    """A stand-in for a Triton kernel that records one keyword argument of each launch (a
+    constexpr the launcher chose), then runs the real one."""
+
+    def __init__(self, kernel: Any, name: str, seen: list) -> None:
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append(kwargs.get(self.name))
+            return launch(*args, **kwargs)
+
+        return spy

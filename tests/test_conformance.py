@@ -194,11 +194,12 @@ TUNED_CPU = _tuned_config_cases(INTERPRETER_CASES) if HAS_TRITON else []
 def _tuned_ci_or_slow(tuned: list[tuple[str, Case, dict, dict]]) -> list:
     """Per shipped file, CI runs the first pair of tile configs for each kernel code path they
     choose: swapped operands or not (each GEMM), split-K or not (GEMM2), BLOCK_M <= 32 and K tiles
-    that divide the weight group (what the factored dot needs); the other pairs (the same code
-    with other block sizes) are slow. Every pair runs on a GPU (test_tuned_configs_conform_on_gpu)."""
+    that divide the weight group (what the factored dot needs), one dot per weight group or not
+    (GROUP_DOTS); the other pairs (the same code with other block sizes) are slow. Every pair runs
+    on a GPU (test_tuned_configs_conform_on_gpu)."""
     def path(config: dict, group: int) -> tuple:
         return (bool(config.get("SWAP_AB")), config.get("SPLIT_K", 1) > 1, config["BLOCK_M"] <= 32,
-                group > 0 and group % config["BLOCK_K"] == 0)
+                group > 0 and group % config["BLOCK_K"] == 0, bool(config.get("GROUP_DOTS")))
 
     seen: set = set()
     out = []

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from launch_spy import LaunchSpy
+from launch_spy import KwargSpy, LaunchSpy
 from moe_registry_kernels import quant_ref, triton_moe, triton_ops
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
@@ -152,6 +152,27 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
     err = _rel_err(out, ref)
     assert err < _tolerance(scheme, dtype), f"{scheme} swapped split {split_k} {dtype}: relative error {err:.2e}"
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq4-g64"])
+def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
+    """GROUP_DOTS decode tiles (one dot per weight group, BLOCK_K 256 and 512 spanning 2-8 groups,
+    split-K for GEMM2) on the paired PTX path; the launches are watched: both GEMMs took them."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 1)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "GROUP_DOTS": True}
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    with triton_moe.config_override({**tile, "BLOCK_K": 256, "SPLIT_K": 1}, {**tile, "BLOCK_K": 512, "SPLIT_K": 2}):
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True]
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(out, ref)
+    assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 64])

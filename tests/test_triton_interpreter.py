@@ -32,7 +32,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from launch_spy import LaunchSpy  # noqa: E402
+from launch_spy import KwargSpy, LaunchSpy  # noqa: E402
 from moe_registry_kernels import (  # noqa: E402
     activations,
     quant_ref,
@@ -186,6 +186,60 @@ def test_split_k(scheme, monkeypatch):
     with triton_moe.config_override(gemm2=SPLIT_GEMM2):
         _check_layer(scheme, 7, top_k=2, seed=11)
     assert [grid[2] for grid in launched] == [1, 2], f"{scheme}: launch grids {launched}"
+
+
+GROUP_DOTS_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+
+
+GPTQ4_G32 = "uint4b8 scale:float16:group(32):static"
+
+
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("scheme,block_k", [("gptq4-g32", 64), ("gptq4-g64", 128), ("int4-g128", 256)])
+def test_group_dots_take_each_groups_scale_on_its_result(scheme, block_k, m, monkeypatch):
+    """GROUP_DOTS: a K tile spanning two weight groups (for int4-g128's GEMM2 the second lies past
+    K; gptq4-g32's GEMM1 takes two K steps, each with the scales loaded the step before) takes one
+    dot per group with the group's scale on its result: the layer within tolerance, and not the
+    per-weight-scale tile's numbers (the launches are watched: both GEMMs took it)."""
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    if scheme == "gptq4-g32":
+        weights = quant_ref.make_random_expert_weights(parse_quant_key(GPTQ4_G32), parse_quant_key(UNQ), num_experts=E,
+                                                       hidden=H, intermediate=INTER, dtype=torch.float16, seed=3)
+    else:
+        weights = _weights(scheme, seed=3)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=3)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    outs = {}
+    for grouped in (True, False):
+        tile = {**GROUP_DOTS_TILE, "BLOCK_K": block_k} | ({"GROUP_DOTS": True} if grouped else {})
+        with triton_moe.config_override(tile, tile):
+            outs[grouped] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, False, False]
+    for grouped, out in outs.items():
+        err = _rel_err(out, ref)
+        assert err < 1e-2, f"{scheme} GROUP_DOTS={grouped}: relative error {err:.2e}"
+    assert not torch.equal(outs[True], outs[False])
+
+
+def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
+    def fit(scheme, **config):
+        wk, ak, _ = SCHEMES[scheme]
+        tile = {**GROUP_DOTS_TILE, "BLOCK_K": 128, "GROUP_DOTS": True, **config}
+        return tile_config._fit_config(tile, scheme_from_keys(wk, ak), can_split=True).get("GROUP_DOTS")
+
+    assert fit("gptq4-g64") is True and fit("int4-g128", BLOCK_K=256) is True
+    assert fit("gptq4-g64", BLOCK_K=64) is None  # one group a tile: the factored dot already
+    assert fit("gptq4-g64", SWAP_AB=True) is None  # the swapped kernel has no per-group dots
+    assert fit("awq-g128", BLOCK_K=256) is None  # zero points
+    assert fit("gptq8-g128", BLOCK_K=256) is None  # 8-bit codes
+    assert fit("gptq4-channel") is None
+    assert fit("gptq4-g64", GROUP_DOTS=False) is None  # absent, not False: tables stay as they were
+    fp4 = scheme_from_keys("e2m1 scale:e8m0:group(32):static", UNQ)
+    assert tile_config.group_dot_width(fp4) == 0
+    w4a8 = scheme_from_keys("uint4b8 scale:float32:group(128):static", INT8_TOKEN)
+    assert tile_config.group_dot_width(w4a8) == 0
+    assert tile_config.group_dot_width(scheme_from_keys(*SCHEMES["int4-g128"][:2])) == 128
 
 
 SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,

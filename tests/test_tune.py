@@ -579,6 +579,23 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
     assert [kwargs["registers_only"] for kwargs in seen] == [False, True]
 
 
+def test_decode_candidates_include_one_dot_per_group_where_the_scheme_takes_it(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    plain = tune.tile_candidates(16, narrow=True, swap=True)
+    grouped = tune.tile_candidates(16, narrow=True, swap=True, group_dots=128)
+    extra = grouped[len(plain):]
+    assert grouped[:len(plain)] == plain and extra
+    assert extra == [{**c, "GROUP_DOTS": True} for c in plain if not c["SWAP_AB"] and c["BLOCK_K"] > 128]
+    assert tune.tile_candidates(64, narrow=True, group_dots=128) == tune.tile_candidates(64, narrow=True)  # prefill
+    schemes = tune.bench.registry_schemes()
+    gptq = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["gptq-w4a16"], [8])
+    assert any(c1.get("GROUP_DOTS") for c1, _ in gptq) and any(c2.get("GROUP_DOTS") for _, c2 in gptq)
+    awq = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["awq-w4a16"], [8])  # zero points: none
+    assert not any(c.get("GROUP_DOTS") for pair in awq for c in pair)
+
+
 def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
     """Packed decode weights: 128-column tiles of 4 warps are tried capped (uncapped they hold 3
     programs an SM); wider weights and prefill get no capped candidates."""

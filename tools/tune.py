@@ -79,9 +79,12 @@ def block_ms(m: int, shape: bench.Shape) -> list[int]:
     return [64, 128, 256]
 
 
-def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False) -> list[dict]:
+def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False,
+                    group_dots: int = 0) -> list[dict]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB][, maxnreg]) worth trying at one BLOCK_M
-    (the first ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs)."""
+    (the first ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs);
+    ``group_dots``: the scheme's group_dot_width, and decode tiles spanning several such groups
+    are tried with one dot per group too (GROUP_DOTS)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
@@ -111,6 +114,8 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1 if bm <= 32 else 8,
                     "num_warps": warps, "num_stages": stages, "SPLIT_K": 1, "SWAP_AB": swapped}
                    | ({"maxnreg": cap[0]} if cap else {}))
+    if bm <= 32 and group_dots:  # one dot per group, each group's scale on its result
+        out += [{**c, "GROUP_DOTS": True} for c in out if not c["SWAP_AB"] and c["BLOCK_K"] > group_dots]
     return out[:limit]
 
 
@@ -401,6 +406,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
     swap = triton_moe.swappable(kscheme)
+    group_dots = triton_moe.group_dot_width(kscheme)
     i = shape.intermediate
     # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
     d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
@@ -441,14 +447,14 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     for bm in () if registers_only else block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
-        for c1 in tile_candidates(bm, narrow, limit, swap):
+        for c1 in tile_candidates(bm, narrow, limit, swap, group_dots):
             t = measure(c1, g2)
             if t < t1:
                 best1, t1 = c1, t
         if best1 is None:
             continue
         best2, t2 = g2, t1
-        for c2 in tile_candidates(bm, narrow, limit, swap):  # tiles at the default split, then splits
+        for c2 in tile_candidates(bm, narrow, limit, swap, group_dots):  # tiles at the default split, then splits
             cand = {**c2, "SPLIT_K": g2["SPLIT_K"]}
             t = measure(best1, cand)
             if t < t2:
@@ -495,14 +501,15 @@ def confirm(layer: Layer, m: int, x, tw, ti, first: tuple, second: tuple,
 
 def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[tuple[dict, dict]]:
     """Every config pair tune_target may try (for compiling ahead)."""
-    from moe_registry_kernels.triton_moe import scheme_from_keys, swappable
+    from moe_registry_kernels.triton_moe import group_dot_width, scheme_from_keys, swappable
 
     wkey = parse_quant_key(scheme.weight)
     narrow = wkey.quantized and wkey.dtype.bits <= 8
-    swap = swappable(scheme_from_keys(*scheme.keys))
+    kscheme = scheme_from_keys(*scheme.keys)
+    swap, group_dots = swappable(kscheme), group_dot_width(kscheme)
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
-        tiles = tile_candidates(bm, narrow, swap=swap)
+        tiles = tile_candidates(bm, narrow, swap=swap, group_dots=group_dots)
         if not tiles:
             continue
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
