@@ -471,9 +471,8 @@ def _fused_moe_kernel(
     # (sm_90 SASS, GPTQ int4 at M = 8 on Qwen3's shape, BLOCK_N 128, BLOCK_K 256), against the
     # same tile's per-weight scales: 6-12% fewer instructions a weight and 159-167 registers a
     # thread instead of 210-214; not yet timed on a GPU, so only configs that ask for it take it.
-    GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and DOT == "float" and A_QUANT == "none" and PACKED
-                             and W_TYPE != "e2m1" and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER
-                             and BLOCK_M <= 32)
+    GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and A_QUANT == "none" and PACKED and W_ZERO > 0
+                             and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER and BLOCK_M <= 32)
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"

@@ -163,7 +163,7 @@ def group_dot_width(scheme: Scheme) -> int:
     codes with a fixed zero code and group scales of 32 columns or more, under a 16-bit dot. The
     kernel takes them on tiles of BLOCK_M <= 32 that span several groups, on weights without
     act-order or zero-point tensors."""
-    takes = (scheme.weight_type in ("uint4b8", "int4") and scheme.weight_scale == "group"
+    takes = (scheme.packed and scheme.zero_code > 0 and scheme.weight_scale == "group"
              and scheme.act_quant == "none" and scheme.weight_group >= 32)
     return scheme.weight_group if takes else 0
 
