@@ -206,6 +206,32 @@ def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_library_weights
     assert 0 < err <= scheme.tolerance["float16"], f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-sym-v2", "mixtral-gptq-w4-sym"])
+def test_triton_group_dots_match_float64_moe_on_library_weights(name: str, monkeypatch) -> None:
+    """GPTQModel's symmetric int4 files under decode tiles that span both of a row's 32-column
+    groups with one dot per group (GROUP_DOTS), against the float64 MoE on the library's weights;
+    the launches are watched: both GEMMs took it."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from launch_spy import KwargSpy
+    from moe_registry_kernels import triton_moe
+
+    _, lib = library_weights(name)
+    layer = build(name)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 64, generator=gen).to(torch.float16)
+    topk_w, topk_ids = routing(3, 4, 2, seed=10)
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
+            "GROUP_DOTS": True}
+    with triton_moe.config_override(tile, tile):
+        out = triton_moe.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
+    assert seen == [True, True]
+    err = rel_err(out, moe_float64(x, topk_w, topk_ids, lib))
+    scheme = moe_registry.load_registry().scheme(CASES[name][1])
+    assert 0 < err <= scheme.tolerance["float16"], f"{name}: relative error {err:.2e}"
+
+
 # ---------------------------------------------------------------- bad input
 
 
