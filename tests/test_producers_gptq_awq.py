@@ -189,21 +189,28 @@ def test_reference_layer_matches_float64_moe_on_library_weights(name: str) -> No
     assert 0 < err <= layer.built.tolerance, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name", TRITON_CASES)
-def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_library_weights(name: str) -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    from moe_registry_kernels.triton_moe import TritonExperts
+def _triton_against_library(name: str, tokens: int, seeds: tuple[int, int], tile: dict | None = None):
+    """(relative error, the scheme's float16 tolerance) of the Triton layer (interpreter; ``tile``: both
+    GEMMs' configs) on our conversion of the fixture, against the float64 MoE on the library's weights."""
+    from moe_registry_kernels import triton_moe
 
     _, lib = library_weights(name)
     layer = build(name)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 64, generator=gen).to(torch.float16)
-    topk_w, topk_ids = routing(5, 4, 2, seed=8)
-    out = TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
+    gen = torch.Generator().manual_seed(seeds[0])
+    x = torch.randn(tokens, 64, generator=gen).to(torch.float16)
+    topk_w, topk_ids = routing(tokens, 4, 2, seed=seeds[1])
+    with triton_moe.config_override(tile, tile):
+        out = triton_moe.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
     assert out.dtype == torch.float16
-    err = rel_err(out, moe_float64(x, topk_w, topk_ids, lib))
     scheme = moe_registry.load_registry().scheme(CASES[name][1])
-    assert 0 < err <= scheme.tolerance["float16"], f"{name}: relative error {err:.2e}"
+    return rel_err(out, moe_float64(x, topk_w, topk_ids, lib)), scheme.tolerance["float16"]
+
+
+@pytest.mark.parametrize("name", TRITON_CASES)
+def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_library_weights(name: str) -> None:
+    pytest.importorskip("triton", reason="triton is not installed")
+    err, tolerance = _triton_against_library(name, 5, (7, 8))
+    assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-sym-v2", "mixtral-gptq-w4-sym"])
@@ -215,21 +222,13 @@ def test_triton_group_dots_match_float64_moe_on_library_weights(name: str, monke
     from launch_spy import KwargSpy
     from moe_registry_kernels import triton_moe
 
-    _, lib = library_weights(name)
-    layer = build(name)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(3, 64, generator=gen).to(torch.float16)
-    topk_w, topk_ids = routing(3, 4, 2, seed=10)
     seen: list = []
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
             "GROUP_DOTS": True}
-    with triton_moe.config_override(tile, tile):
-        out = triton_moe.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
+    err, tolerance = _triton_against_library(name, 3, (9, 10), tile)
     assert seen == [True, True]
-    err = rel_err(out, moe_float64(x, topk_w, topk_ids, lib))
-    scheme = moe_registry.load_registry().scheme(CASES[name][1])
-    assert 0 < err <= scheme.tolerance["float16"], f"{name}: relative error {err:.2e}"
+    assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
 
 # ---------------------------------------------------------------- bad input
