@@ -6,6 +6,8 @@
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# a warm machine keeps the wheels installed by an earlier call: use them rather than install again
+[ -d /tmp/site/pydantic ] && export PYTHONPATH=/tmp/site
 if ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
