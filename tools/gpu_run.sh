@@ -4,6 +4,7 @@
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
+#   bash tools/gpu_run.sh profile [args] # tools/profile_ncu.py with args (Nsight Compute counters per kernel)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # a warm machine keeps the wheels installed by an earlier call: use them rather than install again
@@ -39,6 +40,7 @@ PY
          exit $rc ;;
   bench) python3 tools/bench.py --out "$out" "$@" ;;
   decode) python3 tools/bench_decode.py "$@" | tee "$out/bench_decode.txt"; exit "${PIPESTATUS[0]}" ;;
+  profile) python3 tools/profile_ncu.py --out "$out" "$@" ;;
   tune) touch /tmp/tune-start  # only the files this run wrote come back (the lender returns a few files per call)
         python3 tools/tune.py "$@"
         rc=$?
@@ -47,5 +49,5 @@ PY
         mkdir -p "$out/configs" && find kernels/configs \( -name '*.json' -o -name '*.partial' \) -newer /tmp/tune-start \
           -exec cp {} "$out/configs/" \;
         exit $rc ;;
-  *) echo "usage: $0 tests|bench|decode|tune" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|decode|tune|profile" >&2; exit 2 ;;
 esac

@@ -1,0 +1,123 @@
+"""tools/profile_ncu.py: Nsight Compute's raw CSV read into per-kernel profiles, and the child that
+the profiler runs (here on the CPU, where it builds and calls the layer without a profiler range).
+
+The CSV below is laid out as ``ncu --csv --page raw --print-units base`` writes it: notes first,
+a header of fixed columns then one column per metric, a units row, one row per kernel, numbers
+with thousands separators."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import profile_ncu  # noqa: E402
+
+FIXED = ['"ID"', '"Process ID"', '"Process Name"', '"Host Name"', '"Kernel Name"', '"Context"', '"Stream"',
+         '"Block Size"', '"Grid Size"', '"Device"', '"CC"']
+METRICS = ["gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+           "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__warps_active.avg.pct_of_peak_sustained_active",
+           "launch__registers_per_thread", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+           "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+           "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
+           "smsp__average_warps_issue_stalled_wait_not_issued_per_issue_active.ratio"]
+UNITS = ["nsecond", "%", "%", "%", "register/thread", "%", "%", "inst", "inst", "inst", "inst", "inst"]
+
+
+def _row(values: list[str]) -> str:
+    return ",".join(f'"{v}"' for v in values)
+
+
+def raw_csv(kernels: list[tuple[str, list[str]]]) -> str:
+    lines = ["==PROF== Connected to process 4242 (/usr/bin/python3)", ",".join(FIXED) + "," + _row(METRICS),
+             _row([""] * len(FIXED) + UNITS)]
+    for i, (name, values) in enumerate(kernels):
+        lines.append(_row([str(i), "4242", "python3", "127.0.0.1", name, "1", "7", "(128, 1, 1)", "(96, 1, 1)", "0",
+                           "9.0", *values]))
+    return "\n".join([*lines, "==PROF== Disconnected from process 4242"]) + "\n"
+
+
+ALIGN = ("_align_kernel", ["3,072", "2.5", "5.1", "10.0", "32", "0", "0", "1.5", "0.5", "0.1", "1", "9"])
+GEMM1 = ("_fused_moe_kernel", ["41,500", "61.25", "78.5", "18.75", "168", "22.5", "0", "2.5", "7.25", "0.75", "1",
+                               "99"])
+GEMM2 = ("_fused_moe_kernel", ["30,000.5", "55", "70", "20", "128", "n/a", "35.5", "6", "1", "3", "1", "0"])
+
+
+def test_raw_csv_becomes_one_profile_per_kernel_gemms_labelled_in_order():
+    kernels = profile_ncu.parse_raw_csv(raw_csv([ALIGN, GEMM1, GEMM2]))
+    labels = profile_ncu.label_kernels(kernels)
+    assert labels == ["_align_kernel", "gemm1", "gemm2"]
+    align, g1, g2 = (profile_ncu.kernel_profile(k, "Qwen3-30B-A3B", "gptq-w4a16", 8, label)
+                     for k, label in zip(kernels, labels, strict=True))
+    # nanoseconds (thousands separators and all) -> microseconds
+    assert (align.us, g1.us, g2.us) == (pytest.approx(3.072), pytest.approx(41.5), pytest.approx(30.0005))
+    assert (g1.dram_pct, g1.issue_pct, g1.occupancy_pct, g1.registers) == (61.25, 78.5, 18.75, 168)
+    # the busiest tensor pipe; a pipe reading n/a is left out
+    assert (g1.tensor_pct, g2.tensor_pct) == (22.5, 35.5)
+    # stall reasons largest first; "selected" (issuing) and the not-issued variants are not stalls
+    assert list(g1.stalls.items()) == [("wait", 7.25), ("long_scoreboard", 2.5), ("barrier", 0.75)]
+    assert g2.top_stalls(2) == "long_scoreboard 6.0 barrier 3.0"
+    assert (g1.shape, g1.scheme, g1.m, g1.kernel) == ("Qwen3-30B-A3B", "gptq-w4a16", 8, "gemm1")
+
+
+def test_metrics_an_ncu_version_lacks_are_none_and_shown_as_dashes(capsys):
+    header = ",".join(FIXED) + "," + _row(["gpu__time_duration.sum"])
+    text = "\n".join([header, _row([""] * len(FIXED) + ["usecond"]),
+                      _row(["0", "1", "p", "h", "_fused_moe_kernel", "1", "7", "b", "g", "0", "9.0", "12.5"])])
+    (kernel,) = profile_ncu.parse_raw_csv(text)
+    p = profile_ncu.kernel_profile(kernel, "Mixtral-8x7B", "fp8-block128", 4096, "gemm1")
+    assert p.us == 12.5  # already in microseconds
+    assert (p.dram_pct, p.issue_pct, p.tensor_pct, p.occupancy_pct, p.registers, p.stalls) == (
+        None, None, None, None, None, {})
+    profile_ncu.print_table([p])
+    line = capsys.readouterr().out.splitlines()[1].split()
+    assert line[-7:] == ["gemm1", "12.5", "-", "-", "-", "-", "-"]
+
+
+def test_output_without_a_header_is_no_kernels():
+    assert profile_ncu.parse_raw_csv("==PROF== Connected\n==ERROR== ERR_NVGPUCTRPERM\n") == []
+
+
+def test_a_cell_ncu_profiled_nothing_of_is_one_line_naming_it(monkeypatch):
+    def fake_run(command, **kwargs):
+        assert command[:3] == ["/x/ncu", "--csv", "--page"] and command[-4:] == [
+            profile_ncu.CHILD_FLAG, "qwen3", "mxfp4", "64"]
+        return subprocess.CompletedProcess(command, 1, stdout="==PROF== Connected\n",
+                                           stderr="==ERROR== Failed to initialize the profiler: LibraryNotLoaded\n")
+
+    monkeypatch.setattr(profile_ncu.subprocess, "run", fake_run)
+    with pytest.raises(RuntimeError) as error:
+        profile_ncu.profile_cell("/x/ncu", "qwen3", "mxfp4", 64)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("ncu profiled no kernel of qwen3 mxfp4 M=64 (exit 1): ")
+    assert "LibraryNotLoaded" in message
+
+
+def test_the_profiler_command_reads_sections_with_clocks_left_alone():
+    command = profile_ncu.ncu_command("ncu", "mixtral", "gptq-w4a16", 8)
+    assert command[command.index("--clock-control") + 1] == "none"
+    assert command[command.index("--profile-from-start") + 1] == "off"
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--section"] == list(profile_ncu.SECTIONS)
+    assert command[-4:] == [profile_ncu.CHILD_FLAG, "mixtral", "gptq-w4a16", "8"]
+
+
+@pytest.mark.parametrize("scheme", ["gptq-w4a16", "mxfp4", "fp8-block128"])
+def test_the_child_builds_and_calls_the_layer_on_the_cpu(scheme):
+    # warm-up calls, then the one the profiler would see
+    assert profile_ncu.run_cell("qwen3", scheme, 3, calls=2) == 3
+
+
+def test_without_a_gpu_or_ncu_the_tool_says_so(capsys):
+    assert profile_ncu.main(["--schemes", "gptq-w4a16"]) == 2
+    assert capsys.readouterr().err.strip() == "profile_ncu.py: needs a CUDA GPU and Nsight Compute (ncu) on the PATH"
+
+
+def test_an_unknown_scheme_is_named(capsys):
+    assert profile_ncu.main(["--schemes", "gptq-w5a16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("profile_ncu.py: ") and "gptq-w5a16" in err

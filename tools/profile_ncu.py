@@ -1,0 +1,267 @@
+"""Hardware counters of the layer's kernels at benchmark cells (Nsight Compute): why a cell sits
+where it does against the roofline -- memory-bound, issue-bound, or waiting.
+
+tools/bench.py says how far a cell is from its roofline; this says why. For each shape x scheme
+x M it runs one layer call under ``ncu`` (this script again, as the profiled child: the layer
+built and warmed up as bench.py builds it, then one call between cudaProfilerStart and Stop,
+plain launches, no CUDA graph) and reads back, per kernel:
+
+- time, and DRAM throughput as % of its peak (a 4-bit decode GEMM near its roofline is near 100);
+- issue slots busy (% of the schedulers' cycles that issued an instruction: near 100 is
+  instruction-bound) and the tensor pipes' busy % (matrix-unit bound);
+- achieved occupancy, registers a thread, and the three largest stall reasons (warp cycles
+  stalled per issued instruction, by reason: long_scoreboard is waiting on global memory, wait
+  and math_pipe_throttle on fixed-latency math, barrier on __syncthreads, ...).
+
+    python tools/profile_ncu.py --shapes qwen3 --schemes gptq-w4a16 --m 8 64 --out DIR
+    bash tools/gpu_run.sh profile --shapes mixtral --schemes fp8-block128 --m 4096
+
+Writes profile.jsonl to --out as it goes (one line per kernel per cell) and prints a table. Needs
+a GPU whose counters ncu can read (Firecracker machines here; not gVisor), with the clocks left as
+they are (``--clock-control none``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+# the sections read (each one's metrics come back as columns of ncu's raw page; sections, not
+# metric names, so a metric an ncu version names differently is missing from the table, not an
+# error that loses the run)
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis")
+NCU_CANDIDATES = ("ncu", "/opt/nvidia/nsight-compute/2025.3.1/ncu")
+PROGRESS = "profile.jsonl"
+CHILD_FLAG = "--child"
+WARMUP_CALLS = 3  # compiles the kernels and fills the allocator before the profiled call
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """One kernel launch of one cell, as the counters saw it (None: the metric was not there)."""
+    shape: str
+    scheme: str
+    m: int
+    kernel: str  # gemm1, gemm2, or the glue kernel's own name
+    us: float | None
+    dram_pct: float | None
+    issue_pct: float | None
+    tensor_pct: float | None
+    occupancy_pct: float | None
+    registers: int | None
+    stalls: dict  # reason -> warp cycles stalled per issued instruction, largest first
+
+    def top_stalls(self, count: int = 3) -> str:
+        return " ".join(f"{reason} {value:.1f}" for reason, value in list(self.stalls.items())[:count])
+
+
+# column patterns -> field; the first column matching each pattern is taken
+COLUMNS = {
+    "us": r"^gpu__time_duration\.sum$",
+    "dram_pct": r"^(gpu__dram_throughput|dram__throughput)\.avg\.pct_of_peak_sustained_elapsed$",
+    "issue_pct": r"^(sm__inst_issued|smsp__issue_active)\.avg\.pct_of_peak_sustained_active$",
+    "occupancy_pct": r"^sm__warps_active\.avg\.pct_of_peak_sustained_active$",
+    "registers": r"^launch__registers_per_thread$",
+}
+TENSOR_PIPES = r"^sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$"
+STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+# time units ncu may print a duration in, as microseconds
+TIME_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6}
+
+
+def _number(text: str) -> float | None:
+    """A raw-page value ('1,234.5', 'n/a', '') as a float, or None."""
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def parse_raw_csv(text: str) -> list[dict]:
+    """ncu's ``--csv --page raw`` output -> one dict per profiled kernel: its name, each metric's
+    value (float or None) and the units row. Lines before the header (==PROF== notes) are skipped."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    reader = csv.reader(io.StringIO("\n".join(lines[start:])))
+    header = next(reader)
+    units = next(reader, [])
+    kernels = []
+    for row in reader:
+        if len(row) != len(header):
+            continue
+        record = dict(zip(header, row, strict=True))
+        metrics = {name: _number(value) for name, value in record.items()}
+        name = record.get("Kernel Name") or record.get("Function Name") or record.get("Demangled Name") or ""
+        kernels.append({"name": name, "metrics": metrics,
+                        "units": dict(zip(header, units, strict=False))})
+    return kernels
+
+
+def _pick(metrics: dict, pattern: str) -> tuple[str, float] | None:
+    for name, value in metrics.items():
+        if re.search(pattern, name) and value is not None:
+            return name, value
+    return None
+
+
+def kernel_profile(kernel: dict, shape: str, scheme: str, m: int, label: str) -> KernelProfile:
+    """The table's fields from one kernel's raw metrics."""
+    metrics, units = kernel["metrics"], kernel["units"]
+    fields: dict = {}
+    for field, pattern in COLUMNS.items():
+        picked = _pick(metrics, pattern)
+        fields[field] = None if picked is None else picked[1]
+        if field == "us" and picked is not None:
+            fields[field] = picked[1] * TIME_UNITS.get(units.get(picked[0], "nsecond"), 1e-3)
+    tensor = [value for name, value in metrics.items() if re.search(TENSOR_PIPES, name) and value is not None]
+    stalls = {STALL.match(name).group(1): value for name, value in metrics.items()
+              if STALL.match(name) and value is not None and not name.endswith("_not_issued_per_issue_active.ratio")}
+    stalls = dict(sorted(((reason, value) for reason, value in stalls.items() if reason != "selected"),
+                         key=lambda item: -item[1]))
+    registers = fields.pop("registers")
+    return KernelProfile(shape, scheme, m, label, **fields, tensor_pct=max(tensor) if tensor else None,
+                         registers=None if registers is None else int(registers), stalls=stalls)
+
+
+def label_kernels(kernels: list[dict]) -> list[str]:
+    """gemm1, gemm2 for the layer's GEMM launches in order; glue kernels keep their names."""
+    labels, gemms = [], 0
+    for kernel in kernels:
+        if any(name in kernel["name"] for name in bench.GEMM_KERNELS["cuda"]):
+            gemms += 1
+            labels.append(f"gemm{gemms}")
+        else:
+            labels.append(kernel["name"].split("(")[0][:40])
+    return labels
+
+
+def find_ncu() -> str | None:
+    for candidate in NCU_CANDIDATES:
+        found = shutil.which(candidate)
+        if found:
+            return found
+    return None
+
+
+def ncu_command(ncu: str, shape: str, scheme: str, m: int) -> list[str]:
+    """ncu over this script's child for one cell: only the call between cudaProfilerStart/Stop."""
+    sections = [arg for section in SECTIONS for arg in ("--section", section)]
+    return [ncu, "--csv", "--page", "raw", "--print-units", "base", "--clock-control", "none",
+            "--profile-from-start", "off", *sections,
+            sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, shape, scheme, str(m)]
+
+
+def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALLS) -> int:
+    """The child: build the layer as bench.py does, warm it up, then one call for the profiler.
+    Returns the number of layer calls made (CPU: no profiler range, a check that it runs)."""
+    from moe_registry_kernels.triton_ops import plain_launches
+
+    dry = not torch.cuda.is_available()
+    device = torch.device("cpu" if dry else "cuda")
+    shape = bench.DRY_SHAPES["tiny"] if dry else bench.SHAPES[shape_name]
+    scheme = bench.registry_schemes()[scheme_name]
+    wkey, akey = bench.parse_quant_key(scheme.weight), bench.parse_quant_key(scheme.activation)
+    weights = bench.make_weights(shape, wkey, akey, torch.float16 if dry else torch.bfloat16, device, seed=0)
+    layer = bench.benchmarked_experts(dry)(weights, bench.ExpertsConfig())
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(m, shape.hidden, device=device, generator=gen).to(torch.float16 if dry else torch.bfloat16)
+    logits = torch.randn(m, shape.experts, device=device, generator=gen)
+    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+    ti = ti.to(torch.int32)
+    with plain_launches():
+        for _ in range(calls):
+            layer.apply(x, tw, ti)
+        if not dry:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+        layer.apply(x, tw, ti)
+        if not dry:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+    return calls + 1
+
+
+def profile_cell(ncu: str, shape: str, scheme: str, m: int) -> list[KernelProfile]:
+    """One cell under ncu: its kernels' profiles, or a one-line error (RuntimeError)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(ncu_command(ncu, shape, scheme, m), capture_output=True, text=True, env=env)
+    kernels = parse_raw_csv(done.stdout)
+    if not kernels:
+        tail = " | ".join(line for line in (done.stderr + done.stdout).splitlines()[-4:] if line.strip())
+        raise RuntimeError(f"ncu profiled no kernel of {shape} {scheme} M={m} (exit {done.returncode}): {tail}")
+    name = bench.SHAPES[shape].name
+    return [kernel_profile(k, name, scheme, m, label) for k, label in zip(kernels, label_kernels(kernels), strict=True)]
+
+
+def print_table(profiles: list[KernelProfile]) -> None:
+    print(f"{'shape':<18}{'scheme':<28}{'M':>5}  {'kernel':<12}{'us':>8}{'dram%':>7}{'issue%':>7}"
+          f"{'tensor%':>8}{'occ%':>6}{'regs':>5}  top stalls (cycles per issued instruction)")
+
+    def show(value: float | None, digits: int = 0) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for p in profiles:
+        print(f"{p.shape:<18}{p.scheme:<28}{p.m:>5}  {p.kernel[:12]:<12}{show(p.us, 1):>8}{show(p.dram_pct):>7}"
+              f"{show(p.issue_pct):>7}{show(p.tensor_pct):>8}{show(p.occupancy_pct):>6}"
+              f"{show(p.registers):>5}  {p.top_stalls()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [CHILD_FLAG]:
+        run_cell(argv[1], argv[2], int(argv[3]))
+        return 0
+    schemes = bench.registry_schemes()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3"], choices=list(bench.SHAPES))
+    parser.add_argument("--schemes", nargs="+", default=["gptq-w4a16"], metavar="SCHEME",
+                        help="scheme spec names listing " + bench.KERNEL)
+    parser.add_argument("--m", nargs="+", type=int, default=[8])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args(argv)
+    bad = bench.check_names(args.schemes, list(schemes))
+    if bad:
+        print(f"profile_ncu.py: {bad}", file=sys.stderr)
+        return 2
+    ncu = find_ncu()
+    if ncu is None or not torch.cuda.is_available():
+        print("profile_ncu.py: needs a CUDA GPU and Nsight Compute (ncu) on the PATH", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress, profiles, failed = args.out / PROGRESS, [], 0
+    for shape in args.shapes:
+        for scheme in args.schemes:
+            for m in args.m:
+                try:
+                    cell = profile_cell(ncu, shape, scheme, m)
+                except RuntimeError as error:
+                    print(f"profile_ncu.py: {error}", file=sys.stderr)
+                    failed += 1
+                    continue
+                with progress.open("a") as f:
+                    for p in cell:
+                        f.write(json.dumps(asdict(p)) + "\n")
+                profiles += cell
+                print(f"{shape} {scheme} M={m}: {len(cell)} kernels profiled", flush=True)
+    print_table(profiles)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
