@@ -11,7 +11,8 @@ On the GPU (sm_80+, bf16 from sm_90; :func:`_paired_halves`) the same steps run 
 pairs of 16-bit values (:func:`_nibble_asm`, :func:`_byte_asm`): fewer instructions than Triton's
 byte extraction and float32 multiply, the same values (every step is exact but the multiply,
 which both round once). :func:`_dequant_nibbles`, :func:`_dequant_byte` and
-:func:`_dequant_byte_pairs` are what the GEMM kernels call; :func:`_e8m0` decodes MX scales.
+:func:`_dequant_byte_pairs` are what the GEMM kernels call (:func:`_nibbles_as_int8` for the int8
+dot of W4A8); :func:`_e8m0` decodes MX scales.
 """
 
 import functools
@@ -99,6 +100,44 @@ def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
         else:
             lines += [f"sub.rn.{half}x2 ${out}, u0, $5;", f"sub.rn.{half}x2 ${out + 1}, u1, $6;"]
     return "\n".join([*lines, "}"])
+
+
+# uint4b8 codes as int8 values code - 8, four bytes a word: code + 0x78 (at most 0x87: no carry into
+# the next byte) with its top bit flipped is code + 120 - 128, two's complement
+INT4_TO_INT8_BIAS = tl.constexpr(0x78)
+INT4_TO_INT8_BIAS_WORD = _immediate(INT4_TO_INT8_BIAS, 4)
+NIBBLE_MASK_WORD = _immediate(NIBBLE_MASK, 4)
+
+
+@triton.constexpr_function
+def _nibbles_to_int8_asm() -> str:
+    """PTX turning 4 packed bytes (8 uint4b8 codes) into their values code - 8 as int8, four at a
+    time in one 32-bit word: each nibble masked into its own byte (the high ones shifted down
+    first), INT4_TO_INT8_BIAS added, each byte's top bit flipped. Operands: $0 the low nibbles'
+    values, $1 the high nibbles', $2 the packed bytes (pack=4)."""
+    lines = ["{", ".reg .b32 t;"]
+    for out, shift in ((0, False), (1, True)):
+        source = "t" if shift else "$2"
+        if shift:
+            lines.append("shr.b32 t, $2, 4;")
+        lines += [f"and.b32 t, {source}, {NIBBLE_MASK_WORD};", f"add.u32 t, t, {INT4_TO_INT8_BIAS_WORD};",
+                  f"xor.b32 ${out}, t, {INT8_SIGN_FLIP_WORD};"]
+    return "\n".join([*lines, "}"])
+
+
+@triton.jit
+def _nibbles_as_int8(packed, ASM: tl.constexpr):
+    """(low, high): the int8 values code - 8 of a packed uint4b8 tile's low (even-column) and high
+    nibbles, the operands of an int8 dot (W4A8). ASM: the PTX of _nibbles_to_int8_asm, four codes
+    an instruction where Triton's int8 arithmetic takes each byte on its own (a third of the K
+    loop's instructions at W4A8 prefill); else plain Triton (the same values)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(_nibbles_to_int8_asm(), "=r,=r,r", [packed], dtype=(tl.int8, tl.int8),
+                                              is_pure=True, pack=4)
+    else:
+        low = (packed & NIBBLE_MASK).to(tl.int8) - 8
+        high = (packed >> 4).to(tl.int8) - 8
+    return low, high
 
 
 @triton.constexpr_function

@@ -21,7 +21,7 @@ are in :mod:`moe_registry_kernels.triton_moe`.
 import triton
 import triton.language as tl
 
-from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _offset_zero
+from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _nibbles_as_int8, _offset_zero
 from .fp4_dequant import _dequant_e2m1, _e4m3_value, _folded_e8m0, e2m1_fold_factor
 from .scheme import dot_kind, packed, zero_code
 from .triton_ops import (
@@ -270,11 +270,10 @@ def _row(x, i: tl.constexpr):
 
 
 @triton.jit
-def _int4_as_int8_tile(packed_codes, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _int4_as_int8_tile(packed_codes, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_K // 2, BN] bytes of uint4b8 nibbles (low: even column) -> [BLOCK_K, BN] int8 values
-    code - 8 in K order, the operand of an int8 dot (W4A8)."""
-    low = (packed_codes & 0xF).to(tl.int8) - 8
-    high = (packed_codes >> 4).to(tl.int8) - 8
+    code - 8 in K order, the operand of an int8 dot (W4A8); ASM: see _nibbles_as_int8."""
+    low, high = _nibbles_as_int8(packed_codes, ASM)
     return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
@@ -556,7 +555,7 @@ def _fused_moe_kernel(
                     part = part * scale
                 acc += part
             elif DOT == "int8":  # W4A8: int4 codes as int8 in K order, one int8 dot (int32)
-                part = tl.dot(a, _int4_as_int8_tile(packed_codes, BLOCK_K, BLOCK_N),
+                part = tl.dot(a, _int4_as_int8_tile(packed_codes, BLOCK_K, BLOCK_N, ASM_DEQUANT),
                               tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), out_dtype=tl.int32)
                 if INT8_GROUPS:
                     acc += part.to(tl.float32) * scale

@@ -483,6 +483,33 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     assert torch.equal(outs[False][0], expect)
 
 
+def test_nibbles_to_int8_asm_matches_plain():
+    """W4A8's int8 dot operand: the PTX (four codes an instruction) and the plain Triton path give
+    the same int8 values, code - 8, for every byte in every lane position."""
+    import triton
+    import triton.language as tl
+    from moe_registry_kernels.dequant_ptx import _nibbles_as_int8
+
+    @triton.jit
+    def unpack(p_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
+        offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        low, high = _nibbles_as_int8(tl.load(p_ptr + offs), ASM)
+        tl.store(lo_ptr + offs, low)
+        tl.store(hi_ptr + offs, high)
+
+    packed = torch.arange(64 * 32, device=DEVICE).remainder(256).to(torch.uint8).view(64, 32)
+    packed = packed[torch.randperm(64, generator=torch.Generator().manual_seed(0)).to(DEVICE)]
+    outs = {}
+    for asm in (False, True):
+        low, high = torch.empty(64, 32, dtype=torch.int8, device=DEVICE), torch.empty(64, 32, dtype=torch.int8,
+                                                                                      device=DEVICE)
+        unpack[(1,)](packed, low, high, ASM=asm)
+        outs[asm] = (low, high)
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
+    assert torch.equal(outs[False][0], ((packed & 0xF).to(torch.int16) - 8).to(torch.int8))
+    assert torch.equal(outs[False][1], ((packed >> 4).to(torch.int16) - 8).to(torch.int8))
+
+
 # ---------------------------------------------------------------------------------------------
 # the PTX e2m1 (FP4) dequantisation against the plain Triton one and the code table, bit for bit
 
