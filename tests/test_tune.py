@@ -361,13 +361,19 @@ def test_precompile_counts_what_compiled(monkeypatch):
 
 class _CompilerCrash(_SlowCandidates):
     """A stand-in layer on which GEMM1 tiles 32 columns wide crash the compiler, which prints its
-    IR to file descriptor 2 first."""
+    IR to file descriptor 2 first, and on which a register cap of 80 fails ptxas, whose PTX
+    Triton prints to file descriptor 1."""
 
     def error(self, configs, *args):
         if configs[0]["BLOCK_N"] == 32:
             os.write(2, b"// -----// IR Dump Before TritonGPUPipeline\n" + b"  %0 = tt.load ...\n" * 2000
                      + b'loc("moe_gemm.py":420:12): error: failed to legalize operation\n')
             raise RuntimeError("PassManager::run failed")
+        if configs[0].get("maxnreg") == 80:
+            os.write(1, b"\n=====\nInternal Triton PTX codegen error\n`ptxas` stderr:\nptxas fatal   : (C7602) "
+                     b"Insufficient registers (80)\n" + b".visible .entry _fused_moe_kernel(\n" * 2000)
+            raise RuntimeError("Internal Triton PTX codegen error\n`ptxas` stderr: ...")
+        os.write(1, b"a candidate's own line on stdout\n")
         os.write(2, b"Using default MoE config for a shape\n")
         return 0.0
 
@@ -381,12 +387,18 @@ def test_a_candidate_that_crashes_the_compiler_is_one_line(tmp_path, monkeypatch
     triton_moe._load_config_file.cache_clear()
     log: list[str] = []
     tune.tune_target(_CompilerCrash(tune), 1, 1e-2, log, limit=2, splits=(1,))
-    skipped = [line for line in log if line.lstrip().startswith("skip")]
+    skipped = [line for line in log if line.lstrip().startswith("skip") and "'BLOCK_N': 32" in line.split("}")[0]]
     assert skipped and all(line.endswith(": RuntimeError: PassManager::run failed: loc(\"moe_gemm.py\":420:12): "
                                          "error: failed to legalize operation") for line in skipped)
-    err = capfd.readouterr().err
-    assert "IR Dump" not in err and "tt.load" not in err  # the dump is held back
+    ptxas = [line for line in log if "maxnreg': 80" in line]
+    assert ptxas and all(line.lstrip().startswith("skip") and line.endswith(
+        ": RuntimeError: Internal Triton PTX codegen error: ptxas fatal   : (C7602) Insufficient registers (80)")
+        for line in ptxas)
+    out, err = capfd.readouterr()
+    assert "IR Dump" not in err and "tt.load" not in err  # the dumps are held back
+    assert ".entry" not in out and ".entry" not in err
     assert "Using default MoE config for a shape" in err  # what a candidate that runs prints still shows
+    assert "a candidate's own line on stdout" in out
 
 
 def test_register_variants_and_compile_workers(monkeypatch):

@@ -205,29 +205,40 @@ class CandidateFailed(Exception):
 
 @contextlib.contextmanager
 def compiler_output_held() -> Iterator[None]:
-    """While a candidate compiles and runs, what is written to file descriptor 2 goes to a
-    temporary file: replayed if the candidate runs, and if it fails, summed up in the one line of
-    the CandidateFailed raised instead (a compiler pass that fails prints its whole IR there,
-    thousands of lines, and the tuner would bury its own progress in them)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        failure: Exception | None = None
+    """While a candidate compiles and runs, what is written to file descriptors 1 and 2 goes to
+    temporary files: replayed if the candidate runs, and if it fails, summed up in the one line of
+    the CandidateFailed raised instead (a compiler pass that fails prints its whole IR to fd 2, and
+    Triton prints a failed ptxas run with its whole PTX to fd 1: thousands of lines, which would
+    bury the tuner's own progress)."""
+    held_text: dict[int, str] = {}
+    failure: Exception | None = None
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        held = {1: out_file, 2: err_file}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = {fd: os.dup(fd) for fd in held}
+        for fd, file in held.items():
+            os.dup2(file.fileno(), fd)
         try:
             yield
         except Exception as exc:  # noqa: BLE001 (whatever failed, the candidate is refused)
             failure = exc
         finally:
+            sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        held.seek(0)
-        text = held.read().decode(errors="replace")
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+        for fd, file in held.items():
+            file.seek(0)
+            held_text[fd] = file.read().decode(errors="replace")
     if failure is None:
-        sys.stderr.write(text)
+        sys.stdout.write(held_text[1])
+        sys.stderr.write(held_text[2])
         return
-    errors = [line.strip() for line in text.splitlines() if "error" in line.lower()]
+    # the first diagnostic (a compiler's "error:", ptxas's "fatal"), beyond what the exception says
+    errors = [line.strip() for line in (held_text[2] + held_text[1]).splitlines()
+              if "error:" in line.lower() or "fatal" in line.lower()]
     said = str(failure).strip().splitlines()
     why = ": ".join(part for part in (type(failure).__name__, said[0][:160] if said else "",
                                       errors[0][:160] if errors else "") if part)
