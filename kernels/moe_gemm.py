@@ -470,8 +470,8 @@ def _fused_moe_kernel(
     # (sm_90 SASS, GPTQ int4 at M = 8 on Qwen3's shape, BLOCK_N 128, BLOCK_K 256), against the
     # same tile's per-weight scales: 6-12% fewer instructions a weight and 159-167 registers a
     # thread instead of 210-214. A config's choice, since it is not faster everywhere: on an H100
-    # (session 23) the tuner picked it for GPTQ int4 at M = 8 and 64 on all three benchmark shapes
-    # (4-6% faster whole layers) but not at M = 1 on Qwen3's.
+    # (session 23) the tuner picked it for GPTQ int4 at M = 8 on all three benchmark shapes and at
+    # M = 64 on Qwen3's and DeepSeek-V2-Lite's (4-6% faster whole layers), not at M = 1 on Qwen3's.
     GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and A_QUANT == "none" and PACKED and W_ZERO > 0
                              and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER and BLOCK_M <= 32)
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
