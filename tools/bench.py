@@ -294,6 +294,17 @@ def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtyp
     return ExpertWeights(p13, p2, wkey, akey)
 
 
+def random_inputs(shape: Shape, m: int, dtype: torch.dtype, gen: torch.Generator,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states ~ N(0, 1) in ``dtype``, top-k router weights, their int32 expert ids) for
+    ``m`` tokens: softmax over random logits, so every expert is about as likely (drawn from
+    ``gen``, on its device: the hidden states first, then the logits)."""
+    x = torch.randn(m, shape.hidden, device=gen.device, generator=gen).to(dtype)
+    logits = torch.randn(m, shape.experts, device=gen.device, generator=gen)
+    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+    return x, tw, ti.to(torch.int32)
+
+
 def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
               kernel_cls, dry: bool, check_m: int | None = None) -> Iterator[Row]:
     """One row per M, each yielded as soon as it is measured (the correctness check on
@@ -308,20 +319,15 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     gen = torch.Generator(device=device).manual_seed(1)
     # correctness first, on the real shape
     check_m = check_m or min(max(ms), 64)
-    x = torch.randn(check_m, shape.hidden, device=device, generator=gen).to(dtype)
-    logits = torch.randn(check_m, shape.experts, device=device, generator=gen)
-    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+    x, tw, ti = random_inputs(shape, check_m, dtype, gen)
     kernel = kernel_cls(base, config)
-    out = kernel.apply(x, tw, ti.to(torch.int32))
-    ref = ReferenceExperts(base, config).apply(x.float(), tw, ti.to(torch.int32)).float()
+    out = kernel.apply(x, tw, ti)
+    ref = ReferenceExperts(base, config).apply(x.float(), tw, ti).float()
     rel = float((out.float() - ref).norm() / ref.norm())
     del ref
     pool = [kernel]
     for m in ms:
-        x = torch.randn(m, shape.hidden, device=device, generator=gen).to(dtype)
-        logits = torch.randn(m, shape.experts, device=device, generator=gen)
-        tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
-        ti = ti.to(torch.int32)
+        x, tw, ti = random_inputs(shape, m, dtype, gen)
         hit = float(torch.unique(ti).numel())  # the experts this routing really reads
         wbytes = _tensor_bytes(base.w13, hit, shape.experts) + _tensor_bytes(base.w2, hit, shape.experts)
         act_bytes = 2 * m * shape.hidden * x.element_size() + m * shape.top_k * 8

@@ -177,13 +177,10 @@ def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALL
     shape = bench.DRY_SHAPES["tiny"] if dry else bench.SHAPES[shape_name]
     scheme = bench.registry_schemes()[scheme_name]
     wkey, akey = bench.parse_quant_key(scheme.weight), bench.parse_quant_key(scheme.activation)
-    weights = bench.make_weights(shape, wkey, akey, torch.float16 if dry else torch.bfloat16, device, seed=0)
+    dtype = torch.float16 if dry else torch.bfloat16
+    weights = bench.make_weights(shape, wkey, akey, dtype, device, seed=0)
     layer = bench.benchmarked_experts(dry)(weights, bench.ExpertsConfig())
-    gen = torch.Generator(device=device).manual_seed(1)
-    x = torch.randn(m, shape.hidden, device=device, generator=gen).to(torch.float16 if dry else torch.bfloat16)
-    logits = torch.randn(m, shape.experts, device=device, generator=gen)
-    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
-    ti = ti.to(torch.int32)
+    x, tw, ti = bench.random_inputs(shape, m, dtype, torch.Generator(device=device).manual_seed(1))
     with plain_launches():
         for _ in range(calls):
             layer.apply(x, tw, ti)

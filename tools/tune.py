@@ -150,11 +150,7 @@ class Layer:
             for t in (p.weight, p.scale, p.zero) if t is not None)
 
     def inputs(self, m: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        x = torch.randn(m, self.shape.hidden, device=self.device, generator=gen).to(self.dtype)
-        logits = torch.randn(m, self.shape.experts, device=self.device, generator=gen)
-        tw, ti = torch.topk(torch.softmax(logits, -1), self.shape.top_k, -1)
-        return x, tw, ti.to(torch.int32)
+        return bench.random_inputs(self.shape, m, self.dtype, torch.Generator(device=self.device).manual_seed(seed))
 
     def copies_for(self, m: int) -> list:
         """Kernels over enough weight copies that the experts one call hits are out of L2 next time."""
