@@ -121,3 +121,58 @@ def test_an_unknown_scheme_is_named(capsys):
     assert profile_ncu.main(["--schemes", "gptq-w5a16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("profile_ncu.py: ") and "gptq-w5a16" in err
+
+
+def _profile(scheme: str, m: int, kernel: str, us: float) -> profile_ncu.KernelProfile:
+    return profile_ncu.KernelProfile("Qwen3-30B-A3B", scheme, m, kernel, us, 60.0, 50.0, 20.0, 18.0, 128,
+                                     {"wait": 1.25, "long_scoreboard": 1.0})
+
+
+def _write(path: Path, profiles: list) -> None:
+    import dataclasses
+    import json
+    path.write_text("".join(json.dumps(dataclasses.asdict(p)) + "\n" for p in profiles))
+
+
+def test_show_prints_a_written_file_again_gemms_only_on_request(tmp_path, capsys):
+    written = [_profile("mxfp4", 8, "_align_one_launch", 5.0), _profile("mxfp4", 8, "gemm1", 55.5)]
+    _write(tmp_path / "profile.jsonl", written)
+    assert profile_ncu.load_profiles(tmp_path / "profile.jsonl") == written
+    assert profile_ncu.main(["--show", str(tmp_path / "profile.jsonl"), "--gemms"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2  # header and gemm1: the alignment kernel is left out
+    assert lines[1].split()[:6] == ["Qwen3-30B-A3B", "mxfp4", "8", "gemm1", "55.5", "60"]
+    assert lines[1].endswith("wait 1.2 long_scoreboard 1.0")
+
+
+def test_show_names_the_line_that_is_not_a_profile(tmp_path, capsys):
+    _write(tmp_path / "profile.jsonl", [_profile("mxfp4", 8, "gemm1", 55.5)])
+    with (tmp_path / "profile.jsonl").open("a") as f:
+        f.write('{"shape": "Qwen3-30B-A3B"}\n')
+    assert profile_ncu.main(["--show", str(tmp_path / "profile.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(f"profile_ncu.py: {tmp_path / 'profile.jsonl'}:2: not a kernel profile of this tool (")
+
+
+def test_resume_profiles_only_the_cells_not_in_the_file(tmp_path, monkeypatch, capsys):
+    _write(tmp_path / profile_ncu.PROGRESS, [_profile("gptq-w4a16", 8, "gemm1", 42.0)])
+    asked = []
+
+    def fake_cell(ncu, shape, scheme, m):
+        asked.append((shape, scheme, m))
+        return [_profile(scheme, m, "gemm1", 80.0)]
+
+    monkeypatch.setattr(profile_ncu, "find_ncu", lambda: "/x/ncu")
+    monkeypatch.setattr(profile_ncu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profile_ncu, "profile_cell", fake_cell)
+    argv = ["--schemes", "gptq-w4a16", "--m", "8", "64", "--out", str(tmp_path), "--resume"]
+    assert profile_ncu.main(argv) == 0
+    assert asked == [("qwen3", "gptq-w4a16", 64)]
+    assert "qwen3 gptq-w4a16 M=8: in " in capsys.readouterr().out
+    # the file keeps the earlier cell and gains the new one
+    assert [(p.m, p.us) for p in profile_ncu.load_profiles(tmp_path / profile_ncu.PROGRESS)] == [(8, 42.0), (64, 80.0)]
+    # without --resume every cell is profiled again
+    asked.clear()
+    assert profile_ncu.main(argv[:-1]) == 0
+    assert asked == [("qwen3", "gptq-w4a16", 8), ("qwen3", "gptq-w4a16", 64)]

@@ -14,9 +14,11 @@ plain launches, no CUDA graph) and reads back, per kernel:
   and math_pipe_throttle on fixed-latency math, barrier on __syncthreads, ...).
 
     python tools/profile_ncu.py --shapes qwen3 --schemes gptq-w4a16 --m 8 64 --out DIR
-    bash tools/gpu_run.sh profile --shapes mixtral --schemes fp8-block128 --m 4096
+    bash tools/gpu_run.sh profile --resume --shapes mixtral --schemes fp8-block128 --m 4096
+    python tools/profile_ncu.py --show docs/bench/profile-s24-h100.jsonl --gemms   # the table again, no GPU
 
-Writes profile.jsonl to --out as it goes (one line per kernel per cell) and prints a table. Needs
+Writes profile.jsonl to --out as it goes (one line per kernel per cell) and prints a table;
+``--resume`` skips the cells already in it (a call cut off by a time limit goes on). Needs
 a GPU whose counters ncu can read (Firecracker machines here; not gVisor), with the clocks left as
 they are (``--clock-control none``).
 """
@@ -206,6 +208,20 @@ def profile_cell(ncu: str, shape: str, scheme: str, m: int) -> list[KernelProfil
     return [kernel_profile(k, name, scheme, m, label) for k, label in zip(kernels, label_kernels(kernels), strict=True)]
 
 
+def load_profiles(path: Path) -> list[KernelProfile]:
+    """A profile.jsonl written by this tool, back as profiles; a line that is not one is a
+    one-line ValueError naming the file and line."""
+    profiles = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            profiles.append(KernelProfile(**json.loads(line)))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a kernel profile of this tool ({error})") from None
+    return profiles
+
+
 def print_table(profiles: list[KernelProfile]) -> None:
     print(f"{'shape':<18}{'scheme':<28}{'M':>5}  {'kernel':<12}{'us':>8}{'dram%':>7}{'issue%':>7}"
           f"{'tensor%':>8}{'occ%':>6}{'regs':>5}  top stalls (cycles per issued instruction)")
@@ -231,7 +247,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="scheme spec names listing " + bench.KERNEL)
     parser.add_argument("--m", nargs="+", type=int, default=[8])
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--resume", action="store_true", help="skip the cells already in --out's " + PROGRESS)
+    parser.add_argument("--show", nargs="+", type=Path, metavar="JSONL",
+                        help="print the table of profile files this tool wrote, and profile nothing")
+    parser.add_argument("--gemms", action="store_true", help="with --show: the GEMM kernels only")
     args = parser.parse_args(argv)
+    if args.show:
+        try:
+            shown = [p for path in args.show for p in load_profiles(path)]
+        except (OSError, ValueError) as error:
+            print(f"profile_ncu.py: {error}", file=sys.stderr)
+            return 2
+        print_table([p for p in shown if not args.gemms or p.kernel.startswith("gemm")])
+        return 0
     bad = bench.check_names(args.schemes, list(schemes))
     if bad:
         print(f"profile_ncu.py: {bad}", file=sys.stderr)
@@ -242,9 +270,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     progress, profiles, failed = args.out / PROGRESS, [], 0
+    try:
+        earlier = load_profiles(progress) if args.resume and progress.exists() else []
+    except ValueError as error:
+        print(f"profile_ncu.py: {error}", file=sys.stderr)
+        return 2
+    done = {(p.shape, p.scheme, p.m) for p in earlier}
     for shape in args.shapes:
         for scheme in args.schemes:
             for m in args.m:
+                if (bench.SHAPES[shape].name, scheme, m) in done:
+                    print(f"{shape} {scheme} M={m}: in {progress} already", flush=True)
+                    continue
                 try:
                     cell = profile_cell(ncu, shape, scheme, m)
                 except RuntimeError as error:
