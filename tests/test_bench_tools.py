@@ -208,6 +208,29 @@ def test_resume_skips_present_cells_and_adds_new_ones(bench, tmp_path, monkeypat
     assert set(again) == {("tiny", "awq-w4a16", 1)} and again[("tiny", "awq-w4a16", 1)]["us"] != first["us"]
 
 
+def test_a_cells_tokens_and_routing_are_the_same_resumed_or_not(bench, tmp_path, monkeypatch):
+    # a resumed run measures its cells with the inputs an uncut run gives them (same experts hit,
+    # same bytes), and the tuner and the profiler time the same inputs at that M
+    seen: dict[str, dict[int, tuple]] = {}
+    calls = bench._calls
+
+    def spy(kernels, x, tw, ti):
+        seen.setdefault(run_name, {})[x.shape[0]] = (x.clone(), ti.clone())
+        return calls(kernels, x, tw, ti)
+
+    monkeypatch.setattr(bench, "_calls", spy)
+    run_name = "whole"
+    assert run(bench, tmp_path / "a", "--schemes", "unquantized", "--m", "1", "8") == 0
+    run_name = "resumed"
+    assert run(bench, tmp_path / "b", "--schemes", "unquantized", "--m", "8") == 0
+    (x_whole, ti_whole), (x_resumed, ti_resumed) = seen["whole"][8], seen["resumed"][8]
+    assert bench.torch.equal(x_whole, x_resumed) and bench.torch.equal(ti_whole, ti_resumed)
+    shape = bench.DRY_SHAPES["tiny"]
+    x, _, ti = bench.cell_inputs(shape, 8, x_whole.dtype, x_whole.device)
+    assert bench.torch.equal(x, x_whole) and bench.torch.equal(ti, ti_whole)
+    assert not bench.torch.equal(seen["whole"][1][1], ti_whole[:1])  # (M = 1 is a draw of its own)
+
+
 def test_resume_refuses_cells_measured_on_another_device(bench, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()

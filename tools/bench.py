@@ -305,6 +305,18 @@ def random_inputs(shape: Shape, m: int, dtype: torch.dtype, gen: torch.Generator
     return x, tw, ti.to(torch.int32)
 
 
+ROUTING_SEED = 1
+
+
+def cell_inputs(shape: Shape, m: int, dtype: torch.dtype, device: torch.device, seed: int = ROUTING_SEED,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cell's inputs (random_inputs from a generator of its own): the same tokens and routing
+    for a (shape, M) whatever ran before it -- a resumed bench run, the tuner and the profiler
+    see what one whole run would (drawn in turn from one generator, a resumed run's cells got
+    another routing, so other experts and bytes, than the same cells of an uncut run)."""
+    return random_inputs(shape, m, dtype, torch.Generator(device=device).manual_seed(seed))
+
+
 def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
               kernel_cls, dry: bool, check_m: int | None = None) -> Iterator[Row]:
     """One row per M, each yielded as soon as it is measured (the correctness check on
@@ -316,10 +328,9 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     config = ExpertsConfig()
     base = make_weights(shape, wkey, akey, dtype, device, seed=0)
     peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[scheme.unit]
-    gen = torch.Generator(device=device).manual_seed(1)
     # correctness first, on the real shape
     check_m = check_m or min(max(ms), 64)
-    x, tw, ti = random_inputs(shape, check_m, dtype, gen)
+    x, tw, ti = cell_inputs(shape, check_m, dtype, device)
     kernel = kernel_cls(base, config)
     out = kernel.apply(x, tw, ti)
     ref = ReferenceExperts(base, config).apply(x.float(), tw, ti).float()
@@ -327,7 +338,7 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     del ref
     pool = [kernel]
     for m in ms:
-        x, tw, ti = random_inputs(shape, m, dtype, gen)
+        x, tw, ti = cell_inputs(shape, m, dtype, device)
         hit = float(torch.unique(ti).numel())  # the experts this routing really reads
         wbytes = _tensor_bytes(base.w13, hit, shape.experts) + _tensor_bytes(base.w2, hit, shape.experts)
         act_bytes = 2 * m * shape.hidden * x.element_size() + m * shape.top_k * 8

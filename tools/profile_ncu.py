@@ -182,7 +182,7 @@ def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALL
     dtype = torch.float16 if dry else torch.bfloat16
     weights = bench.make_weights(shape, wkey, akey, dtype, device, seed=0)
     layer = bench.benchmarked_experts(dry)(weights, bench.ExpertsConfig())
-    x, tw, ti = bench.random_inputs(shape, m, dtype, torch.Generator(device=device).manual_seed(1))
+    x, tw, ti = bench.cell_inputs(shape, m, dtype, device)
     with plain_launches():
         for _ in range(calls):
             layer.apply(x, tw, ti)

@@ -150,7 +150,7 @@ class Layer:
             for t in (p.weight, p.scale, p.zero) if t is not None)
 
     def inputs(self, m: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return bench.random_inputs(self.shape, m, self.dtype, torch.Generator(device=self.device).manual_seed(seed))
+        return bench.cell_inputs(self.shape, m, self.dtype, self.device, seed)
 
     def copies_for(self, m: int) -> list:
         """Kernels over enough weight copies that the experts one call hits are out of L2 next time."""
