@@ -91,18 +91,27 @@ def _fp8_token_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x, str
 
 
 @triton.jit
-def _fp8_tensor_one_program_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
-                                   HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, ROWS: tl.constexpr,
-                                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _fp8_tensor_one_program_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pair_ids_ptr, num_experts, T, D,
+                                   stride_x, stride_out, HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr,
+                                   ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """A small tensor (decode) in one launch (:func:`_fp8_tensor_whole`)."""
     grid_dependency(PDL)
-    _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
-                      HAS_ROW_SCALE, HAS_ROWS, ROWS, BLOCK)
+    _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pair_ids_ptr, num_experts, T, D, stride_x,
+                      stride_out, HAS_ROW_SCALE, HAS_ROWS, ROWS, BLOCK)
 
 
 @triton.jit
-def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, stride_x, stride_out,
-                      HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, ROWS: tl.constexpr,
+def _holds_data(pair_ids_ptr, rows, num_experts, mask):
+    """Whether each row holds data: its pair routes to one of this rank's experts (the rows of
+    pairs routed elsewhere were never written). Read from the ids themselves, so no mask tensor
+    (three elementwise launches ahead of this one) is built first."""
+    ids = tl.load(pair_ids_ptr + rows, mask=mask, other=-1)
+    return (ids >= 0) & (ids < num_experts)
+
+
+@triton.jit
+def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pair_ids_ptr, num_experts, T, D, stride_x,
+                      stride_out, HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, ROWS: tl.constexpr,
                       BLOCK: tl.constexpr):
     """A small tensor by one program: the amax of the rows that hold data, the scale, every
     row's codes, a [ROWS, BLOCK] tile at a time (one load in flight per tile, not per row)."""
@@ -112,7 +121,7 @@ def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, 
         factor = tl.load(row_scale_ptr + rows, mask=rows < T, other=0.0).to(tl.float32) if HAS_ROW_SCALE else 1.0
         take = rows < T
         if HAS_ROWS:
-            take = take & (tl.load(rows_ptr + rows, mask=rows < T, other=0) != 0)
+            take = take & _holds_data(pair_ids_ptr, rows, num_experts, rows < T)
         for d in range(0, D, BLOCK):
             cols = d + tl.arange(0, BLOCK)
             mask = take[:, None] & (cols < D)[None, :]
@@ -133,15 +142,16 @@ def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, rows_ptr, T, D, 
 
 
 @triton.jit
-def _fp8_tensor_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, rows_ptr, D, stride_x, HAS_ROW_SCALE: tl.constexpr,
-                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _fp8_tensor_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, pair_ids_ptr, num_experts, D, stride_x,
+                            HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr):
     """Row program_id(0) folds its amax into amax_ptr[0] (zeroed; amaxes are >= 0, so the atomic float
     maximum orders them as their bits do)."""
     grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     valid = True
     if HAS_ROWS:
-        valid = tl.load(rows_ptr + row) != 0
+        valid = _holds_data(pair_ids_ptr, row, num_experts, True)
     if valid:
         tl.atomic_max(amax_ptr, _row_amax(x_ptr, row, D, stride_x, _row_factor(row_scale_ptr, row, HAS_ROW_SCALE),
                                           BLOCK))
@@ -166,8 +176,8 @@ def _tensor_meta(t: int, d: int) -> dict:
     return {"BLOCK": block, "ROWS": max(1, min(triton.next_power_of_2(t), ONE_PROGRAM_TILE // block))}
 
 
-def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, rows: torch.Tensor | None, pdl: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, pair_ids: torch.Tensor | None,
+                      num_experts: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_tensor: max(amax over the rows that hold data, 1e-10) / 448, then every row's codes. A tensor of
     at most ONE_PROGRAM_ELEMENTS (decode) takes one launch; a larger one an atomic amax over row programs
     and a codes launch (plus the amax's zeroing). quant_ref's amax of x * factor bit for bit."""
@@ -175,34 +185,36 @@ def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, rows: tor
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     row_scale_arg = row_scale if row_scale is not None else scale
-    rows_arg = rows if rows is not None else scale
+    ids_arg = pair_ids if pair_ids is not None else scale
     flags = {"HAS_ROW_SCALE": row_scale is not None, "PDL": pdl, **pdl_launch(pdl)}
     if t * d <= ONE_PROGRAM_ELEMENTS:
-        _fp8_tensor_one_program_kernel[(1,)](x, out, scale, row_scale_arg, rows_arg, t, d, x.stride(0), out.stride(0),
-                                             HAS_ROWS=rows is not None, num_warps=8, **_tensor_meta(t, d), **flags)
+        _fp8_tensor_one_program_kernel[(1,)](x, out, scale, row_scale_arg, ids_arg, num_experts, t, d, x.stride(0),
+                                             out.stride(0), HAS_ROWS=pair_ids is not None, num_warps=8,
+                                             **_tensor_meta(t, d), **flags)
         return out, scale
     block = _tensor_meta(t, d)["BLOCK"]
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    _fp8_tensor_amax_kernel[(t,)](x, amax, row_scale_arg, rows_arg, d, x.stride(0), HAS_ROWS=rows is not None,
-                                  BLOCK=block, num_warps=4, **flags)
+    _fp8_tensor_amax_kernel[(t,)](x, amax, row_scale_arg, ids_arg, num_experts, d, x.stride(0),
+                                  HAS_ROWS=pair_ids is not None, BLOCK=block, num_warps=4, **flags)
     _fp8_tensor_codes_kernel[(t,)](x, out, amax, scale, row_scale_arg, d, x.stride(0), out.stride(0), BLOCK=block,
                                    num_warps=4, **flags)
     return out, scale
 
 
 def quant_fp8_dynamic(x: torch.Tensor, quant: str, *, row_scale: torch.Tensor | None = None,
-                      rows: torch.Tensor | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      pair_ids: torch.Tensor | None = None, num_experts: int = 0, pdl: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] -> (float8_e4m3fn codes [T, D], float32 scales: [T, 1] for fp8_token, [1] for
     fp8_tensor). ``row_scale`` [T] multiplies each row first (router weight on the input);
-    ``rows`` [T] bool: the rows that hold data (fp8_tensor's amax skips the others, e.g. pairs
-    routed to another rank's expert, whose rows were never written); ``pdl``: launch as part of
-    a programmatic-dependent-launch chain."""
+    ``pair_ids`` [T] with ``num_experts``: fp8_tensor's amax takes only the rows whose pair routes
+    to one of this rank's experts, ids in [0, num_experts) (the others, routed to another rank,
+    were never written); ``pdl``: launch as part of a programmatic-dependent-launch chain."""
     _check_mode(quant)
     if x.stride(-1) != 1:
         x = x.contiguous()
     t, d = x.shape
     if quant == "fp8_tensor":
-        return _quant_fp8_tensor(x, row_scale, rows, pdl)
+        return _quant_fp8_tensor(x, row_scale, pair_ids, num_experts, pdl)
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
     if t:
@@ -285,7 +297,7 @@ def _align_quant_fp8_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, n
         _fp8_token_row((pid - parts).to(tl.int64), x_ptr, out_ptr, scale_ptr, row_scale_ptr, D, stride_x,
                        stride_out, HAS_ROW_SCALE, BLOCK)
     else:
-        _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, scale_ptr, T, D, stride_x, stride_out,
+        _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, scale_ptr, 0, T, D, stride_x, stride_out,
                           HAS_ROW_SCALE, False, ROWS, BLOCK)
 
 

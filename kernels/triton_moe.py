@@ -400,7 +400,8 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
     if scheme.act_quant in FP8_DYNAMIC_MODES:  # per-token / per-tensor dynamic fp8 (fp8_act)
         if kwargs.get("expert_num_tokens") is not None:  # the batched format's padding rows would join the amax
             raise ValueError(f"{scheme.act_quant} activations run in the standard activation format only")
-        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"), rows=kwargs.get("rows"),
+        return quant_fp8_dynamic(x, scheme.act_quant, row_scale=kwargs.get("row_scale"),
+                                 pair_ids=kwargs.get("pair_ids"), num_experts=kwargs.get("num_experts", 0),
                                  pdl=kwargs.get("pdl", False))
     return triton_ops.act_quant(x, "none", scheme.act_quant, static_scale=input_scale,
                                 group=scheme.act_group or 128, **kwargs)
@@ -488,8 +489,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
-        valid = (pair_ids >= 0) & (pair_ids < num_experts) if scheme.act_quant == "fp8_tensor" else None
-        a2, a2_scale = _quantize(inter, scheme, None, rows=valid, pdl=pdl)
+        a2, a2_scale = _quantize(inter, scheme, None, pair_ids=pair_ids, num_experts=num_experts, pdl=pdl)
     else:
         a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
     split = config2["SPLIT_K"]

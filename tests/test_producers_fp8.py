@@ -581,9 +581,9 @@ def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> Non
 def test_triton_fp8_quantisers_are_quant_ref_bit_for_bit(mode: str, key: str, one_program: bool,
                                                          monkeypatch) -> None:
     """The Triton kernel's per-token / per-tensor fp8 quantisation (interpreter) equals quant_ref's
-    codes and scales exactly, with a router weight per row too; fp8_tensor's amax skips rows
-    marked empty (a huge value there changes nothing), in one launch (decode) and in row programs
-    with an atomic amax."""
+    codes and scales exactly, with a router weight per row too; fp8_tensor's amax skips the rows
+    whose pair routes to another rank's expert (a huge value there changes nothing), in one launch
+    (decode) and in row programs with an atomic amax."""
     pytest.importorskip("triton")
     from moe_registry_kernels import fp8_act
     from moe_registry_kernels.fp8_act import quant_fp8_dynamic
@@ -603,12 +603,12 @@ def test_triton_fp8_quantisers_are_quant_ref_bit_for_bit(mode: str, key: str, on
         want = quantize_activation(src, parse_quant_key(key))
         assert torch.equal(q.view(torch.uint8), want.q.view(torch.uint8))
         assert torch.equal(s.reshape(-1), want.scale.reshape(-1))
-    if mode == "fp8_tensor":
+    if mode == "fp8_tensor":  # rows of pairs routed to another rank's expert (ids outside [0, 4)): not in the amax
         loud = x.clone()
-        loud[2] = 60000.0
-        rows = torch.tensor([True, True, False, True, True])
-        _, s = quant_fp8_dynamic(loud, mode, rows=rows)
-        assert torch.equal(s, quantize_activation(x[rows].float(), parse_quant_key(key)).scale)
+        loud[2], loud[4] = 60000.0, -60000.0
+        pair_ids = torch.tensor([3, 0, -1, 2, 4], dtype=torch.int32)
+        _, s = quant_fp8_dynamic(loud, mode, pair_ids=pair_ids, num_experts=4)
+        assert torch.equal(s, quantize_activation(x[[0, 1, 3]].float(), parse_quant_key(key)).scale)
 
 
 # ------------------------------------------------------------------------------------ bad input
