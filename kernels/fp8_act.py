@@ -41,6 +41,10 @@ BLOCK = 1024  # columns per step of a row
 # row programs with an atomic amax (3 launches)
 ONE_PROGRAM_ELEMENTS = 1 << 14
 ONE_PROGRAM_TILE = 1 << 13
+# row programs over at most this many rows store each row's amax, and each codes program reduces
+# them all (at most 8 KiB from L2 a program): no zeroed atomic amax, so no zeroing launch between
+# the chain's kernels; past it (prefill, where one launch more is noise) the atomic amax
+ROW_AMAX_MAX_ROWS = 2048
 PIECES_TILE = 1 << 13  # row-amax pieces a program reads a step (quant_fp8_from_pieces)
 
 
@@ -143,27 +147,37 @@ def _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pair_ids_ptr, nu
 
 @triton.jit
 def _fp8_tensor_amax_kernel(x_ptr, amax_ptr, row_scale_ptr, pair_ids_ptr, num_experts, D, stride_x,
-                            HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr):
-    """Row program_id(0) folds its amax into amax_ptr[0] (zeroed; amaxes are >= 0, so the atomic float
-    maximum orders them as their bits do)."""
+                            HAS_ROW_SCALE: tl.constexpr, HAS_ROWS: tl.constexpr, PER_ROW: tl.constexpr,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Row program_id(0)'s amax: PER_ROW, stored at amax_ptr[row] (0 for a row that holds no
+    data); else folded into amax_ptr[0] (zeroed; amaxes are >= 0, so the atomic float maximum
+    orders them as their bits do)."""
     grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
-    valid = True
+    columns = D  # a row that holds no data reads none
     if HAS_ROWS:
-        valid = _holds_data(pair_ids_ptr, row, num_experts, True)
-    if valid:
-        tl.atomic_max(amax_ptr, _row_amax(x_ptr, row, D, stride_x, _row_factor(row_scale_ptr, row, HAS_ROW_SCALE),
-                                          BLOCK))
+        columns = tl.where(_holds_data(pair_ids_ptr, row, num_experts, True), D, 0)
+    amax = _row_amax(x_ptr, row, columns, stride_x, _row_factor(row_scale_ptr, row, HAS_ROW_SCALE), BLOCK)
+    if PER_ROW:
+        tl.store(amax_ptr + row, amax)
+    elif columns > 0:
+        tl.atomic_max(amax_ptr, amax)
 
 
 @triton.jit
-def _fp8_tensor_codes_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, row_scale_ptr, D, stride_x, stride_out,
-                             HAS_ROW_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Row program_id(0)'s codes at the tensor's scale (program 0 also stores the scale)."""
+def _fp8_tensor_codes_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, row_scale_ptr, T, D, stride_x, stride_out,
+                             HAS_ROW_SCALE: tl.constexpr, AMAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+    """Row program_id(0)'s codes at the tensor's scale (program 0 also stores the scale): the
+    amax is the largest of the T row amaxes (AMAX_ROWS, a power of two >= T) or amax_ptr[0] (0)."""
     grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
-    scale = tl.math.div_rn(tl.maximum(tl.load(amax_ptr), AMAX_FLOOR), FP8_MAX)
+    if AMAX_ROWS > 0:
+        rows = tl.arange(0, AMAX_ROWS)
+        amax = tl.max(tl.load(amax_ptr + rows, mask=rows < T, other=0.0), axis=0)
+    else:
+        amax = tl.load(amax_ptr)
+    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
     if row == 0:
         tl.store(scale_ptr, scale)
     _row_codes(x_ptr, out_ptr, row, D, stride_x, stride_out, _row_factor(row_scale_ptr, row, HAS_ROW_SCALE), scale,
@@ -179,8 +193,9 @@ def _tensor_meta(t: int, d: int) -> dict:
 def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, pair_ids: torch.Tensor | None,
                       num_experts: int, pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_tensor: max(amax over the rows that hold data, 1e-10) / 448, then every row's codes. A tensor of
-    at most ONE_PROGRAM_ELEMENTS (decode) takes one launch; a larger one an atomic amax over row programs
-    and a codes launch (plus the amax's zeroing). quant_ref's amax of x * factor bit for bit."""
+    at most ONE_PROGRAM_ELEMENTS (decode) takes one launch; a larger one row programs for the amax and
+    a codes launch (past ROW_AMAX_MAX_ROWS rows an atomic amax, plus its zeroing). quant_ref's amax of
+    x * factor bit for bit."""
     t, d = x.shape
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
@@ -193,11 +208,14 @@ def _quant_fp8_tensor(x: torch.Tensor, row_scale: torch.Tensor | None, pair_ids:
                                              **_tensor_meta(t, d), **flags)
         return out, scale
     block = _tensor_meta(t, d)["BLOCK"]
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    per_row = t <= ROW_AMAX_MAX_ROWS
+    amax = torch.empty(t, dtype=torch.float32, device=x.device) if per_row else torch.zeros(
+        1, dtype=torch.float32, device=x.device)
     _fp8_tensor_amax_kernel[(t,)](x, amax, row_scale_arg, ids_arg, num_experts, d, x.stride(0),
-                                  HAS_ROWS=pair_ids is not None, BLOCK=block, num_warps=4, **flags)
-    _fp8_tensor_codes_kernel[(t,)](x, out, amax, scale, row_scale_arg, d, x.stride(0), out.stride(0), BLOCK=block,
-                                   num_warps=4, **flags)
+                                  HAS_ROWS=pair_ids is not None, PER_ROW=per_row, BLOCK=block, num_warps=4, **flags)
+    _fp8_tensor_codes_kernel[(t,)](x, out, amax, scale, row_scale_arg, t, d, x.stride(0), out.stride(0),
+                                   AMAX_ROWS=triton.next_power_of_2(t) if per_row else 0, BLOCK=block, num_warps=4,
+                                   **flags)
     return out, scale
 
 

@@ -577,18 +577,18 @@ def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> Non
 
 @pytest.mark.parametrize(("mode", "key"), [("fp8_token", "fp8e4m3 scale:float32:token:dynamic"),
                                            ("fp8_tensor", "fp8e4m3 scale:float32:tensor:dynamic")])
-@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "row-programs"])
-def test_triton_fp8_quantisers_are_quant_ref_bit_for_bit(mode: str, key: str, one_program: bool,
-                                                         monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["one-program", "row-amaxes", "atomic-amax"])
+def test_triton_fp8_quantisers_are_quant_ref_bit_for_bit(mode: str, key: str, path: str, monkeypatch) -> None:
     """The Triton kernel's per-token / per-tensor fp8 quantisation (interpreter) equals quant_ref's
     codes and scales exactly, with a router weight per row too; fp8_tensor's amax skips the rows
     whose pair routes to another rank's expert (a huge value there changes nothing), in one launch
-    (decode) and in row programs with an atomic amax."""
+    (decode), in row programs storing each row's amax, and in row programs with an atomic amax."""
     pytest.importorskip("triton")
     from moe_registry_kernels import fp8_act
     from moe_registry_kernels.fp8_act import quant_fp8_dynamic
 
-    monkeypatch.setattr(fp8_act, "ONE_PROGRAM_ELEMENTS", 1 << 16 if one_program else 0)
+    monkeypatch.setattr(fp8_act, "ONE_PROGRAM_ELEMENTS", 1 << 16 if path == "one-program" else 0)
+    monkeypatch.setattr(fp8_act, "ROW_AMAX_MAX_ROWS", 0 if path == "atomic-amax" else 1 << 11)
     monkeypatch.setattr(fp8_act, "ONE_PROGRAM_TILE", 1 << 11)  # several row tiles and column blocks
     from moe_registry_kernels.quant_ref import quantize_activation
 
