@@ -38,12 +38,12 @@ FP8_DYNAMIC_MODES = ("fp8_token", "fp8_tensor")
 BLOCK = 1024  # columns per step of a row
 # fp8_tensor: a tensor this small (decode) is read twice by one program, in one launch, ONE_PROGRAM_TILE
 # elements at a time (at most 2 tiles a pass: each is a dependent load, ~1 us of latency); larger ones take
-# row programs with an atomic amax (3 launches)
+# row programs for the amax, then for the codes (2 launches; 3 past ROW_AMAX_MAX_ROWS)
 ONE_PROGRAM_ELEMENTS = 1 << 14
 ONE_PROGRAM_TILE = 1 << 13
 # row programs over at most this many rows store each row's amax, and each codes program reduces
 # them all (at most 8 KiB from L2 a program): no zeroed atomic amax, so no zeroing launch between
-# the chain's kernels; past it (prefill, where one launch more is noise) the atomic amax
+# the chain's kernels; past it (prefill, where one launch more is noise) an atomic amax, zeroed first
 ROW_AMAX_MAX_ROWS = 2048
 PIECES_TILE = 1 << 13  # row-amax pieces a program reads a step (quant_fp8_from_pieces)
 
