@@ -24,6 +24,7 @@ from .triton_ops import (
     _alignment_outputs,
     _flat_ids,
     _fp8_codes,
+    _holds_data,
     _one_launch_grid,
     _span_amax,
     align,
@@ -102,15 +103,6 @@ def _fp8_tensor_one_program_kernel(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pai
     grid_dependency(PDL)
     _fp8_tensor_whole(x_ptr, out_ptr, scale_ptr, row_scale_ptr, pair_ids_ptr, num_experts, T, D, stride_x,
                       stride_out, HAS_ROW_SCALE, HAS_ROWS, ROWS, BLOCK)
-
-
-@triton.jit
-def _holds_data(pair_ids_ptr, rows, num_experts, mask):
-    """Whether each row holds data: its pair routes to one of this rank's experts (the rows of
-    pairs routed elsewhere were never written). Read from the ids themselves, so no mask tensor
-    (three elementwise launches ahead of this one) is built first."""
-    ids = tl.load(pair_ids_ptr + rows, mask=mask, other=-1)
-    return (ids >= 0) & (ids < num_experts)
 
 
 @triton.jit

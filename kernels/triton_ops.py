@@ -566,6 +566,15 @@ def _rows_amax(ptr, rows, row_ok, stride, width, ROWS: tl.constexpr, COLS: tl.co
 
 
 @triton.jit
+def _holds_data(pair_ids_ptr, rows, num_experts, mask):
+    """Whether each row holds data: its pair routes to one of this rank's ``num_experts`` (expert
+    parallelism marks a pair routed elsewhere -1; its rows were never written). Read from the ids
+    themselves, so no mask tensor (elementwise launches ahead of the kernel) is built first."""
+    ids = tl.load(pair_ids_ptr + rows, mask=mask, other=-1)
+    return (ids >= 0) & (ids < num_experts)
+
+
+@triton.jit
 def _span_amax(ptr, stride, width, row_lo, row_hi, ids_ptr, num_experts, SKIP_FOREIGN: tl.constexpr,
                ROWS: tl.constexpr, COLS: tl.constexpr):
     """max |value| (float32) over rows [row_lo, row_hi) and their first ``width`` columns, a
@@ -576,8 +585,7 @@ def _span_amax(ptr, stride, width, row_lo, row_hi, ids_ptr, num_experts, SKIP_FO
         rows = r + tl.arange(0, ROWS)
         ok = rows < row_hi
         if SKIP_FOREIGN:
-            ids = tl.load(ids_ptr + rows, mask=ok, other=-1)
-            ok = ok & (ids >= 0) & (ids < num_experts)
+            ok = ok & _holds_data(ids_ptr, rows, num_experts, ok)
         amax = tl.maximum(amax, _rows_amax(ptr, rows, ok, stride, width, ROWS, COLS))
     return tl.max(amax, axis=0)
 

@@ -294,27 +294,21 @@ def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtyp
     return ExpertWeights(p13, p2, wkey, akey)
 
 
-def random_inputs(shape: Shape, m: int, dtype: torch.dtype, gen: torch.Generator,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states ~ N(0, 1) in ``dtype``, top-k router weights, their int32 expert ids) for
-    ``m`` tokens: softmax over random logits, so every expert is about as likely (drawn from
-    ``gen``, on its device: the hidden states first, then the logits)."""
-    x = torch.randn(m, shape.hidden, device=gen.device, generator=gen).to(dtype)
-    logits = torch.randn(m, shape.experts, device=gen.device, generator=gen)
-    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
-    return x, tw, ti.to(torch.int32)
-
-
 ROUTING_SEED = 1
 
 
 def cell_inputs(shape: Shape, m: int, dtype: torch.dtype, device: torch.device, seed: int = ROUTING_SEED,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A cell's inputs (random_inputs from a generator of its own): the same tokens and routing
-    for a (shape, M) whatever ran before it -- a resumed bench run, the tuner and the profiler
-    see what one whole run would (drawn in turn from one generator, a resumed run's cells got
-    another routing, so other experts and bytes, than the same cells of an uncut run)."""
-    return random_inputs(shape, m, dtype, torch.Generator(device=device).manual_seed(seed))
+    """(hidden states ~ N(0, 1) in ``dtype``, top-k router weights, their int32 expert ids) for
+    ``m`` tokens: softmax over random logits, so every expert is about as likely. Drawn from a
+    generator of the cell's own, so a (shape, M) gets the same tokens and routing whatever ran
+    before it: a resumed bench run, the tuner and the profiler see what one whole run would (from
+    one generator in turn, a resumed run's cells read other experts than an uncut run's)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, shape.hidden, device=device, generator=gen).to(dtype)
+    logits = torch.randn(m, shape.experts, device=device, generator=gen)
+    tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+    return x, tw, ti.to(torch.int32)
 
 
 def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
