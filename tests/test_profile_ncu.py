@@ -5,6 +5,7 @@ The CSV below is laid out as ``ncu --csv --page raw --print-units base`` writes 
 a header of fixed columns then one column per metric, a units row, one row per kernel, numbers
 with thousands separators."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,37 @@ def test_resume_profiles_only_the_cells_not_in_the_file(tmp_path, monkeypatch, c
     asked.clear()
     assert profile_ncu.main(argv[:-1]) == 0
     assert asked == [("qwen3", "gptq-w4a16", 8), ("qwen3", "gptq-w4a16", 64)]
+
+
+def _bench_row(shape: str, scheme: str, m: int, pct: float) -> dict:
+    return {"shape": shape, "scheme": scheme, "m": m, "pct_roofline": pct}
+
+
+def test_below_keeps_the_cells_a_bench_run_measured_under_the_target_and_those_it_did_not_measure():
+    rows = [_bench_row("Qwen3-30B-A3B", "mxfp4", 8, 55.0), _bench_row("Qwen3-30B-A3B", "mxfp4", 64, 85.0),
+            _bench_row("Mixtral-8x7B", "mxfp4", 8, 84.9)]
+    asked = [("qwen3", "mxfp4", 8), ("qwen3", "mxfp4", 64), ("mixtral", "mxfp4", 8), ("dsv2lite", "mxfp4", 8)]
+    assert profile_ncu.cells_below(asked, rows, 85.0) == [("qwen3", "mxfp4", 8), ("mixtral", "mxfp4", 8),
+                                                          ("dsv2lite", "mxfp4", 8)]
+
+
+def test_below_without_a_bench_run_there_is_one_line(tmp_path, capsys):
+    assert profile_ncu.main(["--bench", str(tmp_path), "--below", "85"]) == 2
+    assert capsys.readouterr().err.strip() == (f"profile_ncu.py: --bench {tmp_path}: no bench.jsonl or bench.json "
+                                               "with rows there")
+
+
+def test_below_names_how_many_cells_miss_before_it_needs_a_gpu(tmp_path, capsys):
+    lines = [{"env": {}, "ceilings": {}}, {"row": _bench_row("Qwen3-30B-A3B", "gptq-w4a16", 8, 61.0)},
+             {"row": _bench_row("Qwen3-30B-A3B", "gptq-w4a16", 64, 90.0)}]
+    (tmp_path / "bench.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert profile_ncu.main(["--bench", str(tmp_path), "--below", "85", "--m", "8", "64"]) == 2
+    out = capsys.readouterr()
+    assert out.out.strip() == f"1 cells under 85% of roofline in {tmp_path}"
+    assert "needs a CUDA GPU" in out.err
+
+
+def test_bench_and_below_go_together(capsys):
+    with pytest.raises(SystemExit):
+        profile_ncu.main(["--below", "85"])
+    assert "--bench and --below go together" in capsys.readouterr().err

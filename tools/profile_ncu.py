@@ -16,6 +16,10 @@ plain launches, no CUDA graph) and reads back, per kernel:
     python tools/profile_ncu.py --shapes qwen3 --schemes gptq-w4a16 --m 8 64 --out DIR
     bash tools/gpu_run.sh profile --resume --shapes mixtral --schemes fp8-block128 --m 4096
     python tools/profile_ncu.py --show docs/bench/profile-s24-h100.jsonl --gemms   # the table again, no GPU
+    bash tools/gpu_run.sh profile --bench /tmp/benchout --below 85 --shapes qwen3 --schemes mxfp4 --m 8 64
+
+``--bench DIR --below PCT``: of the cells asked for, only those a tools/bench.py run in DIR
+measured under PCT % of their roofline (the cells that miss a target).
 
 Writes profile.jsonl to --out as it goes (one line per kernel per cell) and prints a table;
 ``--resume`` skips the cells already in it (a call cut off by a time limit goes on). Needs
@@ -235,6 +239,14 @@ def print_table(profiles: list[KernelProfile]) -> None:
               f"{show(p.registers):>5}  {p.top_stalls()}")
 
 
+def cells_below(asked: list[tuple[str, str, int]], rows: list[dict], below: float) -> list[tuple[str, str, int]]:
+    """Of the (shape key, scheme, M) cells asked for, those whose bench row reads under ``below`` %
+    of its roofline; a cell the run did not measure is kept (nothing says it meets the target)."""
+    measured = {bench.cell(row): row["pct_roofline"] for row in rows}
+    return [(shape, scheme, m) for shape, scheme, m in asked
+            if measured.get((bench.SHAPES[shape].name, scheme, m), -1.0) < below]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == [CHILD_FLAG]:
@@ -251,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", nargs="+", type=Path, metavar="JSONL",
                         help="print the table of profile files this tool wrote, and profile nothing")
     parser.add_argument("--gemms", action="store_true", help="with --show: the GEMM kernels only")
+    parser.add_argument("--bench", type=Path, metavar="DIR", help="a tools/bench.py --out directory, for --below")
+    parser.add_argument("--below", type=float, metavar="PCT",
+                        help="only the cells --bench measured under PCT %% of their roofline")
     args = parser.parse_args(argv)
+    if (args.bench is None) != (args.below is None):
+        parser.error("--bench and --below go together")
     if args.show:
         try:
             shown = [p for path in args.show for p in load_profiles(path)]
@@ -264,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"profile_ncu.py: {bad}", file=sys.stderr)
         return 2
+    cells = [(shape, scheme, m) for shape in args.shapes for scheme in args.schemes for m in args.m]
+    if args.bench is not None:
+        _, rows = bench.read_progress(args.bench)
+        if not rows:
+            print(f"profile_ncu.py: --bench {args.bench}: no {bench.PROGRESS} or {bench.RESULT} with rows there",
+                  file=sys.stderr)
+            return 2
+        cells = cells_below(cells, rows, args.below)
+        print(f"{len(cells)} cells under {args.below:g}% of roofline in {args.bench}", flush=True)
     ncu = find_ncu()
     if ncu is None or not torch.cuda.is_available():
         print("profile_ncu.py: needs a CUDA GPU and Nsight Compute (ncu) on the PATH", file=sys.stderr)
@@ -276,23 +302,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile_ncu.py: {error}", file=sys.stderr)
         return 2
     done = {(p.shape, p.scheme, p.m) for p in earlier}
-    for shape in args.shapes:
-        for scheme in args.schemes:
-            for m in args.m:
-                if (bench.SHAPES[shape].name, scheme, m) in done:
-                    print(f"{shape} {scheme} M={m}: in {progress} already", flush=True)
-                    continue
-                try:
-                    cell = profile_cell(ncu, shape, scheme, m)
-                except RuntimeError as error:
-                    print(f"profile_ncu.py: {error}", file=sys.stderr)
-                    failed += 1
-                    continue
-                with progress.open("a") as f:
-                    for p in cell:
-                        f.write(json.dumps(asdict(p)) + "\n")
-                profiles += cell
-                print(f"{shape} {scheme} M={m}: {len(cell)} kernels profiled", flush=True)
+    for shape, scheme, m in cells:
+        if (bench.SHAPES[shape].name, scheme, m) in done:
+            print(f"{shape} {scheme} M={m}: in {progress} already", flush=True)
+            continue
+        try:
+            cell = profile_cell(ncu, shape, scheme, m)
+        except RuntimeError as error:
+            print(f"profile_ncu.py: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        with progress.open("a") as f:
+            for p in cell:
+                f.write(json.dumps(asdict(p)) + "\n")
+        profiles += cell
+        print(f"{shape} {scheme} M={m}: {len(cell)} kernels profiled", flush=True)
     print_table(profiles)
     return 1 if failed else 0
 
