@@ -231,6 +231,34 @@ def test_a_cells_tokens_and_routing_are_the_same_resumed_or_not(bench, tmp_path,
     assert not bench.torch.equal(seen["whole"][1][1], ti_whole[:1])  # (M = 1 is a draw of its own)
 
 
+def test_sequential_inputs_are_the_check_then_each_m_drawn_in_turn_from_one_generator(bench, tmp_path, monkeypatch):
+    # the draws of the runs that measured docs/bench/h100-*.json, to compare cells on their inputs
+    seen: dict[int, tuple] = {}
+    calls = bench._calls
+
+    def spy(kernels, x, tw, ti):
+        seen[x.shape[0]] = (x.clone(), ti.clone())
+        return calls(kernels, x, tw, ti)
+
+    monkeypatch.setattr(bench, "_calls", spy)
+    assert run(bench, tmp_path, "--schemes", "unquantized", "--m", "1", "8", "--sequential-inputs") == 0
+    shape = bench.DRY_SHAPES["tiny"]
+    dtype, device = seen[8][0].dtype, seen[8][0].device
+    gen = bench.torch.Generator(device=device).manual_seed(bench.ROUTING_SEED)
+    bench.draw_inputs(shape, 8, dtype, gen)  # the correctness check's draw (min(max(ms), 64) tokens)
+    for m in (1, 8):
+        x, _, ti = bench.draw_inputs(shape, m, dtype, gen)
+        assert bench.torch.equal(x, seen[m][0]) and bench.torch.equal(ti, seen[m][1])
+    x_cell, _, _ = bench.cell_inputs(shape, 8, dtype, device)
+    assert not bench.torch.equal(x_cell, seen[8][0])
+
+
+def test_sequential_inputs_refuse_resume(bench, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(bench, tmp_path, "--schemes", "unquantized", "--m", "1", "--sequential-inputs", "--resume")
+    assert "a resumed run would draw others" in capsys.readouterr().err
+
+
 def test_resume_refuses_cells_measured_on_another_device(bench, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()

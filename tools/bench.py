@@ -304,17 +304,24 @@ def cell_inputs(shape: Shape, m: int, dtype: torch.dtype, device: torch.device, 
     generator of the cell's own, so a (shape, M) gets the same tokens and routing whatever ran
     before it: a resumed bench run, the tuner and the profiler see what one whole run would (from
     one generator in turn, a resumed run's cells read other experts than an uncut run's)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(m, shape.hidden, device=device, generator=gen).to(dtype)
-    logits = torch.randn(m, shape.experts, device=device, generator=gen)
+    return draw_inputs(shape, m, dtype, torch.Generator(device=device).manual_seed(seed))
+
+
+def draw_inputs(shape: Shape, m: int, dtype: torch.dtype, gen: torch.Generator,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cell_inputs' draw from a generator that is passed in (and advanced)."""
+    x = torch.randn(m, shape.hidden, device=gen.device, generator=gen).to(dtype)
+    logits = torch.randn(m, shape.experts, device=gen.device, generator=gen)
     tw, ti = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
     return x, tw, ti.to(torch.int32)
 
 
 def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
-              kernel_cls, dry: bool, check_m: int | None = None) -> Iterator[Row]:
+              kernel_cls, dry: bool, check_m: int | None = None, sequential: bool = False) -> Iterator[Row]:
     """One row per M, each yielded as soon as it is measured (the correctness check on
-    ``check_m`` tokens, default min(max(ms), 64), comes first)."""
+    ``check_m`` tokens, default min(max(ms), 64), comes first). ``sequential``: the check's inputs
+    and then each M's are drawn in turn from one generator, as runs before session 24 drew them,
+    not per cell (cell_inputs)."""
     from moe_registry_kernels.reference import ReferenceExperts
 
     wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
@@ -324,7 +331,12 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[scheme.unit]
     # correctness first, on the real shape
     check_m = check_m or min(max(ms), 64)
-    x, tw, ti = cell_inputs(shape, check_m, dtype, device)
+    in_turn = torch.Generator(device=device).manual_seed(ROUTING_SEED)
+
+    def inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return draw_inputs(shape, m, dtype, in_turn) if sequential else cell_inputs(shape, m, dtype, device)
+
+    x, tw, ti = inputs(check_m)
     kernel = kernel_cls(base, config)
     out = kernel.apply(x, tw, ti)
     ref = ReferenceExperts(base, config).apply(x.float(), tw, ti).float()
@@ -332,7 +344,7 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     del ref
     pool = [kernel]
     for m in ms:
-        x, tw, ti = cell_inputs(shape, m, dtype, device)
+        x, tw, ti = inputs(m)
         hit = float(torch.unique(ti).numel())  # the experts this routing really reads
         wbytes = _tensor_bytes(base.w13, hit, shape.experts) + _tensor_bytes(base.w2, hit, shape.experts)
         act_bytes = 2 * m * shape.hidden * x.element_size() + m * shape.top_k * 8
@@ -524,8 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--resume", action="store_true",
                         help=f"keep the cells already in --out ({PROGRESS}, else {RESULT}) and measure the rest")
+    parser.add_argument("--sequential-inputs", action="store_true",
+                        help="draw each scheme's inputs in turn from one generator (the check's, then each M's), "
+                             "as runs before session 24 did: with the default --m, the tokens and routing of the "
+                             "tables measured then (docs/bench/h100-*.json), to compare cells on the same inputs")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference kernel)")
     args = parser.parse_args(argv)
+    if args.sequential_inputs and args.resume:
+        parser.error("--sequential-inputs draws each M's inputs after the earlier M's: a resumed run would draw others")
     names = default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
     bad_names = check_names(names, list(schemes))
     if bad_names:
@@ -564,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
             if not todo:
                 continue
             for row in bench_one(shape, schemes[name], todo, ceilings, device, kernel_cls, dry,
-                                 check_m=min(max(ms), 64)):
+                                 check_m=min(max(ms), 64), sequential=args.sequential_inputs):
                 rows[cell(asdict(row))] = row
                 with progress.open("a") as f:
                     f.write(json.dumps({"row": row_record(row), "at": time.time()}) + "\n")
