@@ -203,7 +203,7 @@ def test_below_names_how_many_cells_miss_before_it_needs_a_gpu(tmp_path, capsys)
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert profile_ncu.main(["--bench", str(tmp_path), "--below", "85", "--m", "8", "64"]) == 2
     out = capsys.readouterr()
-    assert out.out.strip() == f"1 cells under 85% of roofline in {tmp_path}"
+    assert out.out.strip() == f"1 of 2 cells under 85% of roofline in {tmp_path}"
     assert "needs a CUDA GPU" in out.err
 
 

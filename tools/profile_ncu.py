@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile_ncu.py: --bench {args.bench}: no {bench.PROGRESS} or {bench.RESULT} with rows there",
                   file=sys.stderr)
             return 2
-        cells = cells_below(cells, rows, args.below)
-        print(f"{len(cells)} cells under {args.below:g}% of roofline in {args.bench}", flush=True)
+        asked, cells = len(cells), cells_below(cells, rows, args.below)
+        print(f"{len(cells)} of {asked} cells under {args.below:g}% of roofline in {args.bench}", flush=True)
     ncu = find_ncu()
     if ncu is None or not torch.cuda.is_available():
         print("profile_ncu.py: needs a CUDA GPU and Nsight Compute (ncu) on the PATH", file=sys.stderr)
