@@ -131,7 +131,6 @@ def _profile(scheme: str, m: int, kernel: str, us: float) -> profile_ncu.KernelP
 
 def _write(path: Path, profiles: list) -> None:
     import dataclasses
-    import json
     path.write_text("".join(json.dumps(dataclasses.asdict(p)) + "\n" for p in profiles))
 
 
@@ -177,6 +176,8 @@ def test_resume_profiles_only_the_cells_not_in_the_file(tmp_path, monkeypatch, c
     asked.clear()
     assert profile_ncu.main(argv[:-1]) == 0
     assert asked == [("qwen3", "gptq-w4a16", 8), ("qwen3", "gptq-w4a16", 64)]
+    # ... into a file of its own (no cell twice)
+    assert [(p.m, p.us) for p in profile_ncu.load_profiles(tmp_path / profile_ncu.PROGRESS)] == [(8, 80.0), (64, 80.0)]
 
 
 def _bench_row(shape: str, scheme: str, m: int, pct: float) -> dict:

@@ -331,10 +331,10 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[scheme.unit]
     # correctness first, on the real shape
     check_m = check_m or min(max(ms), 64)
-    in_turn = torch.Generator(device=device).manual_seed(ROUTING_SEED)
+    in_turn = torch.Generator(device=device).manual_seed(ROUTING_SEED) if sequential else None
 
     def inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return draw_inputs(shape, m, dtype, in_turn) if sequential else cell_inputs(shape, m, dtype, device)
+        return cell_inputs(shape, m, dtype, device) if in_turn is None else draw_inputs(shape, m, dtype, in_turn)
 
     x, tw, ti = inputs(check_m)
     kernel = kernel_cls(base, config)

@@ -21,10 +21,10 @@ plain launches, no CUDA graph) and reads back, per kernel:
 ``--bench DIR --below PCT``: of the cells asked for, only those a tools/bench.py run in DIR
 measured under PCT % of their roofline (the cells that miss a target).
 
-Writes profile.jsonl to --out as it goes (one line per kernel per cell) and prints a table;
-``--resume`` skips the cells already in it (a call cut off by a time limit goes on). Needs
-a GPU whose counters ncu can read (Firecracker machines here; not gVisor), with the clocks left as
-they are (``--clock-control none``).
+Writes profile.jsonl to --out as it goes (one line per kernel per cell; a new file unless
+``--resume``) and prints a table; ``--resume`` skips the cells already in it (a call cut off by
+a time limit goes on). Needs a GPU whose counters ncu can read (Firecracker machines here; not
+gVisor), with the clocks left as they are (``--clock-control none``).
 """
 
 from __future__ import annotations
@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"profile_ncu.py: {error}", file=sys.stderr)
         return 2
     done = {(p.shape, p.scheme, p.m) for p in earlier}
+    if not args.resume:  # a run starts its own file; only --resume adds to an earlier one
+        progress.write_text("")
     for shape, scheme, m in cells:
         if (bench.SHAPES[shape].name, scheme, m) in done:
             print(f"{shape} {scheme} M={m}: in {progress} already", flush=True)

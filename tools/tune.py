@@ -149,8 +149,8 @@ class Layer:
             t.numel() * t.element_size() for p in (base.w13, base.w2)
             for t in (p.weight, p.scale, p.zero) if t is not None)
 
-    def inputs(self, m: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return bench.cell_inputs(self.shape, m, self.dtype, self.device, seed)
+    def inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return bench.cell_inputs(self.shape, m, self.dtype, self.device)
 
     def copies_for(self, m: int) -> list:
         """Kernels over enough weight copies that the experts one call hits are out of L2 next time."""
