@@ -10,11 +10,12 @@ activation dtype, where a 2-bit or 6-bit significand is exact too: the tile equa
 reference's dequantised weights bit for bit (the NVFP4 global scale is applied after the dot).
 
 On the GPU the same moves run as paired PTX (:func:`_e2m1_asm`), two weights per instruction in
-16-bit halves, as :mod:`moe_registry_kernels.dequant_ptx` does for integer codes: the half times
-2^14 (float16) or 2^126 (bfloat16, 8 exponent bits) is the code's value exactly, and one paired
-multiply by the scale rounds once -- the same value again. The group scale arrives in the 16-bit
-dtype (an e4m3 scale is exact in either; an e8m0 power of two is exact in bfloat16 and in float16
-from 2^-24 to 2^15, which holds every float16 weight but those below 2^-24).
+16-bit halves (bfloat16: its shifts as integer multiplies, off the saturated ALU pipe), as
+:mod:`moe_registry_kernels.dequant_ptx` does for integer codes: the half times 2^14 (float16) or
+2^126 (bfloat16, 8 exponent bits) is the code's value exactly, and one paired multiply by the scale
+rounds once -- the same value again. The group scale arrives in the 16-bit dtype (an e4m3 scale is
+exact in either; an e8m0 power of two is exact in bfloat16 and in float16 from 2^-24 to 2^15, which
+holds every float16 weight but those below 2^-24).
 
 FOLDED: the scale arrives already times 2^U / 2^D (U the half's unscale exponent, 14 or 126; D a
 shift the GEMM's epilogue takes back in float32), so each pair costs one multiply, not two: the
@@ -64,7 +65,6 @@ def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
 E2M1_TOP_SIGN = tl.constexpr(0x8000)
 E2M1_TOP_MAGNITUDE = tl.constexpr(0x7000)
 E2M1_F16_SHIFT = tl.constexpr(3)  # bits 12..14 -> float16 bits 9..11
-E2M1_BF16_SHIFT = tl.constexpr(6)  # bits 12..14 -> bfloat16 bits 6..8
 E2M1_F16_UNSCALE_BITS = tl.constexpr(0x7400)  # 2^14 in float16
 E2M1_BF16_UNSCALE_BITS = tl.constexpr(0x7E80)  # 2^126 in bfloat16
 # the same as PTX immediates, one per 16-bit half
@@ -117,17 +117,52 @@ def _folded_e8m0(codes, dtype):
     return (field << _mantissa_bits(dtype)).to(dtype, bitcast=True)
 
 
+# bfloat16 in one lop3 a pair: a byte alone in each half of a word (bits 0..7 and 16..23, zero bytes
+# between), its low nibble's code times 2^12 puts the sign (bit 3) on bit 15 and times 2^6 the
+# magnitude (bits 0..2) on bits 6..8; OR-ed and masked, every other bit is 0 -- the two products
+# overlap only where both hold other bits of the byte, outside the mask. The shifts are integer
+# multiplies, which ptxas issues on the FMA pipe (IMAD.SHL): the ALU pipe, half as wide and what the
+# paired moves saturated, keeps two byte moves and one lop3 a pair.
+E2M1_BF16_SIGN_TIMES = tl.constexpr(12)  # code bit 3 -> bfloat16 bit 15
+E2M1_BF16_MAGNITUDE_TIMES = tl.constexpr(6)  # code bits 0..2 -> bfloat16 bits 6..8
+E2M1_BF16_PAIR_MASK = tl.constexpr(0x81C081C0)  # both halves' bits 15 and 6..8
+E2M1_BF16_PAIR_MASK_WORD = _immediate(E2M1_BF16_PAIR_MASK, 1)
+LOP3_OR_THEN_AND = tl.constexpr(0xA8)  # lop3 table of (a | b) & c
+
+
+@triton.constexpr_function
+def _e2m1_bf16_asm(folded: bool = False) -> str:
+    """The bfloat16 form of :func:`_e2m1_asm`: each byte's low nibble is placed alone in a half as
+    described above (prmt with zero bytes); the high nibbles first rotate down a nibble, so byte
+    k's high nibble is the low nibble of byte k + 1 (mod 4), then the same."""
+    lines = ["{", ".reg .b32 z, k, r, s0, s1, s2, s3, x, y, v;", "mov.b32 z, 0;",
+             f"mov.b32 k, {E2M1_BF16_UNSCALE_PAIR};",
+             "prmt.b32 s0, $4, z, 0x4140;", "prmt.b32 s1, $4, z, 0x4342;",  # bytes 0, 1 and 2, 3
+             "shf.l.wrap.b32 r, $4, $4, 4;",  # byte k's high nibble -> bits 0..3 of byte k + 1
+             "prmt.b32 s2, r, z, 0x4241;", "prmt.b32 s3, r, z, 0x4043;"]  # the high ones of bytes 0, 1 and 2, 3
+    for out in range(4):  # $0 $1 low pairs (bytes 0, 1 and 2, 3), $2 $3 high pairs; scales $5 (bytes 0, 1), $6
+        lines += [f"shl.b32 x, s{out}, {E2M1_BF16_SIGN_TIMES.value};",
+                  f"shl.b32 y, s{out}, {E2M1_BF16_MAGNITUDE_TIMES.value};",
+                  f"lop3.b32 v, x, y, {E2M1_BF16_PAIR_MASK_WORD}, {LOP3_OR_THEN_AND.value:#x};"]
+        if not folded:
+            lines += ["mul.rn.bf16x2 v, v, k;"]
+        lines += [f"mul.rn.bf16x2 ${out}, v, ${5 + out % 2};"]
+    return "\n".join([*lines, "}"])
+
+
 @triton.constexpr_function
 def _e2m1_asm(half: str, folded: bool = False) -> str:
     """PTX turning 4 packed bytes (8 e2m1 codes) into value * scale for the low and the high
-    nibbles, two at a time in 16-bit pairs: each byte is moved to the high byte of a half (prmt),
-    a nibble's sign kept and its magnitude shifted into place (and, shr, lop3), then one paired
-    multiply by 2^14 or 2^126 (exact; ``folded``: already in the scale) and one by the scale.
-    Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 the scales in ``half``
-    (Triton's pack=4 register order)."""
-    sign, magnitude = E2M1_TOP_SIGN_PAIR, E2M1_TOP_MAGNITUDE_PAIR
-    shift = E2M1_BF16_SHIFT.value if half == "bf16" else E2M1_F16_SHIFT.value
-    unscale = E2M1_BF16_UNSCALE_PAIR if half == "bf16" else E2M1_F16_UNSCALE_PAIR
+    nibbles, two at a time in 16-bit pairs, then one paired multiply by 2^14 or 2^126 (exact;
+    ``folded``: already in the scale) and one by the scale. Float16: each byte is moved to the
+    high byte of a half (prmt), a nibble's sign kept and its magnitude shifted into place (and,
+    shr, lop3; float16's magnitude bits 9..11 admit no single-lop3 form); bfloat16:
+    :func:`_e2m1_bf16_asm`. Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 the
+    scales in ``half`` (Triton's pack=4 register order)."""
+    if half == "bf16":
+        return _e2m1_bf16_asm(folded)
+    sign, magnitude, unscale = E2M1_TOP_SIGN_PAIR, E2M1_TOP_MAGNITUDE_PAIR, E2M1_F16_UNSCALE_PAIR
+    shift = E2M1_F16_SHIFT.value
     lines = ["{", ".reg .b32 z, k, t0, t1, v0, v1, m0, m1;", "mov.b32 z, 0;", f"mov.b32 k, {unscale};",
              "prmt.b32 t0, $4, z, 0x1404;", "prmt.b32 t1, $4, z, 0x3424;"]  # bytes 0, 1 and 2, 3
     for out in (0, 2):  # (no tuple targets: Triton 3.6 reads this source for its cache key)
@@ -139,8 +174,8 @@ def _e2m1_asm(half: str, folded: bool = False) -> str:
             lines += [f"and.b32 m{i}, v{i}, {magnitude};", f"shr.b32 m{i}, m{i}, {shift};",
                       f"lop3.b32 v{i}, v{i}, {sign}, m{i}, 0xEA;"]  # (v & sign) | m
             if not folded:
-                lines += [f"mul.rn.{half}x2 v{i}, v{i}, k;"]
-            lines += [f"mul.rn.{half}x2 ${out + i}, v{i}, ${5 + i};"]
+                lines += [f"mul.rn.f16x2 v{i}, v{i}, k;"]
+            lines += [f"mul.rn.f16x2 ${out + i}, v{i}, ${5 + i};"]
     return "\n".join([*lines, "}"])
 
 

@@ -1,17 +1,46 @@
-"""The PTX of moe_registry_kernels.dequant_ptx run on the CPU: a few-line evaluator of the 32-bit
-integer instructions it uses (and, add, xor, shr, mov on .b32/.u32 registers and immediates),
-so the PTX text the GPU runs is checked against the values it stands for on every input, here
-in CI; tests/test_triton_gpu.py checks the same PTX on a GPU against the plain Triton path."""
+"""The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
+evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
+rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
+stands for on every input, here in CI; tests/test_triton_gpu.py checks the same PTX on a GPU
+against the plain Triton path."""
 
 import re
 
 import pytest
 import torch
-from moe_registry_kernels import dequant_ptx
+from moe_registry_kernels import dequant_ptx, fp4_dequant
 
 MASK32 = 0xFFFFFFFF
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """prmt.b32's default mode: byte q of the result is byte (selector's nibble q) of b:a."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    assert all((selector >> (4 * q)) & 0x8 == 0 for q in range(4)), "sign-replicating selectors are not evaluated"
+    return sum(pool[(selector >> (4 * q)) & 0x7] << (8 * q) for q in range(4))
+
+
+def _lop3(a: int, b: int, c: int, table: int) -> int:
+    """lop3.b32: each result bit is bit (4a + 2b + c) of the table."""
+    return sum(((table >> (4 * ((a >> p) & 1) + 2 * ((b >> p) & 1) + ((c >> p) & 1))) & 1) << p for p in range(32))
+
+
+def _pair_product(half: torch.dtype):
+    """mul.rn.bf16x2 / .f16x2: each half's product, rounded once to ``half`` (exact in float32 first)."""
+
+    def product(x: int, y: int) -> int:
+        halves = torch.tensor([x & 0xFFFF, x >> 16, y & 0xFFFF, y >> 16], dtype=torch.int32).to(torch.int16)
+        values = halves.view(half).float()
+        bits = (values[:2] * values[2:]).to(half).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    return product
+
+
 OPS = {"and": lambda x, y: x & y, "add": lambda x, y: (x + y) & MASK32, "xor": lambda x, y: x ^ y,
-       "shr": lambda x, y: x >> y}
+       "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "prmt": _prmt, "lop3": _lop3,
+       "shf.l.wrap": lambda lo, hi, n: (((hi << 32 | lo) << (n & 31)) >> 32) & MASK32,
+       "mul.rn.bf16x2": _pair_product(torch.bfloat16), "mul.rn.f16x2": _pair_product(torch.float16)}
 
 
 def run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
@@ -31,9 +60,10 @@ def run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
-        match = re.fullmatch(r"(\w+)\.(?:b32|u32) (\$?\w+), (.+)", line)
-        assert match, f"an instruction this evaluator does not know: {line}"
-        op, dest, sources = match.group(1), match.group(2), [value(t) for t in match.group(3).split(",")]
+        match = re.fullmatch(r"([\w.]+?)\.(b32|u32|bf16x2|f16x2) (\$?\w+), (.+)", line)
+        op = match and (match.group(1) if match.group(2) in ("b32", "u32") else f"{match.group(1)}.{match.group(2)}")
+        assert op in OPS or op == "mov", f"an instruction this evaluator does not know: {line}"
+        dest, sources = match.group(3), [value(t) for t in match.group(4).split(",")]
         regs[dest] = sources[0] if op == "mov" else OPS[op](*sources)
     return regs
 
@@ -57,3 +87,35 @@ def test_nibbles_to_int8_ptx_gives_code_minus_8_for_every_byte():
 def test_the_evaluator_refuses_what_it_does_not_know():
     with pytest.raises(AssertionError, match="does not know: mul.lo.u32"):
         run_ptx("mul.lo.u32 $0, $1, 3;", {"$1": 1})
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_e2m1_ptx_gives_value_times_scale_for_every_byte(half, folded):
+    """Every byte in every position of the word: each output pair holds the two codes' table values
+    times their element's scale, rounded once (folded: the scale carries the unscale 2^U and a
+    2^-8 the GEMM takes back, as NVFP4's e4m3 scales do)."""
+    from moe_registry_kernels.fp4 import e2m1_to_float
+
+    dtype = torch.bfloat16 if half == "bf16" else torch.float16
+    unscale = 126 if half == "bf16" else 14
+    program = fp4_dequant._e2m1_asm(half, folded)
+    scales = torch.tensor([0.75, 448.0, 2.0 ** -6, 1.0])  # elements 0..3: e4m3 values
+    given = (scales * 2.0 ** (unscale - 8) if folded else scales).to(dtype)
+    assert torch.equal(given.float(), scales * 2.0 ** (unscale - 8) if folded else scales)
+
+    def pair(values: torch.Tensor) -> int:
+        bits = values.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    data = torch.arange(256, dtype=torch.int64)
+    for word_bytes in torch.cat([data.roll(shift).view(64, 4) for shift in range(4)]):
+        word = sum(int(b) << (8 * i) for i, b in enumerate(word_bytes))
+        out = run_ptx(program, {"$4": word, "$5": pair(given[:2]), "$6": pair(given[2:])})
+        for nibbles, first in ((word_bytes & 0xF, 0), (word_bytes >> 4, 2)):
+            want = (e2m1_to_float(nibbles.to(torch.uint8)) * scales).to(dtype).float()
+            if folded:
+                want = want * 2.0 ** -8
+            for i in range(2):
+                got = out[f"${first + i}"]
+                assert got == pair(want[2 * i:2 * i + 2]), f"{half} word {word:#010x}, ${first + i}: {got:#010x}"
