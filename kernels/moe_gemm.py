@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .dequant_ptx import _dequant_byte, _dequant_byte_pairs, _dequant_nibbles, _e8m0, _nibbles_as_int8, _offset_zero
 from .fp4_dequant import _dequant_e2m1, _e4m3_value, _folded_e8m0, e2m1_fold_factor
-from .scheme import dot_kind, packed, zero_code
+from .scheme import dot_kind, float_w4a8, packed, zero_code
 from .triton_ops import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -477,11 +477,9 @@ def _fused_moe_kernel(
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"
-    # W4A8 on few rows: int8 activation codes and int4 weight codes are exact in 16 bits and so is
-    # their float32 dot while |sum| < 2^24 (127 * 8 * K: K <= 16512), so the nibbles' paired
-    # dequantisation and a 16-bit dot give the int32 dot's value without widening the nibbles to
-    # int8 in K order (a register shuffle per weight); on 64+ row tiles the int8 dot's rate wins
-    W4A8_FLOAT: tl.constexpr = DOT == "int8" and PACKED and BLOCK_M <= 32
+    # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which arrive as 16-bit floats
+    # from a quantisation kernel (int8 where a test passes them so: converted here)
+    W4A8_FLOAT: tl.constexpr = float_w4a8(A_QUANT, W_TYPE, BLOCK_M)
     if DOT == "int8" and not INT8_GROUPS and not W4A8_FLOAT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -548,6 +546,8 @@ def _fused_moe_kernel(
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
             if A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
+                if W4A8_FLOAT:  # and its codes made 16-bit floats (exact) once, not once per repeat
+                    a_row = a_row.to(dtype)
                 row_even, row_odd = tl.split(tl.reshape(a_row, (BLOCK_K // 2, 2)))
                 a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, BLOCK_K // 2))
                 a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, BLOCK_K // 2))

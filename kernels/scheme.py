@@ -16,7 +16,7 @@ import triton
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
 
-__all__ = ["Scheme", "scheme_from_keys", "swappable", "packed", "zero_code", "dot_kind"]
+__all__ = ["Scheme", "scheme_from_keys", "swappable", "packed", "zero_code", "dot_kind", "float_w4a8"]
 
 # 4-bit code types, two codes per byte (low nibble: the even input column); e2m1 is FP4
 PACKED_TYPES = ("uint4", "uint4b8", "int4", "e2m1")
@@ -27,6 +27,8 @@ ZERO_CODES = {"uint4b8": 8, "int4": 8, "uint8b128": 128, "int8": 128}
 # amax over the whole GEMM input, as vLLM's fp8 MoE quantises it): an fp8 x fp8 dot accumulating in
 # float32 over all of K, the token and channel scales applied once after the loop
 FP8_OUTER_QUANTS = ("fp8_static", "fp8_token", "fp8_tensor")
+# W4A8 tiles of at most this many rows run a 16-bit dot of the codes (see float_w4a8)
+W4A8_FLOAT_MAX_ROWS = 32
 
 
 @triton.constexpr_function
@@ -52,6 +54,17 @@ def dot_kind(act_quant: str) -> str:
     if act_quant in FP8_OUTER_QUANTS:
         return "fp8_outer"
     return "fp8" if act_quant == "fp8_group" else "float"
+
+
+@triton.constexpr_function
+def float_w4a8(act_quant: str, weight_type: str, block_m: int) -> bool:
+    """W4A8 on few rows: int8 activation codes and int4 weight codes are exact in 16 bits and so is
+    their float32 dot while |sum| < 2^24 (127 * 8 * K: K <= 16512), so the nibbles' paired
+    dequantisation and a 16-bit dot give the int32 dot's value without widening the nibbles to
+    int8 in K order (a register shuffle per weight); on 64+ row tiles the int8 dot's rate wins.
+    Such a GEMM takes its activation codes as 16-bit floats, converted once by the quantisation
+    kernel (triton_ops.INT8_CODE_DTYPES) rather than in the dot's layout by every program."""
+    return dot_kind(act_quant) == "int8" and packed(weight_type) and block_m <= W4A8_FLOAT_MAX_ROWS
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 )
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
-from .scheme import Scheme, scheme_from_keys, swappable
+from .scheme import Scheme, float_w4a8, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
     _device_name,
@@ -407,6 +407,15 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
                                 group=scheme.act_group or 128, **kwargs)
 
 
+def _codes_dtype(scheme: Scheme, config: dict, compute_dtype: torch.dtype) -> dict:
+    """triton_ops.act_quant's ``out_dtype`` for the input of a GEMM with this tile config: int8
+    codes as 16-bit floats where its tiles run a 16-bit dot of them (scheme.float_w4a8), else the
+    default (no argument)."""
+    if float_w4a8(scheme.act_quant, scheme.weight_type, config["BLOCK_M"]):
+        return {"out_dtype": compute_dtype}
+    return {}
+
+
 def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_perm, w13_bias,
                  w13_input_scale, w2: torch.Tensor, w2_scale, w2_zero, w2_perm, w2_bias,
                  w2_input_scale, w13_scale2=None, w2_scale2=None,
@@ -461,7 +470,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         if in_gemm:
             a1, a1_scale = hidden, w13.input_scale if static else None
         else:
-            a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl)
+            a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
+                                     **_codes_dtype(scheme, config1, dt))
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
@@ -470,7 +480,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     else:
         sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, static_scale=w13.input_scale,
-            row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl)
+            row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl, **_codes_dtype(scheme, config1, dt))
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
@@ -491,7 +501,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         a2, a2_scale = _quantize(inter, scheme, None, pair_ids=pair_ids, num_experts=num_experts, pdl=pdl)
     else:
-        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl)
+        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl,
+                                 **_codes_dtype(scheme, config2, dt))
     split = config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)

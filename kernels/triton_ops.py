@@ -88,6 +88,9 @@ PIECES_STEP = 128
 
 # act_quant modes: how the rows are quantised after the (optional) activation.
 QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
+# int8 codes as act_quant stores them: int8 (None), or their values in a 16-bit float type (exact),
+# for GEMM tiles that take them as 16-bit operands (moe_gemm's W4A8_FLOAT)
+INT8_CODE_DTYPES = (None, torch.int8, torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,10 +434,12 @@ def _align_quant_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel
 
 def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
                 static_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None,
-                group: int = 128, one_launch_max: int | None = None, pdl: bool = False
+                group: int = 128, one_launch_max: int | None = None, out_dtype: torch.dtype | None = None,
+                pdl: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`align` and ``act_quant(x, "none", quant, ...)`` together: (sorted_token_ids,
     expert_ids, num_tokens_post_padded, codes, scale); x itself and None when ``quant`` is "none".
+    ``out_dtype``: as act_quant's (int8 codes stored as 16-bit floats).
     With few pairs (decode) both run in one launch; otherwise they are the two launches they
     always were."""
     if one_launch_max is None:
@@ -446,11 +451,11 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
     if numel > one_launch_max:
         aligned = align(ids, num_experts, block_m, one_launch_max, pdl)
         return (*aligned, *act_quant(x, "none", quant, static_scale=static_scale, row_scale=row_scale,
-                                     group=group, pdl=pdl))
+                                     group=group, out_dtype=out_dtype, pdl=pdl))
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
-    out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, None, None, 1,
-                                               None)
+    out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, out_dtype, None,
+                                               1, None)
     parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
     _align_quant_kernel[(parts + x.shape[0],)](
         ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args, x.shape[0], parts,
@@ -523,6 +528,15 @@ def _mx_exponent(amax):
     subnormal amax land on -127, as in quant_ref."""
     biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     return tl.minimum(tl.maximum(biased - 127 - 8, -127), 127)
+
+
+@triton.jit
+def _as_stored(codes, out_ptr):
+    """int8 codes in the type ``out_ptr`` holds (INT8_CODE_DTYPES): themselves, or their values as
+    16-bit floats (exact; through float32, which the interpreter's int8 -> bfloat16 cast skips)."""
+    if out_ptr.dtype.element_ty != tl.int8:
+        codes = codes.to(tl.float32).to(out_ptr.dtype.element_ty)
+    return codes
 
 
 @triton.jit
@@ -689,8 +703,8 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         scale = row_scale[:, None]
         if ONE_READ and PIECES == 0:  # the values are still in registers: the codes now
             cols = tl.arange(0, BLOCK)
-            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], _int8_codes(v, scale),
-                     mask=row_ok[:, None] & (cols[None, :] < D))
+            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                     _as_stored(_int8_codes(v, scale), out_ptr), mask=row_ok[:, None] & (cols[None, :] < D))
             col_hi = 0  # done: the loop below runs no step
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -703,7 +717,7 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         if QUANT == "none":
             tl.store(out_tile, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_tile, _int8_codes(v, scale), mask=mask)
+            tl.store(out_tile, _as_stored(_int8_codes(v, scale), out_ptr), mask=mask)
         elif QUANT == "fp8_static":
             tl.store(out_tile, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
@@ -723,7 +737,9 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
     core.vocab.ACTIVATION_FNS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
-    [T, ceil(D/32)]. ``row_scale`` [T] multiplies each row before quantising. With
+    [T, ceil(D/32)]. ``out_dtype``: quant "none": the values' dtype (default x's); int8 modes: the
+    codes' (INT8_CODE_DTYPES; a 16-bit float holds each code's value exactly). ``row_scale`` [T]
+    multiplies each row before quantising. With
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
     ``amax_pieces`` [T, P] (int8_token, no activation or row factor): each row's amax is the
     largest of its P pieces (a GEMM epilogue left them), so rows are cut into chunks like the
@@ -789,7 +805,9 @@ def _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_
     if quant == "none":
         out = torch.empty(t, d, dtype=out_dtype or x.dtype, device=dev)
     elif quant.startswith("int8"):
-        out = torch.empty(t, d, dtype=torch.int8, device=dev)
+        if out_dtype not in INT8_CODE_DTYPES:
+            raise ValueError(f"int8 codes are stored as one of {INT8_CODE_DTYPES}, got {out_dtype}")
+        out = torch.empty(t, d, dtype=out_dtype or torch.int8, device=dev)
         scale = torch.empty(t, 1, dtype=torch.float32, device=dev) if quant == "int8_token" else static_scale
     else:
         out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=dev)

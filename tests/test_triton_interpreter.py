@@ -944,3 +944,52 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(monkeypatch):
         outputs.append(experts.apply(hidden, topk_weights, topk_ids))
         assert quantised == launches
     assert torch.equal(*outputs)
+
+
+@pytest.mark.parametrize("quant", ["int8_token", "int8_static"])
+def test_int8_codes_stored_as_16_bit_floats_hold_the_codes(quant):
+    """act_quant's int8 codes written as float16 or bfloat16 (for W4A8's 16-bit dot) are the int8
+    ones' values, with the same scales, and align_quant's one launch at decode writes them so too;
+    another dtype is refused by name."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(6, H, generator=g) * 3).to(torch.float16)
+    static = torch.tensor([0.03]) if quant == "int8_static" else None
+    want, want_scale = triton_ops.act_quant(x, "none", quant, static_scale=static)
+    assert want.dtype == torch.int8 and (want != 0).float().mean() > 0.5
+    for dtype in (torch.float16, torch.bfloat16):
+        got, scale = triton_ops.act_quant(x, "none", quant, static_scale=static, out_dtype=dtype)
+        assert got.dtype == dtype and torch.equal(got.float(), want.float()) and torch.equal(scale, want_scale)
+    _, _, _, codes, scale = triton_ops.align_quant(_routing(6, 2)[2], E, 16, x, quant, static_scale=static,
+                                                  out_dtype=torch.bfloat16)
+    assert codes.dtype == torch.bfloat16 and torch.equal(codes.float(), want.float())
+    assert torch.equal(scale, want_scale)
+    with pytest.raises(ValueError, match=r"int8 codes are stored as one of .* got torch.float32"):
+        triton_ops.act_quant(x, "none", quant, static_scale=static, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypatch):
+    """GEMMs whose W4A8 tiles run the 16-bit dot of the codes (scheme.float_w4a8: BLOCK_M <= 32)
+    get them from the quantisation kernels as 16-bit floats, larger tiles as int8; the layer's
+    output is the same as when the GEMM converts int8 codes itself, and near the reference."""
+    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float32:group(32):static"),
+                                                   parse_quant_key(INT8_TOKEN), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, seed=3)
+    hidden, topk_weights, topk_ids = _routing(5, 2, seed=4)
+    experts = TritonExperts(weights, ExpertsConfig())
+    inputs: list[torch.dtype] = []
+    real_gemm = triton_moe._gemm
+    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: inputs.append(a.dtype) or real_gemm(a, *args, **kw))
+    config = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "SWAP_AB": False,
+              "num_warps": 4, "num_stages": 2}
+    with triton_moe.config_override(config, config):
+        got = experts.apply(hidden, topk_weights, topk_ids)
+        codes = torch.float16 if block_m <= 32 else torch.int8
+        assert inputs == [codes, codes]
+        monkeypatch.setattr(triton_moe, "_codes_dtype", lambda *args: {})  # int8 codes, converted in the GEMM
+        inputs.clear()
+        want = experts.apply(hidden, topk_weights, topk_ids)
+        assert inputs == [torch.int8, torch.int8]
+    assert torch.equal(got, want)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(got, ref) < 3e-2

@@ -151,7 +151,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
         own = triton_moe._one_token_quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
         static = kscheme.act_quant in triton_moe.STATIC_QUANTS
-        a1, a1_scale = _activations(kscheme, m, shape.hidden, own)
+        a1, a1_scale = _activations(kscheme, config1, m, shape.hidden, own)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
         pieces = triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13, "silu")
@@ -159,13 +159,13 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
                          topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
                          input_scale=triton_moe._InputScale(rows=1, static=static) if own else None)
-        a2, a2_scale = _activations(kscheme, pairs, w2.k, own)
+        a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own)
         scale2 = None
         if own and (static or amax is not None):
             scale2 = triton_moe._InputScale(rows=pairs, pieces=amax, pair_ids=torch.empty(pairs, dtype=torch.int32,
                                                                                           device="meta"), static=static)
         elif own:  # GEMM2's input quantised by its own launch after all
-            a2, a2_scale = _activations(kscheme, pairs, w2.k)
+            a2, a2_scale = _activations(kscheme, config2, pairs, w2.k)
         split = config2["SPLIT_K"]
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
@@ -174,10 +174,12 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
     return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
-def _activations(kscheme, rows: int, k: int, own: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(codes or 16-bit activations, scales) a GEMM reads, on the meta device, shaped as the layer's
-    quantisation writes them: triton_ops' fake outputs, fp8_act's for the dynamic fp8 modes; ``own``:
-    the 16-bit input a GEMM quantises itself (and the static scale, if any)."""
+def _activations(kscheme, config: dict, rows: int, k: int, own: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes or 16-bit activations, scales) a GEMM with tile ``config`` reads, on the meta device,
+    shaped and typed as the layer's quantisation writes them: triton_ops' fake outputs (int8 codes
+    as 16-bit floats where triton_moe._codes_dtype says so), fp8_act's for the dynamic fp8 modes;
+    ``own``: the 16-bit input a GEMM quantises itself (and the static scale, if any)."""
     from moe_registry_kernels import triton_moe, triton_ops
     from moe_registry_kernels.fp8_act import FP8_DYNAMIC_MODES
 
@@ -190,7 +192,9 @@ def _activations(kscheme, rows: int, k: int, own: bool = False) -> tuple[torch.T
     if quant in FP8_DYNAMIC_MODES:  # per token [T, 1], per tensor [1]
         return (x.new_empty(rows, k, dtype=torch.float8_e4m3fn),
                 x.new_empty((rows, 1) if quant == "fp8_token" else (1,), dtype=torch.float32))
-    return triton_ops._fake_quant(rows, k, quant, x, x.new_empty(1, dtype=torch.float32))
+    codes, scale = triton_ops._fake_quant(rows, k, quant, x, x.new_empty(1, dtype=torch.float32))
+    codes_dtype = triton_moe._codes_dtype(kscheme, config, torch.bfloat16).get("out_dtype", codes.dtype)
+    return codes.new_empty(codes.shape, dtype=codes_dtype), scale
 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int, workdir: Path):
