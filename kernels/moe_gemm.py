@@ -477,8 +477,8 @@ def _fused_moe_kernel(
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"
-    # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which arrive as 16-bit floats
-    # from a quantisation kernel (int8 where a test passes them so: converted here)
+    # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which the layer's quantisation
+    # kernels store as 16-bit floats (int8 codes, where a caller passes them, are converted here)
     W4A8_FLOAT: tl.constexpr = float_w4a8(A_QUANT, W_TYPE, BLOCK_M)
     if DOT == "int8" and not INT8_GROUPS and not W4A8_FLOAT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)

@@ -529,10 +529,11 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     rows = _Rows(expert_num_tokens=expert_num_tokens, capacity=capacity)
     # rows past an expert's count are skipped (left unwritten) until GEMM2 writes them as zeros
     counts = {"expert_num_tokens": expert_num_tokens, "capacity": capacity}
-    a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts)
+    a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts,
+                             **_codes_dtype(scheme, config1, x.dtype))
     inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation)
-    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts)
+    a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts, **_codes_dtype(scheme, config2, x.dtype))
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
           compute_dtype=x.dtype, write_empty=True)
     return out

@@ -993,3 +993,22 @@ def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypat
     assert torch.equal(got, want)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
+
+
+def test_w4a8_batched_rows_take_their_codes_as_16_bit_floats(monkeypatch):
+    """The batched format's W4A8 GEMMs on few-row tiles take their codes as 16-bit floats too, and
+    match the reference, with an expert of no rows and rows past a count left out."""
+    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float32:group(32):static"),
+                                                   parse_quant_key(INT8_TOKEN), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, seed=6)
+    config = ExpertsConfig(activation="silu", activation_format="batched")
+    x = torch.randn(E, 6, H, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    counts = torch.tensor([3, 0, 6, 1], dtype=torch.int32)
+    inputs: list[torch.dtype] = []
+    real_gemm = triton_moe._gemm
+    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: inputs.append(a.dtype) or real_gemm(a, *args, **kw))
+    out = TritonBatchedExperts(weights, config).apply_batched(x, counts)
+    assert inputs == [torch.float16, torch.float16]
+    ref = reference_moe_batched(x, counts, weights, config)
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0, 3:]) == 0
+    assert _rel_err(out, ref) < 3e-2
