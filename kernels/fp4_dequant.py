@@ -125,8 +125,8 @@ def _folded_e8m0(codes, dtype):
 # what the and/shr/lop3 form kept busy: ncu's math_pipe_throttle) has two byte moves and one lop3 a
 # pair left. Offline sm_90 SASS of MXFP4 at M = 8 on Qwen3's shape: 56 ALU instructions per 1000
 # weights a warp, from 76 (GPTQ int4: 52).
-E2M1_BF16_SIGN_TIMES = tl.constexpr(12)  # code bit 3 -> bfloat16 bit 15
-E2M1_BF16_MAGNITUDE_TIMES = tl.constexpr(6)  # code bits 0..2 -> bfloat16 bits 6..8
+E2M1_BF16_SIGN_LSHIFT = tl.constexpr(12)  # code bit 3 -> bfloat16 bit 15 (times 2^12)
+E2M1_BF16_MAGNITUDE_LSHIFT = tl.constexpr(6)  # code bits 0..2 -> bfloat16 bits 6..8 (times 2^6)
 E2M1_BF16_PAIR_MASK = tl.constexpr(0x81C081C0)  # both halves' bits 15 and 6..8
 E2M1_BF16_PAIR_MASK_WORD = _immediate(E2M1_BF16_PAIR_MASK, 1)
 LOP3_OR_THEN_AND = tl.constexpr(0xA8)  # lop3 table of (a | b) & c
@@ -143,8 +143,8 @@ def _e2m1_bf16_asm(folded: bool = False) -> str:
              "shf.l.wrap.b32 r, $4, $4, 4;",  # byte k's high nibble -> bits 0..3 of byte k + 1
              "prmt.b32 s2, r, z, 0x4241;", "prmt.b32 s3, r, z, 0x4043;"]  # the high ones of bytes 0, 1 and 2, 3
     for out in range(4):  # $0 $1 low pairs (bytes 0, 1 and 2, 3), $2 $3 high pairs; scales $5 (bytes 0, 1), $6
-        lines += [f"shl.b32 x, s{out}, {E2M1_BF16_SIGN_TIMES.value};",
-                  f"shl.b32 y, s{out}, {E2M1_BF16_MAGNITUDE_TIMES.value};",
+        lines += [f"shl.b32 x, s{out}, {E2M1_BF16_SIGN_LSHIFT.value};",
+                  f"shl.b32 y, s{out}, {E2M1_BF16_MAGNITUDE_LSHIFT.value};",
                   f"lop3.b32 v, x, y, {E2M1_BF16_PAIR_MASK_WORD}, {LOP3_OR_THEN_AND.value:#x};"]
         if not folded:
             lines += ["mul.rn.bf16x2 v, v, k;"]

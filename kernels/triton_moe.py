@@ -407,11 +407,15 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
                                 group=scheme.act_group or 128, **kwargs)
 
 
+# scheme.float_w4a8 as the host asks it every layer call: a constexpr function's call costs ~6 us
+_float_w4a8 = functools.cache(float_w4a8)
+
+
 def _codes_dtype(scheme: Scheme, config: dict, compute_dtype: torch.dtype) -> dict:
     """triton_ops.act_quant's ``out_dtype`` for the input of a GEMM with this tile config: int8
     codes as 16-bit floats where its tiles run a 16-bit dot of them (scheme.float_w4a8), else the
     default (no argument)."""
-    if float_w4a8(scheme.act_quant, scheme.weight_type, config["BLOCK_M"]):
+    if _float_w4a8(scheme.act_quant, scheme.weight_type, config["BLOCK_M"]):
         return {"out_dtype": compute_dtype}
     return {}
 

@@ -967,19 +967,30 @@ def test_int8_codes_stored_as_16_bit_floats_hold_the_codes(quant):
         triton_ops.act_quant(x, "none", quant, static_scale=static, out_dtype=torch.float32)
 
 
+def _w4a8_weights(seed: int):
+    """W4A8 experts (compressed-tensors' int4 group-32 weights, per-token int8 activations)."""
+    return quant_ref.make_random_expert_weights(parse_quant_key(ONE_TOKEN_SCHEMES["w4a8-int8-token"][0]),
+                                                parse_quant_key(INT8_TOKEN), num_experts=E, hidden=H,
+                                                intermediate=INTER, dtype=torch.float16, seed=seed)
+
+
+def _gemm_input_dtypes(monkeypatch) -> list[torch.dtype]:
+    """The dtype of each GEMM launch's activations (triton_moe._gemm's first argument), in order."""
+    dtypes: list[torch.dtype] = []
+    real_gemm = triton_moe._gemm
+    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: dtypes.append(a.dtype) or real_gemm(a, *args, **kw))
+    return dtypes
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypatch):
     """GEMMs whose W4A8 tiles run the 16-bit dot of the codes (scheme.float_w4a8: BLOCK_M <= 32)
     get them from the quantisation kernels as 16-bit floats, larger tiles as int8; the layer's
     output is the same as when the GEMM converts int8 codes itself, and near the reference."""
-    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float32:group(32):static"),
-                                                   parse_quant_key(INT8_TOKEN), num_experts=E, hidden=H,
-                                                   intermediate=INTER, dtype=torch.float16, seed=3)
+    weights = _w4a8_weights(seed=3)
     hidden, topk_weights, topk_ids = _routing(5, 2, seed=4)
     experts = TritonExperts(weights, ExpertsConfig())
-    inputs: list[torch.dtype] = []
-    real_gemm = triton_moe._gemm
-    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: inputs.append(a.dtype) or real_gemm(a, *args, **kw))
+    inputs = _gemm_input_dtypes(monkeypatch)
     config = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "SWAP_AB": False,
               "num_warps": 4, "num_stages": 2}
     with triton_moe.config_override(config, config):
@@ -998,15 +1009,11 @@ def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypat
 def test_w4a8_batched_rows_take_their_codes_as_16_bit_floats(monkeypatch):
     """The batched format's W4A8 GEMMs on few-row tiles take their codes as 16-bit floats too, and
     match the reference, with an expert of no rows and rows past a count left out."""
-    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float32:group(32):static"),
-                                                   parse_quant_key(INT8_TOKEN), num_experts=E, hidden=H,
-                                                   intermediate=INTER, dtype=torch.float16, seed=6)
+    weights = _w4a8_weights(seed=6)
     config = ExpertsConfig(activation="silu", activation_format="batched")
     x = torch.randn(E, 6, H, generator=torch.Generator().manual_seed(5)).to(torch.float16)
     counts = torch.tensor([3, 0, 6, 1], dtype=torch.int32)
-    inputs: list[torch.dtype] = []
-    real_gemm = triton_moe._gemm
-    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: inputs.append(a.dtype) or real_gemm(a, *args, **kw))
+    inputs = _gemm_input_dtypes(monkeypatch)
     out = TritonBatchedExperts(weights, config).apply_batched(x, counts)
     assert inputs == [torch.float16, torch.float16]
     ref = reference_moe_batched(x, counts, weights, config)
