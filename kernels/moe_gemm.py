@@ -412,8 +412,10 @@ def _fused_moe_kernel(
                      "a K tile holds whole weight groups or lies in one")
     tl.static_assert(W_SCALE != "block" or W_GROUP % BLOCK_K == 0, "a K tile lies in one weight block")
     tl.static_assert(DOT != "int8" or W_TYPE == "int8" and W_SCALE == "channel"
-                     or W_TYPE == "uint4b8" and (W_SCALE == "channel" or W_SCALE == "group" and W_GROUP % BLOCK_K == 0),
-                     "int8 dots take int8 per-channel weights, or int4 (W4A8) with a K tile in one group")
+                     or W_TYPE == "uint4b8" and (W_SCALE == "channel" or W_SCALE == "group" and (
+                         W_GROUP % BLOCK_K == 0 or GROUP_DOTS and float_w4a8(A_QUANT, W_TYPE, BLOCK_M))),
+                     "int8 dots take int8 per-channel weights, or int4 (W4A8) with a K tile in one group "
+                     "or (16-bit-dot tiles) one dot per group")
     tl.static_assert(DOT != "fp8" or W_TYPE == "fp8e4m3" and W_SCALE == "block" and A_GROUP % BLOCK_K == 0,
                      "a K tile lies in one activation group and one weight block")
     tl.static_assert(A_QUANT != "mxfp8" or BLOCK_K % A_GROUP == 0, "a K tile holds whole MX groups")
@@ -472,14 +474,18 @@ def _fused_moe_kernel(
     # thread instead of 210-214. A config's choice, since it is not faster everywhere: on an H100
     # (session 23) the tuner picked it for GPTQ int4 at M = 8 on all three benchmark shapes and at
     # M = 64 on Qwen3's and DeepSeek-V2-Lite's (4-6% faster whole layers), not at M = 1 on Qwen3's.
-    GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and A_QUANT == "none" and PACKED and W_ZERO > 0
-                             and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER and BLOCK_M <= 32)
-    tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
-    # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one group)
-    INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group"
     # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which the layer's quantisation
     # kernels store as 16-bit floats (int8 codes, where a caller passes them, are converted here)
     W4A8_FLOAT: tl.constexpr = float_w4a8(A_QUANT, W_TYPE, BLOCK_M)
+    # (W4A8's 16-bit-dot tiles take them too: the codes' per-group dots are exact, and the token
+    # scale goes on after the loop as for its int8 dot; a token the GEMM quantises itself is read
+    # and quantised a group at a time)
+    GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and (A_QUANT == "none" or W4A8_FLOAT) and PACKED
+                             and W_ZERO > 0 and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER and BLOCK_M <= 32)
+    tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
+    # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one
+    # group), or each group's dot its own (GROUPED)
+    INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group" and not GROUPED
     if DOT == "int8" and not INT8_GROUPS and not W4A8_FLOAT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
@@ -498,7 +504,7 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored
+        if A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
             a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
@@ -538,9 +544,16 @@ def _fused_moe_kernel(
                 offs_kp = k_start // 2 + g * (W_GROUP // 2) + tl.arange(0, W_GROUP // 2)
                 group_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
                 cols = k_start + g * W_GROUP + tl.arange(0, W_GROUP)
-                a_group = tl.load(a_row_ptrs[:, None] + cols[None, :], mask=row_mask[:, None] & (cols[None, :] < K),
-                                  other=0.0)
-                a_even, a_odd = tl.split(tl.reshape(a_group, (BLOCK_M, W_GROUP // 2, 2)))
+                if A_SCALE_IN != "none":  # the token's group, quantised, split, then repeated down the tile
+                    token = tl.load(a_one_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                    codes = _codes_by_reciprocal(token, a_scale_in, a_reciprocal, DOT, HW_FP8_CAST).to(dtype)
+                    row_even, row_odd = tl.split(tl.reshape(codes, (W_GROUP // 2, 2)))
+                    a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, W_GROUP // 2))
+                    a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, W_GROUP // 2))
+                else:
+                    a_group = tl.load(a_row_ptrs[:, None] + cols[None, :],
+                                      mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
+                    a_even, a_odd = tl.split(tl.reshape(a_group.to(dtype), (BLOCK_M, W_GROUP // 2, 2)))
                 low, high = _dequant_nibbles(group_codes, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)

@@ -104,6 +104,14 @@ class Scheme:
         """See :func:`dot_kind`."""
         return dot_kind(self.act_quant)
 
+    def float_w4a8(self, block_m: int) -> bool:
+        """See :func:`float_w4a8`: whether tiles of ``block_m`` rows run the codes' 16-bit dot."""
+        return _float_w4a8_on_host(self.act_quant, self.weight_type, block_m)
+
+
+# float_w4a8 as the host asks it every layer call: a constexpr function's call costs ~6 us
+_float_w4a8_on_host = functools.cache(float_w4a8)
+
 
 def _weight_scale(key: QuantKey) -> tuple[str, int, int]:
     if not key.quantized:

@@ -157,14 +157,16 @@ def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
         _OVERRIDE.reset(token)
 
 
-def group_dot_width(scheme: Scheme) -> int:
+def group_dot_width(scheme: Scheme, block_m: int) -> int:
     """The weight group a tile's per-group dots (the ``GROUP_DOTS`` config key: one dot per group,
     each group's scale on its result) span, or 0 where the scheme cannot take them: 4-bit integer
-    codes with a fixed zero code and group scales of 32 columns or more, under a 16-bit dot. The
-    kernel takes them on tiles of BLOCK_M <= 32 that span several groups, on weights without
-    act-order or zero-point tensors."""
-    takes = (scheme.packed and scheme.zero_code > 0 and scheme.weight_scale == "group"
-             and scheme.act_quant == "none" and scheme.weight_group >= 32)
+    codes with a fixed zero code and group scales of 32 columns or more, under a 16-bit dot (16-bit
+    activations, or W4A8's codes on tiles of few rows: scheme.float_w4a8). The kernel takes them on
+    tiles of BLOCK_M <= 32 that span several groups, on weights without act-order or zero-point
+    tensors."""
+    sixteen_bit_dot = scheme.act_quant == "none" or scheme.float_w4a8(block_m)
+    takes = (scheme.packed and scheme.zero_code > 0 and scheme.weight_scale == "group" and sixteen_bit_dot
+             and scheme.weight_group >= 32)
     return scheme.weight_group if takes else 0
 
 
@@ -177,17 +179,19 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
     bk = config["BLOCK_K"]
+    group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
+                  and 0 < group_dot_width(scheme, config["BLOCK_M"]) < bk)
     if scheme.weight_scale == "block":
         bk = min(bk, scheme.weight_group)
     if scheme.act_quant == "fp8_group":
         bk = min(bk, scheme.act_group)
-    if scheme.dot == "int8" and scheme.weight_scale == "group":
+    if scheme.dot == "int8" and scheme.weight_scale == "group" and not group_dots:
         bk = min(bk, scheme.weight_group)  # W4A8: a K tile's int32 dot takes one group's scale
     if scheme.packed:
         bk = max(bk, 32)
     config["BLOCK_K"] = bk
     config["BLOCK_N"] = max(config["BLOCK_N"], 32)
-    if config.pop("GROUP_DOTS", False) and not config["SWAP_AB"] and 0 < group_dot_width(scheme) < bk:
+    if group_dots:
         config["GROUP_DOTS"] = True
     if not can_split:
         config["SPLIT_K"] = 1

@@ -61,7 +61,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 )
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
-from .scheme import Scheme, float_w4a8, scheme_from_keys, swappable
+from .scheme import Scheme, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
     _device_name,
@@ -407,15 +407,11 @@ def _quantize(x: torch.Tensor, scheme: Scheme, input_scale: torch.Tensor | None,
                                 group=scheme.act_group or 128, **kwargs)
 
 
-# scheme.float_w4a8 as the host asks it every layer call: a constexpr function's call costs ~6 us
-_float_w4a8 = functools.cache(float_w4a8)
-
-
 def _codes_dtype(scheme: Scheme, config: dict, compute_dtype: torch.dtype) -> dict:
     """triton_ops.act_quant's ``out_dtype`` for the input of a GEMM with this tile config: int8
     codes as 16-bit floats where its tiles run a 16-bit dot of them (scheme.float_w4a8), else the
     default (no argument)."""
-    if _float_w4a8(scheme.act_quant, scheme.weight_type, config["BLOCK_M"]):
+    if scheme.float_w4a8(config["BLOCK_M"]):
         return {"out_dtype": compute_dtype}
     return {}
 

@@ -236,10 +236,21 @@ def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
     assert fit("gptq4-channel") is None
     assert fit("gptq4-g64", GROUP_DOTS=False) is None  # absent, not False: tables stay as they were
     fp4 = scheme_from_keys("e2m1 scale:e8m0:group(32):static", UNQ)
-    assert tile_config.group_dot_width(fp4) == 0
+    assert tile_config.group_dot_width(fp4, 16) == 0
+    assert tile_config.group_dot_width(scheme_from_keys(*SCHEMES["int4-g128"][:2]), 16) == 128
+
+
+def test_w4a8_group_dots_only_on_its_16_bit_dot_tiles():
+    """W4A8 takes per-group dots on tiles of <= 32 rows (the codes' 16-bit dot), where its K tile
+    may then span groups; a 64-row tile (the int8 dot) keeps one group a K tile and no GROUP_DOTS."""
     w4a8 = scheme_from_keys("uint4b8 scale:float32:group(128):static", INT8_TOKEN)
-    assert tile_config.group_dot_width(w4a8) == 0
-    assert tile_config.group_dot_width(scheme_from_keys(*SCHEMES["int4-g128"][:2])) == 128
+    assert tile_config.group_dot_width(w4a8, 32) == 128 and tile_config.group_dot_width(w4a8, 64) == 0
+    tile = {**GROUP_DOTS_TILE, "BLOCK_K": 512}
+    few = tile_config._fit_config({**tile, "GROUP_DOTS": True}, w4a8, can_split=True)
+    assert few["GROUP_DOTS"] is True and few["BLOCK_K"] == 512
+    assert tile_config._fit_config(tile, w4a8, can_split=True)["BLOCK_K"] == 128
+    many = tile_config._fit_config({**tile, "BLOCK_M": 64, "GROUP_DOTS": True}, w4a8, can_split=True)
+    assert "GROUP_DOTS" not in many and many["BLOCK_K"] == 128
 
 
 SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
@@ -1004,6 +1015,27 @@ def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypat
     assert torch.equal(got, want)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_w4a8_group_dots_equal_one_group_a_tile(m, monkeypatch):
+    """W4A8 tiles of two 32-column groups with GROUP_DOTS (a dot per group, its scale on the result;
+    at M = 1 the GEMM quantises the token a group at a time) give the same numbers as one group a K
+    tile -- each group's dot of exact codes is exact -- and both GEMMs took them."""
+    weights = _w4a8_weights(seed=8)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=9)
+    experts = TritonExperts(weights, ExpertsConfig())
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    outs = {}
+    for block_k, grouped in ((64, True), (32, False)):
+        tile = {**GROUP_DOTS_TILE, "BLOCK_K": block_k} | ({"GROUP_DOTS": True} if grouped else {})
+        with triton_moe.config_override(tile, tile):
+            outs[grouped] = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, False, False]
+    assert torch.equal(outs[True], outs[False])
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(outs[True], ref) < 3e-2
 
 
 def test_w4a8_batched_rows_take_their_codes_as_16_bit_floats(monkeypatch):

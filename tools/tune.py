@@ -119,6 +119,20 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
     return out[:limit]
 
 
+def distinct_tiles(tiles: list[dict], kscheme) -> list[dict]:
+    """The candidates that stay distinct once the layer fits them to the scheme (W4A8's BLOCK_K is
+    capped at its group without GROUP_DOTS, say): the first of each kind, so none is timed twice."""
+    from moe_registry_kernels.triton_moe import _fit_config
+
+    seen, out = set(), []
+    for tile in tiles:
+        fitted = json.dumps(_fit_config(tile, kscheme, can_split=True), sort_keys=True)
+        if fitted not in seen:
+            seen.add(fitted)
+            out.append(tile)
+    return out
+
+
 SPLITS = (1, 2, 4, 8)
 # register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
 # a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
@@ -413,7 +427,6 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
     swap = triton_moe.swappable(kscheme)
-    group_dots = triton_moe.group_dot_width(kscheme)
     i = shape.intermediate
     # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
     d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
@@ -454,14 +467,16 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     for bm in () if registers_only else block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
-        for c1 in tile_candidates(bm, narrow, limit, swap, group_dots):
+        tiles = distinct_tiles(tile_candidates(bm, narrow, limit, swap, triton_moe.group_dot_width(kscheme, bm)),
+                               kscheme)
+        for c1 in tiles:
             t = measure(c1, g2)
             if t < t1:
                 best1, t1 = c1, t
         if best1 is None:
             continue
         best2, t2 = g2, t1
-        for c2 in tile_candidates(bm, narrow, limit, swap, group_dots):  # tiles at the default split, then splits
+        for c2 in tiles:  # tiles at the default split, then splits
             cand = {**c2, "SPLIT_K": g2["SPLIT_K"]}
             t = measure(best1, cand)
             if t < t2:
@@ -513,10 +528,11 @@ def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[t
     wkey = parse_quant_key(scheme.weight)
     narrow = wkey.quantized and wkey.dtype.bits <= 8
     kscheme = scheme_from_keys(*scheme.keys)
-    swap, group_dots = swappable(kscheme), group_dot_width(kscheme)
+    swap = swappable(kscheme)
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
-        tiles = tile_candidates(bm, narrow, swap=swap, group_dots=group_dots)
+        tiles = distinct_tiles(tile_candidates(bm, narrow, swap=swap, group_dots=group_dot_width(kscheme, bm)),
+                               kscheme)
         if not tiles:
             continue
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
