@@ -157,10 +157,11 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq4-g64"])
+@pytest.mark.parametrize("scheme", ["gptq4-g128", "gptq4-g64", "w4a8-int8-token"])
 def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     """GROUP_DOTS decode tiles (one dot per weight group, BLOCK_K 256 and 512 spanning 2-8 groups,
-    split-K for GEMM2) on the paired PTX path; the launches are watched: both GEMMs took them."""
+    split-K for GEMM2) on the paired PTX path (W4A8: the codes' 16-bit dot; at M = 1 each GEMM
+    quantising the token itself); the launches are watched: both GEMMs took them."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 1)
