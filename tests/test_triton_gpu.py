@@ -109,7 +109,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _tolerance(scheme: str, dtype: torch.dtype) -> float:
-    return TOLERANCE[(dtype, SCHEMES[scheme][2])]
+    return TOLERANCE[(dtype, (SCHEMES | ONE_TOKEN | FP4)[scheme][2])]
 
 
 # ---------------------------------------------------------------------------------------------
