@@ -608,6 +608,25 @@ def test_decode_candidates_include_one_dot_per_group_where_the_scheme_takes_it(m
     assert not any(c.get("GROUP_DOTS") for pair in awq for c in pair)
 
 
+def test_w4a8_candidates_are_the_distinct_tiles_its_layer_runs(monkeypatch):
+    """W4A8 decode tiles spanning several groups are tried with GROUP_DOTS (its 16-bit-dot tiles take
+    them); without, the layer fits them to one group a K tile, and a tile it already runs as another
+    candidate is not timed twice."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
+
+    w4a8 = tune.bench.registry_schemes()["compressed-tensors-w4a8-int"]
+    kscheme = scheme_from_keys(*w4a8.keys)
+    pairs = tune.all_pairs(tune.bench.SHAPES["qwen3"], w4a8, [8])
+    tiles = {json.dumps(c1, sort_keys=True) for c1, _ in pairs}
+    assert any(json.loads(t).get("GROUP_DOTS") for t in tiles)
+    fitted = [json.dumps(_fit_config(json.loads(t), kscheme, can_split=True), sort_keys=True) for t in tiles]
+    assert len(fitted) == len(set(fitted))
+    raw = tune.tile_candidates(16, narrow=True, group_dots=128)
+    assert len(tune.distinct_tiles(raw, kscheme)) < len(raw)  # the 256/512-column tiles without GROUP_DOTS went
+
+
 def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
     """Packed decode weights: 128-column tiles of 4 warps are tried capped (uncapped they hold 3
     programs an SM); wider weights and prefill get no capped candidates."""
