@@ -270,6 +270,15 @@ def _row(x, i: tl.constexpr):
 
 
 @triton.jit
+def _token_halves(row, BLOCK_M: tl.constexpr):
+    """One token's [C] activations -> its even and odd columns, each repeated down a [BLOCK_M, C / 2]
+    tile (the nibble half-dots' operands): split once, not once per repeated row."""
+    even, odd = tl.split(tl.reshape(row, (row.shape[0] // 2, 2)))
+    return (tl.broadcast_to(even[None, :], (BLOCK_M, row.shape[0] // 2)),
+            tl.broadcast_to(odd[None, :], (BLOCK_M, row.shape[0] // 2)))
+
+
+@triton.jit
 def _int4_as_int8_tile(packed_codes, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_K // 2, BN] bytes of uint4b8 nibbles (low: even column) -> [BLOCK_K, BN] int8 values
     code - 8 in K order, the operand of an int8 dot (W4A8); ASM: see _nibbles_as_int8."""
@@ -547,9 +556,7 @@ def _fused_moe_kernel(
                 if A_SCALE_IN != "none":  # the token's group, quantised, split, then repeated down the tile
                     token = tl.load(a_one_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                     codes = _codes_by_reciprocal(token, a_scale_in, a_reciprocal, DOT, HW_FP8_CAST).to(dtype)
-                    row_even, row_odd = tl.split(tl.reshape(codes, (W_GROUP // 2, 2)))
-                    a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, W_GROUP // 2))
-                    a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, W_GROUP // 2))
+                    a_even, a_odd = _token_halves(codes, BLOCK_M)
                 else:
                     a_group = tl.load(a_row_ptrs[:, None] + cols[None, :],
                                       mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
@@ -564,9 +571,7 @@ def _fused_moe_kernel(
             if A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
                 if W4A8_FLOAT:  # and its codes made 16-bit floats (exact) once, not once per repeat
                     a_row = a_row.to(dtype)
-                row_even, row_odd = tl.split(tl.reshape(a_row, (BLOCK_K // 2, 2)))
-                a_even = tl.broadcast_to(row_even[None, :], (BLOCK_M, BLOCK_K // 2))
-                a_odd = tl.broadcast_to(row_odd[None, :], (BLOCK_M, BLOCK_K // 2))
+                a_even, a_odd = _token_halves(a_row, BLOCK_M)
             else:
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             if W4A8_FLOAT:  # W4A8 on few rows: code - 8 in 16 bits, a float dot of the int8 codes (exact)

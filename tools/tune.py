@@ -133,6 +133,15 @@ def distinct_tiles(tiles: list[dict], kscheme) -> list[dict]:
     return out
 
 
+def scheme_tiles(bm: int, narrow: bool, kscheme, limit: int | None = None) -> list[dict]:
+    """tile_candidates for a scheme's kernel (the swapped one and per-group dots where it takes them
+    at this BLOCK_M), each tile its layer runs once."""
+    from moe_registry_kernels.triton_moe import group_dot_width, swappable
+
+    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme), group_dot_width(kscheme, bm)),
+                          kscheme)
+
+
 SPLITS = (1, 2, 4, 8)
 # register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
 # a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
@@ -426,7 +435,6 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     x, tw, ti = layer.inputs(m)
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
-    swap = triton_moe.swappable(kscheme)
     i = shape.intermediate
     # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
     d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
@@ -467,8 +475,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     for bm in () if registers_only else block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
-        tiles = distinct_tiles(tile_candidates(bm, narrow, limit, swap, triton_moe.group_dot_width(kscheme, bm)),
-                               kscheme)
+        tiles = scheme_tiles(bm, narrow, kscheme, limit)
         for c1 in tiles:
             t = measure(c1, g2)
             if t < t1:
@@ -523,16 +530,14 @@ def confirm(layer: Layer, m: int, x, tw, ti, first: tuple, second: tuple,
 
 def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[tuple[dict, dict]]:
     """Every config pair tune_target may try (for compiling ahead)."""
-    from moe_registry_kernels.triton_moe import group_dot_width, scheme_from_keys, swappable
+    from moe_registry_kernels.triton_moe import scheme_from_keys
 
     wkey = parse_quant_key(scheme.weight)
     narrow = wkey.quantized and wkey.dtype.bits <= 8
     kscheme = scheme_from_keys(*scheme.keys)
-    swap = swappable(kscheme)
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
-        tiles = distinct_tiles(tile_candidates(bm, narrow, swap=swap, group_dots=group_dot_width(kscheme, bm)),
-                               kscheme)
+        tiles = scheme_tiles(bm, narrow, kscheme)
         if not tiles:
             continue
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
