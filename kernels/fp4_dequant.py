@@ -9,8 +9,9 @@ scale (e8m0 power of two, or e4m3) it is exact in float32 and rounds once to the
 activation dtype, where a 2-bit or 6-bit significand is exact too: the tile equals the torch
 reference's dequantised weights bit for bit (the NVFP4 global scale is applied after the dot).
 
-On the GPU the same moves run as paired PTX (:func:`_e2m1_asm`), two weights per instruction in
-16-bit halves (bfloat16: its shifts as integer multiplies, off the saturated ALU pipe), as
+The GEMMs read the packed codes in a kernel-private byte order (:func:`e2m1_register_order`, see the
+note above _e2m1_asm), which the Triton experts write once when built. On the GPU the moves run as
+paired PTX (:func:`_e2m1_asm`), two weights per instruction in 16-bit halves, as
 :mod:`moe_registry_kernels.dequant_ptx` does for integer codes: the half times 2^14 (float16) or
 2^126 (bfloat16, 8 exponent bits) is the code's value exactly, and one paired multiply by the scale
 rounds once -- the same value again. The group scale arrives in the 16-bit dtype (an e4m3 scale is
@@ -26,6 +27,7 @@ of two with D = 0 where every scale times 2^U stays a normal number of the 16-bi
 the code's bits (_folded_e8m0).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -60,18 +62,50 @@ def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
     return bits.to(tl.float16, bitcast=True).to(tl.float32) * (E4M3_UNSCALE * TIMES)
 
 
-# the paired form: a code moved to the top nibble of a 16-bit half (bits 12..15) keeps its sign
-# bit there and shifts its 3 magnitude bits down into the exponent's low bits and the mantissa's top
-E2M1_TOP_SIGN = tl.constexpr(0x8000)
-E2M1_TOP_MAGNITUDE = tl.constexpr(0x7000)
-E2M1_F16_SHIFT = tl.constexpr(3)  # bits 12..14 -> float16 bits 9..11
+# The paired forms read a kernel-private byte order (:func:`e2m1_register_order`, written once when
+# the Triton experts are built): the even column's code on bits 1..4 (sign on 4) and the odd
+# column's with its sign on bit 7, its top exponent bit on bit 0 and its low exponent and mantissa
+# bits on 6..5. Each byte is placed in the high byte of a 16-bit half (prmt with zero bytes), where
+# bits 15 and 8 already hold the odd code's sign and top exponent bit in bfloat16's places (15, 8)
+# and the even code's magnitude sits in float16's (9..11). An exhaustive search over byte orders
+# and pairs of shifts with one lop3 found this order the one where one code a byte needs a single
+# shift: bfloat16 costs 2 moves for the odd pair and 3 for the even (from 4.25 a pair in the
+# checkpoint's nibble order), float16 3.5 a pair, as in that order. Right shifts are integer
+# multiplies (mul.hi by 2^(32-n): IMAD.HI), which ptxas issues on the FMA pipe, so the ALU pipe
+# (half-rate on sm_90) keeps one byte placement and one lop3 a pair. Offline sm_90 SASS of MXFP4's
+# GEMM2 at M = 8 on Qwen3's shape (tools/kernel_sass.py): 445 instructions a K step, from 525.
+E2M1_PLACE_HIGH = ("0x1404", "0x3424")  # prmt selectors: bytes 0, 1 and 2, 3 to the halves' high bytes
+E2M1_BF16_MASK = _immediate(tl.constexpr(0x81C0), 2)  # bfloat16's sign and magnitude bits 15, 8..6
+E2M1_BF16_ODD_KEEP = _immediate(tl.constexpr(0x813E), 2)  # where the odd form keeps the placed word
+E2M1_F16_SIGN = _immediate(tl.constexpr(0x8000), 2)
+E2M1_F16_EVEN_MAGNITUDE = _immediate(tl.constexpr(0x0E00), 2)  # float16 bits 9..11, in place already
+E2M1_F16_LOW_BITS = _immediate(tl.constexpr(0x0600), 2)
+E2M1_F16_KEEP_SIGN_TOP = _immediate(tl.constexpr(0x8800), 2)
 E2M1_F16_UNSCALE_BITS = tl.constexpr(0x7400)  # 2^14 in float16
 E2M1_BF16_UNSCALE_BITS = tl.constexpr(0x7E80)  # 2^126 in bfloat16
-# the same as PTX immediates, one per 16-bit half
-E2M1_TOP_SIGN_PAIR = _immediate(E2M1_TOP_SIGN, 2)
-E2M1_TOP_MAGNITUDE_PAIR = _immediate(E2M1_TOP_MAGNITUDE, 2)
 E2M1_F16_UNSCALE_PAIR = _immediate(E2M1_F16_UNSCALE_BITS, 2)
 E2M1_BF16_UNSCALE_PAIR = _immediate(E2M1_BF16_UNSCALE_BITS, 2)
+# lop3 tables (bit 4a + 2b + c of the table is the result)
+LOP3_OR_THEN_AND = tl.constexpr(0xA8)  # (a | b) & c
+LOP3_B_WHERE_C_ELSE_A_NOT_B = tl.constexpr(0x98)  # c ? b : a & ~b
+LOP3_A_AND_C_OR_B = tl.constexpr(0xEC)  # (a & c) | b
+LOP3_A_WHERE_C_ELSE_B = tl.constexpr(0xE4)  # c ? a : b
+
+
+def e2m1_register_order(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 bytes (low nibble the even column) -> the byte order the GEMMs' decoders read (see
+    above): even code << 1, the odd code's sign to bit 7, its exponent bits to 0 and 6, its mantissa
+    bit to 5. A bijection that keeps byte 0 as 0 (what a masked load fills in). A new tensor."""
+    even, odd = packed & 0xF, packed >> 4
+    return (even << 1) | ((odd & 0x8) << 4) | ((odd >> 2) & 0x1) | ((odd & 0x3) << 5)
+
+
+@triton.jit
+def _e2m1_codes(packed):
+    """(even, odd) codes 0..15 of bytes in :func:`e2m1_register_order`."""
+    even = (packed >> 1) & 0xF
+    odd = ((packed >> 4) & 0x8) | ((packed & 0x1) << 2) | ((packed >> 5) & 0x3)
+    return even, odd
 
 
 E2M1_F16_UNSCALE_EXPONENT = tl.constexpr(14)  # U: a moved code's half reads value * 2^-U in float16
@@ -117,76 +151,45 @@ def _folded_e8m0(codes, dtype):
     return (field << _mantissa_bits(dtype)).to(dtype, bitcast=True)
 
 
-# bfloat16 in one lop3 a pair: a byte alone in each half of a word (bits 0..7 and 16..23, zero bytes
-# between), its low nibble's code times 2^12 puts the sign (bit 3) on bit 15 and times 2^6 the
-# magnitude (bits 0..2) on bits 6..8; OR-ed and masked, every other bit is 0 -- the two products
-# overlap only where both hold other bits of the byte, outside the mask. The shifts are integer
-# multiplies, which ptxas issues on the FMA pipe (IMAD.SHL), so the ALU pipe (half-rate on sm_90, and
-# what the and/shr/lop3 form kept busy: ncu's math_pipe_throttle) has two byte moves and one lop3 a
-# pair left. Offline sm_90 SASS of MXFP4 at M = 8 on Qwen3's shape: 56 ALU instructions per 1000
-# weights a warp, from 76 (GPTQ int4: 52).
-E2M1_BF16_SIGN_LSHIFT = tl.constexpr(12)  # code bit 3 -> bfloat16 bit 15 (times 2^12)
-E2M1_BF16_MAGNITUDE_LSHIFT = tl.constexpr(6)  # code bits 0..2 -> bfloat16 bits 6..8 (times 2^6)
-E2M1_BF16_PAIR_MASK = tl.constexpr(0x81C081C0)  # both halves' bits 15 and 6..8
-E2M1_BF16_PAIR_MASK_WORD = _immediate(E2M1_BF16_PAIR_MASK, 1)
-LOP3_OR_THEN_AND = tl.constexpr(0xA8)  # lop3 table of (a | b) & c
-
-
-@triton.constexpr_function
-def _e2m1_bf16_asm(folded: bool = False) -> str:
-    """The bfloat16 form of :func:`_e2m1_asm`: each byte's low nibble is placed alone in a half as
-    described above (prmt with zero bytes); the high nibbles first rotate down a nibble, so byte
-    k's high nibble is the low nibble of byte k + 1 (mod 4), then the same."""
-    lines = ["{", ".reg .b32 z, k, r, s0, s1, s2, s3, x, y, v;", "mov.b32 z, 0;",
-             f"mov.b32 k, {E2M1_BF16_UNSCALE_PAIR};",
-             "prmt.b32 s0, $4, z, 0x4140;", "prmt.b32 s1, $4, z, 0x4342;",  # bytes 0, 1 and 2, 3
-             "shf.l.wrap.b32 r, $4, $4, 4;",  # byte k's high nibble -> bits 0..3 of byte k + 1
-             "prmt.b32 s2, r, z, 0x4241;", "prmt.b32 s3, r, z, 0x4043;"]  # the high ones of bytes 0, 1 and 2, 3
-    for out in range(4):  # $0 $1 low pairs (bytes 0, 1 and 2, 3), $2 $3 high pairs; scales $5 (bytes 0, 1), $6
-        lines += [f"shl.b32 x, s{out}, {E2M1_BF16_SIGN_LSHIFT.value};",
-                  f"shl.b32 y, s{out}, {E2M1_BF16_MAGNITUDE_LSHIFT.value};",
-                  f"lop3.b32 v, x, y, {E2M1_BF16_PAIR_MASK_WORD}, {LOP3_OR_THEN_AND.value:#x};"]
-        if not folded:
-            lines += ["mul.rn.bf16x2 v, v, k;"]
-        lines += [f"mul.rn.bf16x2 ${out}, v, ${5 + out % 2};"]
-    return "\n".join([*lines, "}"])
-
-
 @triton.constexpr_function
 def _e2m1_asm(half: str, folded: bool = False) -> str:
-    """PTX turning 4 packed bytes (8 e2m1 codes) into value * scale for the low and the high
-    nibbles, two at a time in 16-bit pairs, then one paired multiply by 2^14 or 2^126 (exact;
-    ``folded``: already in the scale) and one by the scale. Float16: each byte is moved to the
-    high byte of a half (prmt), a nibble's sign kept and its magnitude shifted into place (and,
-    shr, lop3; float16's magnitude bits 9..11 admit no single-lop3 form); bfloat16:
-    :func:`_e2m1_bf16_asm`. Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 the
-    scales in ``half`` (Triton's pack=4 register order)."""
-    if half == "bf16":
-        return _e2m1_bf16_asm(folded)
-    sign, magnitude, unscale = E2M1_TOP_SIGN_PAIR, E2M1_TOP_MAGNITUDE_PAIR, E2M1_F16_UNSCALE_PAIR
-    shift = E2M1_F16_SHIFT.value
-    lines = ["{", ".reg .b32 z, k, t0, t1, v0, v1, m0, m1;", "mov.b32 z, 0;", f"mov.b32 k, {unscale};",
-             "prmt.b32 t0, $4, z, 0x1404;", "prmt.b32 t1, $4, z, 0x3424;"]  # bytes 0, 1 and 2, 3
-    for out in (0, 2):  # (no tuple targets: Triton 3.6 reads this source for its cache key)
-        if out == 0:  # the low nibble up into bits 12..15 (the high one lands in the next half's bits 0..3: masked)
-            lines += ["shl.b32 v0, t0, 4;", "shl.b32 v1, t1, 4;"]
-        else:
-            lines += ["mov.b32 v0, t0;", "mov.b32 v1, t1;"]
-        for i in range(2):
-            lines += [f"and.b32 m{i}, v{i}, {magnitude};", f"shr.b32 m{i}, m{i}, {shift};",
-                      f"lop3.b32 v{i}, v{i}, {sign}, m{i}, 0xEA;"]  # (v & sign) | m
-            if not folded:
-                lines += [f"mul.rn.f16x2 v{i}, v{i}, k;"]
-            lines += [f"mul.rn.f16x2 ${out + i}, v{i}, ${5 + i};"]
+    """PTX turning 4 bytes in register order (8 e2m1 codes) into value * scale for the even and the
+    odd columns, two at a time in 16-bit pairs: each half then reads value * 2^-U, one paired multiply
+    by 2^U (exact; ``folded``: already in the scale) and one by the scale round once. Operands: $0 $1
+    even pairs (bytes 0, 1 and 2, 3), $2 $3 odd pairs, $4 the bytes, $5 $6 the scales in ``half``
+    (Triton's pack=4 register order)."""
+    bf16 = half == "bf16"
+    lines = ["{", ".reg .b32 z, k, w0, w1, x, y, u, v;", "mov.b32 z, 0;",
+             f"mov.b32 k, {E2M1_BF16_UNSCALE_PAIR if bf16 else E2M1_F16_UNSCALE_PAIR};",
+             f"prmt.b32 w0, $4, z, {E2M1_PLACE_HIGH[0]};", f"prmt.b32 w1, $4, z, {E2M1_PLACE_HIGH[1]};"]
+    for out in range(4):
+        w = f"w{out % 2}"
+        if bf16 and out < 2:  # even: sign 12 -> 15, magnitude 9..11 -> 6..8
+            lines += [f"mul.hi.u32 x, {w}, 0x20000000;", f"shl.b32 y, {w}, 3;",
+                      f"lop3.b32 v, x, y, {E2M1_BF16_MASK}, {LOP3_OR_THEN_AND.value:#x};"]
+        elif bf16:  # odd: sign and top exponent bit in place, the low two 13..14 -> 6..7
+            lines += [f"mul.hi.u32 x, {w}, 0x2000000;",
+                      f"lop3.b32 v, x, {w}, {E2M1_BF16_ODD_KEEP}, {LOP3_B_WHERE_C_ELSE_A_NOT_B.value:#x};"]
+        elif out < 2:  # float16, even: magnitude in place, sign 12 -> 15
+            lines += [f"shl.b32 y, {w}, 3;", f"and.b32 u, y, {E2M1_F16_SIGN};",
+                      f"lop3.b32 v, {w}, u, {E2M1_F16_EVEN_MAGNITUDE}, {LOP3_A_AND_C_OR_B.value:#x};"]
+        else:  # float16, odd: sign in place, top exponent bit 8 -> 11, the low two 13..14 -> 9..10
+            lines += [f"shl.b32 y, {w}, 3;",
+                      f"lop3.b32 v, {w}, y, {E2M1_F16_SIGN}, {LOP3_A_WHERE_C_ELSE_B.value:#x};",
+                      f"shr.b32 x, {w}, 4;", f"and.b32 x, x, {E2M1_F16_LOW_BITS};",
+                      f"lop3.b32 v, v, x, {E2M1_F16_KEEP_SIGN_TOP}, {LOP3_A_AND_C_OR_B.value:#x};"]
+        if not folded:
+            lines += [f"mul.rn.{'bf16x2' if bf16 else 'f16x2'} v, v, k;"]
+        lines += [f"mul.rn.{'bf16x2' if bf16 else 'f16x2'} ${out}, v, ${5 + out % 2};"]
     return "\n".join([*lines, "}"])
 
 
 @triton.jit
 def _dequant_e2m1(packed, scale, dtype, ASM: tl.constexpr = False, FOLDED: tl.constexpr = False):
-    """(low, high): a packed FP4 tile (uint8, low nibble the even input column) times ``scale``
-    (broadcast to the tile; e8m0 or e4m3 values in ``dtype``; FOLDED: times 2^U / 2^D, see the
-    module note), in the 16-bit ``dtype``. ASM: the paired PTX of _e2m1_asm (GPU); else plain
-    Triton (the same values)."""
+    """(low, high): a packed FP4 tile (uint8 in :func:`e2m1_register_order`; low: the even input
+    columns) times ``scale`` (broadcast to the tile; e8m0 or e4m3 values in ``dtype``; FOLDED: times
+    2^U / 2^D, see the module note), in the 16-bit ``dtype``. ASM: the paired PTX of _e2m1_asm (GPU);
+    else plain Triton (the same values)."""
     if ASM:
         program: tl.constexpr = _e2m1_asm("bf16" if dtype == tl.bfloat16 else "f16", FOLDED)
         result: tl.constexpr = _asm_result_dtype(dtype, 2)
@@ -197,6 +200,7 @@ def _dequant_e2m1(packed, scale, dtype, ASM: tl.constexpr = False, FOLDED: tl.co
         s = scale.to(tl.float32)
         if FOLDED:  # value * (scale * 2^-U): exact in float32, as the PTX's one multiply of the half
             s = s * _e2m1_half_unit(dtype)
-        low = (_e2m1_value(packed & 0xF) * s).to(dtype)
-        high = (_e2m1_value(packed >> 4) * s).to(dtype)
+        even, odd = _e2m1_codes(packed)
+        low = (_e2m1_value(even) * s).to(dtype)
+        high = (_e2m1_value(odd) * s).to(dtype)
     return low, high

@@ -18,6 +18,8 @@ constexprs that say how a weight tile becomes something a ``tl.dot`` takes:
   (and zero) per group and column is loaded per tile and broadcast over the group's rows.
 - W8A8 int8: int8 × int8 dot accumulating in int32; per-token and per-channel scales are applied
   once after the K loop.
+- FP4 (e2m1; MXFP4, NVFP4): dequantised in registers to the 16-bit activation dtype, from codes the
+  experts put once in the decoders' byte order (:func:`moe_registry_kernels.fp4_dequant.e2m1_register_order`).
 - fp8 with e8m0 per-32 scales (MXFP8): dequantised to the 16-bit activation dtype in registers
   (Hopper has no MX dot); MXFP8 activations, when the scheme quantises them, are dequantised the
   same way, so the numerics are the scheme's.
@@ -40,6 +42,7 @@ skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a C
 """
 
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -59,6 +62,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
     _offset_zero,
     _paired_halves,
 )
+from .fp4_dequant import e2m1_register_order
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .scheme import Scheme, scheme_from_keys, swappable
@@ -555,7 +559,9 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                   router_weight_on_input: bool, w13_scale2: torch.Tensor | None = None,
                   w2_scale2: torch.Tensor | None = None, mx_scale_codes: list[int] | None = None) -> torch.Tensor:
     """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
-    fields, flattened); the keys are QuantKey strings; ``mx_scale_codes``: see mx_scale_codes."""
+    fields, flattened) but for FP4 codes, which it reads in their decoders' byte order
+    (:func:`_kernel_tensors` puts them there); the keys are QuantKey strings; ``mx_scale_codes``:
+    see mx_scale_codes."""
     p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
                            w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
                            mx_scale_codes)
@@ -580,7 +586,7 @@ def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
                           w13_scale2: torch.Tensor | None = None, w2_scale2: torch.Tensor | None = None,
                           mx_scale_codes: list[int] | None = None) -> torch.Tensor:
     """The batched-format layer: x [E, T, H] with expert_num_tokens [E] -> [E, T, H] (rows past a
-    count are zero; no router weights)."""
+    count are zero; no router weights). Weights as :func:`fused_experts` reads them."""
     p13, p2 = _projections(x.shape[2], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
                            w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
                            mx_scale_codes)
@@ -616,7 +622,8 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor | None]:
     """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once, one-byte
-    group scales padded (:func:`_padded_groups`; zero points share the scales' strides: FP4 has none)."""
+    group scales padded (:func:`_padded_groups`; zero points share the scales' strides: FP4 has none),
+    FP4 codes in their decoders' byte order (:func:`e2m1_register_order`)."""
     def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
             return None
@@ -626,8 +633,17 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
     scale, zero = ready(p.scale), ready(p.zero)
     if scheme.weight_scale in ("group", "mx") and scale is not None and scale.element_size() == 1:
         scale, zero = _padded_groups(scale), _padded_groups(zero)
-    return [ready(p.weight), scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
+    weight = e2m1_register_order(p.weight).contiguous() if scheme.weight_type == "e2m1" else ready(p.weight)
+    return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
             ready(p.input_scale, torch.float32)]
+
+
+def _without_codes(p: ProjectionWeights) -> ProjectionWeights:
+    """``p`` with its weight codes replaced by a one-element stand-in of the same shape: what the
+    experts keep of a projection whose codes they hold in another byte order, so the converted
+    ones are not pinned twice."""
+    stub = torch.zeros((), dtype=p.weight.dtype, device=p.weight.device).expand(p.weight.shape)
+    return dataclasses.replace(p, weight=stub)
 
 
 class _TritonBase(Experts):
@@ -639,6 +655,9 @@ class _TritonBase(Experts):
         self.activation_key = str(weights.activation_key)
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
         self._tensors = _kernel_tensors(weights.w13, self.scheme) + _kernel_tensors(weights.w2, self.scheme)
+        if self.scheme.weight_type == "e2m1":  # the codes now live in self._tensors alone
+            self.weights = dataclasses.replace(weights, w13=_without_codes(weights.w13),
+                                               w2=_without_codes(weights.w2))
         # by keyword, absent for every other key: second-level weight scales (NVFP4), [E, N] float32,
         # and MX FP4 scales' code range (whether their tiles may fold, _e2m1_fold)
         self._options: dict[str, object] = {

@@ -1,6 +1,6 @@
 """The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
-evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
-rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
+evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mul.hi, mov, prmt, lop3, a
+funnel rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
 stands for on every input, here in CI; tests/test_triton_gpu.py checks the same PTX on a GPU
 against the plain Triton path."""
 
@@ -38,7 +38,8 @@ def _pair_product(half: torch.dtype):
 
 
 OPS = {"and": lambda x, y: x & y, "add": lambda x, y: (x + y) & MASK32, "xor": lambda x, y: x ^ y,
-       "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "prmt": _prmt, "lop3": _lop3,
+       "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "mul.hi": lambda x, y: (x * y) >> 32,
+       "prmt": _prmt, "lop3": _lop3,
        "shf.l.wrap": lambda lo, hi, n: (((hi << 32 | lo) << (n & 31)) >> 32) & MASK32,
        "mul.rn.bf16x2": _pair_product(torch.bfloat16), "mul.rn.f16x2": _pair_product(torch.float16)}
 
@@ -92,9 +93,10 @@ def test_the_evaluator_refuses_what_it_does_not_know():
 @pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
 @pytest.mark.parametrize("half", ["bf16", "f16"])
 def test_e2m1_ptx_gives_value_times_scale_for_every_byte(half, folded):
-    """Every byte in every position of the word: each output pair holds the two codes' table values
-    times their element's scale, rounded once (folded: the scale carries the unscale 2^U and a
-    2^-8 the GEMM takes back, as NVFP4's e4m3 scales do)."""
+    """Every packed byte in every position of the word, put in the decoders' register order: each
+    output pair holds the two codes' table values (even columns: the low nibbles) times their
+    element's scale, rounded once (folded: the scale carries the unscale 2^U and a 2^-8 the GEMM
+    takes back, as NVFP4's e4m3 scales do)."""
     from moe_registry_kernels.fp4 import e2m1_to_float
 
     dtype = torch.bfloat16 if half == "bf16" else torch.float16
@@ -110,7 +112,8 @@ def test_e2m1_ptx_gives_value_times_scale_for_every_byte(half, folded):
 
     data = torch.arange(256, dtype=torch.int64)
     for word_bytes in torch.cat([data.roll(shift).view(64, 4) for shift in range(4)]):
-        word = sum(int(b) << (8 * i) for i, b in enumerate(word_bytes))
+        ordered = fp4_dequant.e2m1_register_order(word_bytes.to(torch.uint8))
+        word = sum(int(b) << (8 * i) for i, b in enumerate(ordered))
         out = run_ptx(program, {"$4": word, "$5": pair(given[:2]), "$6": pair(given[2:])})
         for nibbles, first in ((word_bytes & 0xF, 0), (word_bytes >> 4, 2)):
             want = (e2m1_to_float(nibbles.to(torch.uint8)) * scales).to(dtype).float()

@@ -32,7 +32,13 @@ from moe_registry.layer.experts import ExpertsConfig
 try:  # the Triton decoders, for the exhaustive test below (a jit function resolves names in module globals)
     import triton
     import triton.language as tl
-    from moe_registry_kernels.fp4_dequant import _dequant_e2m1, _e2m1_value, _e4m3_value, _folded_e8m0
+    from moe_registry_kernels.fp4_dequant import (
+        _dequant_e2m1,
+        _e2m1_value,
+        _e4m3_value,
+        _folded_e8m0,
+        e2m1_register_order,
+    )
 except ImportError:
     triton = None
 else:
@@ -350,6 +356,33 @@ MASKED_K = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K"
 
 
 @pytest.mark.parametrize("key", [MXFP4_KEY, NVFP4_KEY])
+def test_triton_experts_keep_fp4_codes_once_in_their_register_order(key: str) -> None:
+    """The Triton experts hold the codes in the decoders' byte order and not the converted ones as well
+    (a stand-in of their shape keeps the layer's shapes): the weights they were handed are left as they were."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.layer.resident import reachable_tensors
+
+    weights = make_random_expert_weights(parse_quant_key(key), parse_quant_key("unquantized"), num_experts=4,
+                                         hidden=64, intermediate=32, dtype=torch.float16, seed=3)
+    before = [p.weight.clone() for p in (weights.w13, weights.w2)]
+    experts = triton_moe.TritonExperts(weights, ExpertsConfig())
+    held = {t.untyped_storage().data_ptr() for t in reachable_tensors(experts)}
+    for p, kept, want in zip((weights.w13, weights.w2), (experts.weights.w13, experts.weights.w2), before,
+                             strict=True):
+        assert torch.equal(p.weight, want)  # not mutated
+        assert p.weight.untyped_storage().data_ptr() not in held
+        assert kept.weight.shape == p.weight.shape and kept.weight.untyped_storage().nbytes() == 1
+    codes = [experts._tensors[0], experts._tensors[6]]
+    assert [c.data_ptr() in held for c in codes] == [True, True]
+    for c, p in zip(codes, (weights.w13, weights.w2), strict=True):
+        assert torch.equal(c, e2m1_register_order(p.weight))
+
+
+@pytest.mark.parametrize("key", [MXFP4_KEY, NVFP4_KEY])
 @pytest.mark.parametrize("config", ["swapped", "split-k", "swapped-split-k", "masked-k", "swapped-masked-k"])
 def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
     """The swapped-operand kernel (the dequantised FP4 tile as the dot's register operand), split-K
@@ -511,7 +544,7 @@ def test_folded_fp4_tiles_are_the_code_table_times_the_scale(scales: str) -> Non
     assert torch.equal(folded.double(), scale * 2.0 ** (14 - shift))  # exact
     low = torch.empty(scale.numel(), 256, dtype=torch.float16)
     high = torch.empty_like(low)
-    _dequant_folded[(1,)](codes, folded, low, high, scale.numel())
+    _dequant_folded[(1,)](e2m1_register_order(codes), folded, low, high, scale.numel())
     for nibbles, got in ((codes & 0xF, low), (codes >> 4, high)):
         want = (e2m1_to_float(nibbles).double()[None, :] * scale[:, None]).to(torch.float16)
         assert torch.equal(got.double() * 2.0 ** shift, want.double())

@@ -519,12 +519,13 @@ def test_nibbles_to_int8_asm_matches_plain():
 @pytest.mark.parametrize("scales", ["e8m0", "e4m3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
-    """Folded: the scale arrives times 2^U / 2^shift (fp4_dequant's module note; MX codes in the fold's
-    range, e4m3 with shift 8), and the tile holds the table value times the scale over 2^shift."""
+    """Every packed byte, in the decoders' register order. Folded: the scale arrives times 2^U / 2^shift
+    (fp4_dequant's module note; MX codes in the fold's range, e4m3 with shift 8), and the tile holds the
+    table value times the scale over 2^shift."""
     import triton
     import triton.language as tl
     from moe_registry_kernels.fp4 import e2m1_to_float
-    from moe_registry_kernels.fp4_dequant import _dequant_e2m1
+    from moe_registry_kernels.fp4_dequant import _dequant_e2m1, e2m1_register_order
 
     @triton.jit
     def dequant(p_ptr, s_ptr, lo_ptr, hi_ptr, DT: tl.constexpr, ASM: tl.constexpr, FOLDED: tl.constexpr):
@@ -550,8 +551,8 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
     outs = {}
     for asm in (False, True):
         low, high = torch.empty(64, 32, dtype=dtype, device=DEVICE), torch.empty(64, 32, dtype=dtype, device=DEVICE)
-        dequant[(1,)](packed, given, low, high, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, ASM=asm,
-                      FOLDED=folded)
+        dequant[(1,)](e2m1_register_order(packed), given, low, high,
+                      DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, ASM=asm, FOLDED=folded)
         outs[asm] = (low, high)
     assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
     # and both are the code table times the scale, rounded once (over 2^shift: exact)

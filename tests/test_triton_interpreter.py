@@ -40,6 +40,7 @@ from moe_registry_kernels import (  # noqa: E402
     triton_moe,
     triton_ops,
 )
+from moe_registry_kernels.fp4_dequant import e2m1_register_order  # noqa: E402
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
 from moe_registry_kernels.triton_moe import (  # noqa: E402
     TritonBatchedExperts,
@@ -454,7 +455,8 @@ def test_float32_activations(scheme):
 def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
     """TritonExperts keeps a row's one-byte group scales padded with zeros to 16 groups (one vector
     load per row, which the pipeliner streams); the op gives the same layer from the converted,
-    unpadded tensors an op caller passes, and the reference's within FP4's tolerance."""
+    unpadded scales an op caller passes (with the codes in their decoders' byte order, as the op
+    reads them), and the reference's within FP4's tolerance."""
     weights = quant_ref.make_random_expert_weights(parse_quant_key(weight_key), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, bias=True)
     experts = TritonExperts(weights, ExpertsConfig())
@@ -466,7 +468,8 @@ def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
     hidden, topk_weights, topk_ids = _routing(5, 2)
 
     def tensors(p):
-        return [p.weight, p.scale, p.zero, p.perm, None if p.bias is None else p.bias.float(), p.input_scale]
+        return [e2m1_register_order(p.weight), p.scale, p.zero, p.perm, None if p.bias is None else p.bias.float(),
+                p.input_scale]
 
     projections = {"w13": weights.w13, "w2": weights.w2}
     scale2 = {f"{name}_scale2": p.scale2.reshape(E, -1).float()
