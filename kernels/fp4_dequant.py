@@ -69,11 +69,11 @@ def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
 # bits 15 and 8 already hold the odd code's sign and top exponent bit in bfloat16's places (15, 8)
 # and the even code's magnitude sits in float16's (9..11). An exhaustive search over byte orders
 # and pairs of shifts with one lop3 found this order the one where one code a byte needs a single
-# shift: bfloat16 costs 2 moves for the odd pair and 3 for the even (from 4.25 a pair in the
-# checkpoint's nibble order), float16 3.5 a pair, as in that order. Right shifts are integer
-# multiplies (mul.hi by 2^(32-n): IMAD.HI), which ptxas issues on the FMA pipe, so the ALU pipe
-# (half-rate on sm_90) keeps one byte placement and one lop3 a pair. Offline sm_90 SASS of MXFP4's
-# GEMM2 at M = 8 on Qwen3's shape (tools/kernel_sass.py): 445 instructions a K step, from 525.
+# shift: bfloat16 costs 2 moves for the odd pair and 3 for the even (4.25 a pair in the checkpoint's
+# nibble order), float16 3.5 a pair, as in that order. H100, whole layer, bfloat16, side by side
+# with the nibble order's form (shifts as IMAD.SHL): MXFP4 1.07-1.09x at M = 8 and 64 on Qwen3-30B-A3B
+# and Mixtral, NVFP4 1.00-1.05x. The right shifts stay shifts (SHF, ALU pipe): as integer multiplies
+# (mul.hi, IMAD.HI) the loop was 15% shorter but the layer up to 1.14x slower.
 E2M1_PLACE_HIGH = ("0x1404", "0x3424")  # prmt selectors: bytes 0, 1 and 2, 3 to the halves' high bytes
 E2M1_BF16_MASK = _immediate(tl.constexpr(0x81C0), 2)  # bfloat16's sign and magnitude bits 15, 8..6
 E2M1_BF16_ODD_KEEP = _immediate(tl.constexpr(0x813E), 2)  # where the odd form keeps the placed word
@@ -165,10 +165,10 @@ def _e2m1_asm(half: str, folded: bool = False) -> str:
     for out in range(4):
         w = f"w{out % 2}"
         if bf16 and out < 2:  # even: sign 12 -> 15, magnitude 9..11 -> 6..8
-            lines += [f"mul.hi.u32 x, {w}, 0x20000000;", f"shl.b32 y, {w}, 3;",
+            lines += [f"shr.b32 x, {w}, 3;", f"shl.b32 y, {w}, 3;",
                       f"lop3.b32 v, x, y, {E2M1_BF16_MASK}, {LOP3_OR_THEN_AND.value:#x};"]
         elif bf16:  # odd: sign and top exponent bit in place, the low two 13..14 -> 6..7
-            lines += [f"mul.hi.u32 x, {w}, 0x2000000;",
+            lines += [f"shr.b32 x, {w}, 7;",
                       f"lop3.b32 v, x, {w}, {E2M1_BF16_ODD_KEEP}, {LOP3_B_WHERE_C_ELSE_A_NOT_B.value:#x};"]
         elif out < 2:  # float16, even: magnitude in place, sign 12 -> 15
             lines += [f"shl.b32 y, {w}, 3;", f"and.b32 u, y, {E2M1_F16_SIGN};",

@@ -1,6 +1,6 @@
 """The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
-evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mul.hi, mov, prmt, lop3, a
-funnel rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
+evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
+rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
 stands for on every input, here in CI; tests/test_triton_gpu.py checks the same PTX on a GPU
 against the plain Triton path."""
 
@@ -38,8 +38,7 @@ def _pair_product(half: torch.dtype):
 
 
 OPS = {"and": lambda x, y: x & y, "add": lambda x, y: (x + y) & MASK32, "xor": lambda x, y: x ^ y,
-       "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "mul.hi": lambda x, y: (x * y) >> 32,
-       "prmt": _prmt, "lop3": _lop3,
+       "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "prmt": _prmt, "lop3": _lop3,
        "shf.l.wrap": lambda lo, hi, n: (((hi << 32 | lo) << (n & 31)) >> 32) & MASK32,
        "mul.rn.bf16x2": _pair_product(torch.bfloat16), "mul.rn.f16x2": _pair_product(torch.float16)}
 
