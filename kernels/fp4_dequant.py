@@ -62,6 +62,19 @@ def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
     return bits.to(tl.float16, bitcast=True).to(tl.float32) * (E4M3_UNSCALE * TIMES)
 
 
+@triton.jit
+def _e4m3_scale(codes, dtype, TIMES: tl.constexpr, CVT: tl.constexpr):
+    """float8_e4m3fn scale bytes (uint8) -> value * TIMES (a power of two) in the 16-bit ``dtype``, exact
+    (3 mantissa bits). CVT: the GPU's fp8 conversion (sm_89+: two scales an instruction); else the bit
+    move of :func:`_e4m3_value` (the interpreter, older GPUs), which gives the same values. H100, NVFP4's
+    loop at M = 8 and 64 (offline sm_90 SASS): 8-10% fewer instructions with CVT."""
+    if CVT:  # noqa: SIM108  (a constexpr branch: the other one is not built)
+        value = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TIMES
+    else:
+        value = _e4m3_value(codes, TIMES)
+    return value.to(dtype)
+
+
 # The paired forms read a kernel-private byte order (:func:`e2m1_register_order`, written once when
 # the Triton experts are built): the even column's code on bits 1..4 (sign on 4) and the odd
 # column's with its sign on bit 7, its top exponent bit on bit 0 and its low exponent and mantissa

@@ -193,6 +193,14 @@ def _hardware_fp8_cast(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+@functools.cache
+def _hardware_e4m3_convert(device: torch.device) -> bool:
+    """Whether a kernel converts e4m3 bytes with the GPU's instruction (fp4_dequant._e4m3_scale):
+    compiled for sm_89 or later, where Triton has it."""
+    return (_hardware_fp8_cast(device) and not torch.version.hip
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -274,7 +282,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, scheme, dummy),
-            **_e2m1_fold(w, scheme, compute_dtype), **_launch_options(config), **triton_ops.pdl_launch(pdl))
+            **_e2m1_fold(w, scheme, compute_dtype), E4M3_CVT=_hardware_e4m3_convert(a.device),
+            **_launch_options(config), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -297,7 +306,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
-        GROUP_DOTS=config.get("GROUP_DOTS", False), **_launch_options(config), **triton_ops.pdl_launch(pdl))
+        E4M3_CVT=_hardware_e4m3_convert(a.device), GROUP_DOTS=config.get("GROUP_DOTS", False),
+        **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
 def _launch_options(config: dict) -> dict:
