@@ -105,12 +105,23 @@ LOP3_A_AND_C_OR_B = tl.constexpr(0xEC)  # (a & c) | b
 LOP3_A_WHERE_C_ELSE_B = tl.constexpr(0xE4)  # c ? a : b
 
 
+REGISTER_ORDER_CHUNK = 1 << 24  # bytes rewritten at a time: the temporaries stay small beside a layer's codes
+
+
 def e2m1_register_order(packed: torch.Tensor) -> torch.Tensor:
     """Packed FP4 bytes (low nibble the even column) -> the byte order the GEMMs' decoders read (see
     above): even code << 1, the odd code's sign to bit 7, its exponent bits to 0 and 6, its mantissa
-    bit to 5. A bijection that keeps byte 0 as 0 (what a masked load fills in). A new tensor."""
-    even, odd = packed & 0xF, packed >> 4
-    return (even << 1) | ((odd & 0x8) << 4) | ((odd >> 2) & 0x1) | ((odd & 0x3) << 5)
+    bit to 5. A bijection that keeps byte 0 as 0 (what a masked load fills in). A new contiguous
+    tensor, written REGISTER_ORDER_CHUNK bytes at a time."""
+    source = packed.contiguous().view(-1)
+    out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+    target = out.view(-1)
+    for start in range(0, source.numel(), REGISTER_ORDER_CHUNK):
+        piece = source[start:start + REGISTER_ORDER_CHUNK]
+        even, odd = piece & 0xF, piece >> 4
+        target[start:start + REGISTER_ORDER_CHUNK] = ((even << 1) | ((odd & 0x8) << 4) | ((odd >> 2) & 0x1)
+                                                      | ((odd & 0x3) << 5))
+    return out
 
 
 @triton.jit

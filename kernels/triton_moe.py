@@ -643,7 +643,7 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
     scale, zero = ready(p.scale), ready(p.zero)
     if scheme.weight_scale in ("group", "mx") and scale is not None and scale.element_size() == 1:
         scale, zero = _padded_groups(scale), _padded_groups(zero)
-    weight = e2m1_register_order(p.weight).contiguous() if scheme.weight_type == "e2m1" else ready(p.weight)
+    weight = e2m1_register_order(p.weight) if scheme.weight_type == "e2m1" else ready(p.weight)
     return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
             ready(p.input_scale, torch.float32)]
 

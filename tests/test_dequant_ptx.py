@@ -89,6 +89,22 @@ def test_the_evaluator_refuses_what_it_does_not_know():
         run_ptx("mul.lo.u32 $0, $1, 3;", {"$1": 1})
 
 
+def test_e2m1_register_order_is_a_bijection_written_a_chunk_at_a_time(monkeypatch):
+    """Every byte maps to a distinct one (0 to 0), the codes where the decoders look for them, and a
+    tensor longer than a chunk (and not contiguous) comes out as the bytes' order one by one."""
+    every = torch.arange(256, dtype=torch.uint8)
+    ordered = fp4_dequant.e2m1_register_order(every).to(torch.int64)
+    assert int(ordered[0]) == 0 and len(set(ordered.tolist())) == 256
+    even, odd = every.to(torch.int64) & 0xF, every.to(torch.int64) >> 4
+    assert torch.equal((ordered >> 1) & 0xF, even)
+    assert torch.equal(((ordered >> 4) & 0x8) | ((ordered & 0x1) << 2) | ((ordered >> 5) & 0x3), odd)
+    table = ordered.to(torch.uint8)
+    monkeypatch.setattr(fp4_dequant, "REGISTER_ORDER_CHUNK", 7)
+    packed = torch.randint(0, 256, (3, 10, 6), dtype=torch.uint8).transpose(1, 2)
+    got = fp4_dequant.e2m1_register_order(packed)
+    assert got.is_contiguous() and torch.equal(got, table[packed.to(torch.int64)])
+
+
 @pytest.mark.parametrize("folded", [False, True], ids=["two-multiplies", "folded"])
 @pytest.mark.parametrize("half", ["bf16", "f16"])
 def test_e2m1_ptx_gives_value_times_scale_for_every_byte(half, folded):
