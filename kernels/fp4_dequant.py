@@ -86,7 +86,7 @@ def _e4m3_scale(codes, dtype, TIMES: tl.constexpr, CVT: tl.constexpr):
 # pair in the checkpoint's nibble order), float16 4 a pair in either order. H100, whole layer, bfloat16, side by side
 # with the nibble order's form (shifts as IMAD.SHL): MXFP4 1.07-1.09x at M = 8 and 64 on Qwen3-30B-A3B
 # and Mixtral, NVFP4 0.99-1.05x. The right shifts stay shifts (SHF, ALU pipe): as integer multiplies
-# (mul.hi, IMAD.HI) the loop was 15% shorter but the layer up to 1.14x slower.
+# (mul.hi, IMAD.HI) the loop was 15% shorter but the layer up to 1.16x slower.
 E2M1_PLACE_HIGH = ("0x1404", "0x3424")  # prmt selectors: bytes 0, 1 and 2, 3 to the halves' high bytes
 E2M1_BF16_MASK = _immediate(tl.constexpr(0x81C0), 2)  # bfloat16's sign and magnitude bits 15, 8..6
 E2M1_BF16_ODD_KEEP = _immediate(tl.constexpr(0x813E), 2)  # where the odd form keeps the placed word
