@@ -79,7 +79,7 @@ from pathlib import Path
 
 import torch
 from moe_registry_kernels.activations import act_and_mul
-from moe_registry_kernels.cpu_packed import CpuPackedExperts, _placeholder
+from moe_registry_kernels.cpu_packed import PACKED_FIELDS, CpuPackedExperts
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
 from moe_registry_kernels.quant_ref import (
     AMAX_FLOOR,
@@ -318,7 +318,8 @@ class NativeExperts(CpuPackedExperts):
         wkey, akey = weights.weight_key, weights.activation_key
         self.w13 = _build_proj(weights.w13, wkey, akey)
         self.w2 = _build_proj(weights.w2, wkey, akey)
-        Experts.__init__(self, ExpertWeights(_placeholder(weights.w13), _placeholder(weights.w2), wkey, akey,
+        Experts.__init__(self, ExpertWeights(weights.w13.with_stand_ins(*PACKED_FIELDS),
+                                             weights.w2.with_stand_ins(*PACKED_FIELDS), wkey, akey,
                                              weights.layout), config)
         self._perm = tuple(None if p.perm is None else p.perm.to(torch.int64) for p in (weights.w13, weights.w2))
         self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))

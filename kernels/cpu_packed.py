@@ -290,13 +290,8 @@ def _build_proj(proj: ProjectionWeights, key: QuantKey) -> _Int4 | _Int8 | _Fp8:
     return _Int8.build(proj, key)
 
 
-def _placeholder(proj: ProjectionWeights) -> ProjectionWeights:
-    """Same shape, dtype and device, one element of storage: ``Experts.weights`` keeps the layer's
-    shapes and keys without pinning the nk tensors the packed copies were built from."""
-    def stub(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
-    return ProjectionWeights(stub(proj.weight), stub(proj.scale), stub(proj.zero), proj.perm, proj.bias,
-                             proj.input_scale)
+# what Experts.weights keeps of a projection whose packed copies the kernel builds (ProjectionWeights.with_stand_ins)
+PACKED_FIELDS = ("weight", "scale", "zero", "scale2")
 
 
 class CpuPackedExperts(Experts):
@@ -310,7 +305,8 @@ class CpuPackedExperts(Experts):
             raise ValueError(f"torch-cpu-packed runs on the cpu, the weights are on {weights.device}")
         self.w13 = _build_proj(weights.w13, weights.weight_key)
         self.w2 = _build_proj(weights.w2, weights.weight_key)
-        super().__init__(ExpertWeights(_placeholder(weights.w13), _placeholder(weights.w2), weights.weight_key,
+        super().__init__(ExpertWeights(weights.w13.with_stand_ins(*PACKED_FIELDS),
+                                       weights.w2.with_stand_ins(*PACKED_FIELDS), weights.weight_key,
                                        weights.activation_key, weights.layout), config)
         self._perm = tuple(None if p.perm is None else p.perm.to(torch.int64) for p in (weights.w13, weights.w2))
         self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))

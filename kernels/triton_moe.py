@@ -648,12 +648,13 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
             ready(p.input_scale, torch.float32)]
 
 
-def _without_codes(p: ProjectionWeights) -> ProjectionWeights:
-    """``p`` with its weight codes replaced by a one-element stand-in of the same shape: what the
-    experts keep of a projection whose codes they hold in another byte order, so the converted
-    ones are not pinned twice."""
-    stub = torch.zeros((), dtype=p.weight.dtype, device=p.weight.device).expand(p.weight.shape)
-    return dataclasses.replace(p, weight=stub)
+def _kept(p: ProjectionWeights, held: torch.Tensor) -> ProjectionWeights:
+    """What the experts keep of a projection besides their kernel tensors: the converted codes where the
+    kernel reads those very tensors, else a stand-in (FP4 codes in another byte order, a contiguous copy),
+    so no codes are pinned twice."""
+    if held.untyped_storage().data_ptr() == p.weight.untyped_storage().data_ptr():
+        return p
+    return p.with_stand_ins("weight")
 
 
 class _TritonBase(Experts):
@@ -664,10 +665,9 @@ class _TritonBase(Experts):
         self.weight_key = str(weights.weight_key)
         self.activation_key = str(weights.activation_key)
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
-        self._tensors = _kernel_tensors(weights.w13, self.scheme) + _kernel_tensors(weights.w2, self.scheme)
-        if self.scheme.weight_type == "e2m1":  # the codes now live in self._tensors alone
-            self.weights = dataclasses.replace(weights, w13=_without_codes(weights.w13),
-                                               w2=_without_codes(weights.w2))
+        t13, t2 = _kernel_tensors(weights.w13, self.scheme), _kernel_tensors(weights.w2, self.scheme)
+        self._tensors = t13 + t2
+        self.weights = dataclasses.replace(weights, w13=_kept(weights.w13, t13[0]), w2=_kept(weights.w2, t2[0]))
         # by keyword, absent for every other key: second-level weight scales (NVFP4), [E, N] float32,
         # and MX FP4 scales' code range (whether their tiles may fold, _e2m1_fold)
         self._options: dict[str, object] = {

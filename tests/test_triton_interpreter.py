@@ -1054,3 +1054,16 @@ def test_w4a8_batched_rows_take_their_codes_as_16_bit_floats(monkeypatch):
     ref = reference_moe_batched(x, counts, weights, config)
     assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[0, 3:]) == 0
     assert _rel_err(out, ref) < 3e-2
+
+
+def test_experts_keep_the_converted_codes_they_read_and_stand_ins_for_the_ones_they_copy():
+    """Codes the kernel reads as converted are kept as they are (one copy); FP4 codes, which it holds in
+    another byte order, leave a one-element stand-in of their shape, scales kept."""
+    for key, copied in (("uint4b8 scale:float16:group(32):static", False), ("e2m1 scale:e8m0:group(32):static", True)):
+        weights = quant_ref.make_random_expert_weights(parse_quant_key(key), parse_quant_key(UNQ), num_experts=E,
+                                                       hidden=H, intermediate=INTER, dtype=torch.float16)
+        kept = TritonExperts(weights, ExpertsConfig()).weights
+        for given, held in ((weights.w13, kept.w13), (weights.w2, kept.w2)):
+            assert (held.weight is not given.weight) == copied, key
+            assert held.weight.shape == given.weight.shape and held.scale is given.scale
+            assert held.weight.untyped_storage().nbytes() == (1 if copied else given.weight.untyped_storage().nbytes())

@@ -30,6 +30,7 @@ over experts, as the checkpoint's per-expert scales are collapsed to one).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,15 @@ class ProjectionWeights:
         """A copy on ``device`` (new tensors; this one is left as it is)."""
         moved = {k: (None if v is None else v.to(device)) for k, v in self.__dict__.items()}
         return ProjectionWeights(**moved)
+
+    def with_stand_ins(self, *fields: str) -> ProjectionWeights:
+        """A copy whose tensors ``fields`` (those present) are one-element stand-ins of the same shape,
+        dtype and device: what a kernel that holds its own copy of them keeps, so the layer's shapes
+        and keys stay readable without pinning the converted tensors twice."""
+        def stand_in(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
+        replaced = {f: stand_in(getattr(self, f)) for f in fields if getattr(self, f) is not None}
+        return dataclasses.replace(self, **replaced)
 
     def subset(self, experts: torch.Tensor) -> ProjectionWeights:
         """The projection of ``experts`` (int64 global ids, in that order) alone: every per-expert tensor
