@@ -77,17 +77,19 @@ def _pattern(a: Symbol, b: Symbol, want: Symbol) -> tuple[int, int, int]:
     return tuple(0 if s is None else names.setdefault(s, len(names) + 1) for s in (a, b, want))  # type: ignore[return-value]
 
 
-def _immediate_bit(table: int, pattern: tuple[int, int, int]) -> int | None:
-    """An immediate bit c for which lop3(a, b, c) under ``table`` gives ``want`` whatever the byte bits
-    involved hold (bit 4a + 2b + c of the table is the result), or None."""
+def _gives(table: int, pattern: tuple[int, int, int], c: int) -> bool:
+    """Whether lop3(a, b, c) under ``table`` gives ``want`` whatever the byte bits involved hold (bit
+    4a + 2b + c of the table is the result)."""
     a, b, want = pattern
     symbols = sorted({s for s in pattern if s})
-    for c in (0, 1):
-        if all(((table >> (4 * env[a] + 2 * env[b] + c)) & 1) == env[want]
+    return all(((table >> (4 * env[a] + 2 * env[b] + c)) & 1) == env[want]
                for env in ({0: 0, **dict(zip(symbols, values, strict=True))}
-                           for values in itertools.product((0, 1), repeat=len(symbols)))):
-            return c
-    return None
+                           for values in itertools.product((0, 1), repeat=len(symbols))))
+
+
+def _immediate_bit(table: int, pattern: tuple[int, int, int]) -> int | None:
+    """An immediate bit for which the lop3 gives what the pattern wants (:func:`_gives`), or None."""
+    return next((c for c in (0, 1) if _gives(table, pattern, c)), None)
 
 
 # every (pattern, table) answer, computed once, and per pattern the tables that have one (a 256-bit mask)
@@ -118,10 +120,8 @@ def decodes(positions: tuple[int, int, int, int], place: int, shifts: tuple[int,
             immediate: int) -> bool:
     """Whether lop3(word << shifts[0], word << shifts[1], immediate) under ``table`` decodes the code
     at ``positions`` exactly (the PTX's own constants checked against the bits, not by running them)."""
-    return all(((table >> (4 * env[a] + 2 * env[b] + ((immediate >> p) & 1))) & 1) == env[want]
-               for p, (a, b, want) in enumerate(_patterns(positions, place, shifts))
-               for env in ({0: 0, **dict(zip(sorted({s for s in (a, b, want) if s}), values, strict=False))}
-                           for values in itertools.product((0, 1), repeat=len({s for s in (a, b, want) if s}))))
+    return all(_gives(table, pattern, (immediate >> p) & 1)
+               for p, pattern in enumerate(_patterns(positions, place, shifts)))
 
 
 def search(max_shifts: int) -> Iterator[Form]:
