@@ -233,6 +233,74 @@ def _dequant_byte_pairs(words, tile_zero, scale, dtype, SIGNED: tl.constexpr, SC
     return _dequant_asm(program, words, tile_zero, scale, dtype, 2, SCALED, 2)
 
 
+# MX fp8 weights as 16-bit values times a folded scale (_e4m3_asm): bfloat16 halves read the e4m3
+# value * 2^-120, which the scale takes back (triton_moe.E4M3_MX_FOLD_CODES: where that is exact)
+E4M3_BF16_UNSCALE = tl.constexpr(2.0 ** 120)
+# e4m3 bits 6..0 (exponent and mantissa) moved to bfloat16 bits 10..4, the sign to bit 15
+E4M3_BF16_FIELDS_PAIR = "0x87F087F0"
+
+
+@triton.constexpr_function
+def _e4m3_byte_pairs(word_pairs: bool) -> tuple:
+    """The bytes of a 32-bit word that make each output pair (low half, high half): in order
+    (codes 0, 1 and 2, 3), or ``word_pairs`` (two 16-bit words of an even and an odd code each:
+    the even codes 0, 2 and the odd ones 1, 3)."""
+    return ((0, 2), (1, 3)) if word_pairs else ((0, 1), (2, 3))
+
+
+@triton.constexpr_function
+def _e4m3_asm(half: str, word_pairs: bool = False) -> str:
+    """PTX turning 4 e4m3 codes (one 32-bit word) into value * scale, two at a time in 16-bit pairs,
+    the scale folded (:func:`_e4m3_folded_scale`):
+    - float16: one hardware convert a pair (exact) and one paired multiply;
+    - bfloat16: one prmt places each code's byte in its half's low byte and its sign, replicated,
+      in the high byte; one shift and one mask leave sign, exponent and mantissa where bfloat16
+      has them, value * 2^-120 (subnormal codes too), and one paired multiply by scale * 2^120.
+    Operands: $0 $1 the result pairs (:func:`_e4m3_byte_pairs`), $2 the word, $3 $4 the scale pairs
+    (bytes in order, pack=4) or $3 one scale pair (``word_pairs``, pack=2)."""
+    pairs = _e4m3_byte_pairs(word_pairs)
+    scales = ("$3", "$3") if word_pairs else ("$3", "$4")
+    lines = ["{", ".reg .b32 z, t0, t1;", ".reg .b16 h0, h1;", "mov.b32 z, 0;"]
+    if half == "f16":  # each pair's two bytes in a 16-bit half, converted by the hardware
+        if word_pairs:
+            lines += [f"prmt.b32 t0, $2, z, 0x{pairs[1][1]}{pairs[1][0]}{pairs[0][1]}{pairs[0][0]};",
+                      "mov.b32 {h0, h1}, t0;"]
+        else:
+            lines.append("mov.b32 {h0, h1}, $2;")
+        lines += ["cvt.rn.f16x2.e4m3x2 t0, h0;", "cvt.rn.f16x2.e4m3x2 t1, h1;"]
+    for out in range(2):  # (no tuple targets: Triton 3.6 reads this source for its cache key)
+        low, high = pairs[out][0], pairs[out][1]
+        if half == "bf16":  # byte `high` with its sign replicated (selector bit 3) above it, `low` likewise
+            lines += [f"prmt.b32 t{out}, $2, z, 0x{high | 8:X}{high}{low | 8:X}{low};",
+                      f"shl.b32 t{out}, t{out}, 4;", f"and.b32 t{out}, t{out}, {E4M3_BF16_FIELDS_PAIR};"]
+        lines.append(f"mul.rn.{half}x2 ${out}, t{out}, {scales[out]};")
+    return "\n".join([*lines, "}"])
+
+
+@triton.jit
+def _e4m3_folded_scale(scale, dtype):
+    """An MX group scale (float32 power of two) times the unscale of :func:`_e4m3_asm`'s halves, in
+    ``dtype``: exact for the codes triton_moe.E4M3_MX_FOLD_CODES admits (finite for the pad code 0)."""
+    if dtype == tl.bfloat16:
+        scale = scale * E4M3_BF16_UNSCALE
+    return scale.to(dtype)
+
+
+@triton.jit
+def _dequant_e4m3(codes, scale, dtype, WORD_PAIRS: tl.constexpr = False):
+    """e4m3 weight codes (uint8 bytes in order, or ``WORD_PAIRS``: uint16 words of an even and an odd
+    code) times a folded MX scale (:func:`_e4m3_folded_scale`, broadcast to them), in the 16-bit
+    ``dtype``, with _e4m3_asm: the values _dequant_byte gives. GPU only (PTX); WORD_PAIRS returns
+    (even, odd) as _dequant_byte_pairs does."""
+    program: tl.constexpr = _e4m3_asm("bf16" if dtype == tl.bfloat16 else "f16", WORD_PAIRS)
+    PACK: tl.constexpr = 2 if WORD_PAIRS else 4
+    result: tl.constexpr = _asm_result_dtype(dtype, 2 if WORD_PAIRS else 1)
+    scale_t = tl.broadcast_to(scale, codes.shape).to(dtype)
+    bits: tl.constexpr = (codes.dtype.primitive_bitwidth, 16)
+    return tl.inline_asm_elementwise(program, _asm_constraints(PACK, 2 if WORD_PAIRS else 1, bits), [codes, scale_t],
+                                     dtype=result.value, is_pure=True, pack=PACK)
+
+
 @triton.jit
 def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr, ASM: tl.constexpr = False,
                   SCALED: tl.constexpr = True):

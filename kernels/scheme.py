@@ -94,10 +94,12 @@ class Scheme:
     def paired_dequant(self) -> bool:
         """Whether the dequantisation has a paired 16-bit PTX form (see
         :mod:`moe_registry_kernels.dequant_ptx`): 4-bit codes, or 8-bit integer codes whose scales
-        are 16-bit (group) or applied to the dot's result (channel); float32 block scales would
-        be rounded by it."""
+        are 16-bit (group) or applied to the dot's result (channel), or MX fp8 codes (whose
+        power-of-two scales it folds, where exact: triton_moe._e4m3_folded); float32 block scales
+        would be rounded by it."""
         return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8")
-                               and self.weight_scale in ("group", "channel"))
+                               and self.weight_scale in ("group", "channel")) or (
+            self.weight_type == "fp8e4m3" and self.weight_scale == "mx")
 
     @property
     def dot(self) -> str:

@@ -283,6 +283,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, scheme, dummy),
             **_e2m1_fold(w, scheme, compute_dtype), E4M3_CVT=_hardware_e4m3_convert(a.device),
+            E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
             **_launch_options(config), **triton_ops.pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
@@ -306,7 +307,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
-        E4M3_CVT=_hardware_e4m3_convert(a.device), GROUP_DOTS=config.get("GROUP_DOTS", False),
+        E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
+        GROUP_DOTS=config.get("GROUP_DOTS", False),
         **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
@@ -346,10 +348,27 @@ def _e2m1_fold(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype) -> dict:
     return {"E2M1_FOLDED": codes is not None and lowest <= codes[0] and codes[1] <= highest, "E2M1_SHIFT": 0}
 
 
+# MX fp8 tiles folded (dequant_ptx._e4m3_asm): the e8m0 codes an MX scale may have, by activation
+# dtype, for scale * the halves' unscale to be exact in it (bfloat16: 2^-127 * 2^120 .. 2^7 * 2^120;
+# float16: 2^-24 .. 2^15, subnormal below 2^-14)
+E4M3_MX_FOLD_CODES = {torch.bfloat16: (0, 134), torch.float16: (103, 142)}
+
+
+def _e4m3_folded(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype, asm: bool) -> bool:
+    """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (two to three instructions
+    a weight pair and a multiply, against six through float32): on the PTX path, where every scale
+    code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
+    if not asm or scheme.weight_type != "fp8e4m3" or scheme.weight_scale != "mx" or w.scale_codes is None:
+        return False
+    lowest, highest = E4M3_MX_FOLD_CODES.get(compute_dtype, (1, 0))
+    return lowest <= w.scale_codes[0] and w.scale_codes[1] <= highest
+
+
 def mx_scale_codes(weights: ExpertWeights, scheme: Scheme) -> list[int] | None:
-    """[lowest, highest] e8m0 code of MX FP4 experts' scales (None for any other key), read once where
-    the weights are set up: the layer's custom ops take it as ``mx_scale_codes`` (_e2m1_fold)."""
-    if scheme.weight_type != "e2m1" or scheme.weight_scale != "mx":
+    """[lowest, highest] e8m0 code of MX FP4 or fp8 experts' scales (None for any other key), read once
+    where the weights are set up: the layer's custom ops take it as ``mx_scale_codes`` (_e2m1_fold,
+    _e4m3_folded)."""
+    if scheme.weight_type not in ("e2m1", "fp8e4m3") or scheme.weight_scale != "mx":
         return None
     codes = torch.cat([p.scale.reshape(-1).view(torch.uint8) for p in (weights.w13, weights.w2)])
     lowest, highest = torch.aminmax(codes)

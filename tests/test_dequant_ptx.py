@@ -1,6 +1,6 @@
 """The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
 evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
-rotate, paired bfloat16 multiplies), so the PTX text the GPU runs is checked against the values it
+rotate, paired 16-bit multiplies, the e4m3 pair convert), so the PTX text the GPU runs is checked against the values it
 stands for on every input, here in CI; tests/test_triton_gpu.py checks the same PTX on a GPU
 against the plain Triton path."""
 
@@ -8,16 +8,28 @@ import re
 
 import pytest
 import torch
-from moe_registry_kernels import dequant_ptx, fp4_dequant
+from moe_registry_kernels import dequant_ptx, fp4_dequant, triton_moe
 
 MASK32 = 0xFFFFFFFF
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
-    """prmt.b32's default mode: byte q of the result is byte (selector's nibble q) of b:a."""
+    """prmt.b32's default mode: byte q of the result is byte (selector's nibble q, low 3 bits) of b:a,
+    or, where the nibble's bit 3 is set, that byte's sign bit replicated over 8 bits."""
     pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    assert all((selector >> (4 * q)) & 0x8 == 0 for q in range(4)), "sign-replicating selectors are not evaluated"
-    return sum(pool[(selector >> (4 * q)) & 0x7] << (8 * q) for q in range(4))
+
+    def byte(nibble: int) -> int:
+        chosen = pool[nibble & 0x7]
+        return (0xFF if chosen & 0x80 else 0) if nibble & 0x8 else chosen
+
+    return sum(byte((selector >> (4 * q)) & 0xF) << (8 * q) for q in range(4))
+
+
+def _e4m3_pair(x: int) -> int:
+    """cvt.rn.f16x2.e4m3x2: the two e4m3 bytes of a 16-bit value as a float16 pair (exact)."""
+    codes = torch.tensor([x & 0xFF, (x >> 8) & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    bits = codes.float().to(torch.float16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(bits[0]) | int(bits[1]) << 16
 
 
 def _lop3(a: int, b: int, c: int, table: int) -> int:
@@ -40,7 +52,8 @@ def _pair_product(half: torch.dtype):
 OPS = {"and": lambda x, y: x & y, "add": lambda x, y: (x + y) & MASK32, "xor": lambda x, y: x ^ y,
        "shr": lambda x, y: x >> y, "shl": lambda x, y: (x << y) & MASK32, "prmt": _prmt, "lop3": _lop3,
        "shf.l.wrap": lambda lo, hi, n: (((hi << 32 | lo) << (n & 31)) >> 32) & MASK32,
-       "mul.rn.bf16x2": _pair_product(torch.bfloat16), "mul.rn.f16x2": _pair_product(torch.float16)}
+       "mul.rn.bf16x2": _pair_product(torch.bfloat16), "mul.rn.f16x2": _pair_product(torch.float16),
+       "cvt.rn.f16x2.e4m3x2": _e4m3_pair}
 
 
 def run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
@@ -60,7 +73,11 @@ def run_ptx(program: str, operands: dict[str, int]) -> dict[str, int]:
         line = line.strip().rstrip(";")
         if not line or line in "{}" or line.startswith(".reg"):
             continue
-        match = re.fullmatch(r"([\w.]+?)\.(b32|u32|bf16x2|f16x2) (\$?\w+), (.+)", line)
+        halves = re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (\$?\w+)", line)
+        if halves:  # a 32-bit value split into its 16-bit halves
+            regs[halves.group(1)], regs[halves.group(2)] = value(halves.group(3)) & 0xFFFF, value(halves.group(3)) >> 16
+            continue
+        match = re.fullmatch(r"([\w.]+?)\.(b32|u32|bf16x2|f16x2|e4m3x2) (\$?\w+), (.+)", line)
         op = match and (match.group(1) if match.group(2) in ("b32", "u32") else f"{match.group(1)}.{match.group(2)}")
         assert op in OPS or op == "mov", f"an instruction this evaluator does not know: {line}"
         dest, sources = match.group(3), [value(t) for t in match.group(4).split(",")]
@@ -137,3 +154,38 @@ def test_e2m1_ptx_gives_value_times_scale_for_every_byte(half, folded):
             for i in range(2):
                 got = out[f"${first + i}"]
                 assert got == pair(want[2 * i:2 * i + 2]), f"{half} word {word:#010x}, ${first + i}: {got:#010x}"
+
+
+@pytest.mark.parametrize("word_pairs", [False, True], ids=["bytes", "word-pairs"])
+@pytest.mark.parametrize("half", ["bf16", "f16"])
+def test_e4m3_ptx_gives_value_times_scale_for_every_byte(half, word_pairs):
+    """Every e4m3 byte but the NaNs in every position of the word (subnormals, zeros and both signs
+    included): each output pair holds its two codes' values times the MX scale, rounded once, from
+    the scale folded as the GEMMs fold it (bfloat16: times 2^120), over the fold's whole code range."""
+    dtype = torch.bfloat16 if half == "bf16" else torch.float16
+    program = dequant_ptx._e4m3_asm(half, word_pairs)
+    pairs = dequant_ptx._e4m3_byte_pairs(word_pairs)
+    lowest, highest = triton_moe.E4M3_MX_FOLD_CODES[dtype]
+    unscale = 2.0 ** 120 if half == "bf16" else 1.0
+
+    def pair(values: torch.Tensor) -> int:
+        bits = values.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | int(bits[1]) << 16
+
+    data = torch.arange(256, dtype=torch.int64)
+    data = data[(data & 0x7F) != 0x7F]  # the e4m3fn NaN codes, refused where checkpoints are read
+    words = torch.cat([data.roll(shift)[:252].view(63, 4) for shift in range(4)])
+    for n, word_bytes in enumerate(words):
+        # one scale an element: a byte (in order) or a 16-bit word of two (word pairs)
+        codes = [lowest, highest, lowest + n % (highest - lowest), highest - n % 7]
+        scales = torch.exp2(torch.tensor(codes, dtype=torch.float64) - 127)
+        folded = (scales * unscale).to(dtype)
+        assert torch.equal(folded.double(), scales * unscale), "the folded scale is exact"
+        word = sum(int(b) << (8 * i) for i, b in enumerate(word_bytes))
+        operands = {"$2": word, "$3": pair(folded[:2]), "$4": pair(folded[2:])}
+        out = run_ptx(program, operands)
+        byte_scales = scales[[0, 0, 1, 1]] if word_pairs else scales
+        want_all = word_bytes.to(torch.uint8).view(torch.float8_e4m3fn).double() * byte_scales
+        for i in range(2):
+            want = want_all[list(pairs[i])].to(dtype)
+            assert out[f"${i}"] == pair(want), f"{half} word {word:#010x}, ${i}: {out[f'${i}']:#010x}"

@@ -9,13 +9,14 @@ instead of 11, so each rounded intermediate costs 4x more: 1e-2 for 16-bit weigh
 integer weights, and 3e-2 for fp8 in either dtype.
 """
 
+import contextlib
 import dataclasses
 import math
 
 import pytest
 import torch
 from launch_spy import KwargSpy, LaunchSpy
-from moe_registry_kernels import quant_ref, triton_moe, triton_ops
+from moe_registry_kernels import dequant_ptx, quant_ref, triton_moe, triton_ops
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
 
@@ -226,6 +227,36 @@ def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(scheme, dtype,
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
     assert _rel_err(got, ref) < TOLERANCE[(dtype, "int")]
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["tuned", "swapped"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, monkeypatch):
+    """MX fp8 weights through the PTX with folded scales (the layer's tile configs, or the swapped
+    kernel's byte pairs) give exactly the output of the float32 decode, near the reference."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights("mxfp8-w8a16", e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m)
+    experts = TritonExperts(weights, ExpertsConfig())
+    real, taken = triton_moe._e4m3_folded, []
+
+    def spy(w, s, d, asm):
+        taken.append(real(w, s, d, asm))
+        return taken[-1]
+
+    tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+            "SPLIT_K": 1, "SWAP_AB": True}
+    with triton_moe.config_override(tile, tile) if swap else contextlib.nullcontext():
+        monkeypatch.setattr(triton_moe, "_e4m3_folded", spy)
+        got = experts.apply(hidden, topk_weights, topk_ids)
+        monkeypatch.setattr(triton_moe, "_e4m3_folded", lambda w, s, d, asm: False)
+        want = experts.apply(hidden, topk_weights, topk_ids)
+    assert taken == [True, True]
+    assert torch.equal(got, want), f"{shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    assert _rel_err(got, ref) < _tolerance("mxfp8-w8a16", dtype)
 
 
 @pytest.mark.parametrize("amax", [1e-10, 3e-4, 0.7, 1.0, 13.0, 6e4])
@@ -589,6 +620,44 @@ def test_e4m3_scales_by_the_gpus_conversion_equal_the_bit_move(dtype):
         assert torch.equal(outs[True][finite].view(torch.int16), outs[False][finite].view(torch.int16)), times
         want = (codes.view(torch.float8_e4m3fn).float() * times).to(dtype)
         assert torch.equal(outs[True][finite].view(torch.int16), want[finite].view(torch.int16)), times
+
+
+@pytest.mark.parametrize("word_pairs", [False, True], ids=["bytes", "word-pairs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_mx_fp8_ptx_with_folded_scales_equals_value_times_scale(dtype, word_pairs):
+    """MX fp8 weights through dequant_ptx._e4m3_asm, their scales folded as the GEMMs fold them: every
+    finite e4m3 byte (subnormals too) times every e8m0 code the fold admits for the dtype, bit for
+    bit against the float32 product rounded once (what the plain path gives). bfloat16 needs the
+    GPU's paired multiply to keep subnormal inputs: e4m3 subnormals are bfloat16 subnormals here."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant(c_ptr, s_ptr, out_ptr, DT: tl.constexpr, PAIRS: tl.constexpr):
+        rows = tl.arange(0, 64)[:, None]
+        scale = dequant_ptx._e4m3_folded_scale(dequant_ptx._e8m0(tl.load(s_ptr + rows)), DT)
+        if PAIRS:  # as the swapped kernel reads them: 16-bit words of an even and an odd column
+            words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + rows * 128 + tl.arange(0, 128)[None, :])
+            even, odd = dequant_ptx._dequant_e4m3(words, scale, DT, True)
+            out = tl.reshape(tl.join(even, odd), (64, 256))
+        else:
+            out = dequant_ptx._dequant_e4m3(tl.load(c_ptr + rows * 256 + tl.arange(0, 256)[None, :]), scale, DT)
+        tl.store(out_ptr + rows * 256 + tl.arange(0, 256)[None, :], out)
+
+    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+        pytest.skip("paired 16-bit arithmetic unavailable here")
+    lowest, highest = triton_moe.E4M3_MX_FOLD_CODES[dtype]
+    every = torch.arange(256, device=DEVICE)
+    every = torch.where((every & 0x7F) == 0x7F, 0, every).to(torch.uint8)  # the NaN codes, refused on load
+    for first in range(lowest, highest + 1, 64):
+        scale_codes = torch.arange(first, first + 64, device=DEVICE).clamp(max=highest).to(torch.uint8)
+        codes = every.repeat(64, 1).roll(1, dims=1).contiguous()
+        out = torch.empty(64, 256, dtype=dtype, device=DEVICE)
+        dequant[(1,)](codes, scale_codes, out, DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
+                      PAIRS=word_pairs)
+        scales = torch.exp2(scale_codes.double() - 127)[:, None]
+        want = (codes.view(torch.float8_e4m3fn).double() * scales).to(dtype)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (first, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

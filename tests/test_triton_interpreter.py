@@ -292,6 +292,34 @@ def test_byte_pairs_need_even_rows_and_alignment():
     assert not triton_moe._byte_pairs(torch.zeros(2, 8, 64, dtype=torch.float16))  # not 8-bit
 
 
+@pytest.mark.parametrize("dtype, codes, asm, folded", [
+    (torch.bfloat16, (0, 134), True, True), (torch.bfloat16, (0, 135), True, False),
+    (torch.float16, (103, 142), True, True), (torch.float16, (102, 120), True, False),
+    (torch.float16, (110, 143), True, False), (torch.bfloat16, None, True, False),
+    (torch.bfloat16, (100, 120), False, False), (torch.float32, (100, 120), True, False)])
+def test_mx_fp8_folds_only_on_the_ptx_path_with_every_scale_code_in_range(dtype, codes, asm, folded):
+    """MX fp8 tiles fold their scales (dequant_ptx._e4m3_asm) only on the PTX path and where the layer
+    knows every scale code lies in range for its dtype; never for other weight types."""
+    proj = triton_moe._Proj(torch.zeros(1, 2, 32, dtype=torch.uint8), None, None, None, None, None, 2, 32,
+                            scale_codes=codes)
+    mxfp8 = scheme_from_keys("fp8e4m3 scale:e8m0:group(32):static", "unquantized")
+    mxfp4 = scheme_from_keys("e2m1 scale:e8m0:group(32):static", "unquantized")
+    assert mxfp8.paired_dequant
+    assert triton_moe._e4m3_folded(proj, mxfp8, dtype, asm) is folded
+    assert triton_moe._e4m3_folded(proj, mxfp4, dtype, asm) is False
+
+
+def test_mx_fp8_experts_carry_their_scale_codes_range():
+    """The experts read their MX fp8 scales' code range once, for the launcher's fold decision."""
+    weights = quant_ref.make_random_expert_weights(parse_quant_key("fp8e4m3 scale:e8m0:group(32):static"),
+                                                   parse_quant_key("unquantized"), num_experts=2, hidden=64,
+                                                   intermediate=32, dtype=torch.bfloat16, seed=0)
+    codes = torch.cat([p.scale.reshape(-1).view(torch.uint8) for p in (weights.w13, weights.w2)])
+    experts = TritonExperts(weights, ExpertsConfig())
+    assert experts._options["mx_scale_codes"] == [int(codes.min()), int(codes.max())]
+    assert int(codes.min()) < int(codes.max())
+
+
 @pytest.mark.parametrize("scheme,options", [
     ("gptq4-g64", {"act_order": True}), ("gptq8-g128", {"act_order": True}), ("awq-g32", {"activation": "gelu"}),
     ("fp16", {"on_input": True, "top_k": 1}), ("awq-channel", {"bias": False, "skip_expert": 2}),
