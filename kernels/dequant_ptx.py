@@ -257,7 +257,7 @@ def _e4m3_asm(half: str, word_pairs: bool = False) -> str:
       in the high byte; one shift and one mask leave sign, exponent and mantissa where bfloat16
       has them, value * 2^-120 (subnormal codes too), and one paired multiply by scale * 2^120.
     Operands: $0 $1 the result pairs (:func:`_e4m3_byte_pairs`), $2 the word, $3 $4 the scale pairs
-    (bytes in order, pack=4) or $3 one scale pair (``word_pairs``, pack=2)."""
+    (bytes in order, pack=4: one scale a byte) or $3 the two words' scales (``word_pairs``, pack=2)."""
     pairs = _e4m3_byte_pairs(word_pairs)
     scales = ("$3", "$3") if word_pairs else ("$3", "$4")
     lines = ["{", ".reg .b32 z, t0, t1;", ".reg .b16 h0, h1;", "mov.b32 z, 0;"]

@@ -229,13 +229,14 @@ def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(scheme, dtype,
     assert _rel_err(got, ref) < TOLERANCE[(dtype, "int")]
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["tuned", "swapped"])
+@pytest.mark.parametrize("swap", ["tuned", "swapped", "swapped-bytes"])
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, monkeypatch):
     """MX fp8 weights through the PTX with folded scales (the layer's tile configs, or the swapped
-    kernel's byte pairs) give exactly the output of the float32 decode, near the reference."""
+    kernel's byte pairs, or its byte-wide load) give exactly the output of the float32 decode, near
+    the reference."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights("mxfp8-w8a16", e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m)
@@ -248,7 +249,9 @@ def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, mo
 
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
             "SPLIT_K": 1, "SWAP_AB": True}
-    with triton_moe.config_override(tile, tile) if swap else contextlib.nullcontext():
+    if swap == "swapped-bytes":
+        monkeypatch.setattr(triton_moe, "_byte_pairs", lambda weight: False)
+    with triton_moe.config_override(tile, tile) if swap != "tuned" else contextlib.nullcontext():
         monkeypatch.setattr(triton_moe, "_e4m3_folded", spy)
         got = experts.apply(hidden, topk_weights, topk_ids)
         monkeypatch.setattr(triton_moe, "_e4m3_folded", lambda w, s, d, asm: False)
