@@ -358,9 +358,10 @@ def _e4m3_folded(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype, asm: bool
     """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (two to three instructions
     a weight pair and a multiply, against six through float32): on the PTX path, where every scale
     code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
-    if not asm or scheme.weight_type != "fp8e4m3" or scheme.weight_scale != "mx" or w.scale_codes is None:
+    if (not asm or scheme.weight_type != "fp8e4m3" or scheme.weight_scale != "mx" or w.scale_codes is None
+            or compute_dtype not in E4M3_MX_FOLD_CODES):
         return False
-    lowest, highest = E4M3_MX_FOLD_CODES.get(compute_dtype, (1, 0))
+    lowest, highest = E4M3_MX_FOLD_CODES[compute_dtype]
     return lowest <= w.scale_codes[0] and w.scale_codes[1] <= highest
 
 

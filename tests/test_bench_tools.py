@@ -362,3 +362,71 @@ def test_weight_read_benchmark_reads_every_byte_once(tiled, monkeypatch):
     assert torch.equal(sums, want)
     with pytest.raises(ValueError, match="do not split into 48 x 16 tiles"):
         bench_weight_reads.read_weights(w, k2, 48, block_k2, tiled)
+
+
+# ---------------------------------------------------------------------------------------------
+# per byte of weights against the int4 / int8 baselines (tools/per_byte.py)
+
+
+def _bench_lines(path: Path, cells: dict[tuple[str, str, int], tuple[float, float]]) -> Path:
+    """A bench.jsonl of these (shape, scheme, M) -> (µs, bytes moved) cells, as tools/bench.py writes it."""
+    lines = [json.dumps({"env": {"device": "test"}, "ceilings": {}})]
+    for (shape, scheme, m), (us, moved) in cells.items():
+        lines.append(json.dumps({"row": {"shape": shape, "scheme": scheme, "m": m, "us": us, "bytes_moved": moved}}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def per_byte(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
+    import per_byte
+
+    return per_byte
+
+
+def test_per_byte_compares_each_scheme_with_the_baseline_of_its_width(per_byte, tmp_path, capsys):
+    """MXFP4 (4-bit) against GPTQ int4 and MXFP8 (8-bit) against GPTQ int8, cell by cell, bytes per µs
+    over the baseline's; 16-bit weights and cells the baseline lacks are left out; --below lists the
+    slow cells with their times."""
+    run = _bench_lines(tmp_path / "bench.jsonl", {
+        ("S", "gptq-w4a16", 1): (10.0, 100.0), ("S", "gptq-w4a16", 8): (20.0, 400.0),
+        ("S", "mxfp4", 1): (12.0, 108.0), ("S", "mxfp4", 8): (20.0, 420.0), ("S", "mxfp4", 64): (50.0, 900.0),
+        ("S", "gptq-w8a16", 1): (10.0, 200.0), ("S", "modelopt-mxfp8", 1): (10.0, 210.0),
+        ("S", "unquantized", 1): (30.0, 400.0)})
+    assert per_byte.main([str(run), "--below", "0.95"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["scheme", "S", "M1/8"]
+    assert out.splitlines()[1].split() == ["modelopt-mxfp8", "1.05/-"]
+    assert out.splitlines()[2].split() == ["mxfp4", "0.90/1.05"]
+    assert "1 cells below 0.95:" in out and "mxfp4" in out.splitlines()[-1]
+    assert out.splitlines()[-1].endswith("0.900  12.0 us against gptq-w4a16 10.0 us")
+    assert "unquantized" not in out
+    assert per_byte.main([str(run), "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)
+    assert {(c["scheme"], c["m"], c["baseline"], round(c["ratio"], 3)) for c in cells} == {
+        ("mxfp4", 1, "gptq-w4a16", 0.9), ("mxfp4", 8, "gptq-w4a16", 1.05), ("modelopt-mxfp8", 1, "gptq-w8a16", 1.05)}
+
+
+def test_per_byte_names_what_it_cannot_compare(per_byte, tmp_path, capsys):
+    run = _bench_lines(tmp_path / "bench.jsonl", {("S", "mxfp4", 1): (12.0, 108.0)})
+    assert per_byte.main([str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "per_byte.py: baseline 'gptq-w4a16' is not in this run; measure it in the same run")
+    assert per_byte.main([str(run), "--baselines", "gptq-w4a"]) == 2
+    assert "baseline 'gptq-w4a': not a quantised scheme spec the benchmark runs" in capsys.readouterr().err
+    assert per_byte.main([str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().endswith("none.jsonl: no such file or directory")
+    (tmp_path / "bad.jsonl").write_text('{"env": {}}\n{"row": {"shape"\n{"env": {}}\n')
+    assert per_byte.main([str(tmp_path / "bad.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().endswith("bad.jsonl:2: not a JSON line")
+
+
+def test_per_byte_reads_a_run_cut_off_by_a_kill(per_byte, tmp_path, capsys):
+    """A last line cut off mid-write (tools/bench.py writes each cell as it is measured) is left out."""
+    run = _bench_lines(tmp_path / "bench.jsonl", {("S", "gptq-w4a16", 1): (10.0, 100.0),
+                                                   ("S", "mxfp4", 1): (10.0, 110.0)})
+    run.write_text(run.read_text() + '{"row": {"shape": "S", "sch')
+    assert per_byte.main([str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split() == ["mxfp4", "1.10"]

@@ -1,8 +1,8 @@
 """The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
 evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
-rotate, paired 16-bit multiplies, the e4m3 pair convert), so the PTX text the GPU runs is checked against the values it
-stands for on every input, here in CI; tests/test_triton_gpu.py checks the same PTX on a GPU
-against the plain Triton path."""
+rotate, paired 16-bit multiplies, the e4m3 pair convert), so the PTX text the GPU runs is checked
+against the values it stands for on every input, here in CI; tests/test_triton_gpu.py checks the
+same PTX on a GPU against the plain Triton path."""
 
 import re
 
