@@ -355,9 +355,9 @@ E4M3_MX_FOLD_CODES = {torch.bfloat16: (0, 134), torch.float16: (103, 142)}
 
 
 def _e4m3_folded(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype, asm: bool) -> bool:
-    """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (two to three instructions
-    a weight pair and a multiply, against six through float32): on the PTX path, where every scale
-    code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
+    """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (bfloat16: three instructions
+    a weight pair and a multiply, float16: one and a multiply, against six through float32): on the PTX
+    path, where every scale code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
     if (not asm or scheme.weight_type != "fp8e4m3" or scheme.weight_scale != "mx" or w.scale_codes is None
             or compute_dtype not in E4M3_MX_FOLD_CODES):
         return False
