@@ -264,6 +264,22 @@ def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
     assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
 
 
+def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built) -> None:
+    """What ModelOpt writes for MXFP8 folds in both 16-bit dtypes on the GPU's PTX path (its e8m0 scale
+    codes lie in triton_moe.E4M3_MX_FOLD_CODES), so the GPU fixture test runs the folded decode on it;
+    the interpreter (no PTX) does not fold."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels import triton_moe
+
+    experts = triton_moe.TritonExperts(built["modelopt/qwen3-mxfp8"].weights, ExpertsConfig())
+    codes = experts._options["mx_scale_codes"]
+    p13, p2 = triton_moe._projections(1, *experts._tensors, mx_scale_codes=codes)
+    for dtype in (torch.bfloat16, torch.float16):
+        for proj in (p13, p2):
+            assert triton_moe._e4m3_folded(proj, experts.scheme, dtype, asm=True), (codes, dtype)
+            assert not triton_moe._e4m3_folded(proj, experts.scheme, dtype, asm=False)
+
+
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.layer_ref))
 def test_layer_matches_the_producers_moe_block(name: str, built) -> None:
     """The producer's own quantized MoE block (its routing, all four experts, bfloat16).
