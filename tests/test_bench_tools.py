@@ -182,6 +182,15 @@ def test_a_run_cut_off_keeps_its_finished_cells_and_resume_measures_the_rest(ben
         ("unquantized", 1), ("unquantized", 8), ("gptq-w4a16", 1), ("gptq-w4a16", 8)]
 
 
+def test_resume_refuses_a_progress_file_broken_mid_way(bench, tmp_path, capsys):
+    """Only the last line of bench.jsonl may be cut off (by a kill); a broken line before it is named."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.jsonl").write_text('{"env": {}, "ceilings": {}}\n{"row": {"sh\n{"row": {}}\n')
+    assert run(bench, out, "--schemes", "unquantized", "--m", "1", "--resume") == 2
+    assert capsys.readouterr().err.strip() == f"bench.py: {out / 'bench.jsonl'}:2: not a JSON line"
+
+
 def test_resume_skips_present_cells_and_adds_new_ones(bench, tmp_path, monkeypatch):
     out = tmp_path / "out"
     assert run(bench, out, "--schemes", "awq-w4a16", "--m", "1") == 0

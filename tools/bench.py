@@ -483,25 +483,37 @@ def row_from_record(record: dict) -> Row:
 
 def read_progress(out: Path) -> tuple[dict | None, list[dict]]:
     """The run header ({"env", "ceilings"}) and the rows recorded in ``out``: bench.jsonl (one
-    line per measured cell, written as it is measured), else a finished bench.json. A line cut
-    off by a kill is ignored."""
+    line per measured cell, written as it is measured), else a finished bench.json (see read_run)."""
     progress, final = out / PROGRESS, out / RESULT
     if progress.is_file():
-        header, rows = None, []
-        for line in progress.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "row" in record:
-                rows.append(record["row"])
-            elif "ceilings" in record:
-                header = header or record
-        return header, rows
+        return read_run(progress)
     if final.is_file():
-        doc = json.loads(final.read_text())
-        return {"env": doc["env"], "ceilings": doc["ceilings"]}, doc["rows"]
+        return read_run(final)
     return None, []
+
+
+def read_run(path: Path) -> tuple[dict | None, list[dict]]:
+    """The run header and rows of one file: a bench.jsonl, whose last line a kill may have cut off
+    (ignored), or a bench.json. Anything else: ValueError naming the file (and line)."""
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text())
+            return {"env": doc["env"], "ceilings": doc["ceilings"]}, doc["rows"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a tools/bench.py result ({e})") from None
+    header, rows, lines = None, [], path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # cut off mid-write
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line") from None
+        if "row" in record:
+            rows.append(record["row"])
+        elif "ceilings" in record:
+            header = header or record
+    return header, rows
 
 
 def cell(record: dict) -> tuple[str, str, int]:
@@ -559,7 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes, ms = [SHAPES[s] for s in args.shapes], args.m or [1, 8, 64, 512, 4096]
     env = environment(device, dry)
-    header, recorded = read_progress(args.out) if args.resume else (None, [])
+    try:
+        header, recorded = read_progress(args.out) if args.resume else (None, [])
+    except ValueError as e:
+        print(f"bench.py: {e}", file=sys.stderr)
+        return 2
     if header is not None and (header["env"]["device"], header["env"].get("dry_run")) != (env["device"], dry):
         print(f"{args.out / PROGRESS} was measured on {header['env']['device']} (dry run: "
               f"{header['env'].get('dry_run')}), this is {env['device']} (dry run: {dry}): run without --resume "

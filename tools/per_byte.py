@@ -38,31 +38,19 @@ class PerByteError(Exception):
 
 def load_rows(path: Path) -> list[dict]:
     """The rows of a tools/bench.py run: its --out directory, its bench.jsonl or its bench.json."""
-    from bench import read_progress
+    from bench import read_progress, read_run
 
-    if path.is_dir():
-        header, rows = read_progress(path)
-        if header is None and not rows:
-            raise PerByteError(f"{path}: no bench.jsonl or bench.json in it")
-        return rows
-    if not path.is_file():
-        raise PerByteError(f"{path}: no such file or directory")
-    if path.suffix == ".json":
-        try:
-            return json.loads(path.read_text())["rows"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise PerByteError(f"{path}: not a tools/bench.py result ({e})") from None
-    rows, lines = [], path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # the last line, cut off by a kill (tools/bench.py keeps the rest too)
-                break
-            raise PerByteError(f"{path}:{number}: not a JSON line") from None
-        if "row" in record:
-            rows.append(record["row"])
-    return rows
+    try:
+        if path.is_dir():
+            header, rows = read_progress(path)
+            if header is None and not rows:
+                raise PerByteError(f"{path}: no bench.jsonl or bench.json in it")
+            return rows
+        if not path.is_file():
+            raise PerByteError(f"{path}: no such file or directory")
+        return read_run(path)[1]
+    except ValueError as e:
+        raise PerByteError(str(e)) from None
 
 
 def weight_bits(schemes: dict) -> dict[str, int]:

@@ -283,7 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cells = [(shape, scheme, m) for shape in args.shapes for scheme in args.schemes for m in args.m]
     if args.bench is not None:
-        _, rows = bench.read_progress(args.bench)
+        try:
+            _, rows = bench.read_progress(args.bench)
+        except ValueError as e:
+            print(f"profile_ncu.py: --bench: {e}", file=sys.stderr)
+            return 2
         if not rows:
             print(f"profile_ncu.py: --bench {args.bench}: no {bench.PROGRESS} or {bench.RESULT} with rows there",
                   file=sys.stderr)
