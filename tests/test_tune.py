@@ -223,6 +223,89 @@ def test_tuner_caps_registers_of_the_winner(registers_only, tmp_path, monkeypatc
         assert any(pair != (today1, today2) for pair in tiles)
 
 
+GPTQ = "uint4b8 scale:float16:group(128):static"
+
+
+class _SeedWins(_RegisterBound):
+    """_RegisterBound on which only ``fast`` (a GEMM1 tile, BLOCK_N and BLOCK_K) saves time."""
+
+    def __init__(self, tune, fast: dict) -> None:
+        super().__init__(tune)
+        self.fast = fast
+
+    def time(self, configs, *args):
+        if configs == (None, None):
+            return 1.0
+        self.timed.append(configs)
+        c1 = configs[0]
+        return 0.5 if all(c1.get(k) == v for k, v in self.fast.items()) and "maxnreg" not in c1 else 1.0
+
+
+@pytest.mark.parametrize("seeds_only", [True, False])
+def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypatch):
+    """The configs another key pair's table holds for the same GEMM shapes and token count are
+    timed first (whole, and each half with today's other half), fitted to this scheme: W4A8
+    starts from GPTQ int4's per-group-dot tiles. The swapped kernel's tiles are no seed for a
+    scheme it does not run, a table at another token count gives none, and neither does the
+    scheme's own table. --seeds-only times nothing else but the register caps on the winner."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    from moe_registry.core.keys import parse_quant_key
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    keys = ("uint4b8 scale:float32:group(128):static", "int8 scale:float32:token:dynamic")  # W4A8
+    tile = {"BLOCK_M": 16, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    seed1 = {**tile, "BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True}
+    seed2 = {**tile, "BLOCK_N": 128, "BLOCK_K": 64}
+    gemms = ("E8_top2_N256_K128", "E8_top2_N128_K128")
+    tables = {
+        (GPTQ, "unquantized"): {gemms[0]: {"1": seed1}, gemms[1]: {"1": seed2}},
+        # the swapped kernel's tile (W4A8 has no swapped kernel) and another token count: no seeds
+        (GPTQ, "fp8e4m3 scale:float32:token:dynamic"): {
+            gemms[0]: {"1": {**seed1, "BLOCK_N": 64, "SWAP_AB": True}}, gemms[1]: {"1": {**seed2, "SWAP_AB": True}}},
+        ("int8 scale:float32:channel:static", "unquantized"): {gemms[0]: {"8": seed2}, gemms[1]: {"8": seed2}},
+    }
+    for pair, table in tables.items():
+        (tmp_path / triton_moe.config_file(*pair, "cpu").name).write_text(json.dumps(table))
+    layer = _SeedWins(tune, {"BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True})
+    layer.wkey, layer.akey = parse_quant_key(keys[0]), parse_quant_key(keys[1])
+    kscheme = triton_moe.scheme_from_keys(*keys)
+
+    def seeds() -> list[tuple]:
+        today = tune.todays_configs(layer.shape, keys, 1, "cpu", 132)
+        pairs = tune.seed_pairs(layer.shape, keys, 1, "cpu", kscheme, today)
+        assert all(not c["SWAP_AB"] for pair in pairs for c in pair)
+        return [(c1["BLOCK_N"], c1["BLOCK_K"], c1.get("GROUP_DOTS"), c2["BLOCK_N"], c2["BLOCK_K"])
+                for c1, c2 in pairs], today
+
+    got, today = seeds()
+    assert got == [(32, 512, True, 128, 64), (32, 512, True, today[1]["BLOCK_N"], today[1]["BLOCK_K"]),
+                   (today[0]["BLOCK_N"], today[0]["BLOCK_K"], None, 128, 64)]
+    # the scheme's own table is no seed (and is today's configs)
+    (tmp_path / triton_moe.config_file(*keys, "cpu").name).write_text(
+        json.dumps({gemms[0]: {"1": seed2}, gemms[1]: {"1": seed2}}))
+    triton_moe._load_config_file.cache_clear()
+    got, today = seeds()
+    assert got == [(32, 512, True, 128, 64)]  # each half with today's other is today's or the whole
+    try:
+        c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), seeds_only=seeds_only)
+    finally:
+        triton_moe._load_config_file.cache_clear()
+    assert (c1["BLOCK_N"], c1["BLOCK_K"], c1["GROUP_DOTS"], t, base) == (32, 512, True, 0.5, 1.0)
+    assert layer.timed[0][0]["BLOCK_K"] == 512  # the seeds come first
+    searched = len(layer.timed) - 1 - 2 * len(tune.REGISTER_CAPS) - tune.CONFIRM_ROUNDS
+    assert searched == 0 if seeds_only else searched > 0
+
+
+def test_seeds_only_and_registers_only_exclude_each_other(tune_fake, tmp_path, capsys):
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
+    assert tune_fake.main([*args, "--seeds-only", "--registers-only"]) == 2
+    assert "--registers-only and --seeds-only exclude each other" in capsys.readouterr().err
+
+
 class _KilledAt(_RegisterBound):
     """_RegisterBound whose ``kill_at``-th candidate timing is killed (a time limit's kill); the
     candidate pairs time differently, so the winner depends on every measurement."""
@@ -588,7 +671,9 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
     monkeypatch.setattr(tune, "tune_target", search)
     args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
     assert tune.main(args) == 0 and tune.main([*args, "--redo", "--registers-only"]) == 0
-    assert [kwargs["registers_only"] for kwargs in seen] == [False, True]
+    assert tune.main([*args, "--redo", "--seeds-only"]) == 0
+    assert [(kwargs["registers_only"], kwargs["seeds_only"]) for kwargs in seen] == [
+        (False, False), (True, False), (False, True)]
 
 
 def test_decode_candidates_include_one_dot_per_group_where_the_scheme_takes_it(monkeypatch):

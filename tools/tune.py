@@ -4,7 +4,11 @@ For each model shape × scheme × token count, time the whole layer (CUDA graphs
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
 BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then register
 caps on the winner (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more
-programs share an SM; ``--registers-only`` tries just those on today's configs). A candidate
+programs share an SM; ``--registers-only`` tries just those on today's configs). Before the
+search, the configs this device's tables hold for the same GEMM shapes and token count under
+other key pairs are timed as seeds (a scheme whose GEMMs run the same loop as another's, as
+W4A8's 16-bit-dot tiles run GPTQ int4's, starts from that one's winner; ``--seeds-only`` tries
+just those and the register caps on the winner). A candidate
 counts only if its output is within the scheme spec's conformance tolerance of the reference, so
 speed never buys accuracy. The winner is then timed again in alternation with the configs the
 kernel picks today, and replaces them only if it is still faster by CONFIRM_MARGIN: a candidate
@@ -16,6 +20,7 @@ log says how many compiled), then timed in this one.
     python tools/tune.py --shapes qwen3 --schemes awq-w4a16 --m 1 8 64
     python tools/tune.py --dry-run                        # tiny shapes through the interpreter
     python tools/tune.py --redo --registers-only --m 1 8 64   # register caps on today's configs
+    python tools/tune.py --redo --seeds-only --m 1 8 64       # other key pairs' configs, then caps
 
 The schemes are the scheme specs that list the Triton kernel, bound as tools/bench.py binds
 them (``--help`` lists them); schemes with the same keys share a config file, tuned once to the
@@ -419,14 +424,16 @@ def register_variants(config: dict) -> list[dict]:
 
 
 def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit: int | None = None,
-                splits: tuple[int, ...] = SPLITS, registers_only: bool = False, taken: Measurements | None = None,
-                deadline: float = math.inf, progress: Callable[[int], None] | None = None,
-                ) -> tuple[dict, dict, float, float]:
+                splits: tuple[int, ...] = SPLITS, registers_only: bool = False, seeds_only: bool = False,
+                taken: Measurements | None = None, deadline: float = math.inf,
+                progress: Callable[[int], None] | None = None) -> tuple[dict, dict, float, float]:
     """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
-    kernel picks today (defaults, or an earlier tuning). ``registers_only``: no tile search, only
-    register caps on today's configs. ``taken``: measurements kept from a search cut off before
-    (not taken again) and where new ones go; past ``deadline`` (time.monotonic()) a candidate not
-    yet measured raises SearchCutOff. ``progress``: told the count of candidates measured."""
+    kernel picks today (defaults, or an earlier tuning). The seeds (:func:`seed_pairs`) are timed
+    first. ``registers_only``: no seeds and no tile search, only register caps on today's configs;
+    ``seeds_only``: the seeds, then register caps on the winner. ``taken``: measurements kept from
+    a search cut off before (not taken again) and where new ones go; past ``deadline``
+    (time.monotonic()) a candidate not yet measured raises SearchCutOff. ``progress``: told the
+    count of candidates measured."""
     from moe_registry_kernels import triton_moe
     from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
 
@@ -472,7 +479,13 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         return layer.time((c1, c2), m, x, tw, ti)
 
     best = (d1, d2, base_t)
-    for bm in () if registers_only else block_ms(m, shape):
+    keys = (str(layer.wkey), str(layer.akey))
+    for c1, c2 in () if registers_only else seed_pairs(shape, keys, m, triton_moe._device_name(layer.device),
+                                                       kscheme, (d1, d2)):
+        t = measure(c1, c2)
+        if t < best[2]:
+            best = (c1, c2, t)
+    for bm in () if registers_only or seeds_only else block_ms(m, shape):
         g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
         best1, t1 = None, math.inf
         tiles = scheme_tiles(bm, narrow, kscheme, limit)
@@ -556,6 +569,43 @@ def register_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int], devi
     return pairs
 
 
+def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str, kscheme,
+               today: tuple[dict, dict]) -> list[tuple[dict, dict]]:
+    """The (GEMM1, GEMM2) configs the device's other tables (kernels/configs, other key pairs) hold
+    for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
+    other half, fitted to this scheme: distinct, and none today's own. Tables whose tiles this
+    scheme's kernel cannot run as tuned (the swapped kernel's) give none."""
+    from moe_registry_kernels.triton_moe import _fit_config, config_file, shape_key
+
+    own = config_file(*keys, device_name)  # in the directory the kernel reads
+    h, i = shape.hidden, shape.intermediate
+    gemms = (shape_key(shape.experts, shape.top_k, 2 * i, h), shape_key(shape.experts, shape.top_k, h, i))
+
+    def fitted(c1: dict, c2: dict) -> tuple[dict, dict] | None:
+        f1 = _fit_config(c1, kscheme, can_split=False)
+        f2 = _fit_config({**c2, "BLOCK_M": f1["BLOCK_M"]}, kscheme, can_split=True)
+        if any(c.get("SWAP_AB") and not f["SWAP_AB"] for c, f in ((c1, f1), (c2, f2))):
+            return None
+        return f1, f2
+
+    seen = {json.dumps(fitted(*today), sort_keys=True)}
+    out = []
+    for path in sorted(own.parent.glob(own.name.split("__")[0] + "__*.json")):
+        if path.name == own.name:
+            continue
+        table = json.loads(path.read_text())
+        pair = [table.get(g, {}).get(str(m)) for g in gemms]
+        if None in pair:
+            continue
+        for c1, c2 in ((pair[0], pair[1]), (pair[0], today[1]), (today[0], pair[1])):
+            candidate = fitted(c1, c2)
+            key = json.dumps(candidate, sort_keys=True)
+            if candidate is not None and key not in seen:
+                seen.add(key)
+                out.append(candidate)
+    return out
+
+
 def todays_configs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str,
                    sms: int) -> tuple[dict, dict]:
     """The (GEMM1, GEMM2) configs the kernel picks today for ``m`` tokens: tuned, or the defaults."""
@@ -599,8 +649,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no new entry after this many seconds (run again to go on)")
     parser.add_argument("--registers-only", action="store_true",
                         help="no tile search: try register caps (maxnreg) on today's configs only")
+    parser.add_argument("--seeds-only", action="store_true",
+                        help="no tile search: try the configs other key pairs' tables hold for the entry, then "
+                             "register caps on the winner")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     args = parser.parse_args(argv)
+    if args.registers_only and args.seeds_only:
+        print("tune.py: --registers-only and --seeds-only exclude each other", file=sys.stderr)
+        return 2
     names = bench.default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
     bad_names = bench.check_names(names, list(schemes))
     if bad_names:
@@ -658,8 +714,14 @@ def main(argv: list[str] | None = None) -> int:
             kept = Measurements(partial_path(path), device_name, f"{key1} {key2} M={target.m}")
             # each entry's candidates are compiled ahead on their own: a run cut off compiled none in vain
             _progress(done, len(targets), f"{label}: compiling", started)
-            pairs = (register_pairs(shape, scheme, [target.m], device_name, triton_moe._num_sms(device))
-                     if args.registers_only else all_pairs(shape, scheme, [target.m]))
+            sms = triton_moe._num_sms(device)
+            today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
+            seeds = seed_pairs(shape, scheme.keys, target.m, device_name,
+                               triton_moe.scheme_from_keys(*scheme.keys), today)
+            if args.registers_only:
+                pairs = register_pairs(shape, scheme, [target.m], device_name, sms)
+            else:
+                pairs = seeds + ([] if args.seeds_only else all_pairs(shape, scheme, [target.m]))
             pairs = [pair for pair in pairs if not kept.known(*pair)]
             compile_started = time.monotonic()
             compiled = precompile(shape_name, scheme, pairs, dry, args.workers)
@@ -672,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             log: list[str] = []
             try:
                 c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
-                                                taken=kept, deadline=started + args.budget_s,
+                                                seeds_only=args.seeds_only, taken=kept,
+                                                deadline=started + args.budget_s,
                                                 progress=_entry_progress(done, len(targets), label, started),
                                                 **search)
             except SearchCutOff:
