@@ -114,6 +114,7 @@ FP8_TENSOR_PIECES = 16384
 # 0.88-1.01x on Mixtral's 176-352 MB). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
+SCALE_IN_GEMM2_MAX_BYTES = 1 << 62
 # the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
@@ -395,14 +396,25 @@ def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w
     return tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
 
 
+@dataclass(frozen=True)
+class _OneTokenQuant:
+    """Which GEMMs of a one-token layer quantise their input themselves (SCALE_IN_GEMM)."""
+
+    gemm1: bool = False
+    gemm2: bool = False
+
+
 def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
-                                 row_scale: torch.Tensor | None) -> bool:
-    """Whether the GEMMs quantise the layer's input themselves (SCALE_IN_GEMM): one token, one
-    scale per token or per tensor, no router weight to apply first, weights in column order, and
-    its experts' weights within SCALE_IN_GEMM_MAX_BYTES."""
-    return (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None
-            and w13.perm is None and w2.perm is None
-            and _expert_weight_bytes(w13, w2) * top_k <= SCALE_IN_GEMM_MAX_BYTES)
+                                 row_scale: torch.Tensor | None) -> _OneTokenQuant:
+    """Which GEMMs quantise the layer's input themselves (SCALE_IN_GEMM): one token, one scale per
+    token or per tensor, no router weight to apply first, the GEMM's weights in column order, and
+    the token's experts' weights within SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in
+    the hidden state) or SCALE_IN_GEMM2_MAX_BYTES (GEMM2, from GEMM1's amax pieces)."""
+    if not (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None):
+        return _OneTokenQuant()
+    weight_bytes = _expert_weight_bytes(w13, w2) * top_k
+    return _OneTokenQuant(gemm1=w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
+                          gemm2=w2.perm is None and weight_bytes <= SCALE_IN_GEMM2_MAX_BYTES)
 
 
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:
@@ -499,9 +511,9 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # their input themselves (SCALE_IN_GEMM), no quantisation launch
     in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
-    scale1 = _InputScale(rows=1, static=static) if in_gemm else None
+    scale1 = _InputScale(rows=1, static=static) if in_gemm.gemm1 else None
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
-        if in_gemm:
+        if in_gemm.gemm1:
             a1, a1_scale = hidden, w13.input_scale if static else None
         else:
             a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
@@ -526,7 +538,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
-    if in_gemm and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
+    if in_gemm.gemm2 and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
         a2, a2_scale = inter, w2.input_scale if static else None
         scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static)
     elif amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:

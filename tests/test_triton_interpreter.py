@@ -972,20 +972,25 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
 
 
 def test_one_token_gemms_quantise_only_up_to_a_weight_budget(monkeypatch):
-    """The GEMMs quantise one token's input themselves only while the token's experts' weights fit
-    SCALE_IN_GEMM_MAX_BYTES (past it their longer loops cost more than the launches save); past it
-    the hidden state takes a quantisation launch and GEMM2's input one from GEMM1's pieces."""
+    """Each GEMM quantises one token's input itself only while the token's experts' weights fit its
+    budget (SCALE_IN_GEMM_MAX_BYTES for GEMM1, SCALE_IN_GEMM2_MAX_BYTES for GEMM2: past it its
+    longer loop costs more than the launch saves); past GEMM1's the hidden state takes a
+    quantisation launch, past GEMM2's its input one from GEMM1's pieces. The numbers never move."""
     weights, hidden, topk_weights, topk_ids = _one_token("fp8-tensor-dynamic")
     token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # fp8: a byte a weight
     experts = TritonExperts(weights, ExpertsConfig())
     quantised = _quantisation_calls(monkeypatch)
     outputs = []
-    for budget, launches in ((token_bytes, []), (token_bytes - 1, ["_quantize", "quant_fp8_from_pieces"])):
-        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget)
+    over = token_bytes - 1
+    for budget1, budget2, launches in ((token_bytes, token_bytes, []), (over, token_bytes, ["_quantize"]),
+                                       (token_bytes, over, ["quant_fp8_from_pieces"]),
+                                       (over, over, ["_quantize", "quant_fp8_from_pieces"])):
+        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget1)
+        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", budget2)
         quantised.clear()
         outputs.append(experts.apply(hidden, topk_weights, topk_ids))
         assert quantised == launches
-    assert torch.equal(*outputs)
+    assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
 
 
 @pytest.mark.parametrize("quant", ["int8_token", "int8_static"])
