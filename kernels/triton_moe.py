@@ -111,10 +111,14 @@ FP8_TENSOR_PIECES = 16384
 # read and saves a fixed few microseconds: taken up to SCALE_IN_GEMM_MAX_BYTES of the token's
 # experts' weights (H100, M = 1, against the same layer with its quantisation launches:
 # 1.02-1.20x on Qwen3-30B-A3B's 38 MB and DeepSeek-V2-Lite's 52 MB of int8/fp8 experts,
-# 0.88-1.01x on Mixtral's 176-352 MB). SCALE_TILE: values a step of the scale search reads
+# 0.88-1.01x on Mixtral's 176-352 MB). GEMM2 alone (its scale from GEMM1's amax pieces, the
+# hidden state quantised by a launch) has its own budget by activation quantisation,
+# SCALE_IN_GEMM2_MAX_BYTES (H100, Mixtral M = 1, two rounds each against the launch: dynamic
+# fp8 per token 1.03x, per tensor 1.04x; per-token int8 0.98-0.99x, W4A8 0.98x, static scales
+# 0.98-1.00x: those keep SCALE_IN_GEMM_MAX_BYTES). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
-SCALE_IN_GEMM2_MAX_BYTES = 1 << 62
+SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 # the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
@@ -409,12 +413,14 @@ def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _
     """Which GEMMs quantise the layer's input themselves (SCALE_IN_GEMM): one token, one scale per
     token or per tensor, no router weight to apply first, the GEMM's weights in column order, and
     the token's experts' weights within SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in
-    the hidden state) or SCALE_IN_GEMM2_MAX_BYTES (GEMM2, from GEMM1's amax pieces)."""
+    the hidden state) or GEMM2's budget for the activation quantisation (SCALE_IN_GEMM2_MAX_BYTES,
+    else the same; GEMM2 finds the scale in GEMM1's amax pieces)."""
     if not (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None):
         return _OneTokenQuant()
     weight_bytes = _expert_weight_bytes(w13, w2) * top_k
+    gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(scheme.act_quant, SCALE_IN_GEMM_MAX_BYTES)
     return _OneTokenQuant(gemm1=w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
-                          gemm2=w2.perm is None and weight_bytes <= SCALE_IN_GEMM2_MAX_BYTES)
+                          gemm2=w2.perm is None and weight_bytes <= gemm2_budget)
 
 
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:

@@ -971,26 +971,38 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     assert _rel_err(got, ref) < 3e-2
 
 
-def test_one_token_gemms_quantise_only_up_to_a_weight_budget(monkeypatch):
+@pytest.mark.parametrize("scheme", ["fp8-tensor-dynamic", "w8a8-int8-token"])
+def test_one_token_gemms_quantise_only_up_to_a_weight_budget(scheme, monkeypatch):
     """Each GEMM quantises one token's input itself only while the token's experts' weights fit its
-    budget (SCALE_IN_GEMM_MAX_BYTES for GEMM1, SCALE_IN_GEMM2_MAX_BYTES for GEMM2: past it its
-    longer loop costs more than the launch saves); past GEMM1's the hidden state takes a
-    quantisation launch, past GEMM2's its input one from GEMM1's pieces. The numbers never move."""
-    weights, hidden, topk_weights, topk_ids = _one_token("fp8-tensor-dynamic")
-    token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # fp8: a byte a weight
+    budget (SCALE_IN_GEMM_MAX_BYTES for GEMM1; GEMM2's by activation quantisation in
+    SCALE_IN_GEMM2_MAX_BYTES, else the same: past it its longer loop costs more than the launch
+    saves); past GEMM1's the hidden state takes a quantisation launch, past GEMM2's its input one
+    from GEMM1's pieces. The numbers never move."""
+    weights, hidden, topk_weights, topk_ids = _one_token(scheme)
+    token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # a byte a weight
     experts = TritonExperts(weights, ExpertsConfig())
+    quant = triton_moe.scheme_from_keys(*ONE_TOKEN_SCHEMES[scheme]).act_quant
+    from_pieces = "quant_fp8_from_pieces" if quant.startswith("fp8") else "_quantize"
     quantised = _quantisation_calls(monkeypatch)
     outputs = []
     over = token_bytes - 1
-    for budget1, budget2, launches in ((token_bytes, token_bytes, []), (over, token_bytes, ["_quantize"]),
-                                       (token_bytes, over, ["quant_fp8_from_pieces"]),
-                                       (over, over, ["_quantize", "quant_fp8_from_pieces"])):
+    cases = [(token_bytes, {}, []), (over, {}, ["_quantize", from_pieces]),
+             (token_bytes, {quant: over}, [from_pieces]), (over, {quant: token_bytes}, ["_quantize"])]
+    for budget1, budgets2, launches in cases:
         monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget1)
-        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", budget2)
+        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", budgets2)
         quantised.clear()
         outputs.append(experts.apply(hidden, topk_weights, topk_ids))
         assert quantised == launches
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+def test_dynamic_fp8_gemm2_quantises_one_token_past_gemm1s_budget():
+    """H100-measured: past SCALE_IN_GEMM_MAX_BYTES (Mixtral's experts), one token's GEMM2 still
+    quantises its own input for dynamic fp8 (faster than the launch), not for int8 or static scales."""
+    budget = triton_moe.SCALE_IN_GEMM_MAX_BYTES
+    assert all(triton_moe.SCALE_IN_GEMM2_MAX_BYTES[q] > 4 * budget for q in ("fp8_token", "fp8_tensor"))
+    assert not {"int8_token", "int8_static", "fp8_static"} & set(triton_moe.SCALE_IN_GEMM2_MAX_BYTES)
 
 
 @pytest.mark.parametrize("quant", ["int8_token", "int8_static"])
