@@ -258,7 +258,7 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
     triton_moe._load_config_file.cache_clear()
     keys = ("uint4b8 scale:float32:group(128):static", "int8 scale:float32:token:dynamic")  # W4A8
     tile = {"BLOCK_M": 16, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
-    seed1 = {**tile, "BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True}
+    seed1 = {**tile, "BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True, "maxnreg": 96}
     seed2 = {**tile, "BLOCK_N": 128, "BLOCK_K": 64}
     gemms = ("E8_top2_N256_K128", "E8_top2_N128_K128")
     tables = {
@@ -278,25 +278,30 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
         today = tune.todays_configs(layer.shape, keys, 1, "cpu", 132)
         pairs = tune.seed_pairs(layer.shape, keys, 1, "cpu", kscheme, today)
         assert all(not c["SWAP_AB"] for pair in pairs for c in pair)
-        return [(c1["BLOCK_N"], c1["BLOCK_K"], c1.get("GROUP_DOTS"), c2["BLOCK_N"], c2["BLOCK_K"])
+        return [(c1["BLOCK_N"], c1["BLOCK_K"], c1.get("GROUP_DOTS"), c1.get("maxnreg"), c2["BLOCK_N"], c2["BLOCK_K"])
                 for c1, c2 in pairs], today
 
     got, today = seeds()
-    assert got == [(32, 512, True, 128, 64), (32, 512, True, today[1]["BLOCK_N"], today[1]["BLOCK_K"]),
-                   (today[0]["BLOCK_N"], today[0]["BLOCK_K"], None, 128, 64)]
+    # each seed as tuned and without its register cap (a cap fits the kernel it was tuned on)
+    assert got == [(32, 512, True, 96, 128, 64), (32, 512, True, None, 128, 64),
+                   (32, 512, True, 96, today[1]["BLOCK_N"], today[1]["BLOCK_K"]),
+                   (32, 512, True, None, today[1]["BLOCK_N"], today[1]["BLOCK_K"]),
+                   (today[0]["BLOCK_N"], today[0]["BLOCK_K"], None, None, 128, 64)]
     # the scheme's own table is no seed (and is today's configs)
     (tmp_path / triton_moe.config_file(*keys, "cpu").name).write_text(
         json.dumps({gemms[0]: {"1": seed2}, gemms[1]: {"1": seed2}}))
     triton_moe._load_config_file.cache_clear()
     got, today = seeds()
-    assert got == [(32, 512, True, 128, 64)]  # each half with today's other is today's or the whole
+    assert got == [(32, 512, True, 96, 128, 64), (32, 512, True, None, 128, 64)]  # halves: today's or the whole
     try:
         c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), seeds_only=seeds_only)
     finally:
         triton_moe._load_config_file.cache_clear()
-    assert (c1["BLOCK_N"], c1["BLOCK_K"], c1["GROUP_DOTS"], t, base) == (32, 512, True, 0.5, 1.0)
-    assert layer.timed[0][0]["BLOCK_K"] == 512  # the seeds come first
-    searched = len(layer.timed) - 1 - 2 * len(tune.REGISTER_CAPS) - tune.CONFIRM_ROUNDS
+    # the uncapped seed wins (_SeedWins: a capped tile is no faster)
+    assert (c1["BLOCK_N"], c1["BLOCK_K"], c1["GROUP_DOTS"], c1.get("maxnreg"), t, base) == (32, 512, True, None,
+                                                                                          0.5, 1.0)
+    assert [c["BLOCK_K"] for c, _ in layer.timed[:2]] == [512, 512]  # the seeds come first
+    searched = len(layer.timed) - 2 - 2 * len(tune.REGISTER_CAPS) - tune.CONFIRM_ROUNDS
     assert searched == 0 if seeds_only else searched > 0
 
 

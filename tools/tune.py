@@ -573,7 +573,8 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
                today: tuple[dict, dict]) -> list[tuple[dict, dict]]:
     """The (GEMM1, GEMM2) configs the device's other tables (kernels/configs, other key pairs) hold
     for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
-    other half, fitted to this scheme: distinct, and none today's own. Tables whose tiles this
+    other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
+    none today's own. Tables whose tiles this
     scheme's kernel cannot run as tuned (the swapped kernel's) give none."""
     from moe_registry_kernels.triton_moe import _fit_config, config_file, shape_key
 
@@ -598,12 +599,19 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
         if None in pair:
             continue
         for c1, c2 in ((pair[0], pair[1]), (pair[0], today[1]), (today[0], pair[1])):
-            candidate = fitted(c1, c2)
-            key = json.dumps(candidate, sort_keys=True)
-            if candidate is not None and key not in seen:
-                seen.add(key)
-                out.append(candidate)
+            # each also without the seed's register caps: a cap fits the kernel it was tuned on, and
+            # this scheme's may need more registers (W4A8's epilogue: GPTQ int4's cap of 128 spilled)
+            for candidate in (fitted(c1, c2), fitted(_uncapped(c1, pair[0]), _uncapped(c2, pair[1]))):
+                key = json.dumps(candidate, sort_keys=True)
+                if candidate is not None and key not in seen:
+                    seen.add(key)
+                    out.append(candidate)
     return out
+
+
+def _uncapped(config: dict, seed: dict) -> dict:
+    """``config`` without its register cap where it is the seed's own."""
+    return {k: v for k, v in config.items() if k != "maxnreg"} if config is seed else config
 
 
 def todays_configs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str,
