@@ -202,6 +202,26 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
     assert _rel_err(got, ref) < TOLERANCE[(torch.bfloat16, (SCHEMES | ONE_TOKEN)[scheme][2])]
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static"])
+def test_gemm2_alone_quantising_one_token_is_bit_equal(scheme, shape, monkeypatch):
+    """One token past GEMM1's weight budget (its input quantised by a launch) whose GEMM2 still
+    quantises its own input (SCALE_IN_GEMM2_MAX_BYTES; dynamic fp8 on Mixtral-sized experts) gives
+    exactly the output of the layer with both quantisation launches."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(1, e, h, top_k, torch.bfloat16, seed=1)
+    experts = TritonExperts(weights, ExpertsConfig())
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    want = experts.apply(hidden, topk_weights, topk_ids)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", 0)
+    quant = triton_moe.scheme_from_keys(*(SCHEMES | ONE_TOKEN)[scheme][:2]).act_quant
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", {quant: 1 << 62})
+    got = experts.apply(hidden, topk_weights, topk_ids)
+    assert torch.equal(got, want), f"{scheme} {shape}: max |diff| {(got - want).abs().max().item():.3e}"
+
+
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
