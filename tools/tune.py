@@ -574,8 +574,8 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     """The (GEMM1, GEMM2) configs the device's other tables (kernels/configs, other key pairs) hold
     for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
     other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
-    none today's own. Tables whose tiles this
-    scheme's kernel cannot run as tuned (the swapped kernel's) give none."""
+    none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
+    none."""
     from moe_registry_kernels.triton_moe import _fit_config, config_file, shape_key
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
@@ -723,13 +723,13 @@ def main(argv: list[str] | None = None) -> int:
             # each entry's candidates are compiled ahead on their own: a run cut off compiled none in vain
             _progress(done, len(targets), f"{label}: compiling", started)
             sms = triton_moe._num_sms(device)
-            today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
-            seeds = seed_pairs(shape, scheme.keys, target.m, device_name,
-                               triton_moe.scheme_from_keys(*scheme.keys), today)
             if args.registers_only:
                 pairs = register_pairs(shape, scheme, [target.m], device_name, sms)
             else:
-                pairs = seeds + ([] if args.seeds_only else all_pairs(shape, scheme, [target.m]))
+                today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
+                pairs = seed_pairs(shape, scheme.keys, target.m, device_name,
+                                   triton_moe.scheme_from_keys(*scheme.keys), today)
+                pairs += [] if args.seeds_only else all_pairs(shape, scheme, [target.m])
             pairs = [pair for pair in pairs if not kept.known(*pair)]
             compile_started = time.monotonic()
             compiled = precompile(shape_name, scheme, pairs, dry, args.workers)

@@ -38,7 +38,7 @@ for sch, shape, variants in cells:
             print(sch, shape, k, "rel err", f"{layer.error(configs, x, tw, ti, ref):.3e}")
         runs.append((f"{sch} {shape} {k}", layer, configs, (x, tw, ti), []))
 for _ in range(5):
-    for label, layer, configs, inputs, times in runs:
+    for _label, layer, configs, inputs, times in runs:
         times.append(layer.time(configs, 1, *inputs) * 1e6)
 for label, _, _, _, times in runs:
     print(f"{label:52s} M=1 median {statistics.median(times):6.1f} us  ({' '.join(f'{t:.1f}' for t in times)})")
