@@ -72,7 +72,9 @@ def test_a_register_cap_reaches_the_compiled_kernels():
 def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
     """A token of a per-tensor fp8 scheme: the tool compiles the GEMMs that quantise their own input
     (GEMM1 from its rows, GEMM2 from GEMM1's pieces), their weights still copied ahead and only the
-    token's row loaded in the step; past the weight budget (Mixtral's shape) they take codes."""
+    token's row loaded in the step; past GEMM1's weight budget (Mixtral's shape) GEMM1 takes codes
+    and GEMM2 still quantises from the pieces (dynamic fp8's own budget), where per-token int8
+    takes codes in both."""
     done = _run("--scheme", "fp8-w8a8-dynamic", "--shape", "qwen3", "--m", "1", "--json")
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
@@ -81,4 +83,6 @@ def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
     assert "quantises its input (scale: rows)" in _run("--scheme", "fp8-w8a8-dynamic", "--shape", "qwen3",
                                                        "--m", "1").stdout
     mixtral = json.loads(_run("--scheme", "fp8-w8a8-dynamic", "--shape", "mixtral", "--m", "1", "--json").stdout)
-    assert [r["input_quantised"] for r in mixtral] == ["none", "none"]
+    assert [r["input_quantised"] for r in mixtral] == ["none", "pieces"]
+    int8 = json.loads(_run("--scheme", "quark-w8a8-int8", "--shape", "mixtral", "--m", "1", "--json").stdout)
+    assert [r["input_quantised"] for r in int8] == ["none", "none"]
