@@ -416,7 +416,7 @@ def _fused_moe_kernel(
         # the groups each weight row's group (or MX) scales hold: ceil(K / W_GROUP), or more where padded
         scale_groups,
         # GROUP_DOTS: a tile spanning several weight groups takes one dot per group (see GROUPED)
-        GROUP_DOTS: tl.constexpr = False, FACTORED_ZEROS: tl.constexpr = False):
+        GROUP_DOTS: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -491,12 +491,8 @@ def _fused_moe_kernel(
     # points it was no faster (zeros subtracted per weight) or slower (corrected with the input's
     # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
     PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
-    # 8-bit codes with per-group zero points (FACTORED_ZEROS) take the same dot of the codes minus the
-    # type's zero, and each row's result then loses zero * the row's sum of the group's inputs: a
-    # per-weight subtraction of a loaded zero made Triton convert the whole tile's layout through
-    # shared memory (offline sm_90 SASS, W8A16 asym on Mixtral's shape: 128 STS a step)
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
-                              and (not HAS_ZERO or FACTORED_ZEROS and not PACKED) and BLOCK_M <= 32)
+                              and not HAS_ZERO and BLOCK_M <= 32)
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
     # that span several groups, one dot per group and each group's result taking its scale; a
     # row's groups are loaded a step ahead as one vector (two 16-bit scales or more). Offline
@@ -560,8 +556,6 @@ def _fused_moe_kernel(
         elif FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
-            if FACTORED and HAS_ZERO:  # the group's zero points, less the type's zero the dot subtracted
-                zero_shift = tl.load(zero_cols + group * stride_sk).to(tl.float32) - W_ZERO  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
@@ -648,8 +642,6 @@ def _fused_moe_kernel(
                 else:
                     acc = _dot(a.to(dtype), b.to(dtype), acc)
         if FACTORED:
-            if HAS_ZERO:  # sum_k a (q - z) = sum_k a (q - W_ZERO) - (z - W_ZERO) sum_k a
-                part -= tl.sum(a.to(dtype).to(tl.float32), axis=1)[:, None] * zero_shift
             acc += part * scale
 
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled

@@ -117,8 +117,6 @@ FP8_TENSOR_PIECES = 16384
 # fp8 per token 1.03x, per tensor 1.04x; per-token int8 0.98-0.99x, W4A8 0.98x, static scales
 # 0.98-1.00x: those keep SCALE_IN_GEMM_MAX_BYTES). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
-# 8-bit decode tiles with per-group zero points take the factored dot (moe_gemm's FACTORED_ZEROS)
-FACTORED_ZEROS = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
 SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 # the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
@@ -315,7 +313,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
         E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
-        GROUP_DOTS=config.get("GROUP_DOTS", False), FACTORED_ZEROS=FACTORED_ZEROS,
+        GROUP_DOTS=config.get("GROUP_DOTS", False),
         **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
