@@ -1,7 +1,8 @@
 """Session 30: 8-bit weights with per-group zero points on the factored dot (triton_moe.FACTORED_ZEROS:
 the zero taken off each row's result by the row's input sums) against the per-weight zero, three
 alternated rounds, medians; today's configs, and at Mixtral M = 64 GPTQ int8's non-swapped tile
-(today: the swapped kernel). Run in a snapshot on the GPU: python3 ab-asym-s30.py."""
+(today: the swapped kernel). Run in a snapshot of f33521d (FACTORED_ZEROS was reverted after it) on
+the GPU: python3 ab-asym-s30.py."""
 import statistics
 import sys
 
