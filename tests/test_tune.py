@@ -681,6 +681,27 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
         (False, False), (True, False), (False, True)]
 
 
+def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, monkeypatch):
+    """A winner is written as the layer fits it: a W4A8 K tile of 512 columns without per-group dots
+    runs as one group of 128 (its int8 dot takes one group's scale), and the table says so; GEMM2
+    takes GEMM1's BLOCK_M."""
+    tune = tune_fake
+    asked = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 512, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+             "num_stages": 3}
+
+    def search(layer, m, tolerance, log, **kwargs):
+        return asked, {**asked, "BLOCK_M": 32, "SPLIT_K": 2}, 1.0, 2.0
+
+    monkeypatch.setattr(tune, "tune_target", search)
+    args = ["--dry-run", "--schemes", "compressed-tensors-w4a8-int", "--m", "1", "--out", str(tmp_path)]
+    assert tune.main(args) == 0
+    (path,) = tmp_path.glob("*.json")
+    entries = _entries(path)  # the tiny shape: hidden 128, intermediate 128
+    gemm1, gemm2 = entries["E8_top2_N256_K128"]["1"], entries["E8_top2_N128_K128"]["1"]
+    assert (gemm1["BLOCK_K"], gemm1["BLOCK_M"], gemm2["BLOCK_K"], gemm2["BLOCK_M"]) == (128, 16, 128, 16)
+    assert (gemm1["SPLIT_K"], gemm2["SPLIT_K"], gemm1["SWAP_AB"]) == (1, 2, False)
+
+
 def test_decode_candidates_include_one_dot_per_group_where_the_scheme_takes_it(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune

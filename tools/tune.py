@@ -576,15 +576,14 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
     none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
     none."""
-    from moe_registry_kernels.triton_moe import _fit_config, config_file, shape_key
+    from moe_registry_kernels.triton_moe import config_file, shape_key
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
     h, i = shape.hidden, shape.intermediate
     gemms = (shape_key(shape.experts, shape.top_k, 2 * i, h), shape_key(shape.experts, shape.top_k, h, i))
 
     def fitted(c1: dict, c2: dict) -> tuple[dict, dict] | None:
-        f1 = _fit_config(c1, kscheme, can_split=False)
-        f2 = _fit_config({**c2, "BLOCK_M": f1["BLOCK_M"]}, kscheme, can_split=True)
+        f1, f2 = fitted_pair(c1, c2, kscheme)
         if any(c.get("SWAP_AB") and not f["SWAP_AB"] for c, f in ((c1, f1), (c2, f2))):
             return None
         return f1, f2
@@ -607,6 +606,15 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
                     seen.add(key)
                     out.append(candidate)
     return out
+
+
+def fitted_pair(c1: dict, c2: dict, kscheme) -> tuple[dict, dict]:
+    """(GEMM1, GEMM2) configs as the layer fits them (tile_config._layer_configs): GEMM1 unsplit,
+    GEMM2 on GEMM1's BLOCK_M."""
+    from moe_registry_kernels.triton_moe import _fit_config
+
+    f1 = _fit_config(c1, kscheme, can_split=False)
+    return f1, _fit_config({**c2, "BLOCK_M": f1["BLOCK_M"]}, kscheme, can_split=True)
 
 
 def _uncapped(config: dict, seed: dict) -> dict:
@@ -751,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"measurements are kept in {kept.path}; run again to go on", file=sys.stderr)
                 cut_off = True
                 break
+            # as the layer runs them (_fit_config): a table says what runs, not what a candidate asked
+            c1, c2 = fitted_pair(c1, c2, triton_moe.scheme_from_keys(*scheme.keys))
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
             write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
