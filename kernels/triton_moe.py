@@ -114,7 +114,7 @@ FP8_TENSOR_PIECES = 16384
 # 0.88-1.01x on Mixtral's 176-352 MB). GEMM2 alone (its scale from GEMM1's amax pieces, the
 # hidden state quantised by a launch) has its own budget by activation quantisation,
 # SCALE_IN_GEMM2_MAX_BYTES (H100, Mixtral M = 1, two rounds each against the launch: dynamic
-# fp8 per token 1.03x, per tensor 1.04x; per-token int8 0.98-0.99x, W4A8 0.98x, static scales
+# fp8 per token 1.04x, per tensor 1.03x; per-token int8 0.98-0.99x, W4A8 0.98x, static scales
 # 0.98-1.00x: those keep SCALE_IN_GEMM_MAX_BYTES). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
