@@ -210,7 +210,13 @@ def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_ke
                                                   activation_key, name, sms)
     config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
                                                   activation_key, name, sms)
-    # GEMM1 applies the activation: no split; the batched format has no swapped kernel
+    return _fit_pair(config1, config2, scheme, split_gemm2=split_gemm2)
+
+
+def _fit_pair(config1: dict, config2: dict, scheme: Scheme, *, split_gemm2: bool = True) -> tuple[dict, dict]:
+    """A layer's GEMM1 and GEMM2 configs made legal together (:func:`_fit_config`): GEMM1 unsplit
+    (it applies the activation), GEMM2 on GEMM1's BLOCK_M (both walk the same aligned blocks);
+    ``split_gemm2`` False (the batched format): no split and no swapped kernel either."""
     config1 = _fit_config(config1, scheme, can_split=False, can_swap=split_gemm2)
     config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2,
                           can_swap=split_gemm2)

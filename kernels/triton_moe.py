@@ -70,6 +70,7 @@ from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests 
     CONFIG_DIR,
     _device_name,
     _fit_config,
+    _fit_pair,
     _layer_configs,
     _load_config_file,
     _num_sms,

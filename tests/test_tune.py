@@ -679,6 +679,8 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
     assert tune.main([*args, "--redo", "--seeds-only"]) == 0
     assert [(kwargs["registers_only"], kwargs["seeds_only"]) for kwargs in seen] == [
         (False, False), (True, False), (False, True)]
+    # the seeds read for compiling ahead are the search's (no second read); registers-only reads none
+    assert [kwargs["seeds"] is None for kwargs in seen] == [False, True, False]
 
 
 def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, monkeypatch):

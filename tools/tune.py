@@ -425,15 +425,16 @@ def register_variants(config: dict) -> list[dict]:
 
 def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit: int | None = None,
                 splits: tuple[int, ...] = SPLITS, registers_only: bool = False, seeds_only: bool = False,
-                taken: Measurements | None = None, deadline: float = math.inf,
+                seeds: list[tuple[dict, dict]] | None = None, taken: Measurements | None = None,
+                deadline: float = math.inf,
                 progress: Callable[[int], None] | None = None) -> tuple[dict, dict, float, float]:
     """Best (GEMM1 config, GEMM2 config) for one M, its time, and the time of the configs the
-    kernel picks today (defaults, or an earlier tuning). The seeds (:func:`seed_pairs`) are timed
-    first. ``registers_only``: no seeds and no tile search, only register caps on today's configs;
-    ``seeds_only``: the seeds, then register caps on the winner. ``taken``: measurements kept from
-    a search cut off before (not taken again) and where new ones go; past ``deadline``
-    (time.monotonic()) a candidate not yet measured raises SearchCutOff. ``progress``: told the
-    count of candidates measured."""
+    kernel picks today (defaults, or an earlier tuning). The seeds (``seeds``, else
+    :func:`seed_pairs`) are timed first. ``registers_only``: no seeds and no tile search, only
+    register caps on today's configs; ``seeds_only``: the seeds, then register caps on the
+    winner. ``taken``: measurements kept from a search cut off before (not taken again) and
+    where new ones go; past ``deadline`` (time.monotonic()) a candidate not yet measured raises
+    SearchCutOff. ``progress``: told the count of candidates measured."""
     from moe_registry_kernels import triton_moe
     from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
 
@@ -479,9 +480,10 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         return layer.time((c1, c2), m, x, tw, ti)
 
     best = (d1, d2, base_t)
-    keys = (str(layer.wkey), str(layer.akey))
-    for c1, c2 in () if registers_only else seed_pairs(shape, keys, m, triton_moe._device_name(layer.device),
-                                                       kscheme, (d1, d2)):
+    if seeds is None and not registers_only:
+        seeds = seed_pairs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
+                           kscheme, (d1, d2))
+    for c1, c2 in () if registers_only else seeds:
         t = measure(c1, c2)
         if t < best[2]:
             best = (c1, c2, t)
@@ -576,14 +578,14 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
     none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
     none."""
-    from moe_registry_kernels.triton_moe import config_file, shape_key
+    from moe_registry_kernels.triton_moe import _fit_pair, config_file, shape_key
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
     h, i = shape.hidden, shape.intermediate
     gemms = (shape_key(shape.experts, shape.top_k, 2 * i, h), shape_key(shape.experts, shape.top_k, h, i))
 
     def fitted(c1: dict, c2: dict) -> tuple[dict, dict] | None:
-        f1, f2 = fitted_pair(c1, c2, kscheme)
+        f1, f2 = _fit_pair(c1, c2, kscheme)
         if any(c.get("SWAP_AB") and not f["SWAP_AB"] for c, f in ((c1, f1), (c2, f2))):
             return None
         return f1, f2
@@ -606,15 +608,6 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
                     seen.add(key)
                     out.append(candidate)
     return out
-
-
-def fitted_pair(c1: dict, c2: dict, kscheme) -> tuple[dict, dict]:
-    """(GEMM1, GEMM2) configs as the layer fits them (tile_config._layer_configs): GEMM1 unsplit,
-    GEMM2 on GEMM1's BLOCK_M."""
-    from moe_registry_kernels.triton_moe import _fit_config
-
-    f1 = _fit_config(c1, kscheme, can_split=False)
-    return f1, _fit_config({**c2, "BLOCK_M": f1["BLOCK_M"]}, kscheme, can_split=True)
 
 
 def _uncapped(config: dict, seed: dict) -> dict:
@@ -731,13 +724,14 @@ def main(argv: list[str] | None = None) -> int:
             # each entry's candidates are compiled ahead on their own: a run cut off compiled none in vain
             _progress(done, len(targets), f"{label}: compiling", started)
             sms = triton_moe._num_sms(device)
+            seeds = None  # read once here, for compiling ahead and for the search
             if args.registers_only:
                 pairs = register_pairs(shape, scheme, [target.m], device_name, sms)
             else:
                 today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
-                pairs = seed_pairs(shape, scheme.keys, target.m, device_name,
+                seeds = seed_pairs(shape, scheme.keys, target.m, device_name,
                                    triton_moe.scheme_from_keys(*scheme.keys), today)
-                pairs += [] if args.seeds_only else all_pairs(shape, scheme, [target.m])
+                pairs = seeds + ([] if args.seeds_only else all_pairs(shape, scheme, [target.m]))
             pairs = [pair for pair in pairs if not kept.known(*pair)]
             compile_started = time.monotonic()
             compiled = precompile(shape_name, scheme, pairs, dry, args.workers)
@@ -750,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
             log: list[str] = []
             try:
                 c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
-                                                seeds_only=args.seeds_only, taken=kept,
+                                                seeds_only=args.seeds_only, seeds=seeds, taken=kept,
                                                 deadline=started + args.budget_s,
                                                 progress=_entry_progress(done, len(targets), label, started),
                                                 **search)
@@ -760,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                 cut_off = True
                 break
             # as the layer runs them (_fit_config): a table says what runs, not what a candidate asked
-            c1, c2 = fitted_pair(c1, c2, triton_moe.scheme_from_keys(*scheme.keys))
+            c1, c2 = triton_moe._fit_pair(c1, c2, triton_moe.scheme_from_keys(*scheme.keys))
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
             write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
