@@ -349,9 +349,12 @@ def _e2m1_fold(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype) -> dict:
         return {"E2M1_FOLDED": False, "E2M1_SHIFT": 0}
     if scheme.weight_scale != "mx":  # e4m3 group scales, at most 448
         return {"E2M1_FOLDED": True, "E2M1_SHIFT": E2M1_E4M3_SHIFT}
-    lowest, highest = E2M1_MX_FOLD_CODES[compute_dtype]
-    codes = w.scale_codes
-    return {"E2M1_FOLDED": codes is not None and lowest <= codes[0] and codes[1] <= highest, "E2M1_SHIFT": 0}
+    return {"E2M1_FOLDED": _scale_codes_within(w, E2M1_MX_FOLD_CODES[compute_dtype]), "E2M1_SHIFT": 0}
+
+
+def _scale_codes_within(w: _Proj, codes: tuple[int, int]) -> bool:
+    """Whether every MX scale code of the experts is known (mx_scale_codes) to lie in [codes]."""
+    return w.scale_codes is not None and codes[0] <= w.scale_codes[0] and w.scale_codes[1] <= codes[1]
 
 
 # MX fp8 tiles folded (dequant_ptx._e4m3_asm): the e8m0 codes an MX scale may have, by activation
@@ -364,11 +367,8 @@ def _e4m3_folded(w: _Proj, scheme: Scheme, compute_dtype: torch.dtype, asm: bool
     """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (bfloat16: three instructions
     a weight pair and a multiply, float16: one and a multiply, against six through float32): on the PTX
     path, where every scale code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
-    if (not asm or scheme.weight_type != "fp8e4m3" or scheme.weight_scale != "mx" or w.scale_codes is None
-            or compute_dtype not in E4M3_MX_FOLD_CODES):
-        return False
-    lowest, highest = E4M3_MX_FOLD_CODES[compute_dtype]
-    return lowest <= w.scale_codes[0] and w.scale_codes[1] <= highest
+    return (asm and scheme.weight_type == "fp8e4m3" and scheme.weight_scale == "mx"
+            and compute_dtype in E4M3_MX_FOLD_CODES and _scale_codes_within(w, E4M3_MX_FOLD_CODES[compute_dtype]))
 
 
 def mx_scale_codes(weights: ExpertWeights, scheme: Scheme) -> list[int] | None:
