@@ -181,6 +181,17 @@ def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_p
         assert c1 != today and (t, base) == (0.5, 1.0)
 
 
+def test_alternated_takes_the_steps_in_turn(monkeypatch):
+    """Each round takes every step once, in order (so each sees the GPU the others see)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    calls: list[str] = []
+    steps = [lambda: calls.append("a") or 1.0, lambda: calls.append("b") or 2.0]
+    assert tune.alternated(steps, 3) == [[1.0] * 3, [2.0] * 3]
+    assert calls == ["a", "b"] * 3
+
+
 class _RegisterBound(_SlowCandidates):
     """Today's configs and every tile candidate take 1 s; GEMM1 capped at 80 registers a thread
     saves 0.25 s and GEMM2 capped at 96 another 0.25 s. Records the config pairs timed."""

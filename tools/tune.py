@@ -536,11 +536,18 @@ def confirm(layer: Layer, m: int, x, tw, ti, first: tuple, second: tuple,
             rounds: int = CONFIRM_ROUNDS) -> tuple[float, float]:
     """Median times of two config pairs timed in alternation (``rounds`` each): both see the same
     clocks and the same state of the GPU."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(rounds):
-        for configs, out in ((first, times[0]), (second, times[1])):
-            out.append(layer.time(configs, m, x, tw, ti))
+    times = alternated([lambda: layer.time(first, m, x, tw, ti), lambda: layer.time(second, m, x, tw, ti)], rounds)
     return statistics.median(times[0]), statistics.median(times[1])
+
+
+def alternated(steps: list[Callable[[], float]], rounds: int) -> list[list[float]]:
+    """Each step's measurements, the steps taken in turn ``rounds`` times (so every one sees the
+    clocks and state of the GPU the others see): for the tuner's confirmation and A/B scripts."""
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, out in zip(steps, times, strict=True):
+            out.append(step())
+    return times
 
 
 def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[tuple[dict, dict]]:

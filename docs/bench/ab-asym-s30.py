@@ -32,10 +32,16 @@ for shape in ("qwen3", "dsv2lite", "mixtral"):
             for name, configs, factored in variants:
                 triton_moe.FACTORED_ZEROS = factored
                 err = layer.error(configs, *inputs, ref)
-                runs.append((f"{sch} {shape} M={m} {name}", layer, m, inputs, configs, factored, err, []))
-for _ in range(3):
-    for _label, layer, m, inputs, configs, factored, _err, times in runs:
+                runs.append((f"{sch} {shape} M={m} {name}", layer, m, inputs, configs, factored, err))
+
+
+def step(layer, m, inputs, configs, factored):
+    def run() -> float:
         triton_moe.FACTORED_ZEROS = factored
-        times.append(layer.time(configs, m, *inputs) * 1e6)
-for label, _, _, _, _, _, err, times in runs:
-    print(f"{label:62s} {statistics.median(times):7.1f} us  err {err:.2e}  ({' '.join(f'{t:.1f}' for t in times)})")
+        return layer.time(configs, m, *inputs) * 1e6
+    return run
+
+
+times = tune.alternated([step(*r[1:6]) for r in runs], 3)
+for (label, *_, err), ts in zip(runs, times, strict=True):
+    print(f"{label:62s} {statistics.median(ts):7.1f} us  err {err:.2e}  ({' '.join(f'{t:.1f}' for t in ts)})")

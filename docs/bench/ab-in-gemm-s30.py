@@ -23,10 +23,16 @@ for sch, shape, quantised in cells:
     inputs = layer.inputs(1)
     act = triton_moe.scheme_from_keys(*schemes[sch].keys).act_quant
     for name, budgets in (choices.items() if quantised else [("-", (BIG, BIG))]):
-        runs.append((f"{sch} {shape} {name}", layer, inputs, act, budgets, []))
-for _ in range(5):
-    for _label, layer, inputs, act, (b1, b2), times in runs:
-        triton_moe.SCALE_IN_GEMM_MAX_BYTES, triton_moe.SCALE_IN_GEMM2_MAX_BYTES = b1, {act: b2}
-        times.append(layer.time((None, None), 1, *inputs) * 1e6)
-for label, _, _, _, _, times in runs:
-    print(f"{label:48s} M=1 median {statistics.median(times):6.1f} us  ({' '.join(f'{t:.1f}' for t in times)})")
+        runs.append((f"{sch} {shape} {name}", layer, inputs, act, budgets))
+
+
+def step(layer, inputs, act, budgets):
+    def run() -> float:
+        triton_moe.SCALE_IN_GEMM_MAX_BYTES, triton_moe.SCALE_IN_GEMM2_MAX_BYTES = budgets[0], {act: budgets[1]}
+        return layer.time((None, None), 1, *inputs) * 1e6
+    return run
+
+
+times = tune.alternated([step(*r[1:5]) for r in runs], 5)
+for (label, *_), ts in zip(runs, times, strict=True):
+    print(f"{label:48s} M=1 median {statistics.median(ts):6.1f} us  ({' '.join(f'{t:.1f}' for t in ts)})")

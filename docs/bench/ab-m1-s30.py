@@ -36,9 +36,7 @@ for sch, shape, variants in cells:
         configs = (None, None) if c1 is None else (c1, d2)
         if c1 is not None:
             print(sch, shape, k, "rel err", f"{layer.error(configs, x, tw, ti, ref):.3e}")
-        runs.append((f"{sch} {shape} {k}", layer, configs, (x, tw, ti), []))
-for _ in range(5):
-    for _label, layer, configs, inputs, times in runs:
-        times.append(layer.time(configs, 1, *inputs) * 1e6)
-for label, _, _, _, times in runs:
-    print(f"{label:52s} M=1 median {statistics.median(times):6.1f} us  ({' '.join(f'{t:.1f}' for t in times)})")
+        runs.append((f"{sch} {shape} {k}", layer, configs, (x, tw, ti)))
+times = tune.alternated([lambda r=r: r[1].time(r[2], 1, *r[3]) * 1e6 for r in runs], 5)
+for (label, *_), ts in zip(runs, times, strict=True):
+    print(f"{label:52s} M=1 median {statistics.median(ts):6.1f} us  ({' '.join(f'{t:.1f}' for t in ts)})")

@@ -1,4 +1,5 @@
 """Session 30: W4A8 GEMM1 tiles against GPTQ int4's, same machine, alternated (run in a snapshot)."""
+import functools
 import statistics
 import sys
 
@@ -23,14 +24,13 @@ for sch, m, variants in [
     x, tw, ti = layer.inputs(m)
     ref = layer.reference(x, tw, ti)
     _, d2 = tune.todays_configs(layer.shape, schemes[sch].keys, m, name, 132)
-    times = {k: [] for k in variants}
     for k, c1 in variants.items():
         if c1 is not None:
             print(sch, k, "rel err", layer.error((c1, d2), x, tw, ti, ref))
-    for _ in range(5):
-        for k, c1 in variants.items():
-            times[k].append(layer.time((None, None) if c1 is None else (c1, d2), m, x, tw, ti) * 1e6)
-    for k, ts in times.items():
+    pairs = [(None, None) if c1 is None else (c1, d2) for c1 in variants.values()]
+    times = tune.alternated([functools.partial(layer.time, p, m, x, tw, ti) for p in pairs], 5)
+    for k, seconds in zip(variants, times, strict=True):
+        ts = [t * 1e6 for t in seconds]
         print(f"{sch:30s} M={m} {k:14s} median {statistics.median(ts):7.1f} us  ({' '.join(f'{t:.1f}' for t in ts)})")
     del layer
     torch.cuda.empty_cache()
