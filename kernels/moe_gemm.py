@@ -416,7 +416,10 @@ def _fused_moe_kernel(
         # the groups each weight row's group (or MX) scales hold: ceil(K / W_GROUP), or more where padded
         scale_groups,
         # GROUP_DOTS: a tile spanning several weight groups takes one dot per group (see GROUPED)
-        GROUP_DOTS: tl.constexpr = False):
+        GROUP_DOTS: tl.constexpr = False,
+        # ZERO_SUMS: zero-point weights on the factored dot, each A row's sum over each weight group
+        # in row_sums_ptr [A rows, groups] (row stride stride_rs), see FACTORED
+        row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -492,7 +495,18 @@ def _fused_moe_kernel(
     # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
     PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
-                              and not HAS_ZERO and BLOCK_M <= 32)
+                              and (not HAS_ZERO or ZERO_SUMS) and BLOCK_M <= 32)
+    # ZERO_SUMS (a tile config's choice; tile_config.zero_sums_fit): zero-point weights take the
+    # same factored dot, on code - MID (a constant, as for the types with a fixed zero code), and
+    # each row's result then loses (zero - MID) times the row's sum of the group's inputs, which
+    # the layer computes before the GEMM: sum_k a (q - z) = sum_k a (q - MID) - (z - MID) sum_k a.
+    # Subtracting each weight's loaded zero instead makes Triton convert the whole dequantised tile
+    # through shared memory (offline sm_90 SASS, W8A16 asym at Mixtral's M = 64: 128 STS a step,
+    # 0.27 warp instructions a weight against 0.17 without zero points); the input's sums taken in
+    # the loop were slower (session 30: summed in the tile's load layout; a second dot with ones
+    # loses the input's pipelining, its operand layout differing from the mixed-precision dot's).
+    tl.static_assert(not ZERO_SUMS or FACTORED and HAS_ZERO, "input sums are for zero points on the factored dot")
+    FACTORED_ZERO: tl.constexpr = (8 if PACKED else 128) if HAS_ZERO else W_ZERO  # the code the dot subtracts
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
     # that span several groups, one dot per group and each group's result taking its scale; a
     # row's groups are loaded a step ahead as one vector (two 16-bit scales or more). Offline
@@ -504,6 +518,8 @@ def _fused_moe_kernel(
     # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which the layer's quantisation
     # kernels store as 16-bit floats (int8 codes, where a caller passes them, are converted here)
     W4A8_FLOAT: tl.constexpr = float_w4a8(A_QUANT, W_TYPE, BLOCK_M)
+    if FACTORED:  # the offset code the factored dot's tiles subtract
+        factored_zero = _offset_zero(tl.full((1, BLOCK_N), FACTORED_ZERO, tl.float32), dtype, NARROW)
     # (W4A8's 16-bit-dot tiles take them too: the codes' per-group dots are exact, and the token
     # scale goes on after the loop as for its int8 dot; a token the GEMM quantises itself is read
     # and quantised a group at a time)
@@ -556,6 +572,12 @@ def _fused_moe_kernel(
         elif FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
+            if ZERO_SUMS:  # what the dot's constant zero leaves, [1, BN], and the rows' sums over the
+                # group's inputs, [BM, 1], taken by the group's first K step (in whichever split
+                # holds it): the group's steps share its zero points and scales
+                zero_shift = tl.load(zero_cols + group * stride_sk).to(tl.float32) - FACTORED_ZERO
+                group_sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + group,
+                                     mask=row_mask[:, None] & (k_start % W_GROUP == 0), other=0.0)
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
@@ -611,7 +633,8 @@ def _fused_moe_kernel(
                 acc = _dot(a_even, low, acc)
                 acc = _dot(a_odd, high, acc)
             elif FACTORED:
-                low, high = _dequant_nibbles(packed_codes, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
+                low, high = _dequant_nibbles(packed_codes, factored_zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT,
+                                             False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)
             else:
@@ -632,7 +655,7 @@ def _fused_moe_kernel(
                 if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
                     codes = b.to(tl.uint8, bitcast=True)
                     if FACTORED:
-                        b = _dequant_byte(codes, zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
+                        b = _dequant_byte(codes, factored_zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
                     elif E4M3_FOLDED:
                         b = _dequant_e4m3(codes, scale, dtype)
                     else:
@@ -642,6 +665,8 @@ def _fused_moe_kernel(
                 else:
                     acc = _dot(a.to(dtype), b.to(dtype), acc)
         if FACTORED:
+            if ZERO_SUMS:
+                part -= group_sums * zero_shift
             acc += part * scale
 
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled

@@ -29,7 +29,7 @@ from moe_registry.core.keys import QuantKey, parse_quant_key
 from .scheme import Scheme, swappable
 
 __all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override",
-           "group_dot_width"]
+           "group_dot_width", "takes_zero_sums", "zero_sums_fit"]
 
 log = logging.getLogger("moe_registry")
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -170,12 +170,27 @@ def group_dot_width(scheme: Scheme, block_m: int) -> int:
     return scheme.weight_group if takes else 0
 
 
+def takes_zero_sums(scheme: Scheme) -> bool:
+    """Whether the scheme's tiles can take the ``ZERO_SUMS`` config key (zero points on the
+    factored dot, corrected by the layer's per-group input sums; see moe_gemm.FACTORED): integer
+    codes with zero points (uint4, uint8) and group scales under a 16-bit dot."""
+    return scheme.weight_type in ("uint4", "uint8") and scheme.weight_scale == "group" and scheme.act_quant == "none"
+
+
+def zero_sums_fit(scheme: Scheme, config: dict) -> bool:
+    """Whether a fitted tile takes ZERO_SUMS (:func:`takes_zero_sums`): the standard kernel's tiles
+    of BLOCK_M <= 32 whose K tile lies in one group."""
+    return (takes_zero_sums(scheme) and not config["SWAP_AB"] and config["BLOCK_M"] <= 32
+            and scheme.weight_group % config["BLOCK_K"] == 0)
+
+
 def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
     """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
     weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
     SWAP_AB (the swapped-operand kernel) only where it runs the scheme; GROUP_DOTS kept only
-    where the tile spans several of the scheme's groups (group_dot_width; absent otherwise)."""
+    where the tile spans several of the scheme's groups (group_dot_width; absent otherwise);
+    ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise)."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
     bk = config["BLOCK_K"]
@@ -193,6 +208,8 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
     config["BLOCK_N"] = max(config["BLOCK_N"], 32)
     if group_dots:
         config["GROUP_DOTS"] = True
+    if config.pop("ZERO_SUMS", False) and zero_sums_fit(scheme, config):
+        config["ZERO_SUMS"] = True
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)

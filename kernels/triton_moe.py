@@ -80,6 +80,8 @@ from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests 
     get_config,
     group_dot_width,
     shape_key,
+    takes_zero_sums,
+    zero_sums_fit,
 )
 
 __all__ = [
@@ -227,13 +229,14 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
           fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False,
-          input_scale: _InputScale | None = None) -> None:
+          input_scale: _InputScale | None = None, row_sums: torch.Tensor | None = None) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
     ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
     ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
     per column tile there (see _amax_pieces_shape); ``pdl``: as part of a
     programmatic-dependent-launch chain; ``input_scale``: A is one token's 16-bit input, which
-    the kernel quantises (``a_scale``: the static scale, else None)."""
+    the kernel quantises (``a_scale``: the static scale, else None); ``row_sums``: A's per-group row
+    sums (:func:`_group_row_sums`), given exactly where the config takes ZERO_SUMS (_zero_sums)."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -262,6 +265,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         scale_search = {"A_SCALE_IN": input_scale.source, "HW_FP8_CAST": _hardware_fp8_cast(a.device),
                         **input_scale.search_tile(width, bm, scheme.act_quant != "fp8_tensor")}
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
+    if (row_sums is not None) != _zero_sums(config, w):
+        raise ValueError("input row sums go with a ZERO_SUMS tile on weights in column order, and only there")
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
     elif rows.one_pair_blocks:
@@ -315,7 +320,29 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
         E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
-        **_launch_options(config), **triton_ops.pdl_launch(pdl))
+        **_row_sums_args(row_sums), **_launch_options(config), **triton_ops.pdl_launch(pdl))
+
+
+def _zero_sums(config: dict, w: _Proj) -> bool:
+    """Whether a GEMM runs its zero points on the factored dot (the ZERO_SUMS key, which
+    tile_config keeps where the tile can take it): for weights in column order (an act-order
+    permutation would take each group's sums over permuted input columns)."""
+    return bool(config.get("ZERO_SUMS")) and w.perm is None
+
+
+def _group_row_sums(a: torch.Tensor, group: int) -> torch.Tensor:
+    """Each row's float32 sums of ``a`` [rows, K] over consecutive groups of ``group`` columns
+    (the last one short where K is not a multiple): [rows, ceil(K / group)], for ZERO_SUMS GEMMs."""
+    rows, k = a.shape
+    if k % group:
+        a = torch.nn.functional.pad(a, (0, group - k % group))
+    return torch.sum(a.view(rows, -1, group), dim=-1, dtype=torch.float32)
+
+
+def _row_sums_args(row_sums: torch.Tensor | None) -> dict:
+    if row_sums is None:
+        return {}
+    return {"row_sums_ptr": row_sums, "stride_rs": row_sums.stride(0), "ZERO_SUMS": True}
 
 
 def _launch_options(config: dict) -> dict:
@@ -536,12 +563,13 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
             row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl, **_codes_dtype(scheme, config1, dt))
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
+    sums1 = _group_row_sums(a1, scheme.weight_group) if _zero_sums(config1, w13) else None
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
-          input_scale=scale1)
+          input_scale=scale1, row_sums=sums1)
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
@@ -561,8 +589,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
+    sums2 = _group_row_sums(a2, scheme.weight_group) if _zero_sums(config2, w2) else None
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
-          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2)
+          routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
+          row_sums=sums2)
     if partial is not out:
         triton_ops.sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids,
                             num_experts=num_experts)
@@ -585,10 +615,13 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts,
                              **_codes_dtype(scheme, config1, x.dtype))
     inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
-    _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation)
+    sums1 = _group_row_sums(a1, scheme.weight_group) if _zero_sums(config1, w13) else None
+    _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation,
+          row_sums=sums1)
     a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts, **_codes_dtype(scheme, config2, x.dtype))
+    sums2 = _group_row_sums(a2, scheme.weight_group) if _zero_sums(config2, w2) else None
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
-          compute_dtype=x.dtype, write_empty=True)
+          compute_dtype=x.dtype, write_empty=True, row_sums=sums2)
     return out
 
 

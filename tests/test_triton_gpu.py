@@ -177,6 +177,35 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", ["uint8-zp-g128", "awq-g128", "awq-g32"])
+def test_zero_sums_match_reference(scheme, shape, m, dtype, monkeypatch):
+    """ZERO_SUMS decode tiles (zero points on the factored dot, taken off each row's result with
+    the layer's per-group input sums) on the paired PTX path, a group spanning two K steps of
+    GEMM1 (BLOCK_K 64 against 128-column groups; one K step per group for awq-g32) and GEMM2
+    split; the launches are watched: both GEMMs took them, and gave other numbers than the
+    per-weight zero."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 2)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "SWAP_AB": False}
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    outs = {}
+    for zero_sums in (True, False):
+        sums = {"ZERO_SUMS": True} if zero_sums else {}
+        with triton_moe.config_override({**tile, **sums, "BLOCK_K": 32 if scheme == "awq-g32" else 64, "SPLIT_K": 1},
+                                        {**tile, **sums, "BLOCK_K": 32, "SPLIT_K": 2}):
+            outs[zero_sums] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, None, None]
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(outs[True], ref)
+    assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} ZERO_SUMS: relative error {err:.2e}"
+    assert not torch.equal(outs[True], outs[False])
+
+
 @pytest.mark.parametrize("m", [1, 2, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static"])

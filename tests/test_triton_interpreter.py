@@ -223,6 +223,96 @@ def test_group_dots_take_each_groups_scale_on_its_result(scheme, block_k, m, mon
     assert not torch.equal(outs[True], outs[False])
 
 
+W8A16_ASYM = "uint8 scale:float16:group(128):static zp:group"
+ZERO_SUMS_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+                  "num_stages": 2}
+
+
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("wkey", [W8A16_ASYM, SCHEMES["awq-g32"][0], SCHEMES["awq-g128"][0]])
+def test_zero_sums_take_zero_points_off_the_rows_results(wkey, m, monkeypatch):
+    """ZERO_SUMS: zero-point weights on the factored dot (codes less a constant, each group's scale
+    on its result) corrected by the layer's per-group input sums: the layer within tolerance,
+    GEMM2 split too, and not the per-weight-zero tile's numbers. A group of 128 spans four K steps
+    (its correction taken once); GEMM2's K (64) is half a group: its sums cover a short group, and
+    split in two, the second split holds no group's first step. The launches are watched: both
+    GEMMs took it."""
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(UNQ), num_experts=E,
+                                                   hidden=H, intermediate=INTER, dtype=torch.float16, seed=5)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=5)
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    outs = {}
+    for name, zero_sums, split in (("sums", True, 1), ("sums split", True, 2), ("per weight", False, 1)):
+        tile = ZERO_SUMS_TILE | ({"ZERO_SUMS": True} if zero_sums else {})
+        with triton_moe.config_override(tile, {**tile, "SPLIT_K": split}):
+            outs[name] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, True, True, None, None]
+    for name, out in outs.items():
+        err = _rel_err(out, ref)
+        assert err < 1e-2, f"{wkey} {name}: relative error {err:.2e}"
+    assert not torch.equal(outs["sums"], outs["per weight"])
+
+
+def test_zero_sums_in_the_batched_format(monkeypatch):
+    """Expert slabs (expert parallelism's batched format) take the same input sums, row for row."""
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(W8A16_ASYM), parse_quant_key(UNQ), num_experts=E,
+                                                   hidden=H, intermediate=INTER, dtype=torch.float16, seed=6)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(E, 5, H, generator=g).to(torch.float16)
+    counts = torch.tensor([5, 0, 3, 1], dtype=torch.int32)
+    tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
+    with triton_moe.config_override(tile, tile):
+        out = TritonBatchedExperts(weights, ExpertsConfig()).apply_batched(x, counts)
+    ref = reference_moe_batched(x, counts, weights, ExpertsConfig())
+    assert seen == [True, True]
+    err = _rel_err(out, ref)
+    assert err < 1e-2, f"batched ZERO_SUMS: relative error {err:.2e}"
+
+
+def test_zero_sums_are_kept_only_where_a_tile_can_take_them():
+    def fit(wkey, **config):
+        tile = {**ZERO_SUMS_TILE, "BLOCK_K": 128, "ZERO_SUMS": True, **config}
+        return tile_config._fit_config(tile, scheme_from_keys(wkey, UNQ), can_split=True).get("ZERO_SUMS")
+
+    assert fit(W8A16_ASYM) is True and fit(SCHEMES["awq-g128"][0], BLOCK_M=32) is True
+    assert fit(W8A16_ASYM, BLOCK_K=256) is None  # a K tile spans two groups
+    assert fit(W8A16_ASYM, BLOCK_M=64) is None  # 64+ row tiles keep their per-weight zero
+    assert fit(W8A16_ASYM, SWAP_AB=True) is None  # the swapped kernel subtracts them per weight
+    assert fit(SCHEMES["awq-channel"][0]) is None  # per-channel scales: no groups
+    assert fit(SCHEMES["gptq8-g128"][0]) is None  # no zero points
+    assert fit(W8A16_ASYM, ZERO_SUMS=False) is None  # absent, not False: tables stay as they were
+
+
+def test_zero_sums_need_weights_in_column_order():
+    """Act-order weights would take each group's sums over permuted input columns: the layer
+    computes no sums and runs the per-weight zero, and a launch given sums where the tile takes
+    none (or none where it does) is refused."""
+    weights = _weights("awq-g32", act_order=True, seed=2)
+    seen: list = []
+    tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
+    hidden, topk_weights, topk_ids = _routing(7, 2, seed=2)
+    with pytest.MonkeyPatch.context() as patch, triton_moe.config_override(tile, tile):
+        patch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [None, None]
+    assert _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())) < 1e-2
+    w = triton_moe._Proj(weight=torch.zeros(1), scale=None, zero=None, perm=None, bias=None, input_scale=None,
+                         n=8, k=8)
+    assert triton_moe._zero_sums(tile, w) and not triton_moe._zero_sums(ZERO_SUMS_TILE, w)
+    with pytest.raises(ValueError, match="input row sums go with a ZERO_SUMS tile"):
+        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16)
+
+
+def test_group_row_sums_cover_a_short_last_group():
+    a = torch.arange(10, dtype=torch.float16).reshape(2, 5)
+    assert triton_moe._group_row_sums(a, 2).tolist() == [[1.0, 5.0, 4.0], [11.0, 15.0, 9.0]]
+
+
 def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
     def fit(scheme, **config):
         wk, ak, _ = SCHEMES[scheme]

@@ -763,3 +763,43 @@ def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
     assert {c["BLOCK_K"] for c in capped} == {128, 256}
     assert not any("maxnreg" in c for c in tune.tile_candidates(16, narrow=False))
     assert not any("maxnreg" in c for c in tune.tile_candidates(64, narrow=True))
+
+
+def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
+    """Zero-point schemes (AWQ, W8A16 asym) try their decode tiles with ZERO_SUMS too, as the layer
+    fits them (K tiles in one group, standard kernel), and each seed from a fixed-zero table (GPTQ
+    int8's) also on the factored dot; schemes without zero points and prefill tiles get none."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels import triton_moe
+
+    schemes = tune.bench.registry_schemes()
+    for name in ("awq-w4a16", "compressed-tensors-w8a16-asym"):
+        pairs = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
+        with_sums = [c for pair in pairs for c in pair if c.get("ZERO_SUMS")]
+        assert with_sums and all(not c["SWAP_AB"] and 128 % c["BLOCK_K"] == 0 for c in with_sums), name
+    for name in ("gptq-w4a16", "gptq-w8a16"):
+        assert not any(c.get("ZERO_SUMS") for pair in tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
+                       for c in pair)
+    assert not any(c.get("ZERO_SUMS") for c in tune.tile_candidates(64, narrow=False, zero_sums=True))  # prefill
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    triton_moe._load_config_file.cache_clear()
+    asym = schemes["compressed-tensors-w8a16-asym"]
+    shape = tune.bench.SHAPES["qwen3"]
+    gemms = (triton_moe.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden),
+             triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate))
+    seed = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+            "num_stages": 3}
+    gptq8 = ("uint8b128 scale:float16:group(128):static", "unquantized")
+    (tmp_path / triton_moe.config_file(*gptq8, "cpu").name).write_text(
+        json.dumps({gemms[0]: {"8": seed}, gemms[1]: {"8": seed}}))
+    try:
+        kscheme = triton_moe.scheme_from_keys(*asym.keys)
+        today = tune.todays_configs(shape, asym.keys, 8, "cpu", 132)
+        pairs = tune.seed_pairs(shape, asym.keys, 8, "cpu", kscheme, today)
+    finally:
+        triton_moe._load_config_file.cache_clear()
+    whole = [(c1.get("ZERO_SUMS"), c2.get("ZERO_SUMS")) for c1, c2 in pairs
+             if c1["BLOCK_N"] == c2["BLOCK_N"] == 128 and c1["BLOCK_K"] == c2["BLOCK_K"] == 128]
+    assert (None, None) in whole and (True, True) in whole

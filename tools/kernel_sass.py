@@ -159,7 +159,8 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         amax = torch.empty(pieces, device="meta") if pieces else None
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
                          topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
-                         input_scale=triton_moe._InputScale(rows=1, static=static) if own.gemm1 else None)
+                         input_scale=triton_moe._InputScale(rows=1, static=static) if own.gemm1 else None,
+                         row_sums=_row_sums(a1, config1, w13, kscheme))
         a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own.gemm2)
         scale2 = None
         if own.gemm2 and (static or amax is not None):
@@ -171,8 +172,16 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
         triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,
-                         routed_weight="output", topk_weights=weights, pdl=True, input_scale=scale2)
+                         routed_weight="output", topk_weights=weights, pdl=True, input_scale=scale2,
+                         row_sums=_row_sums(a2, config2, w2, kscheme))
     return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
+
+
+def _row_sums(a: torch.Tensor, config: dict, w, kscheme) -> torch.Tensor | None:
+    """The per-group input sums a ZERO_SUMS GEMM reads, as the layer computes them (meta device)."""
+    from moe_registry_kernels import triton_moe
+
+    return triton_moe._group_row_sums(a, kscheme.weight_group) if triton_moe._zero_sums(config, w) else None
 
 
 def _activations(kscheme, config: dict, rows: int, k: int, own: bool = False

@@ -85,11 +85,12 @@ def block_ms(m: int, shape: bench.Shape) -> list[int]:
 
 
 def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool = False,
-                    group_dots: int = 0) -> list[dict]:
+                    group_dots: int = 0, zero_sums: bool = False) -> list[dict]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP_AB][, maxnreg]) worth trying at one BLOCK_M
     (the first ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs);
     ``group_dots``: the scheme's group_dot_width, and decode tiles spanning several such groups
-    are tried with one dot per group too (GROUP_DOTS)."""
+    are tried with one dot per group too (GROUP_DOTS); ``zero_sums``: zero-point schemes
+    (tile_config.takes_zero_sums), whose decode tiles are tried on the factored dot too (ZERO_SUMS)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
@@ -121,6 +122,8 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
                    | ({"maxnreg": cap[0]} if cap else {}))
     if bm <= 32 and group_dots:  # one dot per group, each group's scale on its result
         out += [{**c, "GROUP_DOTS": True} for c in out if not c["SWAP_AB"] and c["BLOCK_K"] > group_dots]
+    if bm <= 32 and zero_sums:  # zero points on the factored dot (the fit keeps K tiles in one group)
+        out += [{**c, "ZERO_SUMS": True} for c in out if not c["SWAP_AB"]]
     return out[:limit]
 
 
@@ -141,10 +144,10 @@ def distinct_tiles(tiles: list[dict], kscheme) -> list[dict]:
 def scheme_tiles(bm: int, narrow: bool, kscheme, limit: int | None = None) -> list[dict]:
     """tile_candidates for a scheme's kernel (the swapped one and per-group dots where it takes them
     at this BLOCK_M), each tile its layer runs once."""
-    from moe_registry_kernels.triton_moe import group_dot_width, swappable
+    from moe_registry_kernels.triton_moe import group_dot_width, swappable, takes_zero_sums
 
-    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme), group_dot_width(kscheme, bm)),
-                          kscheme)
+    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme), group_dot_width(kscheme, bm),
+                                          takes_zero_sums(kscheme)), kscheme)
 
 
 SPLITS = (1, 2, 4, 8)
@@ -584,8 +587,9 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
     other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
     none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
-    none."""
-    from moe_registry_kernels.triton_moe import _fit_pair, config_file, shape_key
+    none. Zero-point schemes also try each on the factored dot (ZERO_SUMS, where the fit keeps it):
+    there a tile of a fixed-zero scheme (GPTQ's) runs its own loop."""
+    from moe_registry_kernels.triton_moe import _fit_pair, config_file, shape_key, takes_zero_sums
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
     h, i = shape.hidden, shape.intermediate
@@ -609,7 +613,10 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
         for c1, c2 in ((pair[0], pair[1]), (pair[0], today[1]), (today[0], pair[1])):
             # each also without the seed's register caps: a cap fits the kernel it was tuned on, and
             # this scheme's may need more registers (W4A8's epilogue: GPTQ int4's cap of 128 spilled)
-            for candidate in (fitted(c1, c2), fitted(_uncapped(c1, pair[0]), _uncapped(c2, pair[1]))):
+            halves = [(c1, c2), (_uncapped(c1, pair[0]), _uncapped(c2, pair[1]))]
+            if takes_zero_sums(kscheme):
+                halves += [({**a, "ZERO_SUMS": True}, {**b, "ZERO_SUMS": True}) for a, b in halves]
+            for candidate in (fitted(a, b) for a, b in halves):
                 key = json.dumps(candidate, sort_keys=True)
                 if candidate is not None and key not in seen:
                     seen.add(key)
