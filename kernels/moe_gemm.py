@@ -283,6 +283,32 @@ def _row(x, i: tl.constexpr):
     return tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == i, x, 0.0), axis=0)[None, :]
 
 
+# weight groups a step of _less_zero_point_terms takes (the K of its dot)
+ZERO_TERM_GROUPS = tl.constexpr(16)
+
+
+@triton.jit
+def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk, k_lo,
+                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr):
+    """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
+    lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
+    the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
+    FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups] (row stride
+    ``stride_rs``). The dot keeps float32 accuracy (three TF32 products): with zero points far
+    from MID the terms are large beside the result they correct."""
+    groups = tl.cdiv(k_hi, W_GROUP)
+    # not pipelined: a few steps after the main loop, whose registers a pipeline's would add to
+    for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
+        g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
+        g_mask = g < groups
+        sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
+                       mask=row_mask[:, None] & g_mask[None, :], other=0.0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
+        acc = tl.dot(-sums, scale * (zero - MID), acc, input_precision="tf32x3")
+    return acc
+
+
 @triton.jit
 def _token_halves(row, BLOCK_M: tl.constexpr):
     """One token's [C] activations -> its even and odd columns, each repeated down a [BLOCK_M, C / 2]
@@ -498,13 +524,17 @@ def _fused_moe_kernel(
                               and (not HAS_ZERO or ZERO_SUMS) and BLOCK_M <= 32)
     # ZERO_SUMS (a tile config's choice; tile_config.zero_sums_fit): zero-point weights take the
     # same factored dot, on code - MID (a constant, as for the types with a fixed zero code), and
-    # each row's result then loses (zero - MID) times the row's sum of the group's inputs, which
-    # the layer computes before the GEMM: sum_k a (q - z) = sum_k a (q - MID) - (z - MID) sum_k a.
+    # the result then loses, for each group g, the rows' sums of the group's inputs (computed by
+    # the layer before the GEMM) times s_g (z_g - MID), one small dot after the loop
+    # (_less_zero_point_terms): sum_k a s (q - z) = sum_g s_g (sum_{k in g} a (q - MID) - (z_g - MID) sum_{k in g} a).
     # Subtracting each weight's loaded zero instead makes Triton convert the whole dequantised tile
     # through shared memory (offline sm_90 SASS, W8A16 asym at Mixtral's M = 64: 128 STS a step,
-    # 0.27 warp instructions a weight against 0.17 without zero points); the input's sums taken in
-    # the loop were slower (session 30: summed in the tile's load layout; a second dot with ones
-    # loses the input's pipelining, its operand layout differing from the mixed-precision dot's).
+    # 0.27 warp instructions a weight against 0.17 without zero points). Taken in the loop, the
+    # groups' terms cost registers: loading the sums and zero points a step (240 registers a
+    # thread against 162, two programs an SM instead of three; H100: 682 us against GPTQ int8's
+    # ~580); the inputs' sums found in the loop were slower (session 30: summed in the tile's load
+    # layout; a second dot with ones loses the input's pipelining, its operand layout differing
+    # from the mixed-precision dot's).
     tl.static_assert(not ZERO_SUMS or FACTORED and HAS_ZERO, "input sums are for zero points on the factored dot")
     FACTORED_ZERO: tl.constexpr = (8 if PACKED else 128) if HAS_ZERO else W_ZERO  # the code the dot subtracts
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
@@ -572,12 +602,6 @@ def _fused_moe_kernel(
         elif FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
             scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
-            if ZERO_SUMS:  # what the dot's constant zero leaves, [1, BN], and the rows' sums over the
-                # group's inputs, [BM, 1], taken by the group's first K step (in whichever split
-                # holds it): the group's steps share its zero points and scales
-                zero_shift = tl.load(zero_cols + group * stride_sk).to(tl.float32) - FACTORED_ZERO
-                group_sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + group,
-                                     mask=row_mask[:, None] & (k_start % W_GROUP == 0), other=0.0)
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
@@ -665,13 +689,14 @@ def _fused_moe_kernel(
                 else:
                     acc = _dot(a.to(dtype), b.to(dtype), acc)
         if FACTORED:
-            if ZERO_SUMS:
-                part -= group_sums * zero_shift
             acc += part * scale
 
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
+    if ZERO_SUMS:
+        acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
+                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
