@@ -289,30 +289,25 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 
 @triton.jit
 def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk, k_lo,
-                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr, AS_DOT: tl.constexpr = True):
+                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
     FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups] (row stride
     ``stride_rs``). The dot keeps float32 accuracy (three TF32 products): with zero points far
-    from MID the terms are large beside the result they correct."""
+    from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
+    rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
+    SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
     groups = tl.cdiv(k_hi, W_GROUP)
-    if AS_DOT:
-        # not pipelined: a few steps after the main loop, whose registers a pipeline's would add to
-        for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
-            g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
-            g_mask = g < groups
-            sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
-                           mask=row_mask[:, None] & g_mask[None, :], other=0.0)
-            scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
-            zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
-            acc = tl.dot(-sums, scale * (zero - MID), acc, input_precision="tf32x3")
-    else:
-        for g in tl.range(tl.cdiv(k_lo, W_GROUP), groups, num_stages=1):
-            sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g, mask=row_mask[:, None], other=0.0)
-            scale = tl.load(scale_cols + g * stride_sk).to(tl.float32)
-            zero = tl.load(zero_cols + g * stride_sk).to(tl.float32)
-            acc -= sums * (scale * (zero - MID))
+    # not pipelined: a few steps after the main loop, whose registers a pipeline's would add to
+    for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
+        g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
+        g_mask = g < groups
+        sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
+                       mask=row_mask[:, None] & g_mask[None, :], other=0.0)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
+        acc = tl.dot(-sums, scale * (zero - MID), acc, input_precision="tf32x3")
     return acc
 
 
@@ -452,7 +447,7 @@ def _fused_moe_kernel(
         GROUP_DOTS: tl.constexpr = False,
         # ZERO_SUMS: zero-point weights on the factored dot, each A row's sum over each weight group
         # in row_sums_ptr [A rows, groups] (row stride stride_rs), see FACTORED
-        row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False, ZERO_TERMS_DOT: tl.constexpr = True):
+        row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -703,7 +698,7 @@ def _fused_moe_kernel(
     acc = acc.to(tl.float32)
     if ZERO_SUMS:
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
-                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO, ZERO_TERMS_DOT)
+                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)

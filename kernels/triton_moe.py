@@ -126,7 +126,6 @@ SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
-ZERO_TERMS_DOT = True  # experiment
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,8 +342,7 @@ def _group_row_sums(a: torch.Tensor, group: int) -> torch.Tensor:
 def _row_sums_args(row_sums: torch.Tensor | None) -> dict:
     if row_sums is None:
         return {}
-    return {"row_sums_ptr": row_sums, "stride_rs": row_sums.stride(0), "ZERO_SUMS": True,
-            "ZERO_TERMS_DOT": ZERO_TERMS_DOT}
+    return {"row_sums_ptr": row_sums, "stride_rs": row_sums.stride(0), "ZERO_SUMS": True}
 
 
 def _launch_options(config: dict) -> dict:

@@ -3,7 +3,8 @@ per-group input sums (ZERO_SUMS), at M = 64, three alternated rounds, medians, u
 terms as one float32-accurate dot after the loop (three TF32 products) or as one rank-1 update a
 group, under a cap of 168 registers (three programs an SM) and, on Mixtral, uncapped; today's tables,
 and GPTQ int8 / int4 (no zero points) as the yardstick. Qwen3 and DeepSeek-V2-Lite take GPTQ's
-M = 64 tiles with ZERO_SUMS. Run from a snapshot's root on the GPU: python3 docs/bench/ab-zero-sums-s31.py."""
+M = 64 tiles with ZERO_SUMS. Ran at 9085d7a, whose triton_moe.ZERO_TERMS_DOT switched the two forms
+(the rank-1 form went after it), from a snapshot's root on the GPU: python3 docs/bench/ab-zero-sums-s31.py."""
 import statistics
 import sys
 
