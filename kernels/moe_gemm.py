@@ -537,7 +537,6 @@ def _fused_moe_kernel(
     # ~580); the inputs' sums found in the loop were slower (session 30: summed in the tile's load
     # layout; a second dot with ones loses the input's pipelining, its operand layout differing
     # from the mixed-precision dot's).
-    tl.static_assert(not ZERO_SUMS or FACTORED and HAS_ZERO, "input sums are for zero points on the factored dot")
     FACTORED_ZERO: tl.constexpr = (8 if PACKED else 128) if HAS_ZERO else W_ZERO  # the code the dot subtracts
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
     # that span several groups, one dot per group and each group's result taking its scale; a
@@ -550,14 +549,18 @@ def _fused_moe_kernel(
     # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which the layer's quantisation
     # kernels store as 16-bit floats (int8 codes, where a caller passes them, are converted here)
     W4A8_FLOAT: tl.constexpr = float_w4a8(A_QUANT, W_TYPE, BLOCK_M)
-    if FACTORED:  # the offset code the factored dot's tiles subtract
-        factored_zero = _offset_zero(tl.full((1, BLOCK_N), FACTORED_ZERO, tl.float32), dtype, NARROW)
     # (W4A8's 16-bit-dot tiles take them too: the codes' per-group dots are exact, and the token
     # scale goes on after the loop as for its int8 dot; a token the GEMM quantises itself is read
-    # and quantised a group at a time)
+    # and quantised a group at a time; and zero-point weights with ZERO_SUMS, their dots of code -
+    # MID corrected after the loop as the factored dot's are)
     GROUPED: tl.constexpr = (GROUP_DOTS and W_SCALE == "group" and (A_QUANT == "none" or W4A8_FLOAT) and PACKED
-                             and W_ZERO > 0 and W_GROUPS > 1 and not HAS_ZERO and not ACT_ORDER and BLOCK_M <= 32)
+                             and (W_ZERO > 0 and not HAS_ZERO or ZERO_SUMS) and W_GROUPS > 1 and not ACT_ORDER
+                             and BLOCK_M <= 32)
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
+    tl.static_assert(not ZERO_SUMS or (FACTORED or GROUPED) and HAS_ZERO,
+                     "input sums are for zero points on the factored dot or per-group dots")
+    if FACTORED or GROUPED:  # the offset code the factored (or per-group) dots' tiles subtract
+        factored_zero = _offset_zero(tl.full((1, BLOCK_N), FACTORED_ZERO, tl.float32), dtype, NARROW)
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one
     # group), or each group's dot its own (GROUPED)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group" and not GROUPED
@@ -572,7 +575,7 @@ def _fused_moe_kernel(
         int8_scale_next = tl.load(scale_cols + (k_lo // W_GROUP) * stride_sk)
     if GROUPED:  # the first step's group scales (each step loads the next one's)
         scales_next, _ = _group_scales(scale_cols, zero_cols, zero, k_lo, scale_groups, stride_sk, tl.float32, W_SCALE,
-                                       W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_GROUPS)
+                                       W_GROUP, W_GROUPS, False, NARROW, 0, W_GROUPS)
     for k_start in range(k_lo, k_hi, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
@@ -596,7 +599,7 @@ def _fused_moe_kernel(
         if GROUPED:  # [W_GROUPS, BN] float32, loaded a step ago
             scales = scales_next
             scales_next, _ = _group_scales(scale_cols, zero_cols, zero, k_start + BLOCK_K, scale_groups, stride_sk,
-                                           tl.float32, W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_GROUPS)
+                                           tl.float32, W_SCALE, W_GROUP, W_GROUPS, False, NARROW, 0, W_GROUPS)
         elif INT8_SCALE_AHEAD:  # [1, BN], loaded a step ago; the last step reloads its own group
             scale = int8_scale_next.to(tl.float32)
             next_group = tl.minimum((k_start + BLOCK_K) // W_GROUP, scale_groups - 1)
@@ -627,7 +630,8 @@ def _fused_moe_kernel(
                     a_group = tl.load(a_row_ptrs[:, None] + cols[None, :],
                                       mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
                     a_even, a_odd = tl.split(tl.reshape(a_group.to(dtype), (BLOCK_M, W_GROUP // 2, 2)))
-                low, high = _dequant_nibbles(group_codes, zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
+                low, high = _dequant_nibbles(group_codes, factored_zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT,
+                                             False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)
                 acc += part * _row(scales, g)

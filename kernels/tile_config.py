@@ -157,15 +157,16 @@ def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
         _OVERRIDE.reset(token)
 
 
-def group_dot_width(scheme: Scheme, block_m: int) -> int:
+def group_dot_width(scheme: Scheme, block_m: int, zero_sums: bool = False) -> int:
     """The weight group a tile's per-group dots (the ``GROUP_DOTS`` config key: one dot per group,
     each group's scale on its result) span, or 0 where the scheme cannot take them: 4-bit integer
-    codes with a fixed zero code and group scales of 32 columns or more, under a 16-bit dot (16-bit
-    activations, or W4A8's codes on tiles of few rows: scheme.float_w4a8). The kernel takes them on
-    tiles of BLOCK_M <= 32 that span several groups, on weights without act-order or zero-point
-    tensors."""
+    codes with a fixed zero code (or with zero points, on ``zero_sums`` tiles: ZERO_SUMS) and group
+    scales of 32 columns or more, under a 16-bit dot (16-bit activations, or W4A8's codes on tiles
+    of few rows: scheme.float_w4a8). The kernel takes them on tiles of BLOCK_M <= 32 that span
+    several groups, on weights without act-order."""
     sixteen_bit_dot = scheme.act_quant == "none" or scheme.float_w4a8(block_m)
-    takes = (scheme.packed and scheme.zero_code > 0 and scheme.weight_scale == "group" and sixteen_bit_dot
+    zero = scheme.zero_code > 0 or zero_sums and takes_zero_sums(scheme)
+    takes = (scheme.packed and zero and scheme.weight_scale == "group" and sixteen_bit_dot
              and scheme.weight_group >= 32)
     return scheme.weight_group if takes else 0
 
@@ -179,9 +180,9 @@ def takes_zero_sums(scheme: Scheme) -> bool:
 
 def zero_sums_fit(scheme: Scheme, config: dict) -> bool:
     """Whether a fitted tile takes ZERO_SUMS (:func:`takes_zero_sums`): the standard kernel's tiles
-    of BLOCK_M <= 32 whose K tile lies in one group."""
+    of BLOCK_M <= 32 whose K tile lies in one group, or takes one dot per group (GROUP_DOTS)."""
     return (takes_zero_sums(scheme) and not config["SWAP_AB"] and config["BLOCK_M"] <= 32
-            and scheme.weight_group % config["BLOCK_K"] == 0)
+            and (scheme.weight_group % config["BLOCK_K"] == 0 or bool(config.get("GROUP_DOTS"))))
 
 
 def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
@@ -194,8 +195,9 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
     bk = config["BLOCK_K"]
+    zero_sums = config.pop("ZERO_SUMS", False)
     group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
-                  and 0 < group_dot_width(scheme, config["BLOCK_M"]) < bk)
+                  and 0 < group_dot_width(scheme, config["BLOCK_M"], zero_sums) < bk)
     if scheme.weight_scale == "block":
         bk = min(bk, scheme.weight_group)
     if scheme.act_quant == "fp8_group":
@@ -208,8 +210,10 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
     config["BLOCK_N"] = max(config["BLOCK_N"], 32)
     if group_dots:
         config["GROUP_DOTS"] = True
-    if config.pop("ZERO_SUMS", False) and zero_sums_fit(scheme, config):
+    if zero_sums and zero_sums_fit(scheme, config):
         config["ZERO_SUMS"] = True
+    elif group_dots and scheme.zero_code == 0:  # zero-point weights take per-group dots with ZERO_SUMS only
+        del config["GROUP_DOTS"]
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)

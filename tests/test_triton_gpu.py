@@ -180,13 +180,14 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", ["uint8-zp-g128", "awq-g128", "awq-g32"])
-def test_zero_sums_match_reference(scheme, shape, m, dtype, monkeypatch):
+@pytest.mark.parametrize("scheme,grouped", [("uint8-zp-g128", False), ("awq-g128", False), ("awq-g32", False),
+                                            ("awq-g128", True)])
+def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch):
     """ZERO_SUMS decode tiles (zero points on the factored dot, taken off each row's result with
     the layer's per-group input sums) on the paired PTX path, a group spanning two K steps of
     GEMM1 (BLOCK_K 64 against 128-column groups; one K step per group for awq-g32) and GEMM2
-    split; the launches are watched: both GEMMs took them, and gave other numbers than the
-    per-weight zero."""
+    split; ``grouped``: one dot per group (GROUP_DOTS) over K tiles of 256 and 512 columns; the
+    launches are watched: both GEMMs took them, and gave other numbers than the per-weight zero."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 2)
@@ -194,10 +195,11 @@ def test_zero_sums_match_reference(scheme, shape, m, dtype, monkeypatch):
     seen: list = []
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
     outs = {}
+    block_k = (256, 512) if grouped else (32, 32) if scheme == "awq-g32" else (64, 32)
     for zero_sums in (True, False):
-        sums = {"ZERO_SUMS": True} if zero_sums else {}
-        with triton_moe.config_override({**tile, **sums, "BLOCK_K": 32 if scheme == "awq-g32" else 64, "SPLIT_K": 1},
-                                        {**tile, **sums, "BLOCK_K": 32, "SPLIT_K": 2}):
+        sums = ({"ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})) if zero_sums else {}
+        with triton_moe.config_override({**tile, **sums, "BLOCK_K": block_k[0], "SPLIT_K": 1},
+                                        {**tile, **sums, "BLOCK_K": block_k[1], "SPLIT_K": 2}):
             outs[zero_sums] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, None, None]
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)

@@ -229,26 +229,31 @@ ZERO_SUMS_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SP
 
 
 @pytest.mark.parametrize("m", [1, 7])
-@pytest.mark.parametrize("wkey", [W8A16_ASYM, SCHEMES["awq-g32"][0], SCHEMES["awq-g128"][0]])
-def test_zero_sums_take_zero_points_off_the_rows_results(wkey, m, monkeypatch):
+@pytest.mark.parametrize("wkey,block_k", [(W8A16_ASYM, 32), (SCHEMES["awq-g32"][0], 32), (SCHEMES["awq-g128"][0], 32),
+                                          (SCHEMES["awq-g32"][0], 64)])
+def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monkeypatch):
     """ZERO_SUMS: zero-point weights on the factored dot (codes less a constant, each group's scale
     on its result) corrected by the layer's per-group input sums: the layer within tolerance,
     GEMM2 split too, and not the per-weight-zero tile's numbers. A group of 128 spans four K steps
     (its correction taken once); GEMM2's K (64) is half a group: its sums cover a short group, and
-    split in two, the second split holds no group's first step. The launches are watched: both
-    GEMMs took it."""
+    split in two, the second split holds no group's first step. awq-g32 with BLOCK_K 64 takes one
+    dot per group (GROUP_DOTS). The launches are watched: both GEMMs took it."""
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    seen_grouped: list = []
+    spy = KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS", seen)
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", spy)
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, seed=5)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=5)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     outs = {}
+    grouped = {"GROUP_DOTS": True} if block_k == 64 else {}
     for name, zero_sums, split in (("sums", True, 1), ("sums split", True, 2), ("per weight", False, 1)):
-        tile = ZERO_SUMS_TILE | ({"ZERO_SUMS": True} if zero_sums else {})
+        tile = ZERO_SUMS_TILE | {"BLOCK_K": block_k} | ({"ZERO_SUMS": True, **grouped} if zero_sums else {})
         with triton_moe.config_override(tile, {**tile, "SPLIT_K": split}):
             outs[name] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, True, True, None, None]
+    assert seen_grouped == [block_k == 64] * 4 + [False, False]
     for name, out in outs.items():
         err = _rel_err(out, ref)
         assert err < 1e-2, f"{wkey} {name}: relative error {err:.2e}"
@@ -280,6 +285,14 @@ def test_zero_sums_are_kept_only_where_a_tile_can_take_them():
 
     assert fit(W8A16_ASYM) is True and fit(SCHEMES["awq-g128"][0], BLOCK_M=32) is True
     assert fit(W8A16_ASYM, BLOCK_K=256) is None  # a K tile spans two groups
+    # 4-bit zero points: per-group dots with ZERO_SUMS, and only with them
+    awq = scheme_from_keys(SCHEMES["awq-g128"][0], UNQ)
+    grouped = {**ZERO_SUMS_TILE, "BLOCK_K": 256, "GROUP_DOTS": True}
+    assert tile_config._fit_config({**grouped, "ZERO_SUMS": True}, awq, can_split=True).keys() >= {"GROUP_DOTS",
+                                                                                                  "ZERO_SUMS"}
+    assert "GROUP_DOTS" not in tile_config._fit_config(grouped, awq, can_split=True)
+    assert "GROUP_DOTS" not in tile_config._fit_config({**grouped, "ZERO_SUMS": True, "BLOCK_M": 64}, awq,
+                                                       can_split=True)
     assert fit(W8A16_ASYM, BLOCK_M=64) is None  # 64+ row tiles keep their per-weight zero
     assert fit(W8A16_ASYM, SWAP_AB=True) is None  # the swapped kernel subtracts them per weight
     assert fit(SCHEMES["awq-channel"][0]) is None  # per-channel scales: no groups

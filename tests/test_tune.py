@@ -728,8 +728,9 @@ def test_decode_candidates_include_one_dot_per_group_where_the_scheme_takes_it(m
     schemes = tune.bench.registry_schemes()
     gptq = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["gptq-w4a16"], [8])
     assert any(c1.get("GROUP_DOTS") for c1, _ in gptq) and any(c2.get("GROUP_DOTS") for _, c2 in gptq)
-    awq = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["awq-w4a16"], [8])  # zero points: none
-    assert not any(c.get("GROUP_DOTS") for pair in awq for c in pair)
+    awq = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["awq-w4a16"], [8])  # zero points: with ZERO_SUMS only
+    grouped = [c for pair in awq for c in pair if c.get("GROUP_DOTS")]
+    assert grouped and all(c.get("ZERO_SUMS") for c in grouped)
 
 
 def test_w4a8_candidates_are_the_distinct_tiles_its_layer_runs(monkeypatch):
@@ -767,8 +768,9 @@ def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
 
 def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
     """Zero-point schemes (AWQ, W8A16 asym) try their decode tiles with ZERO_SUMS too, as the layer
-    fits them (K tiles in one group, standard kernel), and each seed from a fixed-zero table (GPTQ
-    int8's) also on the factored dot; schemes without zero points and prefill tiles get none."""
+    fits them (K tiles in one group or, 4-bit, one dot per group; standard kernel), and each seed
+    from a fixed-zero table (GPTQ int8's) also on the factored dot; schemes without zero points and
+    prefill tiles get none."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
     from moe_registry_kernels import triton_moe
@@ -777,7 +779,8 @@ def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
     for name in ("awq-w4a16", "compressed-tensors-w8a16-asym"):
         pairs = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
         with_sums = [c for pair in pairs for c in pair if c.get("ZERO_SUMS")]
-        assert with_sums and all(not c["SWAP_AB"] and 128 % c["BLOCK_K"] == 0 for c in with_sums), name
+        assert with_sums and all(not c["SWAP_AB"] and (128 % c["BLOCK_K"] == 0 or c.get("GROUP_DOTS"))
+                                 for c in with_sums), name
     for name in ("gptq-w4a16", "gptq-w8a16"):
         assert not any(c.get("ZERO_SUMS") for pair in tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
                        for c in pair)

@@ -146,16 +146,15 @@ def scheme_tiles(bm: int, narrow: bool, kscheme, limit: int | None = None) -> li
     at this BLOCK_M), each tile its layer runs once."""
     from moe_registry_kernels.triton_moe import group_dot_width, swappable, takes_zero_sums
 
-    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme), group_dot_width(kscheme, bm),
-                                          takes_zero_sums(kscheme)), kscheme)
+    zero_sums = takes_zero_sums(kscheme)  # (zero-point weights take per-group dots with ZERO_SUMS)
+    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme),
+                                          group_dot_width(kscheme, bm, zero_sums), zero_sums), kscheme)
 
 
 SPLITS = (1, 2, 4, 8)
-# register caps worth trying (maxnreg): at 128 threads a program under 168, 128, 96, 80 or 64
-# registers a thread lets 3, 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past
-# that; 168: ZERO_SUMS tiles, whose epilogue dot takes them to 239 and two programs an SM, spill
-# there only)
-REGISTER_CAPS = (168, 128, 96, 80, 64)
+# register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
+# a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
+REGISTER_CAPS = (128, 96, 80, 64)
 WIDE_TILE_CAP = 96  # wide decode tiles (BLOCK_N 128, 4 warps) under this cap: 5 programs an SM, few spills
 # a search winner must still beat today's configs by this much when both are timed side by side
 CONFIRM_MARGIN = 0.02
