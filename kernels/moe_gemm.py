@@ -531,12 +531,12 @@ def _fused_moe_kernel(
     # (_less_zero_point_terms): sum_k a s (q - z) = sum_g s_g (sum_{k in g} a (q - MID) - (z_g - MID) sum_{k in g} a).
     # Subtracting each weight's loaded zero instead makes Triton convert the whole dequantised tile
     # through shared memory (offline sm_90 SASS, W8A16 asym at Mixtral's M = 64: 128 STS a step,
-    # 0.27 warp instructions a weight against 0.17 without zero points). Taken in the loop, the
-    # groups' terms cost registers: loading the sums and zero points a step (240 registers a
-    # thread against 162, two programs an SM instead of three; H100: 682 us against GPTQ int8's
-    # ~580); the inputs' sums found in the loop were slower (session 30: summed in the tile's load
-    # layout; a second dot with ones loses the input's pipelining, its operand layout differing
-    # from the mixed-precision dot's).
+    # 0.27 warp instructions a weight against 0.17 without zero points). Taken in the loop (the
+    # sums and zero points loaded a step) the groups' terms were slower (H100, Mixtral M = 64:
+    # 681.8 us, against 697.6 for the swapped kernel they replaced; after the loop 600.6-619.5 in
+    # later calls, docs/bench/tune-s31-h100.txt); the inputs' sums found in the loop were slower
+    # still (session 30: summed in the tile's load layout; a second dot with ones loses the
+    # input's pipelining, its operand layout differing from the mixed-precision dot's).
     FACTORED_ZERO: tl.constexpr = (8 if PACKED else 128) if HAS_ZERO else W_ZERO  # the code the dot subtracts
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
     # that span several groups, one dot per group and each group's result taking its scale; a
