@@ -289,12 +289,13 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 
 @triton.jit
 def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk, k_lo,
-                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr):
+                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr, PIECES: tl.constexpr):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
-    FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups] (row stride
-    ``stride_rs``). The dot keeps float32 accuracy (three TF32 products): with zero points far
+    FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups * PIECES] (row stride
+    ``stride_rs``, which also bounds the pieces: a group's sum is that of its PIECES consecutive
+    ones). The dot keeps float32 accuracy (three TF32 products): with zero points far
     from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
     rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
     SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
@@ -303,8 +304,15 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale
     for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
         g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
         g_mask = g < groups
-        sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
-                       mask=row_mask[:, None] & g_mask[None, :], other=0.0)
+        if PIECES == 1:
+            sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
+                           mask=row_mask[:, None] & g_mask[None, :], other=0.0)
+        else:
+            p = g0 * PIECES + tl.arange(0, ZERO_TERM_GROUPS * PIECES)
+            parts = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + p[None, :],
+                            mask=row_mask[:, None] & (p[None, :] < stride_rs) & (p[None, :] < groups * PIECES),
+                            other=0.0)
+            sums = tl.sum(tl.reshape(parts, (parts.shape[0], ZERO_TERM_GROUPS, PIECES)), axis=2)
         scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
         zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
         acc = tl.dot(-sums, scale * (zero - MID), acc, input_precision="tf32x3")
@@ -446,8 +454,11 @@ def _fused_moe_kernel(
         # GROUP_DOTS: a tile spanning several weight groups takes one dot per group (see GROUPED)
         GROUP_DOTS: tl.constexpr = False,
         # ZERO_SUMS: zero-point weights on the factored dot, each A row's sum over each weight group
-        # in row_sums_ptr [A rows, groups] (row stride stride_rs), see FACTORED
-        row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False):
+        # in row_sums_ptr [A rows, groups * SUM_PIECES] (row stride stride_rs; a group's sum in
+        # SUM_PIECES consecutive pieces, as a GEMM1 with SUMS_OUT leaves them), see FACTORED;
+        # SUMS_OUT (with FUSE_ACT): also each stored row's sum over this tile, into amax_ptr[row, pid_n]
+        row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False, SUM_PIECES: tl.constexpr = 1,
+        SUMS_OUT: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -461,7 +472,8 @@ def _fused_moe_kernel(
     tl.static_assert(_is_pow2(BLOCK_K) and _is_pow2(BLOCK_N) and BLOCK_N >= 32)
     tl.static_assert(not (BATCHED and ONE_PAIR_BLOCKS))
     tl.static_assert(FUSE_ACT == "none" or SPLIT_K == 1, "the activation needs whole sums")
-    tl.static_assert(not AMAX_OUT or FUSE_ACT != "none", "amax pieces come from the fused activation")
+    tl.static_assert(not (AMAX_OUT or SUMS_OUT) or FUSE_ACT != "none" and not (AMAX_OUT and SUMS_OUT),
+                     "amax or sum pieces come from the fused activation")
     tl.static_assert(not PACKED or BLOCK_K >= 32, "each nibble half-dot needs K >= 16")
     tl.static_assert(not E4M3_FOLDED or ASM_DEQUANT and W_TYPE == "fp8e4m3" and W_SCALE == "mx",
                      "folded e4m3 scales are for MX fp8 weights through the PTX")
@@ -702,7 +714,7 @@ def _fused_moe_kernel(
     acc = acc.to(tl.float32)
     if ZERO_SUMS:
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
-                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO)
+                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO, SUM_PIECES)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
@@ -710,18 +722,21 @@ def _fused_moe_kernel(
     acc = _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2, E2M1_SHIFT, 1)
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
-                 FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts, AMAX_OUT)
+                 FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts,
+                 "amax" if AMAX_OUT else "sum" if SUMS_OUT else "none")
 
 
 @triton.jit
 def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, amax_ptr, amax_parts, AMAX_OUT: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pieces_ptr, num_pieces, PIECES: tl.constexpr):
     """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
     router weight, bias (first split only), the gated activation when fused, and the store; with
-    AMAX_OUT (fused activation only) also each stored row's max |value| over the tile, as stored:
-    a piece of the row's amax, so the per-token quantisation after this GEMM need not find it."""
+    PIECES (fused activation only) also a piece of each stored row over the tile, as stored, into
+    pieces_ptr[row, pid_n] (row stride ``num_pieces``): "amax", its max |value|, so the per-token
+    quantisation after this GEMM need not find it; "sum", its sum, so a ZERO_SUMS GEMM2 needs no
+    launch to sum its input's groups."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -742,10 +757,10 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         stored = out.to(c_ptr.dtype.element_ty)
         tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
-        if AMAX_OUT:
-            magnitude = tl.where(offs_out[None, :] < N // 2, tl.abs(stored.to(tl.float32)), 0.0)
-            tl.store(amax_ptr + c_rows.to(tl.int64) * amax_parts + pid_n, tl.max(magnitude, axis=1),
-                     mask=store_rows)
+        if PIECES != "none":
+            kept = tl.where(offs_out[None, :] < N // 2, stored.to(tl.float32), 0.0)
+            piece = tl.max(tl.abs(kept), axis=1) if PIECES == "amax" else tl.sum(kept, axis=1)
+            tl.store(pieces_ptr + c_rows.to(tl.int64) * num_pieces + pid_n, piece, mask=store_rows)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(c_row_ptrs + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -860,4 +875,4 @@ def _fused_moe_swap_kernel(
                                            stride_se, stride_sn, 1)
     _finish_tile(tl.trans(acc), expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols,
                  bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
-                 False, FUSE_ACT, BLOCK_M, BLOCK_N, c_ptr, 0, False)
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N, c_ptr, 0, "none")

@@ -150,6 +150,16 @@ class _Proj:
 
 
 @dataclass(frozen=True)
+class _RowSums:
+    """A ZERO_SUMS GEMM's input sums: [A rows, groups * pieces] float32, each weight group's sum in
+    ``pieces`` consecutive values (1: :func:`triton_ops.row_group_sums`; more: the per-tile sums a
+    GEMM1 with ``sums_out`` left, see _sum_pieces_per_group)."""
+
+    sums: torch.Tensor
+    pieces: int = 1
+
+
+@dataclass(frozen=True)
 class _Rows:
     """Which rows of A and C each expert owns: aligned pairs (standard) or per-expert slabs."""
 
@@ -229,14 +239,17 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
           rows: _Rows, config: dict, *, compute_dtype: torch.dtype, top_k: int = 1,
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
           fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False,
-          input_scale: _InputScale | None = None, row_sums: torch.Tensor | None = None) -> None:
+          input_scale: _InputScale | None = None, row_sums: _RowSums | None = None,
+          sums_out: torch.Tensor | None = None) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
     ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
     ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
     per column tile there (see _amax_pieces_shape); ``pdl``: as part of a
     programmatic-dependent-launch chain; ``input_scale``: A is one token's 16-bit input, which
     the kernel quantises (``a_scale``: the static scale, else None); ``row_sums``: A's per-group row
-    sums (:func:`_group_row_sums`), given exactly where the config takes ZERO_SUMS (_zero_sums)."""
+    sums, given exactly where the config takes ZERO_SUMS (_zero_sums); ``sums_out`` [rows, column
+    tiles] (fused activation only): also write each row's sum per column tile there (the next
+    GEMM's row_sums, in pieces)."""
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -267,6 +280,12 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if (row_sums is not None) != _zero_sums(config, w):
         raise ValueError("input row sums go with a ZERO_SUMS tile on weights in column order, and only there")
+    if sums_out is not None and (fuse_act == "none" or config["SWAP_AB"] or pieces is not None
+                                 or sums_out.shape[1] != n_tiles):
+        raise ValueError("row-sum pieces come from the fused-activation kernel, one per column tile, without amax "
+                         "pieces")
+    if sums_out is not None:
+        pieces = sums_out
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
     elif rows.one_pair_blocks:
@@ -320,7 +339,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
         E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
-        **_row_sums_args(row_sums), **_launch_options(config), **triton_ops.pdl_launch(pdl))
+        **_row_sums_args(row_sums, sums_out), **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
@@ -330,19 +349,35 @@ def _zero_sums(config: dict, w: _Proj) -> bool:
     return bool(config.get("ZERO_SUMS")) and w.perm is None
 
 
-def _group_row_sums(a: torch.Tensor, group: int) -> torch.Tensor:
-    """Each row's float32 sums of ``a`` [rows, K] over consecutive groups of ``group`` columns
-    (the last one short where K is not a multiple): [rows, ceil(K / group)], for ZERO_SUMS GEMMs."""
-    rows, k = a.shape
-    if k % group:
-        a = torch.nn.functional.pad(a, (0, group - k % group))
-    return torch.sum(a.view(rows, -1, group), dim=-1, dtype=torch.float32)
+def _sum_pieces_per_group(config1: dict, config2: dict, w2: _Proj, scheme: Scheme) -> int:
+    """How many of GEMM1's per-tile row sums (its epilogue's ``sums_out``) make one weight group of
+    a ZERO_SUMS GEMM2's input, or 0 where GEMM2 takes no sums or GEMM1 cannot leave them: the
+    standard kernel's column tiles (BLOCK_N / 2 outputs with the fused activation) must divide the
+    group."""
+    width = config1["BLOCK_N"] // 2
+    if not _zero_sums(config2, w2) or config1["SWAP_AB"] or scheme.weight_group % width:
+        return 0
+    return scheme.weight_group // width
 
 
-def _row_sums_args(row_sums: torch.Tensor | None) -> dict:
-    if row_sums is None:
-        return {}
-    return {"row_sums_ptr": row_sums, "stride_rs": row_sums.stride(0), "ZERO_SUMS": True}
+def _gemm2_row_sums(a2: torch.Tensor, sums_out: torch.Tensor | None, sum_pieces: int, config2: dict, w2: _Proj,
+                    scheme: Scheme, pdl: bool) -> _RowSums | None:
+    """GEMM2's input sums where its config takes ZERO_SUMS: GEMM1's pieces, or one launch."""
+    if sums_out is not None:
+        return _RowSums(sums_out, sum_pieces)
+    if _zero_sums(config2, w2):
+        return _RowSums(triton_ops.row_group_sums(a2, scheme.weight_group, pdl))
+    return None
+
+
+def _row_sums_args(row_sums: _RowSums | None, sums_out: torch.Tensor | None) -> dict:
+    args = {}
+    if row_sums is not None:
+        args |= {"row_sums_ptr": row_sums.sums, "stride_rs": row_sums.sums.stride(0), "ZERO_SUMS": True,
+                 "SUM_PIECES": row_sums.pieces}
+    if sums_out is not None:  # in the amax pieces' place (a GEMM leaves one or the other)
+        args["SUMS_OUT"] = True
+    return args
 
 
 def _launch_options(config: dict) -> dict:
@@ -546,16 +581,24 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
     scale1 = _InputScale(rows=1, static=static) if in_gemm.gemm1 else None
+    sums1 = None  # a ZERO_SUMS GEMM1's input sums
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
         if in_gemm.gemm1:
             a1, a1_scale = hidden, w13.input_scale if static else None
         else:
             a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
                                      **_codes_dtype(scheme, config1, dt))
+        if _zero_sums(config1, w13):
+            sums1 = _RowSums(triton_ops.row_group_sums(a1, scheme.weight_group, pdl))
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
+        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
+    elif _zero_sums(config1, w13):  # 16-bit input: its row sums come with the alignment, in one launch at decode
+        sorted_ids, expert_ids, num_post, sums = triton_ops.align_row_sums(
+            topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.weight_group, pdl=pdl)
+        a1, a1_scale, sums1 = hidden, None, _RowSums(sums)
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     else:
         sorted_ids, expert_ids, num_post, a1, a1_scale = triton_ops.align_quant(
@@ -563,13 +606,16 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
             row_scale=row_scale, group=scheme.act_group or 128, pdl=pdl, **_codes_dtype(scheme, config1, dt))
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
-    sums1 = _group_row_sums(a1, scheme.weight_group) if _zero_sums(config1, w13) else None
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
+    # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
+    sum_pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
+    sums_out = (torch.empty(m * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation), dtype=torch.float32,
+                            device=dev) if sum_pieces else None)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
-          input_scale=scale1, row_sums=sums1)
+          input_scale=scale1, row_sums=sums1, sums_out=sums_out)
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
@@ -589,7 +635,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
-    sums2 = _group_row_sums(a2, scheme.weight_group) if _zero_sums(config2, w2) else None
+    sums2 = _gemm2_row_sums(a2, sums_out, sum_pieces, config2, w2, scheme, pdl)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
           row_sums=sums2)
@@ -615,11 +661,14 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts,
                              **_codes_dtype(scheme, config1, x.dtype))
     inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
-    sums1 = _group_row_sums(a1, scheme.weight_group) if _zero_sums(config1, w13) else None
+    sums1 = _RowSums(triton_ops.row_group_sums(a1, scheme.weight_group)) if _zero_sums(config1, w13) else None
+    sum_pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
+    sums_out = (torch.empty(num_experts * capacity, _column_tiles(w13.n, config1["BLOCK_N"], activation),
+                            dtype=torch.float32, device=x.device) if sum_pieces else None)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation,
-          row_sums=sums1)
+          row_sums=sums1, sums_out=sums_out)
     a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts, **_codes_dtype(scheme, config2, x.dtype))
-    sums2 = _group_row_sums(a2, scheme.weight_group) if _zero_sums(config2, w2) else None
+    sums2 = _gemm2_row_sums(a2, sums_out, sum_pieces, config2, w2, scheme, False)
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
           compute_dtype=x.dtype, write_empty=True, row_sums=sums2)
     return out

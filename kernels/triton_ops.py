@@ -41,6 +41,8 @@ __all__ = [
     "act_quant",
     "align",
     "align_quant",
+    "align_row_sums",
+    "row_group_sums",
     "sum_topk",
     "gated_act",
     "grid_dependency",
@@ -483,6 +485,82 @@ def _(topk_ids, num_experts, block_m):
     max_padded, num_blocks = align_sizes(topk_ids.numel(), num_experts, block_m)
     new = functools.partial(topk_ids.new_empty, dtype=torch.int32)
     return new(max_padded), new(num_blocks), new(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# each row's sums over groups of columns (ZERO_SUMS GEMMs' inputs; see moe_gemm.FACTORED)
+
+# groups a step of _row_group_sums reads
+ROW_SUM_GROUPS = 8
+
+
+@triton.jit
+def _row_group_sums(row, x_ptr, sums_ptr, D, stride_x, groups, GROUP: tl.constexpr, GROUPS_BLOCK: tl.constexpr):
+    """Row ``row`` of x [rows, D]: its float32 sums over consecutive groups of GROUP columns (the
+    last one short where D is not a multiple), into sums_ptr[row, :groups]."""
+    for g0 in range(0, groups, GROUPS_BLOCK):
+        g = g0 + tl.arange(0, GROUPS_BLOCK)
+        cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        v = tl.load(x_ptr + row * stride_x + cols, mask=(g[:, None] < groups) & (cols < D), other=0.0)
+        tl.store(sums_ptr + row * groups + g, tl.sum(v.to(tl.float32), axis=1), mask=g < groups)
+
+
+@triton.jit
+def _row_group_sums_kernel(x_ptr, sums_ptr, D, stride_x, groups, GROUP: tl.constexpr, GROUPS_BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    grid_dependency(PDL)
+    _row_group_sums(tl.program_id(0).to(tl.int64), x_ptr, sums_ptr, D, stride_x, groups, GROUP, GROUPS_BLOCK)
+
+
+@triton.jit
+def _align_row_sums_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                           num_blocks, x_ptr, sums_ptr, D, stride_x, groups, parts, BLOCK_M: tl.constexpr,
+                           PAIRS: tl.constexpr, BINS: tl.constexpr, CHUNK: tl.constexpr, EXPERT_TILE: tl.constexpr,
+                           FILL: tl.constexpr, TILE_B: tl.constexpr, GROUP: tl.constexpr,
+                           GROUPS_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Decode prologue of a ZERO_SUMS GEMM1 in one launch: programs 0 .. parts - 1 align the pairs,
+    program parts + r sums input row r's groups."""
+    grid_dependency(PDL)
+    pid = tl.program_id(0)
+    if pid < parts:
+        _align_part(pid, parts, ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, numel, num_experts, max_padded,
+                    num_blocks, BLOCK_M, PAIRS, BINS, CHUNK, EXPERT_TILE, FILL, TILE_B)
+    else:
+        _row_group_sums((pid - parts).to(tl.int64), x_ptr, sums_ptr, D, stride_x, groups, GROUP, GROUPS_BLOCK)
+
+
+def row_group_sums(x: torch.Tensor, group: int, pdl: bool = False) -> torch.Tensor:
+    """Each row's float32 sums of ``x`` [rows, D] (last dimension contiguous) over consecutive
+    groups of ``group`` columns, the last one short where D is not a multiple: [rows, ceil(D / group)]."""
+    rows, d = x.shape
+    sums = torch.empty(rows, triton.cdiv(d, group), dtype=torch.float32, device=x.device)
+    if rows:
+        _row_group_sums_kernel[(rows,)](x, sums, d, x.stride(0), sums.shape[1], GROUP=group,
+                                        GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, **pdl_launch(pdl))
+    return sums
+
+
+def align_row_sums(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, group: int, *,
+                   one_launch_max: int | None = None, pdl: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align` and :func:`row_group_sums` of ``x`` together: (sorted_token_ids, expert_ids,
+    num_tokens_post_padded, sums); with few pairs (decode) in one launch, as align_quant's."""
+    if one_launch_max is None:
+        one_launch_max = ALIGN_ONE_LAUNCH_MAX
+    ids = _flat_ids(topk_ids)
+    numel = ids.numel()
+    if numel > one_launch_max:
+        return (*align(ids, num_experts, block_m, one_launch_max, pdl), row_group_sums(x, group, pdl))
+    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
+    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
+    rows, d = x.shape
+    sums = torch.empty(rows, triton.cdiv(d, group), dtype=torch.float32, device=x.device)
+    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
+    _align_row_sums_kernel[(parts + rows,)](
+        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, x, sums, d, x.stride(0),
+        sums.shape[1], parts, **align_meta, GROUP=group, GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, num_warps=ALIGN_WARPS,
+        **pdl_launch(pdl))
+    return sorted_ids, expert_ids, num_post, sums
 
 
 # ---------------------------------------------------------------------------------------------

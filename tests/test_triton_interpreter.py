@@ -237,10 +237,13 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     GEMM2 split too, and not the per-weight-zero tile's numbers. A group of 128 spans four K steps
     (its correction taken once); GEMM2's K (64) is half a group: its sums cover a short group, and
     split in two, the second split holds no group's first step. awq-g32 with BLOCK_K 64 takes one
-    dot per group (GROUP_DOTS). The launches are watched: both GEMMs took it."""
+    dot per group (GROUP_DOTS). GEMM1's input sums come with the alignment (one token: their own
+    launch), GEMM2's from GEMM1's epilogue in pieces. The launches are watched: both GEMMs took it."""
     seen: list = []
     seen_grouped: list = []
-    spy = KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS", seen)
+    seen_pieces: list = []
+    spy = KwargSpy(KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS", seen),
+                   "SUM_PIECES", seen_pieces)
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", spy)
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, seed=5)
@@ -254,6 +257,9 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
             outs[name] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, True, True, None, None]
     assert seen_grouped == [block_k == 64] * 4 + [False, False]
+    # GEMM2 sums the pieces GEMM1's epilogue left, one per 16-column tile (BLOCK_N 32 of gate and up)
+    group = scheme_from_keys(wkey, UNQ).weight_group
+    assert seen_pieces == [1, group // 16] * 2 + [None, None]
     for name, out in outs.items():
         err = _rel_err(out, ref)
         assert err < 1e-2, f"{wkey} {name}: relative error {err:.2e}"
@@ -319,11 +325,27 @@ def test_zero_sums_need_weights_in_column_order():
     with pytest.raises(ValueError, match="input row sums go with a ZERO_SUMS tile"):
         triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
                          triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match="row-sum pieces come from the fused-activation kernel"):
+        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_moe._Rows(num_valid=1), {**ZERO_SUMS_TILE, "SWAP_AB": False},
+                         compute_dtype=torch.float16, sums_out=torch.zeros(1, 1))
 
 
 def test_group_row_sums_cover_a_short_last_group():
+    """Each row's group sums (a ZERO_SUMS GEMM's input), alone and in the alignment's launch: the
+    same alignment as align's, and a short last group."""
     a = torch.arange(10, dtype=torch.float16).reshape(2, 5)
-    assert triton_moe._group_row_sums(a, 2).tolist() == [[1.0, 5.0, 4.0], [11.0, 15.0, 9.0]]
+    want = [[1.0, 5.0, 4.0], [11.0, 15.0, 9.0]]
+    assert triton_ops.row_group_sums(a, 2).tolist() == want
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 300, generator=g).to(torch.float16)
+    ref = torch.nn.functional.pad(x.double(), (0, 84)).view(5, 3, 128).sum(-1)
+    assert torch.allclose(triton_ops.row_group_sums(x, 128).double(), ref, rtol=1e-6, atol=1e-5)
+    ids = torch.randint(0, E, (5, 2), generator=g, dtype=torch.int32)
+    for one_launch_max in (1024, 4):  # one launch, and the two it takes with many pairs
+        *aligned, sums = triton_ops.align_row_sums(ids, E, 16, x, 128, one_launch_max=one_launch_max)
+        assert all(torch.equal(p, q) for p, q in zip(aligned, triton_ops.align(ids, E, 16), strict=True))
+        assert torch.allclose(sums.double(), ref, rtol=1e-6, atol=1e-5)
 
 
 def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
