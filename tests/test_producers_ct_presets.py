@@ -151,6 +151,28 @@ def test_triton_interpreter_matches_float64_moe_float16(name: str, built) -> Non
     assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
 
 
+def test_triton_zero_sums_match_float64_moe_float16(built, monkeypatch) -> None:
+    """llm-compressor's W8A16 asym file under a ZERO_SUMS decode tile (zero points on the factored
+    dot, their terms from the inputs' group sums), against the float64 MoE with compressed-tensors'
+    own dequantisation of expert 0; the launches are watched: both GEMMs took it."""
+    pytest.importorskip("triton")
+    from launch_spy import KwargSpy
+    from moe_registry_kernels import triton_moe
+
+    seen: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    layer = built["w8a16-asym-g32"]
+    x, ids, w = _routing(6)
+    want = _moe64(_weights("w8a16-asym-g32", layer), x, ids, w)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
+            "ZERO_SUMS": True}
+    with triton_moe.config_override(tile, tile):
+        got = triton_moe.TritonExperts(layer.weights, ExpertsConfig()).apply(x.to(torch.float16), w, ids)
+    tol = moe_registry.load_registry().scheme("compressed-tensors-w8a16-asym").tolerance["float16"]
+    assert seen == [True, True]
+    assert _rel(got, want) <= tol, f"w8a16-asym-g32 ZERO_SUMS: {_rel(got, want):.2e} > {tol}"
+
+
 @pytest.mark.parametrize("name", ["w4a16-g128", "w4a16-asym-g64-actorder-weight"])
 def test_cpu_packed_kernel_matches_float64_moe(name: str) -> None:
     layer = moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="bfloat16")
