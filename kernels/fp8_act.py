@@ -21,14 +21,12 @@ from .triton_ops import (
     AMAX_FLOOR,
     FP8_MAX,
     _align_part,
-    _alignment_outputs,
     _flat_ids,
     _fp8_codes,
     _holds_data,
-    _one_launch_grid,
+    _one_launch_alignment,
     _span_amax,
     align,
-    align_sizes,
     grid_dependency,
     pdl_launch,
 )
@@ -325,15 +323,12 @@ def align_quant_fp8(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: t
         return (*align(ids, num_experts, block_m, pdl=pdl), *quant_fp8_dynamic(x, quant, row_scale=row_scale, pdl=pdl))
     if x.stride(-1) != 1:
         x = x.contiguous()
-    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
-    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
+    one = _one_launch_alignment(ids, num_experts, block_m)
     out = torch.empty(t, d, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(t if quant == "fp8_token" else 1, dtype=torch.float32, device=x.device)
-    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
     quant_programs = t if quant == "fp8_token" else 1
-    _align_quant_fp8_kernel[(parts + quant_programs,)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, parts,
-        x, out, scale, row_scale if row_scale is not None else scale, t, d, x.stride(0), out.stride(0),
-        QUANT=quant, HAS_ROW_SCALE=row_scale is not None, **_tensor_meta(t, d), **align_meta, PDL=pdl, num_warps=8,
-        **pdl_launch(pdl))
-    return sorted_ids, expert_ids, num_post, out, scale.view(-1, 1) if quant == "fp8_token" else scale
+    _align_quant_fp8_kernel[(one.parts + quant_programs,)](
+        *one.args, one.parts, x, out, scale, row_scale if row_scale is not None else scale, t, d, x.stride(0),
+        out.stride(0), QUANT=quant, HAS_ROW_SCALE=row_scale is not None, **_tensor_meta(t, d), **one.meta, PDL=pdl,
+        num_warps=8, **pdl_launch(pdl))
+    return *one.outputs, out, scale.view(-1, 1) if quant == "fp8_token" else scale

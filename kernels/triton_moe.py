@@ -153,7 +153,7 @@ class _Proj:
 class _RowSums:
     """A ZERO_SUMS GEMM's input sums: [A rows, groups * pieces] float32, each weight group's sum in
     ``pieces`` consecutive values (1: :func:`triton_ops.row_group_sums`; more: the per-tile sums a
-    GEMM1 with ``sums_out`` left, see _sum_pieces_per_group)."""
+    GEMM1 with ``sums_out`` left, see _gemm1_sum_pieces)."""
 
     sums: torch.Tensor
     pieces: int = 1
@@ -360,14 +360,20 @@ def _sum_pieces_per_group(config1: dict, config2: dict, w2: _Proj, scheme: Schem
     return scheme.weight_group // width
 
 
-def _gemm2_row_sums(a2: torch.Tensor, sums_out: torch.Tensor | None, sum_pieces: int, config2: dict, w2: _Proj,
-                    scheme: Scheme, pdl: bool) -> _RowSums | None:
-    """GEMM2's input sums where its config takes ZERO_SUMS: GEMM1's pieces, or one launch."""
-    if sums_out is not None:
-        return _RowSums(sums_out, sum_pieces)
-    if _zero_sums(config2, w2):
-        return _RowSums(triton_ops.row_group_sums(a2, scheme.weight_group, pdl))
-    return None
+def _gemm1_sum_pieces(rows: int, config1: dict, config2: dict, w13: _Proj, w2: _Proj, scheme: Scheme,
+                      activation: str, device: torch.device) -> _RowSums | None:
+    """The buffer GEMM1's epilogue fills with a ZERO_SUMS GEMM2's input sums (its ``sums_out``), as
+    GEMM2 reads it, where GEMM1 can leave them (_sum_pieces_per_group)."""
+    pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
+    if not pieces:
+        return None
+    tiles = _column_tiles(w13.n, config1["BLOCK_N"], activation)
+    return _RowSums(torch.empty(rows, tiles, dtype=torch.float32, device=device), pieces)
+
+
+def _input_row_sums(a: torch.Tensor, config: dict, w: _Proj, scheme: Scheme, pdl: bool) -> _RowSums | None:
+    """A GEMM's input sums by their own launch, where its config takes ZERO_SUMS."""
+    return _RowSums(triton_ops.row_group_sums(a, scheme.weight_group, pdl)) if _zero_sums(config, w) else None
 
 
 def _row_sums_args(row_sums: _RowSums | None, sums_out: torch.Tensor | None) -> dict:
@@ -588,8 +594,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         else:
             a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
                                      **_codes_dtype(scheme, config1, dt))
-        if _zero_sums(config1, w13):
-            sums1 = _RowSums(triton_ops.row_group_sums(a1, scheme.weight_group, pdl))
+        sums1 = _input_row_sums(a1, config1, w13, scheme, pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
@@ -610,12 +615,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
-    sum_pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
-    sums_out = (torch.empty(m * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation), dtype=torch.float32,
-                            device=dev) if sum_pieces else None)
+    pieces2 = _gemm1_sum_pieces(m * top_k, config1, config2, w13, w2, scheme, activation, dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
-          input_scale=scale1, row_sums=sums1, sums_out=sums_out)
+          input_scale=scale1, row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
@@ -635,7 +638,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
-    sums2 = _gemm2_row_sums(a2, sums_out, sum_pieces, config2, w2, scheme, pdl)
+    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, pdl)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
           row_sums=sums2)
@@ -661,14 +664,12 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts,
                              **_codes_dtype(scheme, config1, x.dtype))
     inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
-    sums1 = _RowSums(triton_ops.row_group_sums(a1, scheme.weight_group)) if _zero_sums(config1, w13) else None
-    sum_pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
-    sums_out = (torch.empty(num_experts * capacity, _column_tiles(w13.n, config1["BLOCK_N"], activation),
-                            dtype=torch.float32, device=x.device) if sum_pieces else None)
+    sums1 = _input_row_sums(a1, config1, w13, scheme, False)
+    pieces2 = _gemm1_sum_pieces(num_experts * capacity, config1, config2, w13, w2, scheme, activation, x.device)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation,
-          row_sums=sums1, sums_out=sums_out)
+          row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
     a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts, **_codes_dtype(scheme, config2, x.dtype))
-    sums2 = _gemm2_row_sums(a2, sums_out, sum_pieces, config2, w2, scheme, False)
+    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, False)
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
           compute_dtype=x.dtype, write_empty=True, row_sums=sums2)
     return out

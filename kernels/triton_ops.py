@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -366,6 +367,39 @@ def _alignment_outputs(ids: torch.Tensor, num_experts: int,
     return new(max_padded), new(num_blocks), new(1)
 
 
+@dataclass(frozen=True)
+class _OneLaunchAlignment:
+    """The one-launch alignment of a decode's pairs: its outputs, and what every decode prologue
+    kernel passes to :func:`_align_part` (``args``, then ``meta``) over its first ``parts`` programs."""
+
+    ids: torch.Tensor
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_post: torch.Tensor
+    num_experts: int
+    max_padded: int
+    num_blocks: int
+    parts: int
+    meta: dict
+
+    @property
+    def args(self) -> tuple:
+        return (self.ids, self.sorted_ids, self.expert_ids, self.num_post, self.ids.numel(), self.num_experts,
+                self.max_padded, self.num_blocks)
+
+    @property
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sorted_token_ids, expert_ids, num_tokens_post_padded)"""
+        return self.sorted_ids, self.expert_ids, self.num_post
+
+
+def _one_launch_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> _OneLaunchAlignment:
+    max_padded, num_blocks = align_sizes(ids.numel(), num_experts, block_m)
+    parts, meta = _one_launch_grid(ids.numel(), num_experts, block_m)
+    return _OneLaunchAlignment(ids, *_alignment_outputs(ids, num_experts, block_m), num_experts, max_padded,
+                               num_blocks, parts, meta)
+
+
 def _flat_ids(topk_ids: torch.Tensor) -> torch.Tensor:
     ids = topk_ids.reshape(-1)
     return ids if ids.is_contiguous() else ids.contiguous()
@@ -379,15 +413,14 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_launch_max
         one_launch_max = ALIGN_ONE_LAUNCH_MAX
     ids = _flat_ids(topk_ids)
     numel = ids.numel()
+    if numel <= one_launch_max:
+        one = _one_launch_alignment(ids, num_experts, block_m)
+        _align_one_launch_kernel[(one.parts,)](*one.args, **one.meta, PDL=pdl, num_warps=ALIGN_WARPS,
+                                               **pdl_launch(pdl))
+        return one.outputs
     max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
     dev = ids.device
     sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
-    if numel <= one_launch_max:
-        parts, meta = _one_launch_grid(numel, num_experts, block_m)
-        _align_one_launch_kernel[(parts,)](
-            ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, **meta,
-            PDL=pdl, num_warps=ALIGN_WARPS, **pdl_launch(pdl))
-        return sorted_ids, expert_ids, num_post
 
     block_e = max(triton.next_power_of_2(num_experts), 16)
     chunk = max(16, min(256, 16384 // block_e))
@@ -454,15 +487,12 @@ def align_quant(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch
         aligned = align(ids, num_experts, block_m, one_launch_max, pdl)
         return (*aligned, *act_quant(x, "none", quant, static_scale=static_scale, row_scale=row_scale,
                                      group=group, out_dtype=out_dtype, pdl=pdl))
-    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
-    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
+    one = _one_launch_alignment(ids, num_experts, block_m)
     out, scale, args, meta = _act_quant_launch(x, "none", quant, static_scale, row_scale, group, out_dtype, None,
                                                1, None)
-    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
-    _align_quant_kernel[(parts + x.shape[0],)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, *args, x.shape[0], parts,
-        **align_meta, **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
-    return sorted_ids, expert_ids, num_post, out, scale
+    _align_quant_kernel[(one.parts + x.shape[0],)](
+        *one.args, *args, x.shape[0], one.parts, **one.meta, **meta, PDL=pdl, num_warps=8, **pdl_launch(pdl))
+    return *one.outputs, out, scale
 
 
 @torch.library.custom_op("moe_registry::moe_align_block_size", mutates_args=())
@@ -532,12 +562,16 @@ def _align_row_sums_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, nu
 def row_group_sums(x: torch.Tensor, group: int, pdl: bool = False) -> torch.Tensor:
     """Each row's float32 sums of ``x`` [rows, D] (last dimension contiguous) over consecutive
     groups of ``group`` columns, the last one short where D is not a multiple: [rows, ceil(D / group)]."""
-    rows, d = x.shape
-    sums = torch.empty(rows, triton.cdiv(d, group), dtype=torch.float32, device=x.device)
-    if rows:
-        _row_group_sums_kernel[(rows,)](x, sums, d, x.stride(0), sums.shape[1], GROUP=group,
-                                        GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, **pdl_launch(pdl))
+    sums = row_sums_output(x, group)
+    if x.shape[0]:
+        _row_group_sums_kernel[(x.shape[0],)](x, sums, x.shape[1], x.stride(0), sums.shape[1], GROUP=group,
+                                              GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, **pdl_launch(pdl))
     return sums
+
+
+def row_sums_output(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The (empty) float32 [rows, ceil(D / group)] that :func:`row_group_sums` of ``x`` fills."""
+    return torch.empty(x.shape[0], triton.cdiv(x.shape[1], group), dtype=torch.float32, device=x.device)
 
 
 def align_row_sums(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, group: int, *,
@@ -551,16 +585,12 @@ def align_row_sums(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: to
     numel = ids.numel()
     if numel > one_launch_max:
         return (*align(ids, num_experts, block_m, one_launch_max, pdl), row_group_sums(x, group, pdl))
-    max_padded, num_blocks = align_sizes(numel, num_experts, block_m)
-    sorted_ids, expert_ids, num_post = _alignment_outputs(ids, num_experts, block_m)
-    rows, d = x.shape
-    sums = torch.empty(rows, triton.cdiv(d, group), dtype=torch.float32, device=x.device)
-    parts, align_meta = _one_launch_grid(numel, num_experts, block_m)
-    _align_row_sums_kernel[(parts + rows,)](
-        ids, sorted_ids, expert_ids, num_post, numel, num_experts, max_padded, num_blocks, x, sums, d, x.stride(0),
-        sums.shape[1], parts, **align_meta, GROUP=group, GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, num_warps=ALIGN_WARPS,
-        **pdl_launch(pdl))
-    return sorted_ids, expert_ids, num_post, sums
+    one = _one_launch_alignment(ids, num_experts, block_m)
+    sums = row_sums_output(x, group)
+    _align_row_sums_kernel[(one.parts + x.shape[0],)](
+        *one.args, x, sums, x.shape[1], x.stride(0), sums.shape[1], one.parts, **one.meta, GROUP=group,
+        GROUPS_BLOCK=ROW_SUM_GROUPS, PDL=pdl, num_warps=ALIGN_WARPS, **pdl_launch(pdl))
+    return *one.outputs, sums
 
 
 # ---------------------------------------------------------------------------------------------
