@@ -394,6 +394,7 @@ class _OneLaunchAlignment:
 
 
 def _one_launch_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> _OneLaunchAlignment:
+    """Outputs and grid of the one-launch alignment (the launch is the caller's, with its row work)."""
     max_padded, num_blocks = align_sizes(ids.numel(), num_experts, block_m)
     parts, meta = _one_launch_grid(ids.numel(), num_experts, block_m)
     return _OneLaunchAlignment(ids, *_alignment_outputs(ids, num_experts, block_m), num_experts, max_padded,
