@@ -288,14 +288,17 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 
 
 @triton.jit
-def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk, k_lo,
-                           k_hi, W_GROUP: tl.constexpr, MID: tl.constexpr, PIECES: tl.constexpr):
+def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
+                           k_lo, k_hi, K, W_GROUP: tl.constexpr, MID: tl.constexpr, PIECES: tl.constexpr,
+                           ONE_ROW: tl.constexpr):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
     FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups * PIECES] (row stride
     ``stride_rs``, which also bounds the pieces: a group's sum is that of its PIECES consecutive
-    ones). The dot keeps float32 accuracy (three TF32 products): with zero points far
+    ones); ONE_ROW (one-pair blocks, whose one row ``a_one_row`` is the only one stored): that row's
+    sums, found here from A (a second read of one row, from L2) instead of by a launch before
+    the GEMM. The dot keeps float32 accuracy (three TF32 products): with zero points far
     from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
     rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
     SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
@@ -304,7 +307,11 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale
     for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
         g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
         g_mask = g < groups
-        if PIECES == 1:
+        if ONE_ROW:  # every row of the tile takes the one row's sums (the others are never stored)
+            cols = g[:, None] * W_GROUP + tl.arange(0, W_GROUP)[None, :]
+            row = tl.load(a_one_row + cols, mask=g_mask[:, None] & (cols < K), other=0.0).to(tl.float32)
+            sums = tl.broadcast_to(tl.sum(row, axis=1)[None, :], (acc.shape[0], ZERO_TERM_GROUPS))
+        elif PIECES == 1:
             sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
                            mask=row_mask[:, None] & g_mask[None, :], other=0.0)
         else:
@@ -315,8 +322,28 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale
             sums = tl.sum(tl.reshape(parts, (parts.shape[0], ZERO_TERM_GROUPS, PIECES)), axis=2)
         scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
         zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
-        acc = tl.dot(-sums, scale * (zero - MID), acc, input_precision="tf32x3")
+        acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
     return acc
+
+
+@triton.jit
+def _tf32_halves(x):
+    """float32 ``x`` -> (its TF32 part, the exact rest): x's 10 leading mantissa bits, and x less them
+    (whose own TF32 part, which a TF32 product reads, keeps 21 of x's 24 bits in all)."""
+    high = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return high, x - high
+
+
+@triton.jit
+def _dot_tf32x3(a, b, acc):
+    """acc + a @ b in float32 accuracy from three TF32 products (high x high, high x rest, rest x
+    high), each accumulated into ``acc`` itself: Triton's tf32x3 sums them into a second
+    accumulator from zero, which held a whole extra tile of registers at the epilogue."""
+    a_high, a_rest = _tf32_halves(a)
+    b_high, b_rest = _tf32_halves(b)
+    acc = tl.dot(a_rest, b_high, acc, input_precision="tf32")
+    acc = tl.dot(a_high, b_rest, acc, input_precision="tf32")
+    return tl.dot(a_high, b_high, acc, input_precision="tf32")
 
 
 @triton.jit
@@ -455,7 +482,8 @@ def _fused_moe_kernel(
         GROUP_DOTS: tl.constexpr = False,
         # ZERO_SUMS: zero-point weights on the factored dot, each A row's sum over each weight group
         # in row_sums_ptr [A rows, groups * SUM_PIECES] (row stride stride_rs; a group's sum in
-        # SUM_PIECES consecutive pieces, as a GEMM1 with SUMS_OUT leaves them), see FACTORED;
+        # SUM_PIECES consecutive pieces, as a GEMM1 with SUMS_OUT leaves them), or with
+        # ONE_PAIR_BLOCKS found by the kernel from the block's one row (no row_sums_ptr), see FACTORED;
         # SUMS_OUT (with FUSE_ACT): also each stored row's sum over this tile, into amax_ptr[row, pid_n]
         row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False, SUM_PIECES: tl.constexpr = 1,
         SUMS_OUT: tl.constexpr = False):
@@ -712,9 +740,10 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if ZERO_SUMS:
-        acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
-                                     k_lo, k_hi, W_GROUP, FACTORED_ZERO, SUM_PIECES)
+    if ZERO_SUMS:  # (one-pair blocks sum their one row themselves)
+        one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+        acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,
+                                     stride_sk, k_lo, k_hi, K, W_GROUP, FACTORED_ZERO, SUM_PIECES, ONE_PAIR_BLOCKS)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)

@@ -153,9 +153,10 @@ class _Proj:
 class _RowSums:
     """A ZERO_SUMS GEMM's input sums: [A rows, groups * pieces] float32, each weight group's sum in
     ``pieces`` consecutive values (1: :func:`triton_ops.row_group_sums`; more: the per-tile sums a
-    GEMM1 with ``sums_out`` left, see _gemm1_sum_pieces)."""
+    GEMM1 with ``sums_out`` left, see _gemm1_sum_pieces); None: the kernel finds them itself from
+    each one-pair block's one row (one token: no launch, nothing left by GEMM1)."""
 
-    sums: torch.Tensor
+    sums: torch.Tensor | None
     pieces: int = 1
 
 
@@ -280,6 +281,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     pieces = amax_pieces if amax_pieces is not None else input_scale.pieces if input_scale is not None else None
     if (row_sums is not None) != _zero_sums(config, w):
         raise ValueError("input row sums go with a ZERO_SUMS tile on weights in column order, and only there")
+    if row_sums is not None and (row_sums.sums is None) != rows.one_pair_blocks:
+        raise ValueError("a ZERO_SUMS GEMM finds its input sums itself on one-pair blocks (one token), and is "
+                         "given them everywhere else")
     if sums_out is not None and (fuse_act == "none" or config["SWAP_AB"] or pieces is not None
                                  or sums_out.shape[1] != n_tiles):
         raise ValueError("row-sum pieces come from the fused-activation kernel, one per column tile, without amax "
@@ -360,27 +364,35 @@ def _sum_pieces_per_group(config1: dict, config2: dict, w2: _Proj, scheme: Schem
     return scheme.weight_group // width
 
 
-def _gemm1_sum_pieces(rows: int, config1: dict, config2: dict, w13: _Proj, w2: _Proj, scheme: Scheme,
-                      activation: str, device: torch.device) -> _RowSums | None:
+def _gemm1_sum_pieces(rows: _Rows, pairs: int, config1: dict, config2: dict, w13: _Proj, w2: _Proj,
+                      scheme: Scheme, activation: str, device: torch.device) -> _RowSums | None:
     """The buffer GEMM1's epilogue fills with a ZERO_SUMS GEMM2's input sums (its ``sums_out``), as
-    GEMM2 reads it, where GEMM1 can leave them (_sum_pieces_per_group)."""
+    GEMM2 reads it, where GEMM1 can leave them (_sum_pieces_per_group) and GEMM2 does not find
+    them itself (one-pair blocks)."""
     pieces = _sum_pieces_per_group(config1, config2, w2, scheme)
-    if not pieces:
+    if not pieces or rows.one_pair_blocks:
         return None
     tiles = _column_tiles(w13.n, config1["BLOCK_N"], activation)
-    return _RowSums(torch.empty(rows, tiles, dtype=torch.float32, device=device), pieces)
+    return _RowSums(torch.empty(pairs, tiles, dtype=torch.float32, device=device), pieces)
 
 
-def _input_row_sums(a: torch.Tensor, config: dict, w: _Proj, scheme: Scheme, pdl: bool) -> _RowSums | None:
-    """A GEMM's input sums by their own launch, where its config takes ZERO_SUMS."""
-    return _RowSums(triton_ops.row_group_sums(a, scheme.weight_group, pdl)) if _zero_sums(config, w) else None
+def _input_row_sums(a: torch.Tensor, config: dict, w: _Proj, scheme: Scheme, rows: _Rows,
+                    pdl: bool) -> _RowSums | None:
+    """A GEMM's input sums where its config takes ZERO_SUMS and nothing before it left them: found by
+    the kernel itself on one-pair blocks, else by their own launch."""
+    if not _zero_sums(config, w):
+        return None
+    if rows.one_pair_blocks:
+        return _RowSums(None)
+    return _RowSums(triton_ops.row_group_sums(a, scheme.weight_group, pdl))
 
 
 def _row_sums_args(row_sums: _RowSums | None, sums_out: torch.Tensor | None) -> dict:
     args = {}
     if row_sums is not None:
-        args |= {"row_sums_ptr": row_sums.sums, "stride_rs": row_sums.sums.stride(0), "ZERO_SUMS": True,
-                 "SUM_PIECES": row_sums.pieces}
+        args |= {"ZERO_SUMS": True, "SUM_PIECES": row_sums.pieces}
+    if row_sums is not None and row_sums.sums is not None:
+        args |= {"row_sums_ptr": row_sums.sums, "stride_rs": row_sums.sums.stride(0)}
     if sums_out is not None:  # in the amax pieces' place (a GEMM leaves one or the other)
         args["SUMS_OUT"] = True
     return args
@@ -594,8 +606,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         else:
             a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
                                      **_codes_dtype(scheme, config1, dt))
-        sums1 = _input_row_sums(a1, config1, w13, scheme, pdl)
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
+        sums1 = _input_row_sums(a1, config1, w13, scheme, rows, pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
@@ -615,7 +627,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
-    pieces2 = _gemm1_sum_pieces(m * top_k, config1, config2, w13, w2, scheme, activation, dev)
+    pieces2 = _gemm1_sum_pieces(rows, m * top_k, config1, config2, w13, w2, scheme, activation, dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
           input_scale=scale1, row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
@@ -638,7 +650,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
-    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, pdl)
+    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, rows, pdl)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
           row_sums=sums2)
@@ -664,12 +676,13 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
     a1, a1_scale = _quantize(x.reshape(num_experts * capacity, hidden_size), scheme, w13.input_scale, **counts,
                              **_codes_dtype(scheme, config1, x.dtype))
     inter = torch.empty(num_experts * capacity, w13.n // 2, dtype=x.dtype, device=x.device)
-    sums1 = _input_row_sums(a1, config1, w13, scheme, False)
-    pieces2 = _gemm1_sum_pieces(num_experts * capacity, config1, config2, w13, w2, scheme, activation, x.device)
+    sums1 = _input_row_sums(a1, config1, w13, scheme, rows, False)
+    pieces2 = _gemm1_sum_pieces(rows, num_experts * capacity, config1, config2, w13, w2, scheme, activation,
+                                x.device)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=x.dtype, fuse_act=activation,
           row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
     a2, a2_scale = _quantize(inter, scheme, w2.input_scale, **counts, **_codes_dtype(scheme, config2, x.dtype))
-    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, False)
+    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, rows, False)
     _gemm(a2, a2_scale, w2, scheme, out.view(num_experts * capacity, hidden_size), rows, config2,
           compute_dtype=x.dtype, write_empty=True, row_sums=sums2)
     return out

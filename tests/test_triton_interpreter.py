@@ -237,14 +237,19 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     GEMM2 split too, and not the per-weight-zero tile's numbers. A group of 128 spans four K steps
     (its correction taken once); GEMM2's K (64) is half a group: its sums cover a short group, and
     split in two, the second split holds no group's first step. awq-g32 with BLOCK_K 64 takes one
-    dot per group (GROUP_DOTS). GEMM1's input sums come with the alignment (one token: their own
-    launch), GEMM2's from GEMM1's epilogue in pieces. The launches are watched: both GEMMs took it."""
+    dot per group (GROUP_DOTS). GEMM1's input sums come with the alignment, GEMM2's from GEMM1's
+    epilogue in pieces; one token's GEMMs (one-pair blocks) sum their block's one row themselves.
+    The launches are watched: both GEMMs took it, with no launch of their own for the sums."""
     seen: list = []
     seen_grouped: list = []
     seen_pieces: list = []
-    spy = KwargSpy(KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS", seen),
-                   "SUM_PIECES", seen_pieces)
+    seen_buffers: list = []
+    spy = KwargSpy(KwargSpy(KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS",
+                                     seen), "SUM_PIECES", seen_pieces), "row_sums_ptr", seen_buffers)
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", spy)
+    sum_launches: list = []
+    row_group_sums = triton_ops.row_group_sums
+    monkeypatch.setattr(triton_ops, "row_group_sums", lambda *a, **k: sum_launches.append(1) or row_group_sums(*a, **k))
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, seed=5)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=5)
@@ -259,7 +264,8 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     assert seen_grouped == [block_k == 64] * 4 + [False, False]
     # GEMM2 sums the pieces GEMM1's epilogue left, one per 16-column tile (BLOCK_N 32 of gate and up)
     group = scheme_from_keys(wkey, UNQ).weight_group
-    assert seen_pieces == [1, group // 16] * 2 + [None, None]
+    assert seen_pieces == ([1, group // 16] if m > 1 else [1, 1]) * 2 + [None, None]
+    assert [b is None for b in seen_buffers[:4]] == [m == 1] * 4 and not sum_launches
     for name, out in outs.items():
         err = _rel_err(out, ref)
         assert err < 1e-2, f"{wkey} {name}: relative error {err:.2e}"
@@ -325,6 +331,10 @@ def test_zero_sums_need_weights_in_column_order():
     with pytest.raises(ValueError, match="input row sums go with a ZERO_SUMS tile"):
         triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
                          triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16)
+    with pytest.raises(ValueError, match="finds its input sums itself on one-pair blocks"):
+        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16,
+                         row_sums=triton_moe._RowSums(None))
     with pytest.raises(ValueError, match="row-sum pieces come from the fused-activation kernel"):
         triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
                          triton_moe._Rows(num_valid=1), {**ZERO_SUMS_TILE, "SWAP_AB": False},

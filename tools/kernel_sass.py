@@ -158,12 +158,13 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         pieces = triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13, "silu")
         amax = torch.empty(pieces, device="meta") if pieces else None
         # a ZERO_SUMS GEMM2's input sums: GEMM1's per-tile pieces where it leaves them
-        pieces2 = triton_moe._gemm1_sum_pieces(pairs, config1, config2, w13, w2, kscheme, "silu",
+        pieces2 = triton_moe._gemm1_sum_pieces(rows, pairs, config1, config2, w13, w2, kscheme, "silu",
                                                torch.device("meta"))
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
                          topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
                          input_scale=triton_moe._InputScale(rows=1, static=static) if own.gemm1 else None,
-                         row_sums=_row_sums(a1, config1, w13, kscheme), sums_out=pieces2.sums if pieces2 else None)
+                         row_sums=_row_sums(a1, config1, w13, kscheme, rows),
+                         sums_out=pieces2.sums if pieces2 else None)
         a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own.gemm2)
         scale2 = None
         if own.gemm2 and (static or amax is not None):
@@ -176,17 +177,20 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
         triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,
                          routed_weight="output", topk_weights=weights, pdl=True, input_scale=scale2,
-                         row_sums=pieces2 or _row_sums(a2, config2, w2, kscheme))
+                         row_sums=pieces2 or _row_sums(a2, config2, w2, kscheme, rows))
     return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
-def _row_sums(a: torch.Tensor, config: dict, w, kscheme):
-    """The per-group input sums a ZERO_SUMS GEMM reads where they come from a launch of
-    triton_ops.row_group_sums (meta device)."""
+def _row_sums(a: torch.Tensor, config: dict, w, kscheme, rows):
+    """The per-group input sums a ZERO_SUMS GEMM reads where GEMM1 left none, as
+    triton_moe._input_row_sums gives them: none on one-pair blocks (the kernel sums its row),
+    else a launch of triton_ops.row_group_sums's output (meta device)."""
     from moe_registry_kernels import triton_moe, triton_ops
 
     if not triton_moe._zero_sums(config, w):
         return None
+    if rows.one_pair_blocks:
+        return triton_moe._RowSums(None)
     return triton_moe._RowSums(triton_ops.row_sums_output(a, kscheme.weight_group))
 
 
