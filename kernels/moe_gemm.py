@@ -288,56 +288,41 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 
 
 @triton.jit
-def _zero_term_operands(g0, groups, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols,
-                        stride_sk, K, BLOCK_M: tl.constexpr, W_GROUP: tl.constexpr, MID: tl.constexpr,
-                        PIECES: tl.constexpr, ONE_ROW: tl.constexpr):
-    """One step's operands of _less_zero_point_terms, groups g0 .. g0 + ZERO_TERM_GROUPS (those past
-    ``groups`` read as nothing): the A rows' sums over each group, [BLOCK_M, G] float32, and the
-    groups' scales and zero points, [G, BLOCK_N] as stored. ``row_sums_ptr``: A's rows' sums per
-    group, [A rows, groups * PIECES] (row stride ``stride_rs``, which also bounds the pieces: a
-    group's sum is that of its PIECES consecutive ones); ONE_ROW (one-pair blocks, whose one row
-    ``a_one_row`` is the only one stored): that row's sums, found here from A (a second read of
-    one row, from L2) instead of by a launch before the GEMM."""
-    g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
-    g_mask = g < groups
-    if ONE_ROW:  # every row of the tile takes the one row's sums (the others are never stored)
-        cols = g[:, None] * W_GROUP + tl.arange(0, W_GROUP)[None, :]
-        row = tl.load(a_one_row + cols, mask=g_mask[:, None] & (cols < K), other=0.0).to(tl.float32)
-        sums = tl.broadcast_to(tl.sum(row, axis=1)[None, :], (BLOCK_M, ZERO_TERM_GROUPS))
-    elif PIECES == 1:
-        sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
-                       mask=row_mask[:, None] & g_mask[None, :], other=0.0)
-    else:
-        p = g0 * PIECES + tl.arange(0, ZERO_TERM_GROUPS * PIECES)
-        parts = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + p[None, :],
-                        mask=row_mask[:, None] & (p[None, :] < stride_rs) & (p[None, :] < groups * PIECES), other=0.0)
-        sums = tl.sum(tl.reshape(parts, (BLOCK_M, ZERO_TERM_GROUPS, PIECES)), axis=2)
-    scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0)
-    zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID)
-    return sums, scale, zero
-
-
-@triton.jit
-def _less_zero_point_terms(acc, first, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols,
-                           stride_sk, k_lo, k_hi, K, BLOCK_M: tl.constexpr, W_GROUP: tl.constexpr,
-                           MID: tl.constexpr, PIECES: tl.constexpr, ONE_ROW: tl.constexpr):
+def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
+                           k_lo, k_hi, K, W_GROUP: tl.constexpr, MID: tl.constexpr, PIECES: tl.constexpr,
+                           ONE_ROW: tl.constexpr):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
-    FACTORED). ``first``: the first step's operands (_zero_term_operands), which the kernel loads
-    before its main loop. The dot keeps float32 accuracy (three TF32 products): with zero points
-    far from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as
-    one rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs
-    an SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
+    FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups * PIECES] (row stride
+    ``stride_rs``, which also bounds the pieces: a group's sum is that of its PIECES consecutive
+    ones); ONE_ROW (one-pair blocks, whose one row ``a_one_row`` is the only one stored): that row's
+    sums, found here from A (a second read of one row, from L2) instead of by a launch before
+    the GEMM. The dot keeps float32 accuracy (three TF32 products): with zero points far
+    from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
+    rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
+    SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
     groups = tl.cdiv(k_hi, W_GROUP)
-    sums, scale, zero = first
-    acc = _dot_tf32x3(-sums, scale.to(tl.float32) * (zero.to(tl.float32) - MID), acc)
     # not pipelined: a few steps after the main loop, whose registers a pipeline's would add to
-    for g0 in tl.range(tl.cdiv(k_lo, W_GROUP) + ZERO_TERM_GROUPS, groups, ZERO_TERM_GROUPS, num_stages=1):
-        sums, scale, zero = _zero_term_operands(g0, groups, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask,
-                                                scale_cols, zero_cols, stride_sk, K, BLOCK_M, W_GROUP, MID, PIECES,
-                                                ONE_ROW)
-        acc = _dot_tf32x3(-sums, scale.to(tl.float32) * (zero.to(tl.float32) - MID), acc)
+    for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
+        g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
+        g_mask = g < groups
+        if ONE_ROW:  # every row of the tile takes the one row's sums (the others are never stored)
+            cols = g[:, None] * W_GROUP + tl.arange(0, W_GROUP)[None, :]
+            row = tl.load(a_one_row + cols, mask=g_mask[:, None] & (cols < K), other=0.0).to(tl.float32)
+            sums = tl.broadcast_to(tl.sum(row, axis=1)[None, :], (acc.shape[0], ZERO_TERM_GROUPS))
+        elif PIECES == 1:
+            sums = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + g[None, :],
+                           mask=row_mask[:, None] & g_mask[None, :], other=0.0)
+        else:
+            p = g0 * PIECES + tl.arange(0, ZERO_TERM_GROUPS * PIECES)
+            parts = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + p[None, :],
+                            mask=row_mask[:, None] & (p[None, :] < stride_rs) & (p[None, :] < groups * PIECES),
+                            other=0.0)
+            sums = tl.sum(tl.reshape(parts, (parts.shape[0], ZERO_TERM_GROUPS, PIECES)), axis=2)
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
+        acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
     return acc
 
 
@@ -616,12 +601,6 @@ def _fused_moe_kernel(
                      "input sums are for zero points on the factored dot or per-group dots")
     if FACTORED or GROUPED:  # the offset code the factored (or per-group) dots' tiles subtract
         factored_zero = _offset_zero(tl.full((1, BLOCK_N), FACTORED_ZERO, tl.float32), dtype, NARROW)
-    if ZERO_SUMS:  # the zero-point terms' first step's operands (one-pair blocks: from their one row),
-        # loaded ahead of the main loop, which hides their latency (after it, nothing would)
-        one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
-        zero_terms_first = _zero_term_operands(tl.cdiv(k_lo, W_GROUP), tl.cdiv(k_hi, W_GROUP), row_sums_ptr, stride_rs,
-                                               one_row, a_rows, row_mask, scale_cols, zero_cols, stride_sk, K, BLOCK_M,
-                                               W_GROUP, FACTORED_ZERO, SUM_PIECES, ONE_PAIR_BLOCKS)
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one
     # group), or each group's dot its own (GROUPED)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group" and not GROUPED
@@ -761,10 +740,10 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if ZERO_SUMS:
-        acc = _less_zero_point_terms(acc, zero_terms_first, row_sums_ptr, stride_rs, one_row, a_rows, row_mask,
-                                     scale_cols, zero_cols, stride_sk, k_lo, k_hi, K, BLOCK_M, W_GROUP, FACTORED_ZERO,
-                                     SUM_PIECES, ONE_PAIR_BLOCKS)
+    if ZERO_SUMS:  # (one-pair blocks sum their one row themselves)
+        one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+        acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,
+                                     stride_sk, k_lo, k_hi, K, W_GROUP, FACTORED_ZERO, SUM_PIECES, ONE_PAIR_BLOCKS)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
