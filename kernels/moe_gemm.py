@@ -289,8 +289,8 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 
 @triton.jit
 def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
-                           k_lo, k_hi, K, W_GROUP: tl.constexpr, MID: tl.constexpr, PIECES: tl.constexpr,
-                           ONE_ROW: tl.constexpr):
+                           scale_groups, k_lo, k_hi, K, W_GROUP: tl.constexpr, MID: tl.constexpr,
+                           PIECES: tl.constexpr, ONE_ROW: tl.constexpr):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
@@ -302,11 +302,17 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
     from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
     rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
     SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
-    groups = tl.cdiv(k_hi, W_GROUP)
-    # not pipelined: a few steps after the main loop, whose registers a pipeline's would add to
-    for g0 in tl.range(tl.cdiv(k_lo, W_GROUP), groups, ZERO_TERM_GROUPS, num_stages=1):
-        g = g0 + tl.arange(0, ZERO_TERM_GROUPS)
-        g_mask = g < groups
+    first, groups = tl.cdiv(k_lo, W_GROUP), tl.cdiv(k_hi, W_GROUP)
+    # steps start at multiples of ZERO_TERM_GROUPS (a split's first step reads a few of the last
+    # one's groups, whose sums it takes as zero) and the scales and zero points are masked by the
+    # groups a weight row holds, not the split's: a row's 16 load as vectors where that is a
+    # multiple of 16 (Triton marks such integer arguments; TritonExperts pads zero-point weights'
+    # scales to one), not as 16 scalar loads a thread each. Not pipelined: a few steps after the
+    # main loop, whose registers a pipeline's would add to.
+    for g0 in tl.range(first // ZERO_TERM_GROUPS * ZERO_TERM_GROUPS, groups, ZERO_TERM_GROUPS, num_stages=1):
+        g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, ZERO_TERM_GROUPS), ZERO_TERM_GROUPS),
+                              ZERO_TERM_GROUPS)
+        g_mask = (g >= first) & (g < groups)
         if ONE_ROW:  # every row of the tile takes the one row's sums (the others are never stored)
             cols = g[:, None] * W_GROUP + tl.arange(0, W_GROUP)[None, :]
             row = tl.load(a_one_row + cols, mask=g_mask[:, None] & (cols < K), other=0.0).to(tl.float32)
@@ -317,11 +323,13 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
         else:
             p = g0 * PIECES + tl.arange(0, ZERO_TERM_GROUPS * PIECES)
             parts = tl.load(row_sums_ptr + a_rows[:, None] * stride_rs + p[None, :],
-                            mask=row_mask[:, None] & (p[None, :] < stride_rs) & (p[None, :] < groups * PIECES),
+                            mask=row_mask[:, None] & (p[None, :] >= first * PIECES) & (p[None, :] < stride_rs)
+                            & (p[None, :] < groups * PIECES),
                             other=0.0)
             sums = tl.sum(tl.reshape(parts, (parts.shape[0], ZERO_TERM_GROUPS, PIECES)), axis=2)
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=g_mask[:, None], other=MID).to(tl.float32)
+        held = g[:, None] < scale_groups
+        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=held, other=0.0).to(tl.float32)
+        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=held, other=MID).to(tl.float32)
         acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
     return acc
 
@@ -743,7 +751,8 @@ def _fused_moe_kernel(
     if ZERO_SUMS:  # (one-pair blocks sum their one row themselves)
         one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,
-                                     stride_sk, k_lo, k_hi, K, W_GROUP, FACTORED_ZERO, SUM_PIECES, ONE_PAIR_BLOCKS)
+                                     stride_sk, scale_groups, k_lo, k_hi, K, W_GROUP, FACTORED_ZERO, SUM_PIECES,
+                                     ONE_PAIR_BLOCKS)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)

@@ -747,7 +747,8 @@ def _(x, *args):
 # Experts
 
 
-# one-byte group scales (MX e8m0, NVFP4 e4m3) are kept with their group count padded to a multiple of this
+# one-byte group scales (MX e8m0, NVFP4 e4m3), and group scales with zero points, are kept with their
+# group count padded to a multiple of this
 SCALE_GROUPS_PAD = 16
 
 
@@ -757,8 +758,12 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
     over the vector (Triton marks integer arguments divisible by 16), and the pipeliner streams
     such loads ahead like the codes. H100: MXFP4's four single-byte scale loads per step were
     waited on inside the step (sm_90 SASS, tools/kernel_sass.py); streamed, decode is 1.02-1.10x
-    faster, NVFP4's 1.09-1.41x. 16-bit scales are left as they are: a tile's one or two groups per
-    row are too few bytes for a streamed copy, and padding them would hold up to 5% more bytes."""
+    faster, NVFP4's 1.09-1.41x. 16-bit scales are left as they are (a tile's one or two groups per
+    row are too few bytes for a streamed copy, and padding them would hold up to 5% more bytes)
+    but with zero points: a ZERO_SUMS tile's epilogue reads 16 groups of a row's scales and zero
+    points at once (moe_gemm._less_zero_point_terms), as two vectors where padded, else as 32
+    scalar loads a thread (sm_90 SASS, AWQ's GEMM2 at Qwen3's shape, 6 groups: 36 loads a
+    thread in the epilogue's loop, whose instructions then outnumbered the main loop's)."""
     if t is None or t.shape[2] % SCALE_GROUPS_PAD == 0:
         return t
     pad = SCALE_GROUPS_PAD - t.shape[2] % SCALE_GROUPS_PAD
@@ -767,7 +772,8 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor | None]:
     """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once, one-byte
-    group scales padded (:func:`_padded_groups`; zero points share the scales' strides: FP4 has none),
+    group scales and zero-point weights' group scales padded (:func:`_padded_groups`; zero points
+    share the scales' strides, and are padded with them),
     FP4 codes in their decoders' byte order (:func:`e2m1_register_order`)."""
     def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
@@ -776,7 +782,8 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
         return t.contiguous()
 
     scale, zero = ready(p.scale), ready(p.zero)
-    if scheme.weight_scale in ("group", "mx") and scale is not None and scale.element_size() == 1:
+    if scheme.weight_scale in ("group", "mx") and scale is not None and (scale.element_size() == 1
+                                                                         or zero is not None):
         scale, zero = _padded_groups(scale), _padded_groups(zero)
     weight = e2m1_register_order(p.weight) if scheme.weight_type == "e2m1" else ready(p.weight)
     return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),

@@ -645,11 +645,17 @@ def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
     assert _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())) < 3e-2
 
 
-def test_two_byte_group_scales_are_kept_as_converted():
-    """16-bit group scales and their zero points are not padded (too few bytes per tile to stream)."""
-    weights = _weights("awq-g32")
-    experts = TritonExperts(weights, ExpertsConfig())
-    assert experts._tensors[1].shape == weights.w13.scale.shape and experts._tensors[2].shape == weights.w13.zero.shape
+def test_two_byte_group_scales_are_padded_only_with_zero_points():
+    """16-bit group scales are not padded (too few bytes per tile to stream), but with zero points
+    they and the zero points are (a ZERO_SUMS epilogue reads 16 groups of a row as vectors): the
+    groups as converted, then zeros."""
+    gptq = _weights("gptq4-g64")
+    assert TritonExperts(gptq, ExpertsConfig())._tensors[1].shape == gptq.w13.scale.shape
+    weights = _weights("awq-g32")  # H 128: 4 groups of 32
+    held = TritonExperts(weights, ExpertsConfig())._tensors
+    for got, converted in ((held[1], weights.w13.scale), (held[2], weights.w13.zero)):
+        assert got.shape == (*converted.shape[:2], 16) and converted.shape[2] == 4
+        assert torch.equal(got[..., :4], converted) and not got[..., 4:].any()
 
 
 def test_padded_groups_leave_whole_vectors_and_their_input_alone():
