@@ -152,9 +152,11 @@ def scheme_tiles(bm: int, narrow: bool, kscheme, limit: int | None = None) -> li
 
 
 SPLITS = (1, 2, 4, 8)
-# register caps worth trying (maxnreg): at 128 threads a program under 128, 96, 80 or 64 registers
-# a thread lets 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that)
-REGISTER_CAPS = (128, 96, 80, 64)
+# register caps worth trying (maxnreg): at 128 threads a program under 168, 128, 96, 80 or 64 registers
+# a thread lets 3, 4, 5, 6 or 8 programs share an SM's 64K registers (ptxas spills past that). 168:
+# for tiles a few registers past it, as AWQ's ZERO_SUMS GEMM1 at Mixtral's M = 8 (187 registers, two
+# programs an SM; 168 without a spill, sm_90 SASS) beside GPTQ int4's same tile (167)
+REGISTER_CAPS = (168, 128, 96, 80, 64)
 WIDE_TILE_CAP = 96  # wide decode tiles (BLOCK_N 128, 4 warps) under this cap: 5 programs an SM, few spills
 # a search winner must still beat today's configs by this much when both are timed side by side
 CONFIRM_MARGIN = 0.02
