@@ -307,8 +307,9 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
     # one's groups, whose sums it takes as zero) and the scales and zero points are masked by the
     # groups a weight row holds, not the split's: a row's 16 load as vectors where that is a
     # multiple of 16 (Triton marks such integer arguments; TritonExperts pads zero-point weights'
-    # scales to one), not as 16 scalar loads a thread each. Not pipelined: a few steps after the
-    # main loop, whose registers a pipeline's would add to.
+    # scales to one), not as 16 scalar loads a thread each (H100, AWQ on GPTQ int4's tiles at
+    # Qwen3's M = 64: 181.1 -> 164.7 us a layer, docs/bench/ab-zero-terms-vector-s32.py). Not
+    # pipelined: a few steps after the main loop, whose registers a pipeline's would add to.
     for g0 in tl.range(first // ZERO_TERM_GROUPS * ZERO_TERM_GROUPS, groups, ZERO_TERM_GROUPS, num_stages=1):
         g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, ZERO_TERM_GROUPS), ZERO_TERM_GROUPS),
                               ZERO_TERM_GROUPS)
@@ -346,7 +347,9 @@ def _tf32_halves(x):
 def _dot_tf32x3(a, b, acc):
     """acc + a @ b in float32 accuracy from three TF32 products (high x high, high x rest, rest x
     high), each accumulated into ``acc`` itself: Triton's tf32x3 sums them into a second
-    accumulator from zero, which held a whole extra tile of registers at the epilogue."""
+    accumulator from zero, which held a whole extra tile of registers at the epilogue (W8A16 asym
+    at Mixtral's M = 64: 239 registers, 209 so; on an H100 645.1 -> 611.3 us a layer,
+    docs/bench/ab-zero-terms-s32.py)."""
     a_high, a_rest = _tf32_halves(a)
     b_high, b_rest = _tf32_halves(b)
     acc = tl.dot(a_rest, b_high, acc, input_precision="tf32")

@@ -7,7 +7,8 @@ programs an SM), GPTQ int8 / int4 as the yardstick; three alternated rounds, med
 
 Session 31's kernel is its kernels/moe_gemm.py (commit e9e93be), given as the first argument; its
 launch arguments are this session's but for the one-row sums of one-token blocks (not at these M).
-From a snapshot's root on the GPU: python3 docs/bench/ab-zero-terms-s32.py /path/to/moe_gemm_e9e93be.py"""
+Ran at 6b6c18e, from a snapshot's root on the GPU:
+python3 docs/bench/ab-zero-terms-s32.py /path/to/moe_gemm_e9e93be.py"""
 import importlib.util
 import statistics
 import sys

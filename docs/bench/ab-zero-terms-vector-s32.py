@@ -5,7 +5,7 @@ pads to a multiple of 16 for zero-point weights: both kernels read padded tensor
 GPTQ int4's tuned tiles with ZERO_SUMS (as tools/tune.py seeds them, without the seed's register
 caps) at Qwen3's and DeepSeek-V2-Lite's decode shapes, and today's ZERO_SUMS tables at Mixtral's
 M = 64 (AWQ, W8A16 asym); today's tables and GPTQ as the yardsticks; three alternated rounds,
-medians, us. From a snapshot's root on the GPU:
+medians, us. Ran at b877502, from a snapshot's root on the GPU:
 python3 docs/bench/ab-zero-terms-vector-s32.py /path/to/moe_gemm_63cdb60.py"""
 import importlib.util
 import statistics
