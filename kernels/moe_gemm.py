@@ -337,8 +337,9 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
 
 @triton.jit
 def _tf32_halves(x):
-    """float32 ``x`` -> (its TF32 part, the exact rest): x's 10 leading mantissa bits, and x less them
-    (whose own TF32 part, which a TF32 product reads, keeps 21 of x's 24 bits in all)."""
+    """float32 ``x`` -> (its TF32 part, the exact rest): x with its 10 leading mantissa bits only,
+    and x less that (whose own TF32 part, all a TF32 product reads of it, keeps at least 22 of x's
+    24 significant bits in all)."""
     high = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return high, x - high
 

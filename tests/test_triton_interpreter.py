@@ -272,6 +272,26 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     assert not torch.equal(outs["sums"], outs["per weight"])
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_zero_sums_take_each_group_once_over_misaligned_splits(m, monkeypatch):
+    """GEMM2 over 20 groups of 32 columns in four splits of five groups (the launch is watched):
+    each split's terms start at the last multiple of 16 groups (the vector loads' alignment), and
+    the groups before its own first one, another split's, add nothing (taken twice, the layer
+    would be far off); for sums in GEMM1's pieces, and one token's found from its row."""
+    launched: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, launched))
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["awq-g32"][0]), parse_quant_key(UNQ),
+                                                   num_experts=E, hidden=H, intermediate=640, dtype=torch.float16,
+                                                   seed=8)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
+    tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
+    with triton_moe.config_override(tile, {**tile, "SPLIT_K": 4}):
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert [grid[2] for grid in launched] == [1, 4]
+    err = _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig()))
+    assert err < 1e-2, f"ZERO_SUMS over four splits: relative error {err:.2e}"
+
+
 def test_zero_sums_in_the_batched_format(monkeypatch):
     """Expert slabs (expert parallelism's batched format) take the same input sums, row for row."""
     seen: list = []
