@@ -86,3 +86,16 @@ def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
     assert [r["input_quantised"] for r in mixtral] == ["none", "pieces"]
     int8 = json.loads(_run("--scheme", "quark-w8a8-int8", "--shape", "mixtral", "--m", "1", "--json").stdout)
     assert [r["input_quantised"] for r in int8] == ["none", "none"]
+
+
+def test_the_k_loop_is_reported_where_a_zero_sums_tile_has_a_longer_loop_after_it():
+    """AWQ on a ZERO_SUMS tile at Qwen3's shape: GEMM2's K (768) holds 6 groups, and the zero-point
+    terms' loop after the K loop (no pipelining; shared-memory stores converting its operands) has
+    more instructions than a K step. The report reads the pipelined K loop (cp.async copies ahead),
+    not that one (none)."""
+    done = _run("--scheme", "awq-w4a16", "--shape", "qwen3", "--m", "8", "--config",
+                '{"ZERO_SUMS": true, "BLOCK_K": 128, "BLOCK_N": 128, "maxnreg": 0}', "--json")
+    assert done.returncode == 0, done.stderr
+    for r in json.loads(done.stdout):
+        assert r["config"].get("ZERO_SUMS") is True
+        assert r["loop_async_copies"] >= 2 and r["loop_opcodes"]["HMMA"] > 0, r

@@ -242,15 +242,18 @@ def _tool(name: str) -> str:
 
 
 def main_loop(sass: str) -> list[str]:
-    """The instructions of the longest backward-branching loop of a disassembly (the K loop)."""
+    """The instructions of the K loop of a disassembly: the longest backward-branching loop among
+    those that copy ahead (LDGSTS: the pipeliner's), else the longest. (A ZERO_SUMS tile's loop
+    after the K loop, not pipelined, can be the longer one where K holds few groups.)"""
     lines = [line for line in sass.splitlines() if "//##" not in line]
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", line))}
-    best = (0, -1)
+    loops = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
-        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
-            best = (labels[m.group(1)], i)
-    return [line for line in lines[best[0]:best[1] + 1] if INSTRUCTION.search(line)]
+        if m and labels.get(m.group(1), i) < i:
+            body = [x for x in lines[labels[m.group(1)]:i + 1] if INSTRUCTION.search(x)]
+            loops.append((any("LDGSTS" in x for x in body), len(body), body))
+    return max(loops, key=lambda loop: loop[:2])[2] if loops else []
 
 
 def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "none") -> GemmSass:
