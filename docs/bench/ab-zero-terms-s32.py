@@ -7,30 +7,22 @@ programs an SM), GPTQ int8 / int4 as the yardstick; three alternated rounds, med
 
 Session 31's kernel is its kernels/moe_gemm.py (commit e9e93be), given as the first argument; its
 launch arguments are this session's but for the one-row sums of one-token blocks (not at these M).
-Ran at 6b6c18e, from a snapshot's root on the GPU:
+Ran at 6b6c18e (its shared parts since moved to tools/ab_kernels.py), from a snapshot's root on the GPU:
 python3 docs/bench/ab-zero-terms-s32.py /path/to/moe_gemm_e9e93be.py"""
-import importlib.util
-import statistics
 import sys
 
 sys.path.insert(0, "tools")
+import ab_kernels  # noqa: E402
 import bench  # noqa: E402
-import torch  # noqa: E402
 import tune  # noqa: E402
-from moe_registry_kernels import triton_moe  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("moe_registry_kernels._moe_gemm_s31", sys.argv[1])
-s31 = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(s31)
-kernels = {"s31 tf32x3": s31._fused_moe_kernel, "s32 into the tile": triton_moe._fused_moe_kernel}
-
-schemes = bench.registry_schemes()
-dev = torch.device("cuda")
-name, sms = torch.cuda.get_device_name(dev), torch.cuda.get_device_properties(dev).multi_processor_count
-runs = []
+s31, s32 = ab_kernels.kernel_from_file(sys.argv[1]), ab_kernels.todays_kernel()
+gpu = ab_kernels.this_gpu()
+schemes, dev, name, sms = gpu.schemes, gpu.device, gpu.name, gpu.sms
+shape = bench.SHAPES["mixtral"]
+rows = []
 for m in (64, 8):
     for zp, fixed in (("compressed-tensors-w8a16-asym", "gptq-w8a16"), ("awq-w4a16", "gptq-w4a16")):
-        shape = bench.SHAPES["mixtral"]
         layer = tune.Layer(shape, schemes[zp], dev, False)
         inputs = layer.inputs(m)
         ref = layer.reference(*inputs)
@@ -38,24 +30,9 @@ for m in (64, 8):
         if not today[0].get("ZERO_SUMS"):
             continue
         capped = tuple({**c, "maxnreg": 168} for c in today)
-        for label, kernel, configs in (("s31 tf32x3", kernels["s31 tf32x3"], today),
-                                       ("s32 into the tile", kernels["s32 into the tile"], today),
-                                       ("s32 into the tile, cap 168", kernels["s32 into the tile"], capped)):
-            triton_moe._fused_moe_kernel = kernel
-            runs.append((f"{zp} M={m} {label}", layer, inputs, configs, kernel, m, layer.error(configs, *inputs, ref)))
-        fixed_layer = tune.Layer(shape, schemes[fixed], dev, False)
-        runs.append((f"{fixed} M={m} today", fixed_layer, fixed_layer.inputs(m), (None, None),
-                     kernels["s32 into the tile"], m, 0.0))
-
-
-def step(layer, inputs, configs, kernel, m):
-    def run() -> float:
-        triton_moe._fused_moe_kernel = kernel
-        return layer.time(configs, m, *inputs) * 1e6
-    return run
-
-
-times = tune.alternated([step(*r[1:6]) for r in runs], 3)
-for (label, *_, err), ts in zip(runs, times, strict=True):
-    print(f"{label:62s} {statistics.median(ts):7.1f} us  err {err:.2e}  ({' '.join(f'{t:.1f}' for t in ts)})",
-          flush=True)
+        for label, kernel, configs in (("s31 tf32x3", s31, today), ("s32 into the tile", s32, today),
+                                       ("s32 into the tile, cap 168", s32, capped)):
+            rows.append(ab_kernels.variant(f"{zp} M={m} {label}", layer, inputs, m, kernel, configs, ref))
+        yardstick = tune.Layer(shape, schemes[fixed], dev, False)
+        rows.append(ab_kernels.variant(f"{fixed} M={m} today", yardstick, yardstick.inputs(m), m, s32, (None, None)))
+ab_kernels.print_alternated(rows)

@@ -1,0 +1,97 @@
+"""What the kernel A/B scripts in docs/bench share: another commit's GEMM kernel loaded beside
+today's, layers timed under a given kernel and tile configs in alternation (tune.alternated, so
+every variant sees the same clocks), their medians printed; and a seed's tiles on the factored
+zero-point dot, as tools/tune.py seeds a zero-point scheme."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import tune
+
+
+def kernel_from_file(path: str):  # type: ignore[no-untyped-def]
+    """``_fused_moe_kernel`` of a moe_gemm.py from another commit, loaded beside today's (its
+    relative imports read today's package)."""
+    spec = importlib.util.spec_from_file_location("moe_registry_kernels._moe_gemm_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._fused_moe_kernel
+
+
+def todays_kernel():  # type: ignore[no-untyped-def]
+    from moe_registry_kernels import triton_moe
+
+    return triton_moe._fused_moe_kernel
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """The registry's bench schemes, and the GPU the tables are read for (its name and SM count)."""
+
+    schemes: dict
+    device: object
+    name: str
+    sms: int
+
+
+def this_gpu() -> Gpu:
+    import bench
+    import torch
+
+    dev = torch.device("cuda")
+    return Gpu(bench.registry_schemes(), dev, torch.cuda.get_device_name(dev),
+               torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
+def zero_sums_tiles(seed: tuple[dict, dict], kscheme) -> tuple[dict, dict]:  # type: ignore[no-untyped-def]
+    """A seed's (GEMM1, GEMM2) tiles without their register caps, on the factored dot (ZERO_SUMS),
+    fitted to the scheme."""
+    from moe_registry_kernels import tile_config
+
+    return tile_config._fit_pair(*({k: v for k, v in c.items() if k != "maxnreg"} | {"ZERO_SUMS": True}
+                                   for c in seed), kscheme)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One timed row: a layer at ``m`` tokens under ``configs`` (None: today's) and ``kernel``."""
+
+    label: str
+    layer: tune.Layer
+    inputs: tuple
+    configs: tuple[dict | None, dict | None]
+    kernel: object
+    m: int
+    error: float  # against the layer's reference (0.0: not checked)
+
+    def step(self) -> Callable[[], float]:
+        def run() -> float:
+            _use(self.kernel)
+            return self.layer.time(self.configs, self.m, *self.inputs) * 1e6
+        return run
+
+
+def variant(label: str, layer: tune.Layer, inputs: tuple, m: int, kernel, configs,  # type: ignore[no-untyped-def]
+            ref=None) -> Variant:
+    """A row, its output checked against ``ref`` (the layer's reference) under its own kernel."""
+    _use(kernel)
+    error = layer.error(configs, *inputs, ref) if ref is not None else 0.0
+    return Variant(label, layer, inputs, configs, kernel, m, error)
+
+
+def print_alternated(variants: list[Variant], rounds: int = 3) -> None:
+    """Time the rows in alternation ``rounds`` times and print each one's median (µs), error and times."""
+    times = tune.alternated([v.step() for v in variants], rounds)
+    for v, ts in zip(variants, times, strict=True):
+        print(f"{v.label:62s} {statistics.median(ts):7.1f} us  err {v.error:.2e}  "
+              f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+
+
+def _use(kernel) -> None:  # type: ignore[no-untyped-def]
+    from moe_registry_kernels import triton_moe
+
+    triton_moe._fused_moe_kernel = kernel
