@@ -151,10 +151,12 @@ def test_triton_interpreter_matches_float64_moe_float16(name: str, built) -> Non
     assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
 
 
-def test_triton_zero_sums_match_float64_moe_float16(built, monkeypatch) -> None:
+@pytest.mark.parametrize("m", [16, 1])
+def test_triton_zero_sums_match_float64_moe_float16(built, m, monkeypatch) -> None:
     """llm-compressor's W8A16 asym file under a ZERO_SUMS decode tile (zero points on the factored
-    dot, their terms from the inputs' group sums), against the float64 MoE with compressed-tensors'
-    own dequantisation of expert 0; the launches are watched: both GEMMs took it."""
+    dot, their terms from the inputs' group sums; one token's found by the GEMMs from its row),
+    against the float64 MoE with compressed-tensors' own dequantisation of expert 0; the launches
+    are watched: both GEMMs took it."""
     pytest.importorskip("triton")
     from launch_spy import KwargSpy
     from moe_registry_kernels import triton_moe
@@ -162,7 +164,7 @@ def test_triton_zero_sums_match_float64_moe_float16(built, monkeypatch) -> None:
     seen: list = []
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
     layer = built["w8a16-asym-g32"]
-    x, ids, w = _routing(6)
+    x, ids, w = _routing(6, m)
     want = _moe64(_weights("w8a16-asym-g32", layer), x, ids, w)
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
             "ZERO_SUMS": True}

@@ -231,15 +231,17 @@ def test_triton_group_dots_match_float64_moe_on_library_weights(name: str, monke
     assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("name,grouped", [("qwen3-awq-w4-gemm", False), ("qwen3-awq-w4-gemm", True),
-                                          ("qwen3-gptq-w4-asym", False), ("qwen3-gptq-w4-asym", True),
-                                          ("qwen3-gptq-w8-asym", False), ("qwen3-gptq-w8-asym-v2", False)])
-def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, grouped: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("name,grouped,tokens", [
+    ("qwen3-awq-w4-gemm", False, 3), ("qwen3-awq-w4-gemm", True, 3), ("qwen3-gptq-w4-asym", False, 3),
+    ("qwen3-gptq-w4-asym", True, 3), ("qwen3-gptq-w8-asym", False, 3), ("qwen3-gptq-w8-asym-v2", False, 3),
+    ("qwen3-awq-w4-gemm", False, 1), ("qwen3-awq-w4-gemm", True, 1), ("qwen3-gptq-w8-asym", False, 1)])
+def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, grouped: bool, tokens: int,
+                                                               monkeypatch) -> None:
     """AutoAWQ's and GPTQModel's zero-point files under ZERO_SUMS decode tiles (the codes less a
     constant on the factored dot, the zero points' terms from the inputs' group sums after the
     loop): one 32-column group a K step, or (4-bit, ``grouped``) one dot per group over both of a
-    row's groups, against the float64 MoE on the library's weights; the launches are watched: both
-    GEMMs took it."""
+    row's groups, against the float64 MoE on the library's weights; one token's GEMMs find their
+    sums from its row. The launches are watched: both GEMMs took it."""
     pytest.importorskip("triton", reason="triton is not installed")
     from launch_spy import KwargSpy
     from moe_registry_kernels import triton_moe
@@ -248,7 +250,7 @@ def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, groupe
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64 if grouped else 32, "GROUP_M": 1, "SPLIT_K": 1,
             "num_warps": 4, "num_stages": 2, "ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})
-    err, tolerance = _triton_against_library(name, 3, (11, 12), tile)
+    err, tolerance = _triton_against_library(name, tokens, (11, 12), tile)
     assert seen == [True, True]
     assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
