@@ -236,7 +236,8 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
     g_mask = groups < scale_groups
-    scale = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
+    loaded = tl.load(scale_ptrs + groups * stride_sk, mask=g_mask, other=0)
+    scale = _scale_of(loaded)
     if W_SCALE == "mx":
         if NARROW and E2M1_FOLDED:  # 2^U times the power of two, from the code's bits
             tl.static_assert(E2M1_SHIFT == 0, "folded MX scales are not shifted")
@@ -254,8 +255,7 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
     tile_zero = zero
     if HAS_ZERO:
-        group_zero = _offset_zero(tl.load(zero_ptrs + groups * stride_sk, mask=g_mask, other=0).to(tl.float32),
-                                  dtype, NARROW)
+        group_zero = _offset_zero(_zero_of(loaded, zero_ptrs, groups * stride_sk, g_mask, 0.0), dtype, NARROW)
         tile_zero = _repeat_rows(group_zero, K_LEN) if K_AXIS == 0 else _repeat_cols(group_zero, K_LEN)
     return scale, tile_zero
 
@@ -281,6 +281,29 @@ def _row(x, i: tl.constexpr):
     """Row ``i`` of a [R, C] tile, as [1, C]: a select and a sum over R (within each thread where
     the layout keeps a column's R values together, as for two or four 16-bit group scales)."""
     return tl.sum(tl.where(tl.arange(0, x.shape[0])[:, None] == i, x, 0.0), axis=0)[None, :]
+
+
+@triton.jit
+def _scale_of(loaded):
+    """The 16-bit group scales of loaded scale values: themselves, or the float16 low halves of
+    scale-and-zero words (int32: TritonExperts' layout for zero-point weights, see
+    triton_moe._scale_zero_words)."""
+    if loaded.dtype == tl.int32:
+        loaded = (loaded & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    return loaded
+
+
+@triton.jit
+def _zero_of(loaded, zero_ptrs, offsets, mask, other):
+    """The float32 zero points beside loaded group scales: the high halves of scale-and-zero words
+    (no second load; a masked-off word is 0, whose scale 0 cancels its zero), else loaded from
+    ``zero_ptrs + offsets``. (No select on the words: Triton then no longer dequantises the codes
+    in the dot's operand layout, but converts the whole 16-bit tile through shared memory.)"""
+    if loaded.dtype == tl.int32:
+        zero = (loaded >> 16).to(tl.float32)
+    else:
+        zero = tl.load(zero_ptrs + offsets, mask=mask, other=other).to(tl.float32)
+    return zero
 
 
 # weight groups a step of _less_zero_point_terms takes (the K of its dot)
@@ -329,8 +352,9 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
                             other=0.0)
             sums = tl.sum(tl.reshape(parts, (parts.shape[0], ZERO_TERM_GROUPS, PIECES)), axis=2)
         held = g[:, None] < scale_groups
-        scale = tl.load(scale_cols + g[:, None] * stride_sk, mask=held, other=0.0).to(tl.float32)
-        zero = tl.load(zero_cols + g[:, None] * stride_sk, mask=held, other=MID).to(tl.float32)
+        loaded = tl.load(scale_cols + g[:, None] * stride_sk, mask=held, other=0)
+        scale = _scale_of(loaded).to(tl.float32)
+        zero = _zero_of(loaded, zero_cols, g[:, None] * stride_sk, held, MID)
         acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
     return acc
 
@@ -658,7 +682,7 @@ def _fused_moe_kernel(
             int8_scale_next = tl.load(scale_cols + next_group * stride_sk)
         elif FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
-            scale = tl.load(scale_cols + group * stride_sk).to(tl.float32)  # [1, BN]
+            scale = _scale_of(tl.load(scale_cols + group * stride_sk)).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,

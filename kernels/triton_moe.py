@@ -65,7 +65,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 from .fp4_dequant import e2m1_register_order
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
-from .scheme import Scheme, scheme_from_keys, swappable
+from .scheme import Scheme, packed, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
     _device_name,
@@ -761,7 +761,7 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
     faster, NVFP4's 1.09-1.41x. 16-bit scales are left as they are (a tile's one or two groups per
     row are too few bytes for a streamed copy, and padding them would hold up to 5% more bytes)
     but with zero points: a ZERO_SUMS tile's epilogue reads 16 groups of a row's scales and zero
-    points at once (moe_gemm._less_zero_point_terms), as two vectors where padded, else as 32
+    points at once (moe_gemm._less_zero_point_terms), as vectors where padded, else as 32
     scalar loads a thread (sm_90 SASS, AWQ's GEMM2 at Qwen3's shape, 6 groups: 36 loads a
     thread in the epilogue's loop, whose instructions then outnumbered the main loop's; H100,
     AWQ at Qwen3's M = 64 on GPTQ int4's tiles, 181.1 -> 164.7 us a layer). The cost: that GEMM's
@@ -773,10 +773,27 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], pad)], dim=2)
 
 
+def _scale_zero_words(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float16 group scales and their integer zero points [E, N, G] as one int32 word each, given
+    as both tensors (moe_gemm._scale_of, _zero_of): the scale's bits low, the zero point (signed)
+    high. A tile's scale and zero of a column are then one 4-byte load, which the pipeliner streams
+    ahead of the step like the codes (cp.async), where a 2-byte scale and a 1-byte zero point were
+    two loads the step waited on (sm_90 SASS, tools/kernel_sass.py: AWQ's GEMM2 at Qwen3's M = 8,
+    4 such loads a step -> none). TritonExperts packs 4-bit codes' only: on the H100, AWQ's Mixtral
+    M = 1 108.9 -> 103.7 us, M = 8 312.1 -> 301.6, Qwen3 M = 64 164.3 -> 159.1 (then re-tuned,
+    151.2), where W8A16 asym's M = 64 went 241.8 -> 260.1 (Qwen3) and 231.9 -> 251.4 (DeepSeek-V2-Lite)
+    (docs/bench/ab-scale-words-s33.py). Other scales and zero points are left as they are."""
+    if scale.dtype != torch.float16 or zero.is_floating_point():
+        return scale, zero
+    words = (scale.view(torch.int16).to(torch.int32) & 0xFFFF) | (zero.to(torch.int32) << 16)
+    return words, words
+
+
 def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor | None]:
     """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once, one-byte
     group scales and zero-point weights' group scales padded (:func:`_padded_groups`; zero points
-    share the scales' strides, and are padded with them),
+    share the scales' strides, and are padded with them), 4-bit codes' group scales and zero points
+    as one word each (:func:`_scale_zero_words`),
     FP4 codes in their decoders' byte order (:func:`e2m1_register_order`)."""
     def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
@@ -788,6 +805,8 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
     if scheme.weight_scale in ("group", "mx") and scale is not None and (scale.element_size() == 1
                                                                          or zero is not None):
         scale, zero = _padded_groups(scale), _padded_groups(zero)
+    if scheme.weight_scale == "group" and zero is not None and packed(scheme.weight_type):
+        scale, zero = _scale_zero_words(scale, zero)
     weight = e2m1_register_order(p.weight) if scheme.weight_type == "e2m1" else ready(p.weight)
     return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
             ready(p.input_scale, torch.float32)]

@@ -668,14 +668,33 @@ def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
 def test_two_byte_group_scales_are_padded_only_with_zero_points():
     """16-bit group scales are not padded (too few bytes per tile to stream), but with zero points
     they and the zero points are (a ZERO_SUMS epilogue reads 16 groups of a row as vectors): the
-    groups as converted, then zeros."""
+    groups as converted, then zeros. 8-bit codes keep two tensors; 4-bit codes hold each group's
+    scale and zero point as one int32 word, given as both (see the next test)."""
     gptq = _weights("gptq4-g64")
     assert TritonExperts(gptq, ExpertsConfig())._tensors[1].shape == gptq.w13.scale.shape
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(W8A16_ASYM), parse_quant_key(UNQ), num_experts=E,
+                                                   hidden=H, intermediate=INTER, dtype=torch.float16, seed=0)
+    held = TritonExperts(weights, ExpertsConfig())._tensors
+    for got, converted in ((held[7], weights.w2.scale), (held[8], weights.w2.zero)):  # K = INTER: one group
+        assert got.dtype == converted.dtype and got.shape == (*converted.shape[:2], 16) and converted.shape[2] == 1
+        assert torch.equal(got[..., :1], converted) and not got[..., 1:].any()
     weights = _weights("awq-g32")  # H 128: 4 groups of 32
     held = TritonExperts(weights, ExpertsConfig())._tensors
-    for got, converted in ((held[1], weights.w13.scale), (held[2], weights.w13.zero)):
-        assert got.shape == (*converted.shape[:2], 16) and converted.shape[2] == 4
-        assert torch.equal(got[..., :4], converted) and not got[..., 4:].any()
+    assert held[1] is held[2] and held[1].dtype == torch.int32 and held[1].shape == (*weights.w13.scale.shape[:2], 16)
+    assert not held[1][..., 4:].any()
+
+
+def test_four_bit_zero_point_words_hold_the_scale_low_and_the_zero_point_high():
+    """The words' low halves are the float16 scales' bits, their high halves the zero points
+    (signed: a negative one comes back by the arithmetic shift the kernel reads it with)."""
+    scale = torch.tensor([[[0.5, -3.0e-6, 65504.0]]], dtype=torch.float16)  # a subnormal, the largest
+    zero = torch.tensor([[[0, 15, -7]]], dtype=torch.int8)
+    words, again = triton_moe._scale_zero_words(scale, zero)
+    assert again is words and words.dtype == torch.int32
+    assert torch.equal((words & 0xFFFF).to(torch.int16).view(torch.float16), scale)
+    assert torch.equal(words >> 16, zero.to(torch.int32))
+    bf16 = scale.to(torch.bfloat16)
+    assert triton_moe._scale_zero_words(bf16, zero) == (bf16, zero)
 
 
 def test_padded_groups_leave_whole_vectors_and_their_input_alone():

@@ -1,0 +1,67 @@
+"""Session 33: zero-point weights' float16 group scales and zero points as two tensors (a 2-byte and
+a 1-byte load a column, which each K step waited on) against one int32 word each (one 4-byte load,
+streamed ahead by the pipeliner: triton_moe._scale_zero_words); the same kernel and today's tuned
+tiles for both, AWQ and W8A16 asym at the three benchmark shapes, M = 1, 8, 64; GPTQ int4/int8 as
+the yardstick, and each row's per-byte ratio to it (weight bytes as tools/per_byte.py counts them:
+codes, scales and zero points as the checkpoint holds them). Three alternated rounds, medians, us.
+Ran on the tree of 108f429 plus the words for every zero-point width (W8A16 asym's rows held words
+too; they lost, and TritonExperts now packs 4-bit codes' only, so its "words" rows now time two
+tensors): docs/bench/tune-s33-h100.txt, part 1. From a snapshot's root on the GPU:
+python3 docs/bench/ab-scale-words-s33.py"""
+import statistics
+import sys
+
+sys.path.insert(0, "tools")
+import ab_kernels  # noqa: E402
+import bench  # noqa: E402
+import tune  # noqa: E402
+from moe_registry_kernels import triton_moe  # noqa: E402
+
+M_VALUES = (1, 8, 64)
+SHAPES = ("qwen3", "dsv2lite", "mixtral")
+SCHEMES = (("awq-w4a16", "gptq-w4a16"), ("compressed-tensors-w8a16-asym", "gptq-w8a16"))
+
+
+def two_tensor_layer(shape, scheme, dev) -> tune.Layer:  # type: ignore[no-untyped-def]
+    """A layer whose kernels hold scales and zero points as two tensors (every weight copy built now)."""
+    words = triton_moe._scale_zero_words
+    triton_moe._scale_zero_words = lambda scale, zero: (scale, zero)
+    try:
+        layer = tune.Layer(shape, scheme, dev, False)
+        for m in M_VALUES:
+            layer.copies_for(m)
+    finally:
+        triton_moe._scale_zero_words = words
+    return layer
+
+
+gpu = ab_kernels.this_gpu()
+kernel = ab_kernels.todays_kernel()
+rows, per_byte_of = [], {}
+for shape_name in SHAPES:
+    shape = bench.SHAPES[shape_name]
+    for zp, fixed in SCHEMES:
+        two = two_tensor_layer(shape, gpu.schemes[zp], gpu.device)
+        words = tune.Layer(shape, gpu.schemes[zp], gpu.device, False)
+        yardstick = tune.Layer(shape, gpu.schemes[fixed], gpu.device, False)
+        for m in M_VALUES:
+            inputs = words.inputs(m)
+            ref = words.reference(*inputs)
+            cell = f"{zp} {shape_name} M={m}"
+            for label, layer in (("two tensors", two), ("words", words)):
+                rows.append(ab_kernels.variant(f"{cell} {label}", layer, inputs, m, kernel, (None, None), ref))
+                per_byte_of[rows[-1].label] = (layer.weight_bytes, f"{fixed} {shape_name} M={m} today")
+            rows.append(ab_kernels.variant(f"{fixed} {shape_name} M={m} today", yardstick, yardstick.inputs(m), m,
+                                           kernel, (None, None)))
+            per_byte_of[rows[-1].label] = (yardstick.weight_bytes, None)
+        print(f"built {shape_name} {zp}", flush=True)
+
+times = tune.alternated([v.step() for v in rows], 3)
+medians = {v.label: statistics.median(ts) for v, ts in zip(rows, times, strict=True)}
+for v, ts in zip(rows, times, strict=True):
+    size, base = per_byte_of[v.label]
+    ratio = ""
+    if base is not None:
+        ratio = f"per byte {(size / medians[v.label]) / (per_byte_of[base][0] / medians[base]):.3f}"
+    print(f"{v.label:58s} {medians[v.label]:7.1f} us  {ratio:15s} err {v.error:.2e}  "
+          f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
