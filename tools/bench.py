@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -385,6 +386,9 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
     from moe_registry_kernels.triton_ops import plain_launches
     from torch.profiler import ProfilerActivity, profile
 
+    # CUPTI torn down when the profile ends: left attached (Kineto's default), it slowed every layer
+    # timed after the first profile (H100, Qwen3 M = 1: 18.1 -> 20.9 us, whichever scheme ran second)
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with plain_launches():
         step()
