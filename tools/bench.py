@@ -10,7 +10,8 @@ max(minimum bytes / copy bandwidth, FLOPs / peak of the matrix unit the scheme u
 bytes = weights + scales + zero points of the experts the routing hits + activations in and out
 + routing; FLOPs = 6·M·top-k·hidden·intermediate. The two GEMMs are also reported alone (their
 kernel times from the profiler, against a roofline of the weights, the hidden rows in and the
-top-k rows out), and the rest of the layer's kernels as glue.
+top-k rows out), and the rest of the layer's kernels as glue (the profiler's CUPTI torn down after
+each profile, so it does not slow the cells timed after it).
 
 The schemes are the scheme specs that list the Triton kernel (KERNEL), their keys bound with
 group 128 where the spec allows it; a spec added (MOE_REGISTRY_SPEC_PATH for user specs) is
@@ -387,7 +388,9 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
     from torch.profiler import ProfilerActivity, profile
 
     # CUPTI torn down when the profile ends: left attached (Kineto's default), it slowed every layer
-    # timed after the first profile (H100, Qwen3 M = 1: 18.1 -> 20.9 us, whichever scheme ran second)
+    # timed after a run's first profile, so only the run's first cell was timed without it (H100,
+    # Qwen3 M = 1: whichever of AWQ and GPTQ int4 ran second took 20.9 us against 18.1-18.2; torn
+    # down, 18.2-18.6 in both orders: docs/bench/tune-s33-h100.txt)
     os.environ.setdefault("TEARDOWN_CUPTI", "1")
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with plain_launches():
