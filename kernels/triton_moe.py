@@ -779,10 +779,11 @@ def _scale_zero_words(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Te
     high. A tile's scale and zero of a column are then one 4-byte load, which the pipeliner streams
     ahead of the step like the codes (cp.async), where a 2-byte scale and a 1-byte zero point were
     two loads the step waited on (sm_90 SASS, tools/kernel_sass.py: AWQ's GEMM2 at Qwen3's M = 8,
-    4 such loads a step -> none). TritonExperts packs 4-bit codes' only: on the H100, AWQ's Mixtral
-    M = 1 108.9 -> 103.7 us, M = 8 312.1 -> 301.6, Qwen3 M = 64 164.3 -> 159.1 (then re-tuned,
-    151.2), where W8A16 asym's M = 64 went 241.8 -> 260.1 (Qwen3) and 231.9 -> 251.4 (DeepSeek-V2-Lite)
-    (docs/bench/ab-scale-words-s33.py). Other scales and zero points are left as they are."""
+    4 such loads a step -> none). TritonExperts packs 4-bit codes' only. H100, on tables tuned for
+    two tensors (docs/bench/ab-scale-words-s33.py): AWQ's Mixtral M = 1 108.9 -> 103.7 us, M = 8
+    312.1 -> 301.6, Qwen3 M = 64 164.3 -> 159.1, but DeepSeek-V2-Lite M = 8 88.6 -> 91.3 (its
+    M = 64 re-tuned since); W8A16 asym's M = 64 241.8 -> 260.1 (Qwen3), 231.9 -> 251.4
+    (DeepSeek-V2-Lite). Other scales and zero points are left as they are."""
     if scale.dtype != torch.float16 or zero.is_floating_point():
         return scale, zero
     words = (scale.view(torch.int16).to(torch.int32) & 0xFFFF) | (zero.to(torch.int32) << 16)
@@ -812,13 +813,18 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
             ready(p.input_scale, torch.float32)]
 
 
-def _kept(p: ProjectionWeights, held: torch.Tensor) -> ProjectionWeights:
-    """What the experts keep of a projection besides their kernel tensors: the converted codes where the
-    kernel reads those very tensors, else a stand-in (FP4 codes in another byte order, a contiguous copy),
-    so no codes are pinned twice."""
-    if held.untyped_storage().data_ptr() == p.weight.untyped_storage().data_ptr():
-        return p
-    return p.with_stand_ins("weight")
+# the converted tensors the kernel tensors may copy (_kernel_tensors' first three), by field
+_HELD_FIELDS = ("weight", "scale", "zero")
+
+
+def _kept(p: ProjectionWeights, held: list[torch.Tensor | None]) -> ProjectionWeights:
+    """What the experts keep of a projection besides their kernel tensors ``held``: each converted code,
+    scale and zero-point tensor where the kernel reads that very tensor, else a stand-in (FP4 codes in
+    another byte order, padded scales, scale-and-zero words, a contiguous copy), so none is pinned twice."""
+    copied = [name for name, t in zip(_HELD_FIELDS, held, strict=False)
+              if getattr(p, name) is not None
+              and (t is None or t.untyped_storage().data_ptr() != getattr(p, name).untyped_storage().data_ptr())]
+    return p.with_stand_ins(*copied) if copied else p
 
 
 class _TritonBase(Experts):
@@ -831,7 +837,7 @@ class _TritonBase(Experts):
         self.scheme = scheme_from_keys(self.weight_key, self.activation_key)  # raises early if unsupported
         t13, t2 = _kernel_tensors(weights.w13, self.scheme), _kernel_tensors(weights.w2, self.scheme)
         self._tensors = t13 + t2
-        self.weights = dataclasses.replace(weights, w13=_kept(weights.w13, t13[0]), w2=_kept(weights.w2, t2[0]))
+        self.weights = dataclasses.replace(weights, w13=_kept(weights.w13, t13), w2=_kept(weights.w2, t2))
         # by keyword, absent for every other key: second-level weight scales (NVFP4), [E, N] float32,
         # and MX FP4 scales' code range (whether their tiles may fold, _e2m1_fold)
         self._options: dict[str, object] = {

@@ -697,6 +697,43 @@ def test_four_bit_zero_point_words_hold_the_scale_low_and_the_zero_point_high():
     assert triton_moe._scale_zero_words(bf16, zero) == (bf16, zero)
 
 
+def test_experts_keep_stand_ins_for_the_scales_and_zero_points_they_copied():
+    """Scale-and-zero words are the kernel's own copies: the experts keep stand-ins of the converted
+    scales and zero points (their shapes), not the tensors too; GPTQ's scales, read as they are, are kept."""
+    from moe_registry.layer.resident import reachable_tensors
+
+    weights = _weights("awq-g32")
+    experts = TritonExperts(weights, ExpertsConfig())
+    held = {t.untyped_storage().data_ptr() for t in reachable_tensors(experts)}
+    for p, kept in ((weights.w13, experts.weights.w13), (weights.w2, experts.weights.w2)):
+        for name in ("scale", "zero"):
+            assert getattr(p, name).untyped_storage().data_ptr() not in held
+            assert getattr(kept, name).shape == getattr(p, name).shape
+            assert getattr(kept, name).untyped_storage().nbytes() <= 2
+        assert kept.weight is p.weight  # the codes are the kernel's own tensor
+    gptq = _weights("gptq4-g64")
+    assert TritonExperts(gptq, ExpertsConfig()).weights.w13.scale is gptq.w13.scale
+
+
+@pytest.mark.parametrize("name,converted_kept", [("mixtral-awq", False), ("qwen3-gptq-int4", True)])
+def test_a_built_triton_layer_reads_copied_weights_again_rather_than_hold_them(example, name, converted_kept):
+    """The built layer keeps the converted weights only where the kernel holds those very tensors (GPTQ);
+    AWQ's kernel holds its own scale-and-zero words, so the layer reads the converted weights again when
+    asked, and they still give the kernel's output (float64 reference on them)."""
+    from moe_registry.layer.build import build
+
+    layer = build(example(name), layer=1, platform="cuda:9.0", device="cpu")
+    assert layer.report.chosen == "triton-fused-moe" and (layer.built.converted is not None) == converted_kept
+    weights = layer.weights
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, weights.hidden_size, generator=g).to(torch.float16)
+    logits = torch.randn(3, weights.num_experts, generator=g)
+    topk_weights, topk_ids = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
+    out = layer.kernel(x, topk_weights, topk_ids.to(torch.int32))
+    ref = reference_moe(x, topk_weights, topk_ids, weights, layer.kernel.experts.config)
+    assert float((out.double() - ref).norm() / ref.norm()) < layer.tolerance
+
+
 def test_padded_groups_leave_whole_vectors_and_their_input_alone():
     scale = torch.rand(2, 3, 5)
     before = scale.clone()
@@ -1283,12 +1320,14 @@ def test_w4a8_batched_rows_take_their_codes_as_16_bit_floats(monkeypatch):
 
 def test_experts_keep_the_converted_codes_they_read_and_stand_ins_for_the_ones_they_copy():
     """Codes the kernel reads as converted are kept as they are (one copy); FP4 codes, which it holds in
-    another byte order, leave a one-element stand-in of their shape, scales kept."""
+    another byte order, leave a one-element stand-in of their shape, and so do their one-byte scales,
+    which it holds padded to 16 groups (H = 128: 4 groups of 32); 16-bit scales it reads as they are."""
     for key, copied in (("uint4b8 scale:float16:group(32):static", False), ("e2m1 scale:e8m0:group(32):static", True)):
         weights = quant_ref.make_random_expert_weights(parse_quant_key(key), parse_quant_key(UNQ), num_experts=E,
                                                        hidden=H, intermediate=INTER, dtype=torch.float16)
         kept = TritonExperts(weights, ExpertsConfig()).weights
         for given, held in ((weights.w13, kept.w13), (weights.w2, kept.w2)):
             assert (held.weight is not given.weight) == copied, key
-            assert held.weight.shape == given.weight.shape and held.scale is given.scale
+            assert held.weight.shape == given.weight.shape and (held.scale is given.scale) != copied
+            assert held.scale.shape == given.scale.shape
             assert held.weight.untyped_storage().nbytes() == (1 if copied else given.weight.untyped_storage().nbytes())

@@ -130,10 +130,17 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     return BuiltKernel(report, None, fused, tol, lambda: convert_layer(convert, reread(), ctx))
 
 
+# the converted tensors whose bytes count: codes, scales, zero points
+_SHARED_FIELDS = ("weight", "scale", "zero")
+
+
 def _same_storage(held: ExpertWeights, converted: ExpertWeights) -> bool:
-    """Whether the kernel holds the converted weight tensors themselves (then keeping them costs nothing)."""
-    return all(a.weight.untyped_storage().data_ptr() == b.weight.untyped_storage().data_ptr()
-               for a, b in ((held.w13, converted.w13), (held.w2, converted.w2)))
+    """Whether the kernel holds the converted codes, scales and zero points themselves (then keeping them
+    costs nothing; a kernel that copied any of them keeps stand-ins, and the converted ones are read again
+    when asked for)."""
+    return all(getattr(b, name) is None or getattr(a, name) is not None
+               and getattr(a, name).untyped_storage().data_ptr() == getattr(b, name).untyped_storage().data_ptr()
+               for a, b in ((held.w13, converted.w13), (held.w2, converted.w2)) for name in _SHARED_FIELDS)
 
 
 def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext) -> ExpertWeights:
