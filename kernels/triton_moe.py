@@ -765,8 +765,9 @@ def _padded_groups(t: torch.Tensor | None) -> torch.Tensor | None:
     scalar loads a thread (sm_90 SASS, AWQ's GEMM2 at Qwen3's shape, 6 groups: 36 loads a
     thread in the epilogue's loop, whose instructions then outnumbered the main loop's; H100,
     AWQ at Qwen3's M = 64 on GPTQ int4's tiles, 181.1 -> 164.7 us a layer). The cost: that GEMM's
-    weights held grow 7.5% (18 -> 48 bytes of scales and zero points a row beside 384 of codes),
-    Qwen3's whole AWQ layer 2.6%; the kernels read only the groups K holds."""
+    6 groups a row are held as 16 (AWQ: 64 bytes of scale-and-zero words a row beside 384 of codes,
+    where the checkpoint has 15 of scales and zero points; Qwen3's whole AWQ layer is held in 5.6%
+    more bytes than its checkpoint's); the kernels read only the groups K holds."""
     if t is None or t.shape[2] % SCALE_GROUPS_PAD == 0:
         return t
     pad = SCALE_GROUPS_PAD - t.shape[2] % SCALE_GROUPS_PAD
