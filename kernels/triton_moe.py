@@ -822,7 +822,7 @@ def _kept(p: ProjectionWeights, held: list[torch.Tensor | None]) -> ProjectionWe
     """What the experts keep of a projection besides their kernel tensors ``held``: each converted code,
     scale and zero-point tensor where the kernel reads that very tensor, else a stand-in (FP4 codes in
     another byte order, padded scales, scale-and-zero words, a contiguous copy), so none is pinned twice."""
-    copied = [name for name, t in zip(_HELD_FIELDS, held, strict=False)
+    copied = [name for name, t in zip(_HELD_FIELDS, held[:len(_HELD_FIELDS)], strict=True)
               if getattr(p, name) is not None
               and (t is None or t.untyped_storage().data_ptr() != getattr(p, name).untyped_storage().data_ptr())]
     return p.with_stand_ins(*copied) if copied else p
