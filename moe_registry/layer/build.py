@@ -138,8 +138,10 @@ def _same_storage(held: ExpertWeights, converted: ExpertWeights) -> bool:
     """Whether the kernel holds the converted codes, scales and zero points themselves (then keeping them
     costs nothing; a kernel that copied any of them keeps stand-ins, and the converted ones are read again
     when asked for)."""
-    return all(getattr(b, name) is None or getattr(a, name) is not None
-               and getattr(a, name).untyped_storage().data_ptr() == getattr(b, name).untyped_storage().data_ptr()
+    def shared(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+        return b is None or (a is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+    return all(shared(getattr(a, name), getattr(b, name))
                for a, b in ((held.w13, converted.w13), (held.w2, converted.w2)) for name in _SHARED_FIELDS)
 
 
