@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
 from . import triton_ops
@@ -814,17 +814,12 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
             ready(p.input_scale, torch.float32)]
 
 
-# the converted tensors the kernel tensors may copy (_kernel_tensors' first three), by field
-_HELD_FIELDS = ("weight", "scale", "zero")
-
-
 def _kept(p: ProjectionWeights, held: list[torch.Tensor | None]) -> ProjectionWeights:
-    """What the experts keep of a projection besides their kernel tensors ``held``: each converted code,
-    scale and zero-point tensor where the kernel reads that very tensor, else a stand-in (FP4 codes in
-    another byte order, padded scales, scale-and-zero words, a contiguous copy), so none is pinned twice."""
-    copied = [name for name, t in zip(_HELD_FIELDS, held[:len(_HELD_FIELDS)], strict=True)
-              if getattr(p, name) is not None
-              and (t is None or t.untyped_storage().data_ptr() != getattr(p, name).untyped_storage().data_ptr())]
+    """What the experts keep of a projection besides their kernel tensors ``held`` (_kernel_tensors'):
+    each converted code, scale and zero-point tensor where the kernel reads that very tensor, else a
+    stand-in (FP4 codes in another byte order, padded scales, scale-and-zero words, a contiguous copy),
+    so none is pinned twice."""
+    copied = p.not_held_in(dict(zip(BULK_FIELDS, held[:len(BULK_FIELDS)], strict=True)))
     return p.with_stand_ins(*copied) if copied else p
 
 

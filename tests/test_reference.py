@@ -418,3 +418,13 @@ def test_random_weights_static_input_scale():
     d = make_random_expert_weights(K(INT8_CH), K(INT8_TOK), num_experts=2, hidden=64, intermediate=32,
                                    dtype=torch.float32, bias=False, act_order=False, seed=0)
     assert d.w13.input_scale is None
+
+
+def test_projection_weights_name_the_bulk_tensors_a_holder_copied():
+    """not_held_in: codes, scales and zero points present here that the holder does not hold as these
+    very tensors (a copy, a view elsewhere, or none); views of the same storage count as held."""
+    p = ProjectionWeights(weight=torch.zeros(2, 4, 8, dtype=torch.uint8), scale=torch.ones(2, 4, 1),
+                          zero=torch.zeros(2, 4, 1, dtype=torch.uint8), bias=torch.zeros(2, 4))
+    assert p.not_held_in({"weight": p.weight.view(-1), "scale": p.scale, "zero": p.zero}) == []
+    assert p.not_held_in({"weight": p.weight, "scale": p.scale.clone()}) == ["scale", "zero"]
+    assert ProjectionWeights(weight=p.weight).not_held_in({"weight": p.weight}) == []

@@ -37,6 +37,9 @@ import torch
 
 from moe_registry.core.keys import QuantKey
 
+# the tensors whose bytes a layer's memory is: codes, scales, zero points
+BULK_FIELDS = ("weight", "scale", "zero")
+
 
 @dataclass(frozen=True)
 class ProjectionWeights:
@@ -54,6 +57,13 @@ class ProjectionWeights:
         """A copy on ``device`` (new tensors; this one is left as it is)."""
         moved = {k: (None if v is None else v.to(device)) for k, v in self.__dict__.items()}
         return ProjectionWeights(**moved)
+
+    def not_held_in(self, held: dict[str, torch.Tensor | None]) -> list[str]:
+        """The BULK_FIELDS present here whose tensor ``held`` (by field) does not hold itself (the same
+        storage): the ones a kernel copied (another layout, padding, a device copy)."""
+        def same(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+            return b is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        return [f for f in BULK_FIELDS if getattr(self, f) is not None and not same(getattr(self, f), held.get(f))]
 
     def with_stand_ins(self, *fields: str) -> ProjectionWeights:
         """A copy whose tensors ``fields`` (those present) are one-element stand-ins of the same shape,

@@ -18,7 +18,7 @@ from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError, ConfigError, MoERegistryError
 from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext, Converter
-from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
 from moe_registry.model.checkpoint import LAYER_WIDE, LayerTensors, open_checkpoint, read_layer
@@ -130,19 +130,12 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     return BuiltKernel(report, None, fused, tol, lambda: convert_layer(convert, reread(), ctx))
 
 
-# the converted tensors whose bytes count: codes, scales, zero points
-_SHARED_FIELDS = ("weight", "scale", "zero")
-
-
 def _same_storage(held: ExpertWeights, converted: ExpertWeights) -> bool:
     """Whether the kernel holds the converted codes, scales and zero points themselves (then keeping them
     costs nothing; a kernel that copied any of them keeps stand-ins, and the converted ones are read again
     when asked for)."""
-    def shared(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-        return b is None or (a is not None and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
-
-    return all(shared(getattr(a, name), getattr(b, name))
-               for a, b in ((held.w13, converted.w13), (held.w2, converted.w2)) for name in _SHARED_FIELDS)
+    return not any(c.not_held_in({f: getattr(h, f) for f in BULK_FIELDS})
+                   for h, c in ((held.w13, converted.w13), (held.w2, converted.w2)))
 
 
 def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext) -> ExpertWeights:
