@@ -301,8 +301,6 @@ def _zero_of(loaded, zero_ptrs, offsets, mask, other):
     in the dot's operand layout, but converts the whole 16-bit tile through shared memory.)"""
     if loaded.dtype == tl.int32:
         zero = (loaded >> 16).to(tl.float32)
-    elif mask is None:
-        zero = tl.load(zero_ptrs + offsets).to(tl.float32)
     else:
         zero = tl.load(zero_ptrs + offsets, mask=mask, other=other).to(tl.float32)
     return zero
@@ -601,8 +599,7 @@ def _fused_moe_kernel(
     # row sums); on 64+ row tiles it breaks the wgmma chain every step.)
     PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx" or W_SCALE == "block"
     FACTORED: tl.constexpr = (W_SCALE == "group" and DOT == "float" and W_GROUP % BLOCK_K == 0
-                              and BLOCK_M <= 32)
-    FACTORED_TILE_ZERO: tl.constexpr = FACTORED and HAS_ZERO and not ZERO_SUMS
+                              and (not HAS_ZERO or ZERO_SUMS) and BLOCK_M <= 32)
     # ZERO_SUMS (a tile config's choice; tile_config.zero_sums_fit): zero-point weights take the
     # same factored dot, on code - MID (a constant, as for the types with a fixed zero code), and
     # the result then loses, for each group g, the rows' sums of the group's inputs (computed by
@@ -685,11 +682,7 @@ def _fused_moe_kernel(
             int8_scale_next = tl.load(scale_cols + next_group * stride_sk)
         elif FACTORED or INT8_GROUPS:
             group = k_start // W_GROUP
-            loaded = tl.load(scale_cols + group * stride_sk)
-            scale = _scale_of(loaded).to(tl.float32)  # [1, BN]
-            if FACTORED_TILE_ZERO:
-                tile_zero = _offset_zero(_zero_of(loaded, zero_cols, group * stride_sk, None, 0.0),
-                                         dtype, NARROW)
+            scale = _scale_of(tl.load(scale_cols + group * stride_sk)).to(tl.float32)  # [1, BN]
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
@@ -746,8 +739,8 @@ def _fused_moe_kernel(
                 acc = _dot(a_even, low, acc)
                 acc = _dot(a_odd, high, acc)
             elif FACTORED:
-                code_zero = tile_zero if FACTORED_TILE_ZERO else factored_zero
-                low, high = _dequant_nibbles(packed_codes, code_zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT, False)
+                low, high = _dequant_nibbles(packed_codes, factored_zero, 1.0, dtype, W_TYPE == "int4", ASM_DEQUANT,
+                                             False)
                 part = _dot(a_even, low, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
                 part = _dot(a_odd, high, part)
             else:
@@ -768,8 +761,7 @@ def _fused_moe_kernel(
                 if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
                     codes = b.to(tl.uint8, bitcast=True)
                     if FACTORED:
-                        code_zero = tile_zero if FACTORED_TILE_ZERO else factored_zero
-                        b = _dequant_byte(codes, code_zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
+                        b = _dequant_byte(codes, factored_zero, 1.0, dtype, W_TYPE, ASM_DEQUANT, False)
                     elif E4M3_FOLDED:
                         b = _dequant_e4m3(codes, scale, dtype)
                     else:
