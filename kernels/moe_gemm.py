@@ -426,23 +426,6 @@ def _codes_by_reciprocal(v, scale, reciprocal, DOT: tl.constexpr, HW_FP8_CAST: t
     return codes
 
 
-# 128-byte lines of each weight row that a GEMM finding its input's scale first asks L2 for
-# before it does (_prefetch_to_l2): the first K steps' codes (one byte a code or a code pair)
-PREFETCH_LINES = tl.constexpr(2)
-L2_LINE = tl.constexpr(128)
-
-
-@triton.jit
-def _prefetch_to_l2(row_ptrs, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines from each of ``row_ptrs`` [1, BN] (byte
-    pointers): one prefetch.global.L2 each, nothing waits on it. A one-token GEMM that quantises
-    its input finds the input's scale before its pipeliner issues the first weight copies; this
-    lets the weights' first lines come from memory meanwhile. (No-op in the interpreter.)"""
-    lines = row_ptrs + tl.arange(0, LINES)[:, None] * L2_LINE
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
 @triton.jit
 def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
                      amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
@@ -594,8 +577,6 @@ def _fused_moe_kernel(
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
     if A_SCALE_IN != "none":
-        if ASM_DEQUANT:  # (PTX: not in the interpreter)
-            _prefetch_to_l2(b_cols + (k_lo // 2 if PACKED else k_lo), PREFETCH_LINES)
         a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
                                       scale_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
                                       SCALE_ROWS, SCALE_COLS)
