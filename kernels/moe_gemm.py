@@ -426,29 +426,6 @@ def _codes_by_reciprocal(v, scale, reciprocal, DOT: tl.constexpr, HW_FP8_CAST: t
     return codes
 
 
-# the columns of the token's row _codes_once quantises a step
-CODES_ONCE_COLS = tl.constexpr(1024)
-
-
-@triton.jit
-def _codes_once(a_one_row, codes_ptr, K, scale, reciprocal, a_rows, k_lo, k_hi, DOT: tl.constexpr,
-                HW_FP8_CAST: tl.constexpr):
-    """Quantise the token's columns [k_lo, k_hi) (this block's share of K) at ``scale`` into this
-    block's own row of ``codes_ptr`` [programs along axis 0, K], in its dtype (int8, e4m3, or int8
-    codes as 16-bit floats), and return the pointers the loop reads A's rows from: that row for
-    each of the block's rows (the one token's alone is unmasked). No other block touches the row;
-    the barrier makes the stores of every thread visible to the block before its loop reads them."""
-    codes_row = codes_ptr + tl.program_id(0).to(tl.int64) * K
-    for k0 in range(k_lo, k_hi, CODES_ONCE_COLS):
-        cols = k0 + tl.arange(0, CODES_ONCE_COLS)
-        keep = cols < k_hi
-        v = tl.load(a_one_row + cols, mask=keep, other=0.0).to(tl.float32)
-        codes = _codes_by_reciprocal(v, scale, reciprocal, DOT, HW_FP8_CAST)
-        tl.store(codes_row + cols, codes.to(codes_ptr.dtype.element_ty), mask=keep)
-    tl.debug_barrier()
-    return codes_row + tl.zeros_like(a_rows).to(tl.int64)
-
-
 @triton.jit
 def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
                      amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
@@ -545,11 +522,7 @@ def _fused_moe_kernel(
         # ONE_PAIR_BLOCKS found by the kernel from the block's one row (no row_sums_ptr), see FACTORED;
         # SUMS_OUT (with FUSE_ACT): also each stored row's sum over this tile, into amax_ptr[row, pid_n]
         row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False, SUM_PIECES: tl.constexpr = 1,
-        SUMS_OUT: tl.constexpr = False,
-        # CODES_ONCE (with A_SCALE_IN): the block quantises its share of the token's row once, before
-        # the loop, into its own row of codes_ptr [programs along axis 0, K] (the dtype a quantisation
-        # kernel would store them in), which the loop then reads as it reads a quantised A
-        codes_ptr=None, CODES_ONCE: tl.constexpr = False):
+        SUMS_OUT: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -616,12 +589,7 @@ def _fused_moe_kernel(
         # tile's activation split traded for a pass through shared memory; gptq-w4a16 at M = 1
         # on Mixtral's shape 105 us against 96.)
         a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
-        if CODES_ONCE:
-            a_row_ptrs = _codes_once(a_one_row, codes_ptr, K, a_scale_in, a_reciprocal, a_rows, k_lo, k_hi, DOT,
-                                     HW_FP8_CAST)
-        else:
-            a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K,
-                             other=0.0)
+        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -690,7 +658,7 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if A_SCALE_IN != "none" and not CODES_ONCE and not GROUPED:  # the codes a quantisation kernel would store
+        if A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
             a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
@@ -730,7 +698,7 @@ def _fused_moe_kernel(
                 offs_kp = k_start // 2 + g * (W_GROUP // 2) + tl.arange(0, W_GROUP // 2)
                 group_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
                 cols = k_start + g * W_GROUP + tl.arange(0, W_GROUP)
-                if A_SCALE_IN != "none" and not CODES_ONCE:  # the token's group, quantised, split, repeated
+                if A_SCALE_IN != "none":  # the token's group, quantised, split, then repeated down the tile
                     token = tl.load(a_one_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                     codes = _codes_by_reciprocal(token, a_scale_in, a_reciprocal, DOT, HW_FP8_CAST).to(dtype)
                     a_even, a_odd = _token_halves(codes, BLOCK_M)
@@ -746,7 +714,7 @@ def _fused_moe_kernel(
         elif PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            if A_SCALE_IN != "none" and not CODES_ONCE:  # the token's row split before it is repeated down
+            if A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
                 if W4A8_FLOAT:  # and its codes made 16-bit floats (exact) once, not once per repeat
                     a_row = a_row.to(dtype)
                 a_even, a_odd = _token_halves(a_row, BLOCK_M)

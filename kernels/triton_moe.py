@@ -120,19 +120,12 @@ FP8_TENSOR_PIECES = 16384
 # fp8 per token 1.04x, per tensor 1.03x; per-token int8 0.98-0.99x, W4A8 0.98x, static scales
 # 0.98-1.00x: those keep SCALE_IN_GEMM_MAX_BYTES). SCALE_TILE: values a step of the scale search reads
 SCALE_IN_GEMM = True
-# each program quantises its share of the token's row once, before its loop, into a row of its
-# own (moe_gemm.CODES_ONCE), rather than once a K step in the loop
-SCALE_IN_GEMM_CODES_ONCE = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
 SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 # the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
-# the dtype a quantisation kernel stores one token's codes in, by activation quantisation
-# (int8 codes as 16-bit floats for the tiles of scheme.float_w4a8)
-ONE_TOKEN_CODE_DTYPES = {"fp8_tensor": torch.float8_e4m3fn, "fp8_token": torch.float8_e4m3fn,
-                         "fp8_static": torch.float8_e4m3fn, "int8_token": torch.int8, "int8_static": torch.int8}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,20 +343,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
         E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
-        **_row_sums_args(row_sums, sums_out), **_codes_once_args(input_scale, scheme, config, grid[0], w.k, a.device,
-                                                                 compute_dtype),
-        **_launch_options(config), **triton_ops.pdl_launch(pdl))
-
-
-def _codes_once_args(input_scale: _InputScale | None, scheme: Scheme, config: dict, programs: int, k: int,
-                     device: torch.device, compute_dtype: torch.dtype) -> dict:
-    """A GEMM quantising one token's input itself (SCALE_IN_GEMM_CODES_ONCE): a row of codes for
-    each of its ``programs`` along the grid's first axis to quantise its share of the row into
-    once, in the dtype a quantisation kernel would store them in (see moe_gemm.CODES_ONCE)."""
-    if input_scale is None or not SCALE_IN_GEMM_CODES_ONCE:
-        return {}
-    dtype = compute_dtype if scheme.float_w4a8(config["BLOCK_M"]) else ONE_TOKEN_CODE_DTYPES[scheme.act_quant]
-    return {"codes_ptr": torch.empty(programs, k, dtype=dtype, device=device), "CODES_ONCE": True}
+        **_row_sums_args(row_sums, sums_out), **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
