@@ -54,3 +54,41 @@ def test_a_seed_on_the_factored_zero_point_dot_and_another_commits_kernel(monkey
     assert "ZERO_SUMS" not in gemm2  # a K tile over two groups without per-group dots cannot take it
     kernel = ab_kernels.kernel_from_file(moe_gemm.__file__)
     assert kernel is not moe_gemm._fused_moe_kernel and kernel.fn.__name__ == "_fused_moe_kernel"
+
+
+def test_per_byte_rows_print_their_bytes_per_microsecond_over_their_yardsticks(monkeypatch, capsys):
+    """print_per_byte: medians of steps taken in turn, and each row's bytes per µs over its yardstick's."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+
+    order: list[str] = []
+
+    def step(label: str, times: list[float]):
+        it = iter(times)
+        return lambda: order.append(label) or next(it)
+
+    rows = [ab_kernels.Timed("base", step("base", [10.0, 12.0, 11.0]), 1000),
+            ab_kernels.Timed("half the bytes", step("half", [4.0, 6.0, 5.0]), 500, "base", 1e-3)]
+    ab_kernels.print_per_byte(rows, 3)
+    assert order == ["base", "half"] * 3
+    base, half = capsys.readouterr().out.splitlines()
+    assert "11.0 us" in base and "per byte" not in base and "(10.0 12.0 11.0)" in base
+    # (500 / 5.0) / (1000 / 11.0) = 1.1
+    assert "5.0 us" in half and "per byte 1.100" in half and "err 1.00e-03" in half
+
+
+def test_a_two_tensor_layer_holds_no_scale_and_zero_words(monkeypatch):
+    """two_tensor_layer: the AWQ experts it builds read float16 scales and 8-bit zero points as two
+    tensors; the word packing is back in place after it."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+    import bench
+    import torch
+    from moe_registry_kernels import triton_moe
+
+    packing = triton_moe._scale_zero_words
+    tiny = bench.Shape("tiny", 4, 2, 128, 128)
+    layer = ab_kernels.two_tensor_layer(tiny, bench.registry_schemes()["awq-w4a16"], torch.device("cpu"), (1,))
+    tensors = layer.kernels[0]._tensors
+    assert tensors[1].dtype == torch.float16 and tensors[2] is not tensors[1]
+    assert triton_moe._scale_zero_words is packing

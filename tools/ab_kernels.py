@@ -1,7 +1,8 @@
 """What the kernel A/B scripts in docs/bench share: another commit's GEMM kernel loaded beside
 today's, layers timed under a given kernel and tile configs in alternation (tune.alternated, so
-every variant sees the same clocks), their medians printed; and a seed's tiles on the factored
-zero-point dot, as tools/tune.py seeds a zero-point scheme."""
+every variant sees the same clocks), their medians printed, alone or per byte of weights against
+a yardstick row; a layer holding zero-point weights' scales and zero points as two tensors; and a
+seed's tiles on the factored zero-point dot, as tools/tune.py seeds a zero-point scheme."""
 
 from __future__ import annotations
 
@@ -89,6 +90,51 @@ def print_alternated(variants: list[Variant], rounds: int = 3) -> None:
     for v, ts in zip(variants, times, strict=True):
         print(f"{v.label:62s} {statistics.median(ts):7.1f} us  err {v.error:.2e}  "
               f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One row of a per-byte A/B: a step timing it (µs), its weights' bytes (tools/per_byte.py's
+    count), the label of the yardstick row it is compared with per byte (None: it is one), and its
+    error against the reference (0.0: not checked)."""
+
+    label: str
+    step: Callable[[], float]
+    weight_bytes: int
+    yardstick: str | None = None
+    error: float = 0.0
+
+
+def print_per_byte(rows: list[Timed], rounds: int) -> None:
+    """Time the rows in alternation ``rounds`` times and print each one's median (µs), its bytes
+    per µs over its yardstick's (below 1: slower per byte), its error and its times."""
+    times = tune.alternated([row.step for row in rows], rounds)
+    medians = {row.label: statistics.median(ts) for row, ts in zip(rows, times, strict=True)}
+    sizes = {row.label: row.weight_bytes for row in rows}
+    width = max(len(row.label) for row in rows) + 1
+    for row, ts in zip(rows, times, strict=True):
+        ratio = ""
+        if row.yardstick is not None:
+            per_byte = (row.weight_bytes / medians[row.label]) / (sizes[row.yardstick] / medians[row.yardstick])
+            ratio = f"per byte {per_byte:.3f}"
+        print(f"{row.label:{width}s} {medians[row.label]:8.1f} us  {ratio:15s} err {row.error:.2e}  "
+              f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+
+
+def two_tensor_layer(shape, scheme, device, m_values: tuple[int, ...]) -> tune.Layer:  # type: ignore[no-untyped-def]
+    """A layer whose kernels hold zero-point weights' scales and zero points as two tensors, not as
+    triton_moe._scale_zero_words' words (every weight copy the ``m_values`` time is built now)."""
+    from moe_registry_kernels import triton_moe
+
+    words = triton_moe._scale_zero_words
+    triton_moe._scale_zero_words = lambda scale, zero: (scale, zero)
+    try:
+        layer = tune.Layer(shape, scheme, device, False)
+        for m in m_values:
+            layer.copies_for(m)
+    finally:
+        triton_moe._scale_zero_words = words
+    return layer
 
 
 def _use(kernel) -> None:  # type: ignore[no-untyped-def]

@@ -7,7 +7,6 @@ GEMMs quantise one token's input, at M = 1 on the three benchmark shapes; GPTQ i
 yardstick, with each row's per-byte ratio to it. Five alternated rounds, medians, us:
 docs/bench/tune-s34-h100.txt, part 4. Ran from a snapshot of 141765a (CODES_ONCE, reverted by
 81cfaef): python3 docs/bench/ab-codes-once-s34.py"""
-import statistics
 import sys
 
 sys.path.insert(0, "tools")
@@ -35,8 +34,8 @@ def error(layer: tune.Layer, inputs: tuple, ref, once: bool) -> float:  # type: 
 
 
 gpu = ab_kernels.this_gpu()
-rows = []  # (label, step, weight bytes, yardstick label or None, error)
-yardsticks = {}
+rows = []
+yardsticks = set()
 for shape_name in SHAPES:
     shape = bench.SHAPES[shape_name]
     for quantised, fixed in SCHEMES:
@@ -45,19 +44,12 @@ for shape_name in SHAPES:
         ref = layer.reference(*inputs)
         base = f"{fixed} {shape_name} M=1"
         for label, once in (("in the loop", False), ("once", True)):
-            rows.append((f"{quantised} {shape_name} M=1 {label}", timed(layer, inputs, once), layer.weight_bytes,
-                         base, error(layer, inputs, ref, once)))
+            rows.append(ab_kernels.Timed(f"{quantised} {shape_name} M=1 {label}", timed(layer, inputs, once),
+                                         layer.weight_bytes, base, error(layer, inputs, ref, once)))
         if base not in yardsticks:
+            yardsticks.add(base)
             yardstick = tune.Layer(shape, gpu.schemes[fixed], gpu.device, False)
-            yardsticks[base] = yardstick
-            rows.append((base, timed(yardstick, yardstick.inputs(1), True), yardstick.weight_bytes, None, 0.0))
+            rows.append(ab_kernels.Timed(base, timed(yardstick, yardstick.inputs(1), True), yardstick.weight_bytes))
         print(f"built {shape_name} {quantised}", flush=True)
-
-times = tune.alternated([row[1] for row in rows], 5)
-medians = {row[0]: statistics.median(ts) for row, ts in zip(rows, times, strict=True)}
-size_of = {row[0]: row[2] for row in rows}
-for (label, _, size, base, err), ts in zip(rows, times, strict=True):
-    ratio = "" if base is None else f"per byte {(size / medians[label]) / (size_of[base] / medians[base]):.3f}"
-    print(f"{label:62s} {medians[label]:7.1f} us  {ratio:15s} err {err:.2e}  ({' '.join(f'{t:.1f}' for t in ts)})",
-          flush=True)
+ab_kernels.print_per_byte(rows, 5)
 triton_moe.SCALE_IN_GEMM_CODES_ONCE = True

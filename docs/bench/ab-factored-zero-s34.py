@@ -8,7 +8,6 @@ docs/bench/tune-s34-h100.txt, part 1 (run at b60327e, whose "b14ab1c" rows are t
 From a snapshot's root on the GPU, after
 git show b60327e:kernels/moe_gemm.py > /tmp/moe_gemm-factored-zero.py:
 python3 docs/bench/ab-factored-zero-s34.py"""
-import statistics
 import sys
 
 sys.path.insert(0, "tools")
@@ -23,7 +22,7 @@ SCHEMES = (("awq-w4a16", "gptq-w4a16"), ("compressed-tensors-w8a16-asym", "gptq-
 gpu = ab_kernels.this_gpu()
 today = ab_kernels.todays_kernel()
 factored = ab_kernels.kernel_from_file("/tmp/moe_gemm-factored-zero.py")
-rows, per_byte_of = [], {}
+rows = []
 for shape_name in SHAPES:
     shape = bench.SHAPES[shape_name]
     for zp, fixed in SCHEMES:
@@ -32,21 +31,11 @@ for shape_name in SHAPES:
         for m in M_VALUES:
             inputs = layer.inputs(m)
             ref = layer.reference(*inputs)
-            cell = f"{zp} {shape_name} M={m}"
+            base = f"{fixed} {shape_name} M={m}"
             for label, kernel in (("today", today), ("factored zero", factored)):
-                rows.append(ab_kernels.variant(f"{cell} {label}", layer, inputs, m, kernel, (None, None), ref))
-                per_byte_of[rows[-1].label] = (layer.weight_bytes, f"{fixed} {shape_name} M={m}")
-            rows.append(ab_kernels.variant(f"{fixed} {shape_name} M={m}", yardstick, yardstick.inputs(m), m,
-                                           today, (None, None)))
-            per_byte_of[rows[-1].label] = (yardstick.weight_bytes, None)
+                v = ab_kernels.variant(f"{zp} {shape_name} M={m} {label}", layer, inputs, m, kernel, (None, None), ref)
+                rows.append(ab_kernels.Timed(v.label, v.step(), layer.weight_bytes, base, v.error))
+            v = ab_kernels.variant(base, yardstick, yardstick.inputs(m), m, today, (None, None))
+            rows.append(ab_kernels.Timed(base, v.step(), yardstick.weight_bytes))
         print(f"built {shape_name} {zp}", flush=True)
-
-times = tune.alternated([v.step() for v in rows], 3)
-medians = {v.label: statistics.median(ts) for v, ts in zip(rows, times, strict=True)}
-for v, ts in zip(rows, times, strict=True):
-    size, base = per_byte_of[v.label]
-    ratio = ""
-    if base is not None:
-        ratio = f"per byte {(size / medians[v.label]) / (per_byte_of[base][0] / medians[base]):.3f}"
-    print(f"{v.label:58s} {medians[v.label]:7.1f} us  {ratio:15s} err {v.error:.2e}  "
-          f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+ab_kernels.print_per_byte(rows, 3)

@@ -10,7 +10,6 @@ docs/bench/tune-s34-h100.txt, part 2. Ran from a snapshot of 4bc4b73 (the prefet
 git show 1771c87:kernels/moe_gemm.py > BASE
 python3 docs/bench/ab-one-token-prefetch-s34.py --write-variants BASE
 python3 docs/bench/ab-one-token-prefetch-s34.py"""
-import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +47,7 @@ gpu = ab_kernels.this_gpu()
 today = ab_kernels.todays_kernel()
 kernels = {name: ab_kernels.kernel_from_file(str(VARIANTS / f"{name}.py"))
            for name in ("without", "const-amax", "no-rounding")}
-rows, per_byte_of = [], {}
+rows = []
 for shape_name in SHAPES:
     shape = bench.SHAPES[shape_name]
     for quantised, fixed in SCHEMES:
@@ -56,23 +55,13 @@ for shape_name in SHAPES:
         yardstick = tune.Layer(shape, gpu.schemes[fixed], gpu.device, False)
         inputs = layer.inputs(1)
         ref = layer.reference(*inputs)
-        cell = f"{quantised} {shape_name} M=1"
+        base = f"{fixed} {shape_name} M=1"
         labels = ["without", "today"] + (["const-amax", "no-rounding"] if "w4a8" in quantised else [])
         for label in labels:
             kernel = today if label == "today" else kernels[label]
-            rows.append(ab_kernels.variant(f"{cell} {label}", layer, inputs, 1, kernel, (None, None), ref))
-            per_byte_of[rows[-1].label] = (layer.weight_bytes, f"{fixed} {shape_name} M=1")
-        rows.append(ab_kernels.variant(f"{fixed} {shape_name} M=1", yardstick, yardstick.inputs(1), 1, today,
-                                       (None, None)))
-        per_byte_of[rows[-1].label] = (yardstick.weight_bytes, None)
+            v = ab_kernels.variant(f"{quantised} {shape_name} M=1 {label}", layer, inputs, 1, kernel, (None, None), ref)
+            rows.append(ab_kernels.Timed(v.label, v.step(), layer.weight_bytes, base, v.error))
+        v = ab_kernels.variant(base, yardstick, yardstick.inputs(1), 1, today, (None, None))
+        rows.append(ab_kernels.Timed(base, v.step(), yardstick.weight_bytes))
         print(f"built {shape_name} {quantised}", flush=True)
-
-times = tune.alternated([v.step() for v in rows], 5)
-medians = {v.label: statistics.median(ts) for v, ts in zip(rows, times, strict=True)}
-for v, ts in zip(rows, times, strict=True):
-    size, base = per_byte_of[v.label]
-    ratio = ""
-    if base is not None:
-        ratio = f"per byte {(size / medians[v.label]) / (per_byte_of[base][0] / medians[base]):.3f}"
-    print(f"{v.label:52s} {medians[v.label]:7.1f} us  {ratio:15s} err {v.error:.2e}  "
-          f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+ab_kernels.print_per_byte(rows, 5)

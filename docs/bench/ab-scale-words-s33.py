@@ -15,24 +15,10 @@ sys.path.insert(0, "tools")
 import ab_kernels  # noqa: E402
 import bench  # noqa: E402
 import tune  # noqa: E402
-from moe_registry_kernels import triton_moe  # noqa: E402
 
 M_VALUES = (1, 8, 64)
 SHAPES = ("qwen3", "dsv2lite", "mixtral")
 SCHEMES = (("awq-w4a16", "gptq-w4a16"), ("compressed-tensors-w8a16-asym", "gptq-w8a16"))
-
-
-def two_tensor_layer(shape, scheme, dev) -> tune.Layer:  # type: ignore[no-untyped-def]
-    """A layer whose kernels hold scales and zero points as two tensors (every weight copy built now)."""
-    words = triton_moe._scale_zero_words
-    triton_moe._scale_zero_words = lambda scale, zero: (scale, zero)
-    try:
-        layer = tune.Layer(shape, scheme, dev, False)
-        for m in M_VALUES:
-            layer.copies_for(m)
-    finally:
-        triton_moe._scale_zero_words = words
-    return layer
 
 
 gpu = ab_kernels.this_gpu()
@@ -41,7 +27,7 @@ rows, per_byte_of = [], {}
 for shape_name in SHAPES:
     shape = bench.SHAPES[shape_name]
     for zp, fixed in SCHEMES:
-        two = two_tensor_layer(shape, gpu.schemes[zp], gpu.device)
+        two = ab_kernels.two_tensor_layer(shape, gpu.schemes[zp], gpu.device, M_VALUES)
         words = tune.Layer(shape, gpu.schemes[zp], gpu.device, False)
         yardstick = tune.Layer(shape, gpu.schemes[fixed], gpu.device, False)
         for m in M_VALUES:
