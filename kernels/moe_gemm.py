@@ -287,9 +287,11 @@ def _row(x, i: tl.constexpr):
 def _scale_of(loaded):
     """The 16-bit group scales of loaded scale values: themselves, or the float16 low halves of
     scale-and-zero words (int32: TritonExperts' layout for zero-point weights, see
-    triton_moe._scale_zero_words)."""
+    triton_moe._scale_zero_words), or those halves loaded alone (int16: triton_moe._word_halves_for)."""
     if loaded.dtype == tl.int32:
         loaded = (loaded & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    elif loaded.dtype == tl.int16:
+        loaded = loaded.to(tl.float16, bitcast=True)
     return loaded
 
 

@@ -256,6 +256,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
                          "follow the original column order)")
     bm, bn, split_k = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
     dummy = w.weight
+    w = _word_halves_for(w, config)
     scale = w.scale if w.scale is not None else dummy
     if scale.dtype == torch.float8_e4m3fn and scheme.weight_scale == "group":  # NVFP4's e4m3 group scales
         scale = scale.view(torch.uint8)  # as bytes (see moe_gemm._group_scales)
@@ -789,6 +790,31 @@ def _scale_zero_words(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Te
         return scale, zero
     words = (scale.view(torch.int16).to(torch.int32) & 0xFFFF) | (zero.to(torch.int32) << 16)
     return words, words
+
+
+# the non-swapped tiles of at least this many rows read scale-and-zero words as their two 16-bit
+# halves (_word_halves_for)
+WORD_HALVES_MIN_ROWS = 128
+
+
+def _word_halves_for(w: _Proj, config: dict) -> _Proj:
+    """The projection as a tile reads it: scale-and-zero words (_scale_zero_words) as they are, or,
+    for non-swapped tiles of WORD_HALVES_MIN_ROWS rows or more, as their two 16-bit halves, the
+    scales and the zero points (int16 views of the same storage, strides doubled). A 4-byte word is
+    one load the pipeliner streams through shared memory (faster at decode, and for the swapped
+    prefill tiles); a 2-byte one is a load into registers, which the large non-swapped tiles take
+    better. H100, AWQ at M = 4096 (docs/bench/tune-s34-h100.txt, parts 6 and 7): words 1183.4 ->
+    halves 1131.8 us on Qwen3-30B-A3B's shape, 1466.3 -> 1402.4 on DeepSeek-V2-Lite's (session 32's
+    two tensors: 1091.8 and 1319.9 in another call); Mixtral's swapped tiles, words against two
+    tensors, 6288.2 against 7285.1."""
+    if (w.scale is None or w.scale.dtype != torch.int32 or w.zero is None or w.zero.dtype != torch.int32
+            or config["SWAP_AB"] or config["BLOCK_M"] < WORD_HALVES_MIN_ROWS):
+        return w
+    halves = w.scale.view(torch.int16)
+    strides = tuple(2 * stride for stride in w.scale.stride())
+    scales = halves.as_strided(w.scale.shape, strides, halves.storage_offset())
+    zeros = halves.as_strided(w.scale.shape, strides, halves.storage_offset() + 1)
+    return dataclasses.replace(w, scale=scales, zero=zeros)
 
 
 def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor | None]:

@@ -697,6 +697,54 @@ def test_four_bit_zero_point_words_hold_the_scale_low_and_the_zero_point_high():
     assert triton_moe._scale_zero_words(bf16, zero) == (bf16, zero)
 
 
+def test_large_non_swapped_tiles_read_the_words_as_their_two_halves():
+    """Non-swapped tiles of WORD_HALVES_MIN_ROWS rows or more read the scale-and-zero words as two
+    int16 views of the same storage (strides doubled): the scales' bits, and one element on, the
+    signed zero points; smaller tiles and swapped ones read the words themselves."""
+    scale = torch.tensor([[[0.5, -3.0e-6], [65504.0, 2.0]]], dtype=torch.float16)
+    zero = torch.tensor([[[0, 15], [-7, 3]]], dtype=torch.int8)
+    words, _ = triton_moe._scale_zero_words(scale, zero)
+    codes = torch.zeros(1, 2, 4, dtype=torch.uint8)
+    proj = triton_moe._Proj(codes, words, words, None, None, None, 2, 8)
+    tile = {"BLOCK_M": triton_moe.WORD_HALVES_MIN_ROWS, "SWAP_AB": False}
+    halves = triton_moe._word_halves_for(proj, tile)
+    assert halves.scale.dtype == halves.zero.dtype == torch.int16
+    assert halves.scale.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
+    assert halves.scale.stride() == tuple(2 * s for s in words.stride())
+    assert torch.equal(halves.scale.view(torch.float16), scale) and torch.equal(halves.zero, zero.to(torch.int16))
+    for smaller in ({**tile, "BLOCK_M": 64}, {**tile, "SWAP_AB": True}):
+        assert triton_moe._word_halves_for(proj, smaller) is proj
+
+
+@pytest.mark.parametrize("m", [1, 9])
+def test_a_tile_reading_the_words_halves_gives_the_words_numbers(m, monkeypatch):
+    """AWQ on a non-swapped 128-row tile: the layer reading its words as two halves
+    (_word_halves_for) gives bit for bit what the same tile reading the words gives, GEMM2 split
+    too, near the reference; the launches are watched: the halves reach the kernel as int16."""
+    weights = _weights("awq-g32")
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=4)
+    tile = {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+            "num_stages": 2}
+    real = triton_moe._fused_moe_kernel
+    dtypes: list = []
+
+    class ScaleSpy:
+        def __getitem__(self, grid):
+            launch = real[grid]
+            return lambda *a, **k: dtypes.append(a[3].dtype) or launch(*a, **k)
+
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ScaleSpy())
+    outs = []
+    for least_rows in (128, 256):
+        monkeypatch.setattr(triton_moe, "WORD_HALVES_MIN_ROWS", least_rows)
+        with triton_moe.config_override(tile, {**tile, "SPLIT_K": 2}):
+            outs.append(TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids))
+    assert dtypes == [torch.int16] * 2 + [torch.int32] * 2
+    assert torch.equal(outs[0], outs[1])
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(outs[0], ref) < 1e-2
+
+
 def test_experts_keep_stand_ins_for_the_scales_and_zero_points_they_copied():
     """Scale-and-zero words are the kernel's own copies: the experts keep stand-ins of the converted
     scales and zero points (their shapes), not the tensors too; GPTQ's scales, read as they are, are kept."""
