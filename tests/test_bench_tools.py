@@ -442,6 +442,59 @@ def test_per_byte_reads_a_run_cut_off_by_a_kill(per_byte, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1].split() == ["mxfp4", "1.10"]
 
 
+# two runs cell by cell (tools/bench_diff.py)
+
+
+@pytest.fixture
+def bench_diff(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
+    import bench_diff
+
+    return bench_diff
+
+
+def test_bench_diff_lists_the_cells_that_moved_with_their_baselines(bench_diff, tmp_path, capsys):
+    """Cells whose layer time moved by more than the threshold either way, slowest first, each with
+    its GEMMs' ratio where both runs timed them and its width's baseline's ratio; cells in one run
+    only, and cells within the threshold, are left out; --m keeps only those token counts."""
+    first = _bench_lines(tmp_path / "first.jsonl", {
+        ("S", "gptq-w4a16", 1): (10.0, 1.0), ("S", "awq-w4a16", 1): (10.0, 1.0), ("S", "mxfp4", 1): (20.0, 1.0),
+        ("S", "gptq-w4a16", 8): (30.0, 1.0), ("S", "awq-w4a16", 8): (30.0, 1.0),
+        ("S", "modelopt-mxfp8", 1): (5.0, 1.0)})
+    second = _bench_lines(tmp_path / "second.jsonl", {
+        ("S", "gptq-w4a16", 1): (10.2, 1.0), ("S", "awq-w4a16", 1): (12.0, 1.0), ("S", "mxfp4", 1): (16.0, 1.0),
+        ("S", "gptq-w4a16", 8): (30.0, 1.0), ("S", "awq-w4a16", 8): (31.0, 1.0), ("S", "unquantized", 1): (9.0, 1.0)})
+    assert bench_diff.main([str(first), str(second)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["shape", "scheme", "M", "first", "us", "second", "us", "layer", "GEMMs", "baseline"]
+    assert lines[1].split() == ["S", "awq-w4a16", "1", "10.0", "12.0", "1.20x", "-", "gptq-w4a16", "1.02x"]
+    assert lines[2].split() == ["S", "mxfp4", "1", "20.0", "16.0", "0.80x", "-", "gptq-w4a16", "1.02x"]
+    assert len(lines) == 3  # gptq 1.02x and awq M = 8 1.03x are within 5%; mxfp8 and bf16 are in one run only
+    assert bench_diff.main([str(first), str(second), "--m", "8", "--threshold", "0.01", "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)
+    assert [(c["scheme"], c["m"], round(c["ratio"], 3), c["baseline_ratio"]) for c in cells] == [
+        ("awq-w4a16", 8, 1.033, 1.0)]
+    assert bench_diff.main([str(first), str(first)]) == 0
+    assert capsys.readouterr().out.strip() == "no cell moved by more than 5%"
+
+
+def test_bench_diff_reads_the_gemms_and_names_what_it_cannot_compare(bench_diff, tmp_path, capsys):
+    lines = [json.dumps({"env": {}, "ceilings": {}})]
+    for us, gemm in ((10.0, 8.0), (13.0, 12.0)):
+        lines.append(json.dumps({"row": {"shape": "S", "scheme": "awq-w4a16", "m": 1, "us": us, "gemm_us": gemm,
+                                         "bytes_moved": 1.0}}))
+    (tmp_path / "a.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n")
+    (tmp_path / "b.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n")
+    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[5:7] == ["1.30x", "1.50x"]
+    other = _bench_lines(tmp_path / "other.jsonl", {("T", "awq-w4a16", 1): (10.0, 1.0)})
+    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(other)]) == 2
+    assert capsys.readouterr().err.strip() == "bench_diff.py: the two runs share no cell (shape, scheme and M)"
+    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().endswith("none.jsonl: no such file or directory")
+
+
 def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):
     """The GEMM profile asks Kineto to tear CUPTI down when it ends (left attached, it slowed every
     layer timed after it: H100, Qwen3 M = 1, 18.1 -> 20.9 us); a user's own setting is kept."""
