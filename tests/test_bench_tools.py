@@ -387,13 +387,18 @@ def _bench_lines(path: Path, cells: dict[tuple[str, str, int], tuple[float, floa
     return path
 
 
-@pytest.fixture
-def per_byte(monkeypatch):
+def _tool(monkeypatch, name: str):  # type: ignore[no-untyped-def]
+    """A module of tools/, imported with the built-in specs only."""
+    import importlib
+
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
-    import per_byte
+    return importlib.import_module(name)
 
-    return per_byte
+
+@pytest.fixture
+def per_byte(monkeypatch):
+    return _tool(monkeypatch, "per_byte")
 
 
 def test_per_byte_compares_each_scheme_with_the_baseline_of_its_width(per_byte, tmp_path, capsys):
@@ -447,11 +452,7 @@ def test_per_byte_reads_a_run_cut_off_by_a_kill(per_byte, tmp_path, capsys):
 
 @pytest.fixture
 def bench_diff(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    monkeypatch.delenv(SPEC_PATH_ENV, raising=False)
-    import bench_diff
-
-    return bench_diff
+    return _tool(monkeypatch, "bench_diff")
 
 
 def test_bench_diff_lists_the_cells_that_moved_with_their_baselines(bench_diff, tmp_path, capsys):
