@@ -807,9 +807,11 @@ def _word_halves_for(w: _Proj, config: dict) -> _Proj:
     halves 1131.8 us on Qwen3-30B-A3B's shape, 1466.3 -> 1402.4 on DeepSeek-V2-Lite's (session 32's
     two tensors: 1091.8 and 1319.9 in another call); Mixtral's swapped tiles, words against two
     tensors, 6288.2 against 7285.1."""
+    if config["SWAP_AB"] or config["BLOCK_M"] < WORD_HALVES_MIN_ROWS:  # (every decode launch stops here)
+        return w
     words = w.scale is not None and w.scale.dtype == torch.int32 and w.zero is not None and (
         w.zero.dtype == torch.int32 and w.zero.data_ptr() == w.scale.data_ptr())
-    if not words or config["SWAP_AB"] or config["BLOCK_M"] < WORD_HALVES_MIN_ROWS:
+    if not words:
         return w
     halves = w.scale.view(torch.int16)
     strides = tuple(2 * stride for stride in w.scale.stride())
