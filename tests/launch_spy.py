@@ -30,3 +30,20 @@ class KwargSpy:
             return launch(*args, **kwargs)
 
         return spy
+
+
+class ArgSpy:
+    """A stand-in for a Triton kernel that records ``look(args)`` of each launch's positional
+    arguments (a tensor the launcher handed it: its dtype, its strides), then runs the real one."""
+
+    def __init__(self, kernel: Any, look: Any, seen: list) -> None:
+        self.kernel, self.look, self.seen = kernel, look, seen
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.kernel[grid]
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append(self.look(args))
+            return launch(*args, **kwargs)
+
+        return spy

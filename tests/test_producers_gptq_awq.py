@@ -255,6 +255,25 @@ def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, groupe
     assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("name", ["qwen3-awq-w4-gemm", "qwen3-gptq-w4-asym"])
+def test_triton_large_prefill_tiles_match_float64_moe_on_library_weights(name: str, monkeypatch) -> None:
+    """AutoAWQ's and GPTQModel's 4-bit zero-point files under a non-swapped 128-row tile, which reads
+    the scale-and-zero words as their two 16-bit halves (triton_moe._word_halves_for), against the
+    float64 MoE on the library's weights; the launches are watched: both GEMMs took the halves."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from launch_spy import ArgSpy
+    from moe_registry_kernels import triton_moe
+
+    seen: list = []  # the dtype of the kernel's group scales (its fourth argument)
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a: a[3].dtype,
+                                                                seen))
+    tile = {"BLOCK_M": triton_moe.WORD_HALVES_MIN_ROWS, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1,
+            "num_warps": 4, "num_stages": 2}
+    err, tolerance = _triton_against_library(name, 9, (13, 14), tile)
+    assert seen == [torch.int16, torch.int16]
+    assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -725,15 +725,11 @@ def test_a_tile_reading_the_words_halves_gives_the_words_numbers(m, monkeypatch)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=4)
     tile = {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
             "num_stages": 2}
-    real = triton_moe._fused_moe_kernel
-    dtypes: list = []
+    from launch_spy import ArgSpy
 
-    class ScaleSpy:
-        def __getitem__(self, grid):
-            launch = real[grid]
-            return lambda *a, **k: dtypes.append(a[3].dtype) or launch(*a, **k)
-
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ScaleSpy())
+    dtypes: list = []  # of the kernel's group scales (its fourth argument)
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a: a[3].dtype,
+                                                                dtypes))
     outs = []
     for least_rows in (128, 256):
         monkeypatch.setattr(triton_moe, "WORD_HALVES_MIN_ROWS", least_rows)
