@@ -494,6 +494,9 @@ def test_bench_diff_reads_the_gemms_and_names_what_it_cannot_compare(bench_diff,
     assert capsys.readouterr().err.strip() == "bench_diff.py: the two runs share no cell (shape, scheme and M)"
     assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "none.jsonl")]) == 2
     assert capsys.readouterr().err.strip().endswith("none.jsonl: no such file or directory")
+    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--baselines", "gptq-w4a"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bench_diff.py: baseline 'gptq-w4a': not a quantised scheme spec the benchmark runs")
 
 
 def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):

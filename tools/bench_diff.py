@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from per_byte import DEFAULT_BASELINES, PerByteError, load_rows, weight_bits  # noqa: E402
+from per_byte import DEFAULT_BASELINES, PerByteError, baselines_by_width, load_rows, weight_bits  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def moved(old: list[dict], new: list[dict], bits: dict[str, int], baselines: lis
     common = sorted(before.keys() & after.keys())
     if not common:
         raise PerByteError("the two runs share no cell (shape, scheme and M)")
-    by_width = {bits[name]: name for name in reversed(baselines) if name in bits}
+    by_width = baselines_by_width(baselines, bits)
 
     def ratio(key: tuple, field: str) -> float | None:
         if key not in before or key not in after or not before[key].get(field) or not after[key].get(field):

@@ -65,13 +65,19 @@ def weight_bits(schemes: dict) -> dict[str, int]:
     return bits
 
 
-def per_byte(rows: list[dict], bits: dict[str, int], baselines: list[str]) -> list[Cell]:
-    """Every quantised scheme's cells against the baseline of its width measured at the same shape and M."""
-    by_width = {}
+def baselines_by_width(baselines: list[str], bits: dict[str, int]) -> dict[int, str]:
+    """Weight width in bits -> the first of ``baselines`` of that width (each a quantised scheme spec)."""
+    by_width: dict[int, str] = {}
     for name in baselines:
         if name not in bits:
             raise PerByteError(f"baseline {name!r}: not a quantised scheme spec the benchmark runs")
         by_width.setdefault(bits[name], name)
+    return by_width
+
+
+def per_byte(rows: list[dict], bits: dict[str, int], baselines: list[str]) -> list[Cell]:
+    """Every quantised scheme's cells against the baseline of its width measured at the same shape and M."""
+    by_width = baselines_by_width(baselines, bits)
     measured = {(r["shape"], r["scheme"], int(r["m"])): r for r in rows}
     in_run = {scheme for _, scheme, _ in measured}
     widths = {bits[scheme] for scheme in in_run if scheme in bits}
