@@ -92,3 +92,27 @@ def test_a_two_tensor_layer_holds_no_scale_and_zero_words(monkeypatch):
     tensors = layer.kernels[0]._tensors
     assert tensors[1].dtype == torch.float16 and tensors[2] is not tensors[1]
     assert triton_moe._scale_zero_words is packing
+
+
+def test_a_timed_variant_is_checked_and_timed_under_its_own_kernel(monkeypatch):
+    """timed_variant: the row's error against the reference under its kernel, its weights' bytes, its
+    yardstick, and a step that times it under that kernel (today's put back after the test)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", triton_moe._fused_moe_kernel)
+    seen: list = []
+
+    class Checked(_Layer):
+        weight_bytes = 1234
+
+        def error(self, configs, *args) -> float:
+            seen.append(("error", triton_moe._fused_moe_kernel, args[-1]))
+            return 0.25
+
+    row = ab_kernels.timed_variant("a", Checked([2e-6], seen), (), 8, "other", "base", "ref")
+    assert (row.label, row.weight_bytes, row.yardstick, row.error) == ("a", 1234, "base", 0.25)
+    assert seen == [("error", "other", "ref")]
+    assert row.step() == pytest.approx(2.0) and seen[-1] == "other"
+    assert ab_kernels.timed_variant("b", Checked([1e-6], seen), (), 8, "other").error == 0.0

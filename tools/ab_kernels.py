@@ -121,6 +121,14 @@ def print_per_byte(rows: list[Timed], rounds: int) -> None:
               f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
 
 
+def timed_variant(label: str, layer: tune.Layer, inputs: tuple, m: int, kernel,  # type: ignore[no-untyped-def]
+                  yardstick: str | None = None, ref=None) -> Timed:
+    """A per-byte row of ``layer`` at ``m`` tokens under ``kernel`` and today's tiles (its output
+    checked against ``ref`` where given), compared with the row labelled ``yardstick``."""
+    v = variant(label, layer, inputs, m, kernel, (None, None), ref)
+    return Timed(label, v.step(), layer.weight_bytes, yardstick, v.error)
+
+
 def two_tensor_layer(shape, scheme, device, m_values: tuple[int, ...]) -> tune.Layer:  # type: ignore[no-untyped-def]
     """A layer whose kernels hold zero-point weights' scales and zero points as two tensors, not as
     triton_moe._scale_zero_words' words (every weight copy the ``m_values`` time is built now)."""

@@ -33,9 +33,8 @@ for shape_name in SHAPES:
             ref = layer.reference(*inputs)
             base = f"{fixed} {shape_name} M={m}"
             for label, kernel in (("today", today), ("factored zero", factored)):
-                v = ab_kernels.variant(f"{zp} {shape_name} M={m} {label}", layer, inputs, m, kernel, (None, None), ref)
-                rows.append(ab_kernels.Timed(v.label, v.step(), layer.weight_bytes, base, v.error))
-            v = ab_kernels.variant(base, yardstick, yardstick.inputs(m), m, today, (None, None))
-            rows.append(ab_kernels.Timed(base, v.step(), yardstick.weight_bytes))
+                rows.append(ab_kernels.timed_variant(f"{zp} {shape_name} M={m} {label}", layer, inputs, m, kernel,
+                                                     base, ref))
+            rows.append(ab_kernels.timed_variant(base, yardstick, yardstick.inputs(m), m, today))
         print(f"built {shape_name} {zp}", flush=True)
 ab_kernels.print_per_byte(rows, 3)

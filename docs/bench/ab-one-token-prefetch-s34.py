@@ -59,9 +59,8 @@ for shape_name in SHAPES:
         labels = ["without", "today"] + (["const-amax", "no-rounding"] if "w4a8" in quantised else [])
         for label in labels:
             kernel = today if label == "today" else kernels[label]
-            v = ab_kernels.variant(f"{quantised} {shape_name} M=1 {label}", layer, inputs, 1, kernel, (None, None), ref)
-            rows.append(ab_kernels.Timed(v.label, v.step(), layer.weight_bytes, base, v.error))
-        v = ab_kernels.variant(base, yardstick, yardstick.inputs(1), 1, today, (None, None))
-        rows.append(ab_kernels.Timed(base, v.step(), yardstick.weight_bytes))
+            rows.append(ab_kernels.timed_variant(f"{quantised} {shape_name} M=1 {label}", layer, inputs, 1, kernel,
+                                                 base, ref))
+        rows.append(ab_kernels.timed_variant(base, yardstick, yardstick.inputs(1), 1, today))
         print(f"built {shape_name} {quantised}", flush=True)
 ab_kernels.print_per_byte(rows, 5)

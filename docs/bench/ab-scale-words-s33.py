@@ -8,7 +8,6 @@ Ran on the tree of 108f429 plus the words for every zero-point width (W8A16 asym
 too; they lost, and TritonExperts now packs 4-bit codes' only, so its "words" rows now time two
 tensors): docs/bench/tune-s33-h100.txt, part 1. From a snapshot's root on the GPU:
 python3 docs/bench/ab-scale-words-s33.py"""
-import statistics
 import sys
 
 sys.path.insert(0, "tools")
@@ -23,7 +22,7 @@ SCHEMES = (("awq-w4a16", "gptq-w4a16"), ("compressed-tensors-w8a16-asym", "gptq-
 
 gpu = ab_kernels.this_gpu()
 kernel = ab_kernels.todays_kernel()
-rows, per_byte_of = [], {}
+rows = []
 for shape_name in SHAPES:
     shape = bench.SHAPES[shape_name]
     for zp, fixed in SCHEMES:
@@ -33,21 +32,10 @@ for shape_name in SHAPES:
         for m in M_VALUES:
             inputs = words.inputs(m)
             ref = words.reference(*inputs)
-            cell = f"{zp} {shape_name} M={m}"
+            base = f"{fixed} {shape_name} M={m} today"
             for label, layer in (("two tensors", two), ("words", words)):
-                rows.append(ab_kernels.variant(f"{cell} {label}", layer, inputs, m, kernel, (None, None), ref))
-                per_byte_of[rows[-1].label] = (layer.weight_bytes, f"{fixed} {shape_name} M={m} today")
-            rows.append(ab_kernels.variant(f"{fixed} {shape_name} M={m} today", yardstick, yardstick.inputs(m), m,
-                                           kernel, (None, None)))
-            per_byte_of[rows[-1].label] = (yardstick.weight_bytes, None)
+                rows.append(ab_kernels.timed_variant(f"{zp} {shape_name} M={m} {label}", layer, inputs, m, kernel,
+                                                     base, ref))
+            rows.append(ab_kernels.timed_variant(base, yardstick, yardstick.inputs(m), m, kernel))
         print(f"built {shape_name} {zp}", flush=True)
-
-times = tune.alternated([v.step() for v in rows], 3)
-medians = {v.label: statistics.median(ts) for v, ts in zip(rows, times, strict=True)}
-for v, ts in zip(rows, times, strict=True):
-    size, base = per_byte_of[v.label]
-    ratio = ""
-    if base is not None:
-        ratio = f"per byte {(size / medians[v.label]) / (per_byte_of[base][0] / medians[base]):.3f}"
-    print(f"{v.label:58s} {medians[v.label]:7.1f} us  {ratio:15s} err {v.error:.2e}  "
-          f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+ab_kernels.print_per_byte(rows, 3)

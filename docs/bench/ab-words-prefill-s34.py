@@ -26,9 +26,8 @@ for shape_name in ("qwen3", "dsv2lite", "mixtral"):
         ref = words.reference(*inputs)
         base = f"gptq-w4a16 {shape_name} M={m} today"
         for label, layer in (("two tensors", two), ("words", words)):
-            v = ab_kernels.variant(f"awq-w4a16 {shape_name} M={m} {label}", layer, inputs, m, kernel, (None, None), ref)
-            rows.append(ab_kernels.Timed(v.label, v.step(), layer.weight_bytes, base, v.error))
-        v = ab_kernels.variant(base, yardstick, yardstick.inputs(m), m, kernel, (None, None))
-        rows.append(ab_kernels.Timed(base, v.step(), yardstick.weight_bytes))
+            rows.append(ab_kernels.timed_variant(f"awq-w4a16 {shape_name} M={m} {label}", layer, inputs, m, kernel,
+                                                 base, ref))
+        rows.append(ab_kernels.timed_variant(base, yardstick, yardstick.inputs(m), m, kernel))
     print(f"built {shape_name} awq-w4a16", flush=True)
 ab_kernels.print_per_byte(rows, 3)
