@@ -463,22 +463,6 @@ def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_a
     return amax
 
 
-@triton.jit
-def _one_token_group(row, a_one_row, k_start, K, A_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HW_FP8_CAST: tl.constexpr):
-    """(scale, e4m3 codes) of one token's K step ``row`` (float32 [BLOCK_K]) in its 128-column
-    activation group, as triton_ops.act_quant's fp8_group finds them: max(amax, 1e-10) / 448 over
-    the group (the step itself, or the whole group read again where the step is narrower)."""
-    if BLOCK_K == A_GROUP:
-        amax = tl.max(tl.abs(row), axis=0)
-    else:
-        cols = (k_start // A_GROUP) * A_GROUP + tl.arange(0, A_GROUP)
-        group = tl.load(a_one_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(group), axis=0)
-    scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
-    return scale, _codes_by_reciprocal(row, scale, tl.math.div_rn(1.0, scale), "fp8", HW_FP8_CAST)
-
-
 # ---------------------------------------------------------------------------------------------
 # the kernels
 
@@ -574,11 +558,9 @@ def _fused_moe_kernel(
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
     STATIC_INPUT: tl.constexpr = A_QUANT == "int8_static" or A_QUANT == "fp8_static"
-    tl.static_assert(A_SCALE_IN == "none" or (DOT == "int8" or DOT == "fp8_outer" or A_SCALE_IN == "group")
-                     and ONE_PAIR_BLOCKS and not ACT_ORDER and (A_SCALE_IN == "static") == STATIC_INPUT,
+    tl.static_assert(A_SCALE_IN == "none" or (DOT == "int8" or DOT == "fp8_outer") and ONE_PAIR_BLOCKS
+                     and not ACT_ORDER and (A_SCALE_IN == "static") == STATIC_INPUT,
                      "the GEMM quantises one token's input, per token or per tensor, in column order")
-    tl.static_assert((A_SCALE_IN == "group") == (DOT == "fp8" and A_SCALE_IN != "none"),
-                     "one token's fp8 groups are quantised a K step at a time, and only they are")
     grid_wait(PDL)
     pid_n, offs_m, expert, rows, k_end = _program_block(
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_num_tokens_ptr, N, K, num_valid,
@@ -596,12 +578,11 @@ def _fused_moe_kernel(
     dtype = COMPUTE
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
-    if A_SCALE_IN != "none" and A_SCALE_IN != "group":
+    if A_SCALE_IN != "none":
         a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
                                       scale_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
                                       SCALE_ROWS, SCALE_COLS)
         a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
-    if A_SCALE_IN != "none":
         # the block's one row (its other rows are never stored) is read as a vector, quantised and
         # split into nibble halves (packed weights) as one, then repeated down the tile, instead
         # of each step handling BLOCK_M rows; each step's slice is loaded a step ahead (the
@@ -679,12 +660,7 @@ def _fused_moe_kernel(
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if A_SCALE_IN == "group":  # the codes and scale of the step's activation group (K tiles lie in one)
-            a_step_scale, a_row = _one_token_group(a_next.to(tl.float32), a_one_row, k_start, K, A_GROUP, BLOCK_K,
-                                                   HW_FP8_CAST)
-            a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
-            a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
-        elif A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
+        if A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
             a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
@@ -779,8 +755,6 @@ def _fused_moe_kernel(
                 acc = tl.dot(a, b, acc, out_dtype=tl.int32)
             elif DOT == "fp8_outer":  # fp8 x fp8 into float32; token and channel scales after the loop
                 acc = tl.dot(a, b, acc)
-            elif DOT == "fp8" and A_SCALE_IN == "group":
-                acc += tl.dot(a, b) * a_step_scale * scale
             elif DOT == "fp8":
                 a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
                                   mask=row_mask, other=0.0)
@@ -809,7 +783,7 @@ def _fused_moe_kernel(
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,
                                      stride_sk, scale_groups, k_lo, k_hi, K, W_GROUP, FACTORED_ZERO, SUM_PIECES,
                                      ONE_PAIR_BLOCKS)
-    if A_SCALE_IN != "none" and A_SCALE_IN != "group":
+    if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[:, None]

@@ -122,11 +122,8 @@ FP8_TENSOR_PIECES = 16384
 SCALE_IN_GEMM = True
 SCALE_IN_GEMM_MAX_BYTES = 64 << 20
 SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
-# the activation quantisations a GEMM can do for one token: one scale per token or per tensor, or
-# (GROUP_QUANTS_IN_GEMM) a scale per group that each K step finds in the group it reads, with no
-# pass over the row and no amax pieces (H100, M = 1: see docs/bench/tune-s35-h100.txt)
-GROUP_QUANTS_IN_GEMM = ("fp8_group",)
-ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static", *GROUP_QUANTS_IN_GEMM)
+# the activation quantisations a GEMM can do for one token (one scale per token or per tensor)
+ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
 
@@ -183,22 +180,18 @@ class _Rows:
 @dataclass(frozen=True)
 class _InputScale:
     """A GEMM quantising one token's input itself (the kernel's A_SCALE_IN): at the static scale
-    (``static``), at each group's scale, found by the K step that reads the group (``groups``),
-    or at the dynamic scale from the first ``rows`` rows of A (``pieces`` None) or from GEMM1's
-    row-amax ``pieces`` [pairs, column tiles] (per tensor: over the pairs ``pair_ids`` routes to
-    this rank's experts)."""
+    (``static``), or the dynamic scale from the first ``rows`` rows of A (``pieces`` None) or from
+    GEMM1's row-amax ``pieces`` [pairs, column tiles] (per tensor: over the pairs ``pair_ids``
+    routes to this rank's experts)."""
 
     rows: int
     pieces: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
     static: bool = False
-    groups: bool = False
 
     @property
     def source(self) -> str:
-        if self.static or self.groups:
-            return "static" if self.static else "group"
-        return "rows" if self.pieces is None else "pieces"
+        return "static" if self.static else "rows" if self.pieces is None else "pieces"
 
     def search_tile(self, width: int, block_m: int, per_token: bool) -> dict:
         """SCALE_ROWS x SCALE_COLS, at most SCALE_TILE values: whole rows of ``width`` where they
@@ -278,12 +271,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     if input_scale is not None and (scheme.act_quant not in ONE_TOKEN_QUANTS or config["SWAP_AB"]
                                     or not rows.one_pair_blocks or w.perm is not None
                                     or (a_scale is not None) != input_scale.static
-                                    or input_scale.groups != (scheme.act_quant in GROUP_QUANTS_IN_GEMM)
-                                    or input_scale.pieces is not None and (amax_pieces is not None
-                                                                           or input_scale.groups)):
-        raise ValueError("a GEMM quantises its own input for one token, per token, per tensor (a static "
-                         "scale given) or per group (the scale a step's own), in column order, and not from "
-                         "pieces while it leaves pieces of its own")
+                                    or input_scale.pieces is not None and amax_pieces is not None):
+        raise ValueError("a GEMM quantises its own input for one token, per token or per tensor (a static "
+                         "scale given), in column order, and not from pieces while it leaves pieces of its own")
     scale_search = _NO_SCALE_SEARCH
     if input_scale is not None:
         width = w.k if input_scale.pieces is None else input_scale.pieces.shape[1]
@@ -515,20 +505,6 @@ def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _
                           gemm2=w2.perm is None and weight_bytes <= gemm2_budget)
 
 
-def _one_token_input_scales(in_gemm: _OneTokenQuant, scheme: Scheme, top_k: int, amax: torch.Tensor | None,
-                            pair_ids: torch.Tensor) -> tuple[_InputScale | None, _InputScale | None]:
-    """What each GEMM quantising one token's input itself (``in_gemm``) finds its scale from: GEMM2
-    needs a static scale, per-group scales (each K step its own) or GEMM1's amax pieces, else its
-    input is quantised by a launch after all."""
-    static = scheme.act_quant in STATIC_QUANTS
-    groups = scheme.act_quant in GROUP_QUANTS_IN_GEMM
-    scale1 = _InputScale(rows=1, static=static, groups=groups) if in_gemm.gemm1 else None
-    scale2 = None
-    if in_gemm.gemm2 and (static or groups or amax is not None):
-        scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static, groups=groups)
-    return scale1, scale2
-
-
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:
     """Bytes of one expert's weights (both projections; scales left out)."""
     return (w13.weight.numel() + w2.weight.numel()) * w13.weight.element_size() // w13.weight.shape[0]
@@ -623,6 +599,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # their input themselves (SCALE_IN_GEMM), no quantisation launch
     in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
+    scale1 = _InputScale(rows=1, static=static) if in_gemm.gemm1 else None
     sums1 = None  # a ZERO_SUMS GEMM1's input sums
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
         if in_gemm.gemm1:
@@ -650,16 +627,17 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
     pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
-    pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
-    scale1, scale2 = _one_token_input_scales(in_gemm, scheme, top_k, amax, pair_ids)
     # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
     pieces2 = _gemm1_sum_pieces(rows, m * top_k, config1, config2, w13, w2, scheme, activation, dev)
     _gemm(a1, a1_scale, w13, scheme, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
           input_scale=scale1, row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
 
-    if scale2 is not None:  # GEMM2 quantises the token's intermediates itself
+    scale2 = None
+    pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
+    if in_gemm.gemm2 and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
         a2, a2_scale = inter, w2.input_scale if static else None
+        scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static)
     elif amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
         a2, a2_scale = quant_fp8_from_pieces(inter, scheme.act_quant, amax, pair_ids, num_experts, pdl=pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:

@@ -52,8 +52,7 @@ SCHEMES = {
     "fp8-block": ("fp8e4m3 scale:float32:block(128x128):static", FP8_GROUP_ACT, "fp8"),
 }
 # activations with one scale per token or per tensor, which the GEMMs quantise themselves for
-# one token (triton_moe.SCALE_IN_GEMM; fp8-block's groups too, each K step its own); the dynamic
-# fp8 ones from GEMM1's row-amax pieces for a few
+# one token (triton_moe.SCALE_IN_GEMM); the dynamic fp8 ones from GEMM1's row-amax pieces for a few
 ONE_TOKEN = {
     "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic", "fp8"),
     "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic", "fp8"),
@@ -214,10 +213,10 @@ def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch
 
 @pytest.mark.parametrize("m", [1, 2, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static", "fp8-block"])
+@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static"])
 def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkeypatch):
-    """Per-token, per-tensor and per-group (fp8-block) activations at decode: the layer whose GEMMs
-    quantise one token's input themselves (Markstein's reciprocal, the GPU's fp8 cast), or whose GEMM2 input is
+    """Per-token and per-tensor activations at decode: the layer whose GEMMs quantise one token's
+    input themselves (Markstein's reciprocal, the GPU's fp8 cast), or whose GEMM2 input is
     quantised from GEMM1's row-amax pieces, gives exactly the output of the layer whose
     quantisation kernels read whole rows, a pair routed to another rank's expert included; and
     it is near the reference."""
@@ -238,7 +237,7 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static", "fp8-block"])
+@pytest.mark.parametrize("scheme", [*ONE_TOKEN, "w8a8-int8-token", "w8a8-int8-static"])
 def test_gemm2_alone_quantising_one_token_is_bit_equal(scheme, shape, monkeypatch):
     """One token past GEMM1's weight budget (its input quantised by a launch) whose GEMM2 still
     quantises its own input (SCALE_IN_GEMM2_MAX_BYTES; dynamic fp8 on Mixtral-sized experts) gives

@@ -1187,7 +1187,6 @@ ONE_TOKEN_SCHEMES = {
     "fp8-static": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:static"),
     "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic"),
     "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic"),
-    "fp8-block": (FP8_BLOCK, FP8_GROUP_ACT),
 }
 
 
@@ -1211,11 +1210,10 @@ def _quantisation_calls(monkeypatch) -> list[str]:
 
 @pytest.mark.parametrize("scheme", list(ONE_TOKEN_SCHEMES))
 def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
-    """One token whose activations take one scale per token, per tensor or per fp8 group: both GEMMs
-    quantise its input themselves (static scale, the amax of its hidden state and of GEMM1's
-    row-amax pieces, or each group's amax), so no quantisation kernel runs; bit-equal to the layer
-    whose quantisation kernels do it, with a pair routed to another rank's expert; and near the
-    reference."""
+    """One token whose activations take one scale per token or per tensor: both GEMMs quantise its
+    input themselves (static scale, or the amax of its hidden state and of GEMM1's row-amax
+    pieces), so no quantisation kernel runs; bit-equal to the layer whose quantisation kernels
+    do it, with a pair routed to another rank's expert; and near the reference."""
     weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     topk_ids[0, 1] = -1
     experts = TritonExperts(weights, ExpertsConfig())
@@ -1232,38 +1230,6 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     assert torch.equal(got, want)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
-
-
-@pytest.mark.parametrize("block_k", [128, 64])
-def test_one_token_fp8_groups_quantised_a_step_at_a_time_match_the_launch(block_k, monkeypatch):
-    """One token's 128-column fp8 groups (block-128 weights): each K step quantises its own group
-    at the group's scale (BLOCK_K 64: the step reads its whole group again for the amax), no
-    quantisation launch; three groups and a half, GEMM2 split over K, a group far louder than the
-    others (its scale must not leak into theirs): bit-equal to the layer with both launches and
-    near the reference."""
-    hidden_size, inter = 384, 192
-    wk, ak = ONE_TOKEN_SCHEMES["fp8-block"]
-    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E,
-                                                   hidden=hidden_size, intermediate=inter, dtype=torch.float16,
-                                                   bias=True, seed=8)
-    g = torch.Generator().manual_seed(9)
-    hidden = torch.randn(1, hidden_size, generator=g)
-    hidden[:, 128:256] *= 40
-    hidden = hidden.to(torch.float16)
-    topk_weights, topk_ids = torch.tensor([[0.7, 0.5, 0.2]]), torch.tensor([[2, 0, 3]], dtype=torch.int32)
-    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "GROUP_M": 1, "num_warps": 4, "num_stages": 2}
-    experts = TritonExperts(weights, ExpertsConfig())
-    quantised = _quantisation_calls(monkeypatch)
-    outputs = []
-    with triton_moe.config_override(tile, {**tile, "SPLIT_K": 2}):
-        for in_gemm, launches in ((False, ["_quantize", "_quantize"]), (True, [])):
-            monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", in_gemm)
-            quantised.clear()
-            outputs.append(experts.apply(hidden, topk_weights, topk_ids))
-            assert quantised == launches
-    assert torch.equal(outputs[1], outputs[0])
-    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
-    assert _rel_err(outputs[1], ref) < 3e-2
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor-dynamic", "w8a8-int8-token"])

@@ -151,22 +151,27 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                                     torch.empty(1, dtype=torch.int32, device="meta"), num_valid=pairs)
         # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
         own = triton_moe._one_token_quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
+        static = kscheme.act_quant in triton_moe.STATIC_QUANTS
         a1, a1_scale = _activations(kscheme, config1, m, shape.hidden, own.gemm1)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
         pieces = triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13, "silu")
         amax = torch.empty(pieces, device="meta") if pieces else None
-        scale1, scale2 = triton_moe._one_token_input_scales(own, kscheme, top_k, amax,
-                                                            torch.empty(pairs, dtype=torch.int32, device="meta"))
         # a ZERO_SUMS GEMM2's input sums: GEMM1's per-tile pieces where it leaves them
         pieces2 = triton_moe._gemm1_sum_pieces(rows, pairs, config1, config2, w13, w2, kscheme, "silu",
                                                torch.device("meta"))
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
                          topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
-                         input_scale=scale1,
+                         input_scale=triton_moe._InputScale(rows=1, static=static) if own.gemm1 else None,
                          row_sums=_row_sums(a1, config1, w13, kscheme, rows),
                          sums_out=pieces2.sums if pieces2 else None)
-        a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, scale2 is not None)
+        a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own.gemm2)
+        scale2 = None
+        if own.gemm2 and (static or amax is not None):
+            scale2 = triton_moe._InputScale(rows=pairs, pieces=amax, pair_ids=torch.empty(pairs, dtype=torch.int32,
+                                                                                          device="meta"), static=static)
+        elif own.gemm2:  # GEMM2's input quantised by its own launch after all
+            a2, a2_scale = _activations(kscheme, config2, pairs, w2.k)
         split = config2["SPLIT_K"]
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))

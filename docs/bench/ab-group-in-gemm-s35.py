@@ -4,7 +4,8 @@ same layer with its two quantisation launches, at M = 1 on the three benchmark s
 experts are past SCALE_IN_GEMM_MAX_BYTES: there also with the budget lifted); GPTQ int8 as the
 yardstick. Also W4A8 at Qwen3 M = 1 under GPTQ int4's tiles with one dot per group. Three
 alternated rounds, medians, us: docs/bench/tune-s35-h100.txt. From a snapshot's root on the GPU:
-python3 docs/bench/ab-group-in-gemm-s35.py"""
+python3 docs/bench/ab-group-in-gemm-s35.py, on the tree of experiment commit c8f1466 (reverted by
+the commit after it: triton_moe.GROUP_QUANTS_IN_GEMM is gone)."""
 import sys
 
 sys.path.insert(0, "tools")
