@@ -394,14 +394,6 @@ def _token_halves(row, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _token_pairs(row_ptr, k_start, K, BLOCK_K: tl.constexpr):
-    """One token's K step from ``k_start`` as its even and its odd columns, two [BLOCK_K / 2] vectors."""
-    even = k_start + 2 * tl.arange(0, BLOCK_K // 2)
-    return (tl.load(row_ptr + even, mask=even < K, other=0.0),
-            tl.load(row_ptr + even + 1, mask=even + 1 < K, other=0.0))
-
-
-@triton.jit
 def _int4_as_int8_tile(packed_codes, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """[BLOCK_K // 2, BN] bytes of uint4b8 nibbles (low: even column) -> [BLOCK_K, BN] int8 values
     code - 8 in K order, the operand of an int8 dot (W4A8); ASM: see _nibbles_as_int8."""
@@ -599,6 +591,7 @@ def _fused_moe_kernel(
         # tile's activation split traded for a pass through shared memory; gptq-w4a16 at M = 1
         # on Mixtral's shape 105 us against 96.)
         a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -661,27 +654,13 @@ def _fused_moe_kernel(
     if GROUPED:  # the first step's group scales (each step loads the next one's)
         scales_next, _ = _group_scales(scale_cols, zero_cols, zero, k_lo, scale_groups, stride_sk, tl.float32, W_SCALE,
                                        W_GROUP, W_GROUPS, False, NARROW, 0, W_GROUPS)
-    # W4A8's 16-bit-dot tiles quantising one token read its step as two vectors, the even and the
-    # odd columns (a stride-2 read of the same lines), each quantised and repeated down the tile:
-    # no pass through shared memory to split one vector into the nibble halves' operands
-    TOKEN_PAIRS: tl.constexpr = A_SCALE_IN != "none" and W4A8_FLOAT and not GROUPED
-    if TOKEN_PAIRS:  # the first step's (each step loads the next one's)
-        even_next, odd_next = _token_pairs(a_one_row, k_lo, K, BLOCK_K)
-    elif A_SCALE_IN != "none" and not GROUPED:
-        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
     for k_start in range(k_lo, k_hi, BLOCK_K):
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a_cols = offs_k
         if ACT_ORDER:  # stored weight column j multiplies input column perm[j]
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        if TOKEN_PAIRS:  # the codes a quantisation kernel would have stored, as 16-bit floats (exact)
-            even_codes = _codes_by_reciprocal(even_next.to(tl.float32), a_scale_in, a_reciprocal, DOT,
-                                              HW_FP8_CAST).to(dtype)
-            odd_codes = _codes_by_reciprocal(odd_next.to(tl.float32), a_scale_in, a_reciprocal, DOT,
-                                             HW_FP8_CAST).to(dtype)
-            even_next, odd_next = _token_pairs(a_one_row, k_start + BLOCK_K, K, BLOCK_K)
-        elif A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
+        if A_SCALE_IN != "none" and not GROUPED:  # the codes a quantisation kernel would have stored
             a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
@@ -737,10 +716,9 @@ def _fused_moe_kernel(
         elif PACKED:  # each byte loaded and unpacked once: low nibble column 2i, high 2i + 1
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(b_cols + offs_kp[:, None], mask=offs_kp[:, None] < K_PACKED, other=0)
-            if TOKEN_PAIRS:
-                a_even = tl.broadcast_to(even_codes[None, :], (BLOCK_M, BLOCK_K // 2))
-                a_odd = tl.broadcast_to(odd_codes[None, :], (BLOCK_M, BLOCK_K // 2))
-            elif A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
+            if A_SCALE_IN != "none":  # the token's row split before it is repeated down the tile
+                if W4A8_FLOAT:  # and its codes made 16-bit floats (exact) once, not once per repeat
+                    a_row = a_row.to(dtype)
                 a_even, a_odd = _token_halves(a_row, BLOCK_M)
             else:
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
