@@ -1,0 +1,33 @@
+"""Session 35: the decode cells the session 34 table read below 0.95 per byte, timed again against
+their yardsticks (GPTQ int4 for 4-bit weights, GPTQ int8 for 8-bit), in alternation, five rounds, so
+each ratio compares rows of one call under the same clocks: docs/bench/tune-s35-h100.txt. From a
+snapshot's root on the GPU: python3 docs/bench/ab-decode-cells-s35.py"""
+import sys
+
+sys.path.insert(0, "tools")
+import ab_kernels  # noqa: E402
+import bench  # noqa: E402
+import per_byte  # noqa: E402
+import tune  # noqa: E402
+
+CELLS = {("dsv2lite", 1): ["fp8-block128", "fp8-w8a8-dynamic", "modelopt-mxfp8"],
+         ("dsv2lite", 8): ["awq-w4a16", "modelopt-nvfp4"],
+         ("qwen3", 1): ["compressed-tensors-w4a8-int"],
+         ("qwen3", 8): ["awq-w4a16", "compressed-tensors-w4a8-int"]}
+
+gpu = ab_kernels.this_gpu()
+yardsticks = per_byte.baselines_by_width(list(per_byte.DEFAULT_BASELINES), per_byte.weight_bits(gpu.schemes))
+bits = per_byte.weight_bits(gpu.schemes)
+kernel = ab_kernels.todays_kernel()
+rows = []
+for (shape_name, m), schemes in CELLS.items():
+    shape = bench.SHAPES[shape_name]
+    bases = {yardsticks[bits[s]] for s in schemes}
+    for name in [*schemes, *sorted(bases)]:
+        layer = tune.Layer(shape, gpu.schemes[name], gpu.device, False)
+        inputs = layer.inputs(m)
+        base = None if name in bases else f"{yardsticks[bits[name]]} {shape_name} M={m}"
+        rows.append(ab_kernels.timed_variant(f"{name} {shape_name} M={m}", layer, inputs, m, kernel, base,
+                                             layer.reference(*inputs)))
+    print(f"built {shape_name} M={m}", flush=True)
+ab_kernels.print_per_byte(rows, 5)
