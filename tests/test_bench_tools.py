@@ -514,3 +514,64 @@ def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
     bench.kernel_times(lambda: None, 1, torch.device("cpu"), repeats=1)
     assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+# the slow cells of a run timed again (tools/recheck.py)
+
+
+@pytest.fixture
+def recheck(monkeypatch):
+    return _tool(monkeypatch, "recheck")
+
+
+def test_recheck_times_the_slow_cells_again_beside_their_baselines(recheck, tmp_path, monkeypatch, capsys):
+    """Only the cells below the ratio are built, each with its width's baseline at its shape and M,
+    timed in alternation ``--rounds`` times; the ratio now keeps the run's bytes moved over the
+    medians; each cell's output is checked against the reference."""
+    import importlib
+
+    run = _bench_lines(tmp_path / "bench.jsonl", {
+        ("tiny", "gptq-w4a16", 1): (10.0, 100.0), ("tiny", "mxfp4", 1): (12.0, 108.0),
+        ("tiny", "gptq-w8a16", 8): (10.0, 200.0), ("tiny", "modelopt-mxfp8", 8): (10.0, 210.0)})
+    seconds = {"mxfp4": [3e-5, 1e-5, 2e-5], "gptq-w4a16": [1.2e-5, 1.3e-5, 1.1e-5]}  # medians 20 and 12 µs
+    timed: list[str] = []
+
+    def time(layer, configs, m, *inputs):  # type: ignore[no-untyped-def]
+        timed.append(layer.scheme.name)
+        return seconds[layer.scheme.name][sum(name == layer.scheme.name for name in timed) - 1]
+
+    monkeypatch.setattr(importlib.import_module("tune").Layer, "time", time)
+    assert recheck.main([str(run), "--dry-run", "--rounds", "3", "--json"]) == 0
+    [cell] = json.loads(capsys.readouterr().out)
+    assert timed == ["mxfp4", "gptq-w4a16"] * 3
+    assert (cell["shape"], cell["scheme"], cell["m"], cell["baseline"]) == ("tiny", "mxfp4", 1, "gptq-w4a16")
+    assert (cell["run_ratio"], cell["us"], cell["baseline_us"]) == (pytest.approx(0.9), 20.0, 12.0)
+    assert cell["ratio"] == pytest.approx((108.0 / 20.0) / (100.0 / 12.0))
+    assert 0 < cell["rel_error"] < 3e-2
+    timed.clear()
+    assert recheck.main([str(run), "--dry-run", "--rounds", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["shape", "scheme", "M", "run", "now", "us", "baseline", "us", "rel", "err"]
+    assert lines[1].split()[:7] == ["tiny", "mxfp4", "1", "0.900", "0.648", "20.0", "gptq-w4a16"]
+    assert lines[-1] == "1 of 1 still below 0.95 (medians of 3 rounds)"
+
+
+def test_recheck_names_what_it_cannot_time(recheck, tmp_path, monkeypatch, capsys):
+    """No GPU without --dry-run, a shape the run names that this benchmark does not build: one line
+    each; no cell below the ratio: said so; fewer than one round: refused."""
+    import torch
+
+    run = _bench_lines(tmp_path / "bench.jsonl", {("Qwen3-30B-A3B", "gptq-w4a16", 1): (10.0, 100.0),
+                                                   ("Qwen3-30B-A3B", "mxfp4", 1): (12.0, 108.0)})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert recheck.main([str(run)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "recheck.py: no GPU here: the cells are timed on one (--dry-run: a dry run's cells, on the CPU)")
+    assert recheck.main([str(run), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "recheck.py: shape 'Qwen3-30B-A3B' is not one this benchmark builds on a dry run (known: tiny)")
+    assert recheck.main([str(run), "--dry-run", "--below", "0.8"]) == 0
+    assert capsys.readouterr().out.strip() == "no cell below 0.8"
+    with pytest.raises(SystemExit):
+        recheck.main([str(run), "--rounds", "0"])
+    assert "--rounds: at least 1, got 0" in capsys.readouterr().err
