@@ -672,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     again.add_argument("--redo", action="store_true", help="tune entries that already have a config")
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--budget-s", type=float, default=math.inf,
-                        help="start no new entry after this many seconds (run again to go on)")
+                        help="stop after this many seconds, in the middle of an entry if need be (its "
+                             "measurements so far are kept beside the table; run again to go on)")
     parser.add_argument("--registers-only", action="store_true",
                         help="no tile search: try register caps (maxnreg) on today's configs only")
     parser.add_argument("--seeds-only", action="store_true",
