@@ -95,16 +95,19 @@ def _step(layer, m: int, inputs: tuple):  # type: ignore[no-untyped-def]
 
 
 def report(cells: list[Rechecked], below: float, rounds: int) -> str:
+    """The cells as an aligned table, and how many are still below ``below``."""
     if not cells:
         return f"no cell below {below}"
     heads = ["shape", "scheme", "M", "run", "now", "us", "baseline", "us", "rel err"]
     table = [[c.shape, c.scheme, str(c.m), f"{c.run_ratio:.3f}", f"{c.ratio:.3f}", f"{c.us:.1f}", c.baseline,
               f"{c.baseline_us:.1f}", f"{c.rel_error:.2e}"] for c in cells]
     widths = [max(len(r[i]) for r in [heads, *table]) for i in range(len(heads))]
-    left = {0, 1, 6}
-    lines = ["  ".join(v.ljust(w) if i in left else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths,
-                                                                                                strict=True)))
-             for r in [heads, *table]]
+    names = {0, 1, 6}  # left-aligned columns
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.ljust(widths[i]) if i in names else v.rjust(widths[i]) for i, v in enumerate(values))
+
+    lines = [line(r) for r in [heads, *table]]
     still = sum(c.ratio < below for c in cells)
     return "\n".join([*lines, f"\n{still} of {len(cells)} still below {below} (medians of {rounds} rounds)"])
 
