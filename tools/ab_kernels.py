@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import tune
+from per_byte import bytes_per_us_ratio
 
 
 def kernel_from_file(path: str):  # type: ignore[no-untyped-def]
@@ -115,7 +116,8 @@ def print_per_byte(rows: list[Timed], rounds: int) -> None:
     for row, ts in zip(rows, times, strict=True):
         ratio = ""
         if row.yardstick is not None:
-            per_byte = (row.weight_bytes / medians[row.label]) / (sizes[row.yardstick] / medians[row.yardstick])
+            per_byte = bytes_per_us_ratio(row.weight_bytes, medians[row.label], sizes[row.yardstick],
+                                          medians[row.yardstick])
             ratio = f"per byte {per_byte:.3f}"
         print(f"{row.label:{width}s} {medians[row.label]:8.1f} us  {ratio:15s} err {row.error:.2e}  "
               f"({' '.join(f'{t:.1f}' for t in ts)})", flush=True)

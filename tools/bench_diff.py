@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from per_byte import DEFAULT_BASELINES, PerByteError, baselines_by_width, load_rows, weight_bits  # noqa: E402
+from per_byte import (  # noqa: E402
+    DEFAULT_BASELINES,
+    PerByteError,
+    baselines_by_width,
+    by_cell,
+    load_rows,
+    weight_bits,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,7 @@ class Moved:
 def moved(old: list[dict], new: list[dict], bits: dict[str, int], baselines: list[str],
           threshold: float) -> list[Moved]:
     """The cells of both runs whose layer time moved by more than ``threshold`` (0.05: 5%) either way."""
-    before = {(r["shape"], r["scheme"], int(r["m"])): r for r in old}
-    after = {(r["shape"], r["scheme"], int(r["m"])): r for r in new}
+    before, after = by_cell(old), by_cell(new)
     common = sorted(before.keys() & after.keys())
     if not common:
         raise PerByteError("the two runs share no cell (shape, scheme and M)")

@@ -75,10 +75,20 @@ def baselines_by_width(baselines: list[str], bits: dict[str, int]) -> dict[int, 
     return by_width
 
 
+def by_cell(rows: list[dict]) -> dict[tuple[str, str, int], dict]:
+    """A run's rows by cell: (shape, scheme, M)."""
+    return {(r["shape"], r["scheme"], int(r["m"])): r for r in rows}
+
+
+def bytes_per_us_ratio(moved: float, us: float, base_moved: float, base_us: float) -> float:
+    """Bytes per µs over the baseline's (below 1: slower per byte)."""
+    return (moved / us) / (base_moved / base_us)
+
+
 def per_byte(rows: list[dict], bits: dict[str, int], baselines: list[str]) -> list[Cell]:
     """Every quantised scheme's cells against the baseline of its width measured at the same shape and M."""
     by_width = baselines_by_width(baselines, bits)
-    measured = {(r["shape"], r["scheme"], int(r["m"])): r for r in rows}
+    measured = by_cell(rows)
     in_run = {scheme for _, scheme, _ in measured}
     widths = {bits[scheme] for scheme in in_run if scheme in bits}
     missing = sorted(name for width, name in by_width.items() if width in widths and name not in in_run)
@@ -90,7 +100,7 @@ def per_byte(rows: list[dict], bits: dict[str, int], baselines: list[str]) -> li
         if base_name is None or base_name == scheme or (shape, base_name, m) not in measured:
             continue
         base = measured[(shape, base_name, m)]
-        ratio = (row["bytes_moved"] / row["us"]) / (base["bytes_moved"] / base["us"])
+        ratio = bytes_per_us_ratio(row["bytes_moved"], row["us"], base["bytes_moved"], base["us"])
         cells.append(Cell(shape, scheme, m, base_name, ratio, row["us"], base["us"]))
     return cells
 

@@ -22,7 +22,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from per_byte import DEFAULT_BASELINES, Cell, PerByteError, load_rows, per_byte, weight_bits  # noqa: E402
+from per_byte import (  # noqa: E402
+    DEFAULT_BASELINES,
+    Cell,
+    PerByteError,
+    by_cell,
+    bytes_per_us_ratio,
+    load_rows,
+    per_byte,
+    weight_bits,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ def recheck(cells: list[Cell], rows: list[dict], rounds: int, dry: bool) -> list
     from bench import registry_schemes
 
     schemes, shapes = registry_schemes(), shapes_by_name(dry)
-    moved = {(r["shape"], r["scheme"], int(r["m"])): float(r["bytes_moved"]) for r in rows}
+    measured = by_cell(rows)
     device = torch.device("cpu" if dry else "cuda")
     unknown = sorted({c.shape for c in cells} - set(shapes))
     if unknown:
@@ -81,8 +90,8 @@ def recheck(cells: list[Cell], rows: list[dict], rounds: int, dry: bool) -> list
         medians = {name: statistics.median(ts) for name, ts in zip(names, tune.alternated(steps, rounds),
                                                                     strict=True)}
         for c in group:
-            ratio = ((moved[(shape_name, c.scheme, m)] / medians[c.scheme])
-                     / (moved[(shape_name, c.baseline, m)] / medians[c.baseline]))
+            ratio = bytes_per_us_ratio(measured[(shape_name, c.scheme, m)]["bytes_moved"], medians[c.scheme],
+                                       measured[(shape_name, c.baseline, m)]["bytes_moved"], medians[c.baseline])
             out.append(Rechecked(shape_name, c.scheme, m, c.baseline, c.ratio, ratio, medians[c.scheme],
                                  medians[c.baseline], errors[c.scheme]))
             # each cell as its group finishes: a run cut off keeps what it timed

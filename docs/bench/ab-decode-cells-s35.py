@@ -16,8 +16,8 @@ CELLS = {("dsv2lite", 1): ["fp8-block128", "fp8-w8a8-dynamic", "modelopt-mxfp8"]
          ("qwen3", 8): ["awq-w4a16", "compressed-tensors-w4a8-int"]}
 
 gpu = ab_kernels.this_gpu()
-yardsticks = per_byte.baselines_by_width(list(per_byte.DEFAULT_BASELINES), per_byte.weight_bits(gpu.schemes))
 bits = per_byte.weight_bits(gpu.schemes)
+yardsticks = per_byte.baselines_by_width(list(per_byte.DEFAULT_BASELINES), bits)
 kernel = ab_kernels.todays_kernel()
 rows = []
 for (shape_name, m), schemes in CELLS.items():
