@@ -2,9 +2,9 @@
 at decode; offline (tools/kernel_sass.py, sm_90) a 2-warp program of today's W4A8 tile at Qwen3's
 M = 1 runs 0.107 warp instructions a weight against 0.136 (the token's row, split and repeated for
 the dot, is handled once a warp, over twice the columns). Today's tiles against the same tiles on 2
-and 1 warps (both GEMMs), and on 2 warps with 32 columns, for the decode cells below 0.95 per byte
-and their yardsticks, in alternation, three rounds: docs/bench/tune-s36-h100.txt. From a
-snapshot's root on the GPU: python3 docs/bench/ab-warps-s36.py"""
+and 1 warps (both GEMMs, without today's register caps), and on 2 warps with 32 columns, for
+the decode cells below 0.95 per byte and their yardsticks, in alternation, three rounds:
+docs/bench/tune-s36-h100.txt. From a snapshot's root on the GPU: python3 docs/bench/ab-warps-s36.py"""
 import sys
 
 sys.path.insert(0, "tools")
