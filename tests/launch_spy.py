@@ -15,26 +15,9 @@ class LaunchSpy:
         return self.kernel[grid]
 
 
-class KwargSpy:
-    """A stand-in for a Triton kernel that records one keyword argument of each launch (a
-    constexpr the launcher chose), then runs the real one."""
-
-    def __init__(self, kernel: Any, name: str, seen: list) -> None:
-        self.kernel, self.name, self.seen = kernel, name, seen
-
-    def __getitem__(self, grid: Any) -> Any:
-        launch = self.kernel[grid]
-
-        def spy(*args: Any, **kwargs: Any) -> Any:
-            self.seen.append(kwargs.get(self.name))
-            return launch(*args, **kwargs)
-
-        return spy
-
-
 class ArgSpy:
-    """A stand-in for a Triton kernel that records ``look(args)`` of each launch's positional
-    arguments (a tensor the launcher handed it: its dtype, its strides), then runs the real one."""
+    """A stand-in for a Triton kernel that records ``look(args, kwargs)`` of each launch (a tensor
+    the launcher handed it, a constexpr it chose), then runs the real one."""
 
     def __init__(self, kernel: Any, look: Any, seen: list) -> None:
         self.kernel, self.look, self.seen = kernel, look, seen
@@ -43,7 +26,14 @@ class ArgSpy:
         launch = self.kernel[grid]
 
         def spy(*args: Any, **kwargs: Any) -> Any:
-            self.seen.append(self.look(args))
+            self.seen.append(self.look(args, kwargs))
             return launch(*args, **kwargs)
 
         return spy
+
+
+class KwargSpy(ArgSpy):
+    """An ArgSpy that records one keyword argument of each launch (a constexpr the launcher chose)."""
+
+    def __init__(self, kernel: Any, name: str, seen: list) -> None:
+        super().__init__(kernel, lambda args, kwargs: kwargs.get(name), seen)

@@ -265,7 +265,7 @@ def test_triton_large_prefill_tiles_match_float64_moe_on_library_weights(name: s
     from moe_registry_kernels import triton_moe
 
     seen: list = []  # the dtype of the kernel's group scales (its fourth argument)
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a: a[3].dtype,
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a, _: a[3].dtype,
                                                                 seen))
     tile = {"BLOCK_M": triton_moe.WORD_HALVES_MIN_ROWS, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1,
             "num_warps": 4, "num_stages": 2}

@@ -728,7 +728,7 @@ def test_a_tile_reading_the_words_halves_gives_the_words_numbers(m, monkeypatch)
     from launch_spy import ArgSpy
 
     dtypes: list = []  # of the kernel's group scales (its fourth argument)
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a: a[3].dtype,
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a, _: a[3].dtype,
                                                                 dtypes))
     outs = []
     for least_rows in (128, 256):
