@@ -54,7 +54,7 @@ import triton.language as tl
 from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
-from . import triton_ops
+from . import one_token_gemv, triton_ops
 from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them here)
     _dequant_byte,
     _dequant_byte_pairs,
@@ -65,6 +65,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 from .fp4_dequant import e2m1_register_order
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
+from .one_token_gemv import _one_token_gemv_kernel, dp4a_in_ptx
 from .scheme import Scheme, packed, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
@@ -126,6 +127,13 @@ SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
+# one token's per-token or static int8 activations on int4 (W4A8) or int8 weights: both GEMMs run
+# as one_token_gemv's GEMV, each program quantising its row itself, whatever the weights' size
+# (H100, M = 1: docs/bench/gemv-s37-h100.txt)
+ONE_TOKEN_GEMV = True
+GEMV_QUANTS = ("int8_token", "int8_static")
+GEMV_WEIGHTS = {"uint4b8": 8, "int8": 4}  # weight type -> codes per 32-bit word
+GEMV_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +196,7 @@ class _InputScale:
     pieces: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
     static: bool = False
+    gemv: bool = False  # the GEMM runs as one_token_gemv's GEMV, the scale static or its own row's (_takes_gemv)
 
     @property
     def source(self) -> str:
@@ -254,6 +263,14 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     if w.perm is not None and scheme.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
+    if input_scale is not None and input_scale.gemv:
+        if not (rows.one_pair_blocks and _takes_gemv(scheme, w)) or (a_scale is not None) != input_scale.static \
+                or amax_pieces is not None or row_sums is not None or sums_out is not None:
+            raise ValueError("the one-token GEMV takes int8 activations of one token (a static scale given) on "
+                             "int4 or int8 weights it can read as words, and leaves no pieces")
+        _gemv(a, a_scale, w, scheme, c, rows, top_k=top_k, routed_weight=routed_weight, topk_weights=topk_weights,
+              fuse_act=fuse_act, pdl=pdl)
+        return
     bm, bn, split_k = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
     dummy = w.weight
     w = _word_halves_for(w, config)
@@ -345,6 +362,49 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
         **_row_sums_args(row_sums, sums_out), **_launch_options(config), **triton_ops.pdl_launch(pdl))
+
+
+def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
+    """Whether a one-token GEMM that quantises its input itself runs as one_token_gemv's GEMV
+    (ONE_TOKEN_GEMV): int8 activations per token or static, int4 (W4A8) or int8 codes with no
+    zero points in column order, per-channel scales or 16/32-bit group scales of whole words a
+    group (at most a step's), and weight rows the kernel can read as aligned 32-bit words."""
+    codes = GEMV_WEIGHTS.get(scheme.weight_type)
+    if not (ONE_TOKEN_GEMV and codes and scheme.act_quant in GEMV_QUANTS and w.zero is None and w.perm is None
+            and w.scale is not None and w.scale.dtype in GEMV_SCALE_DTYPES):
+        return False
+    if scheme.weight_scale == "group":
+        group_words = scheme.weight_group // codes
+        if scheme.weight_group % codes or one_token_gemv.STEP_WORDS % group_words:
+            return False
+    elif scheme.weight_scale != "channel":
+        return False
+    weight = w.weight
+    return (w.k % codes == 0 and weight.stride(-1) == 1 and weight.data_ptr() % 4 == 0
+            and all(stride * weight.element_size() % 4 == 0 for stride in weight.stride()[:-1]))
+
+
+def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor, rows: _Rows, *,
+          top_k: int, routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool) -> None:
+    """Launch one_token_gemv's kernel: C [pairs, N] (or [pairs, N / 2] with ``fuse_act``) of one
+    token's pairs, a program per (column tile, pair); each writes its input row's int8 codes into
+    a buffer of A's rows first."""
+    dummy = w.weight
+    codes = torch.empty(a.shape[0], w.k, dtype=torch.int8, device=a.device)
+    scale = w.scale
+    group = scheme.weight_scale == "group"
+    grid = (_column_tiles(w.n, one_token_gemv.BLOCK_N, fuse_act), rows.expert_ids.numel())
+    _one_token_gemv_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, codes, w.weight, scale,
+        w.bias if w.bias is not None else dummy, c, topk_weights if topk_weights is not None else dummy,
+        rows.expert_ids, w.n, w.k, w.weight.shape[0], a.stride(0), w.weight.stride(0), w.weight.stride(1),
+        scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2),
+        PACKED=scheme.packed, W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, STATIC=a_scale is not None,
+        HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act,
+        PTX=dp4a_in_ptx(a.device), BLOCK_N=one_token_gemv.BLOCK_N, STEP_WORDS=one_token_gemv.STEP_WORDS,
+        CHUNK=min(one_token_gemv.ROW_CHUNK, triton.next_power_of_2(w.k)), ONE_CHUNK=w.k <= one_token_gemv.ROW_CHUNK,
+        PDL=pdl, num_warps=one_token_gemv.NUM_WARPS, num_stages=1,
+        **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
@@ -488,6 +548,8 @@ class _OneTokenQuant:
 
     gemm1: bool = False
     gemm2: bool = False
+    gemv1: bool = False  # GEMM1 does so as one_token_gemv's GEMV (_takes_gemv)
+    gemv2: bool = False
 
 
 def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
@@ -496,13 +558,15 @@ def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _
     token or per tensor, no router weight to apply first, the GEMM's weights in column order, and
     the token's experts' weights within SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in
     the hidden state) or GEMM2's budget for the activation quantisation (SCALE_IN_GEMM2_MAX_BYTES,
-    else the same; GEMM2 finds the scale in GEMM1's amax pieces)."""
+    else the same; GEMM2 finds the scale in GEMM1's amax pieces). A GEMM the GEMV takes
+    (_takes_gemv) has no budget: it quantises its row once a program, not once a K step."""
     if not (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None):
         return _OneTokenQuant()
     weight_bytes = _expert_weight_bytes(w13, w2) * top_k
     gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(scheme.act_quant, SCALE_IN_GEMM_MAX_BYTES)
-    return _OneTokenQuant(gemm1=w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
-                          gemm2=w2.perm is None and weight_bytes <= gemm2_budget)
+    gemv1, gemv2 = _takes_gemv(scheme, w13), _takes_gemv(scheme, w2)
+    return _OneTokenQuant(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
+                          gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
 
 
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:
@@ -599,7 +663,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # their input themselves (SCALE_IN_GEMM), no quantisation launch
     in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
-    scale1 = _InputScale(rows=1, static=static) if in_gemm.gemm1 else None
+    scale1 = _InputScale(rows=1, static=static, gemv=in_gemm.gemv1) if in_gemm.gemm1 else None
     sums1 = None  # a ZERO_SUMS GEMM1's input sums
     if m == 1:  # one token: a row block per expert it picked, straight from the router's ids
         if in_gemm.gemm1:
@@ -608,7 +672,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
             a1, a1_scale = _quantize(hidden, scheme, w13.input_scale, row_scale=row_scale, pdl=pdl,
                                      **_codes_dtype(scheme, config1, dt))
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
-        sums1 = _input_row_sums(a1, config1, w13, scheme, rows, pdl)
+        sums1 = None if in_gemm.gemv1 else _input_row_sums(a1, config1, w13, scheme, rows, pdl)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
@@ -625,7 +689,9 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     gemm1_weight = "input" if on_input and scheme.act_quant == "none" else "none"
     inter = torch.empty(m * top_k, w13.n // 2, dtype=dt, device=dev)
-    pieces = _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
+    # (a GEMV GEMM2 finds its rows' amax itself; a GEMV GEMM1 leaves none)
+    gemv = in_gemm.gemv1 or in_gemm.gemv2
+    pieces = None if gemv else _amax_pieces_shape(scheme, m, top_k, config1, w13, activation)
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
     pieces2 = _gemm1_sum_pieces(rows, m * top_k, config1, config2, w13, w2, scheme, activation, dev)
@@ -635,7 +701,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
-    if in_gemm.gemm2 and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
+    if in_gemm.gemv2:  # the GEMV quantises each intermediate row itself
+        a2, a2_scale = inter, w2.input_scale if static else None
+        scale2 = _InputScale(rows=top_k, static=static, gemv=True)
+    elif in_gemm.gemm2 and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
         a2, a2_scale = inter, w2.input_scale if static else None
         scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static)
     elif amax is not None and scheme.act_quant in FP8_DYNAMIC_MODES:
@@ -646,12 +715,12 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     else:
         a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl,
                                  **_codes_dtype(scheme, config2, dt))
-    split = config2["SPLIT_K"]
+    split = 1 if in_gemm.gemv2 else config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)
     else:
         partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=dt, device=dev)
-    sums2 = pieces2 or _input_row_sums(a2, config2, w2, scheme, rows, pdl)
+    sums2 = None if in_gemm.gemv2 else pieces2 or _input_row_sums(a2, config2, w2, scheme, rows, pdl)
     _gemm(a2, a2_scale, w2, scheme, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
           row_sums=sums2)

@@ -129,9 +129,10 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (tile_config, "_num_sms", lambda device: DEVICE_SMS),
                    (triton_moe, "_paired_halves", lambda device, dtype: True),
                    (triton_moe, "_hardware_fp8_cast", lambda device: True),
-                   (triton_moe, "_hardware_e4m3_convert", lambda device: True)]
+                   (triton_moe, "_hardware_e4m3_convert", lambda device: True),
+                   (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
-                    for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel")]
+                    for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_one_token_gemv_kernel")]
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
         config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
@@ -155,24 +156,29 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         a1, a1_scale = _activations(kscheme, config1, m, shape.hidden, own.gemm1)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
-        pieces = triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13, "silu")
+        # (a one-token GEMV leaves no pieces and reads none)
+        pieces = None if own.gemv1 or own.gemv2 else triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13,
+                                                                                    "silu")
         amax = torch.empty(pieces, device="meta") if pieces else None
         # a ZERO_SUMS GEMM2's input sums: GEMM1's per-tile pieces where it leaves them
         pieces2 = triton_moe._gemm1_sum_pieces(rows, pairs, config1, config2, w13, w2, kscheme, "silu",
                                                torch.device("meta"))
         triton_moe._gemm(a1, a1_scale, w13, kscheme, inter, rows, config1, compute_dtype=torch.bfloat16, top_k=top_k,
                          topk_weights=weights, fuse_act="silu", amax_pieces=amax, pdl=True,
-                         input_scale=triton_moe._InputScale(rows=1, static=static) if own.gemm1 else None,
+                         input_scale=triton_moe._InputScale(rows=1, static=static, gemv=own.gemv1) if own.gemm1
+                         else None,
                          row_sums=_row_sums(a1, config1, w13, kscheme, rows),
                          sums_out=pieces2.sums if pieces2 else None)
         a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own.gemm2)
         scale2 = None
-        if own.gemm2 and (static or amax is not None):
+        if own.gemv2:
+            scale2 = triton_moe._InputScale(rows=pairs, static=static, gemv=True)
+        elif own.gemm2 and (static or amax is not None):
             scale2 = triton_moe._InputScale(rows=pairs, pieces=amax, pair_ids=torch.empty(pairs, dtype=torch.int32,
                                                                                           device="meta"), static=static)
         elif own.gemm2:  # GEMM2's input quantised by its own launch after all
             a2, a2_scale = _activations(kscheme, config2, pairs, w2.k)
-        split = config2["SPLIT_K"]
+        split = 1 if own.gemv2 else config2["SPLIT_K"]
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=torch.bfloat16, device="meta"))
         triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,

@@ -1,0 +1,214 @@
+"""One token's integer GEMMs as a GEMV on four-way integer dot products (dp4a), for int8
+activations and int4 (W4A8) or int8 weights.
+
+A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.moe_gemm`)
+pad the token to a 16-row matrix-unit tile and move its row into the operand layout through
+shared memory every K step, and at M = 1 they were held by instructions and latency, not by
+memory (H100, Qwen3-30B-A3B W4A8: 20.7 us of GEMMs for 18.9 MB of weights, 0.9 TB/s). Here each
+thread streams whole 32-bit words of codes and takes their products with the token's int8 codes
+four at a time (``dp4a``, int32): an int4 word is 8 codes, its low nibbles the even columns, its
+high nibbles the odd ones (the converted layout, see ``Scheme.weight_type`` uint4b8), each
+moved into the top of its byte so that the byte reads 16 * (code - 8) as int8 (the offset
+binary's top bit flipped: no subtraction, the 16 leaves with the token's scale); int8 words are
+4 codes as they are.
+
+Each program quantises its input row itself, once, before its loop, into a row of int8 codes in
+global memory (the token's even columns, then its odd ones, for int4 words), which its loop then
+reads as words: every program of a row writes the same codes, so the programs need no order.
+The codes are those of ``triton_ops``' per-token (or static) int8 quantisation (the same
+rounding, :func:`moe_gemm._codes_by_reciprocal`). Per-group weight scales multiply each group's
+int32 sum; per-channel ones, the bias, the router weight and the fused activation are the tile
+kernels' epilogue (:func:`moe_gemm._finish_tile`).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_gemm import _codes_by_reciprocal, _finish_tile, _scale_of, _weight_rows
+from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_release, grid_wait
+
+# weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
+# weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
+# activation); measured on an H100 over 16-64 rows and 32-64 words a step (docs/bench/gemv-s37-h100.txt)
+STEP_WORDS = 64
+BLOCK_N = 16
+NUM_WARPS = 4
+# input values a step of the prologue's amax and quantisation reads at most (a row up to this
+# long is read once)
+ROW_CHUNK = 4096
+# 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, each byte's top bit
+HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
+BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)
+# an int4 byte holds 16 * (code - 8) once its nibble is moved up (see the module note)
+NIBBLE_UNIT = tl.constexpr(0.0625)
+
+
+@functools.cache
+def dp4a_in_ptx(device: torch.device) -> bool:
+    """Whether the kernel's dot products are the GPU's ``dp4a`` (compiled for an NVIDIA GPU), not
+    their plain-Triton equivalent (the interpreter)."""
+    return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _dp4a(a, b, acc, PTX: tl.constexpr):
+    """acc + the sum of the four products of the signed bytes of int32 words ``a`` and ``b``."""
+    if PTX:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, acc],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = acc
+        for i in tl.static_range(4):  # byte i, sign-extended: to the top, then arithmetically down
+            out += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+    return out
+
+
+@triton.jit
+def _quantise_row(a_row, a_scale_ptr, codes_row, K, STATIC: tl.constexpr, PACKED: tl.constexpr,
+                  CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """The row's int8 scale (the static one, or max(amax, 1e-10) / 127 as triton_ops finds it),
+    its codes written into ``codes_row`` [K]: in column order, or (PACKED) its even columns then
+    its odd ones, as the int4 words' low and high nibbles take them. ONE_CHUNK (K <= CHUNK): the
+    row is read once, its amax and codes from the same registers."""
+    cols = tl.arange(0, CHUNK)
+    if ONE_CHUNK:
+        v = tl.load(a_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.abs(v)
+    else:
+        amax = tl.zeros([CHUNK], tl.float32)
+        for k0 in tl.range(0, K, CHUNK, num_stages=1):
+            amax = tl.maximum(amax, tl.abs(tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
+    if STATIC:
+        scale = tl.load(a_scale_ptr).to(tl.float32)
+    else:
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), INT8_MAX)
+    reciprocal = tl.math.div_rn(1.0, scale)
+    if ONE_CHUNK:
+        _store_codes(v, codes_row, 0, K, scale, reciprocal, PACKED, CHUNK)
+    else:
+        for k0 in tl.range(0, K, CHUNK, num_stages=1):
+            v = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
+            _store_codes(v, codes_row, k0, K, scale, reciprocal, PACKED, CHUNK)
+    return scale
+
+
+@triton.jit
+def _store_codes(v, codes_row, k0, K, scale, reciprocal, PACKED: tl.constexpr, CHUNK: tl.constexpr):
+    """The codes of the row's values ``v`` from column ``k0`` on (see :func:`_quantise_row`)."""
+    codes = _codes_by_reciprocal(v, scale, reciprocal, "int8", False)
+    if PACKED:
+        even, odd = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
+        half = k0 // 2 + tl.arange(0, CHUNK // 2)
+        tl.store(codes_row + half, even, mask=half < K // 2)
+        tl.store(codes_row + K // 2 + half, odd, mask=half < K // 2)
+    else:
+        cols = k0 + tl.arange(0, CHUNK)
+        tl.store(codes_row + cols, codes, mask=cols < K)
+
+
+@triton.jit
+def _step(acc, w, x_words, scale_ptrs, w0, x_word, k_words, stride_sk, PACKED: tl.constexpr, W_SCALE: tl.constexpr,
+          GROUP_WORDS: tl.constexpr, PTX: tl.constexpr, MASKED: tl.constexpr):
+    """``acc`` [BN, groups, words] + one K step: the weight words ``w`` from word ``w0`` of their
+    rows times the input's codes there, each group's int32 sums times the group's scales (per
+    channel: left to the epilogue). MASKED: the step runs past K (the words past it are zero)."""
+    if MASKED:
+        in_k = w0 + x_word < k_words
+        if PACKED:
+            even = tl.load(x_words + w0 + x_word, mask=in_k, other=0)
+            odd = tl.load(x_words + k_words + w0 + x_word, mask=in_k, other=0)
+        else:
+            x = tl.load(x_words + w0 + x_word, mask=in_k, other=0)
+    elif PACKED:
+        even = tl.load(x_words + w0 + x_word)
+        odd = tl.load(x_words + k_words + w0 + x_word)
+    else:
+        x = tl.load(x_words + w0 + x_word)
+    if PACKED:  # low nibbles (even columns) and high nibbles (odd), each the top of its byte
+        sums = _dp4a((w << 4) & HIGH_NIBBLES ^ BYTE_SIGNS, even[None, :, :], tl.zeros_like(w), PTX)
+        sums = _dp4a(w & HIGH_NIBBLES ^ BYTE_SIGNS, odd[None, :, :], sums, PTX)
+    else:
+        sums = _dp4a(w, x[None, :, :], tl.zeros_like(w), PTX)
+    if W_SCALE == "group":
+        first = w0 // GROUP_WORDS
+        if MASKED:
+            groups = first + tl.arange(0, x_word.shape[0])[None, :]
+            s = tl.load(scale_ptrs + first * stride_sk, mask=groups * GROUP_WORDS < k_words, other=0)
+        else:
+            s = tl.load(scale_ptrs + first * stride_sk)
+        acc += sums.to(tl.float32) * _scale_of(s).to(tl.float32)[:, :, None]
+    else:
+        acc += sums.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _one_token_gemv_kernel(
+        a_ptr, a_scale_ptr, codes_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, topk_weights_ptr, expert_ids_ptr,
+        N, K, num_experts, stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm,
+        PACKED: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, STATIC: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, FUSE_ACT: tl.constexpr,
+        PTX: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr, CHUNK: tl.constexpr,
+        ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """C[pair, column tile] of one token's (token, expert) pair ``program_id(1)`` (its expert from
+    the router's ids): the pair's input row quantised to int8, then the int32 dot products of its
+    codes with the expert's weight rows a word at a time, through the tile kernels' epilogue.
+    The weights' K is a multiple of a word's codes and their rows start at word boundaries
+    (:func:`gemv_fits`)."""
+    CODES: tl.constexpr = 8 if PACKED else 4  # codes per weight word
+    # a step's words as [groups, words of a group]: one scale per group and row (per-channel
+    # weights: a step is one "group" of scale 1, their scale left to the epilogue)
+    GROUP_WORDS: tl.constexpr = W_GROUP // CODES if W_SCALE == "group" else STEP_WORDS
+    STEP_GROUPS: tl.constexpr = STEP_WORDS // GROUP_WORDS
+    tl.static_assert(W_SCALE == "channel" or W_SCALE == "group" and W_GROUP % CODES == 0
+                     and STEP_WORDS % GROUP_WORDS == 0, "a step holds whole weight groups of whole words")
+    grid_wait(PDL)
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):  # another rank's expert: its row is never read
+        return
+    k_words = K // CODES
+    offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    group = tl.arange(0, STEP_GROUPS)[None, :, None]
+    word = group * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, None, :]  # [1, groups, words]
+    w_ptrs = (b_ptr + expert * stride_be + offs_bn.to(tl.int64)[:, None, None] * stride_bn).to(
+        tl.pointer_type(tl.int32)) + word
+    # the first step's weights are on their way while the row is quantised
+    w_next = tl.load(w_ptrs, mask=word < k_words, other=0)
+
+    a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+    codes_row = codes_ptr + (pair // TOP_K).to(tl.int64) * K
+    scale = _quantise_row(a_row, a_scale_ptr, codes_row, K, STATIC, PACKED, CHUNK, ONE_CHUNK)
+    tl.debug_barrier()  # the program's codes are written before any of its threads reads them
+    x_words = codes_row.to(tl.pointer_type(tl.int32))
+    x_word = tl.arange(0, STEP_GROUPS)[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]
+    scale_ptrs = (b_scale_ptr + expert * stride_se + offs_bn[:, None] * stride_sn
+                  + tl.arange(0, STEP_GROUPS)[None, :] * stride_sk)
+
+    # whole steps unmasked (the next one's weights loaded before this one's are used; the last
+    # step loads itself again rather than past the row), then the masked rest of K
+    whole = k_words // STEP_WORDS * STEP_WORDS
+    acc = tl.zeros([BLOCK_N, STEP_GROUPS, GROUP_WORDS], tl.float32)
+    for w0 in tl.range(0, whole, STEP_WORDS, num_stages=1):
+        w = w_next
+        w_next = tl.load(w_ptrs + tl.minimum(w0 + STEP_WORDS, whole - STEP_WORDS))
+        acc = _step(acc, w, x_words, scale_ptrs, w0, x_word, k_words, stride_sk, PACKED, W_SCALE, GROUP_WORDS, PTX,
+                    False)
+    if whole < k_words:
+        w = tl.load(w_ptrs + whole, mask=whole + word < k_words, other=0)
+        acc = _step(acc, w, x_words, scale_ptrs, whole, x_word, k_words, stride_sk, PACKED, W_SCALE, GROUP_WORDS, PTX,
+                    True)
+    grid_release(PDL)
+
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * (scale * NIBBLE_UNIT if PACKED else scale)
+    scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
+    row = tl.full([1], pair, tl.int32)
+    stored = tl.full([1], True, tl.int1)
+    _finish_tile(out[None, :], expert, row, stored, stored, offs_bn, pid_n, 0, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, 0, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, False, FUSE_ACT, 1,
+                 BLOCK_N, c_ptr, 0, "none")

@@ -1,0 +1,179 @@
+"""One token's int8-activation GEMMs as one_token_gemv's dp4a GEMV (triton_moe.ONE_TOKEN_GEMV): which
+layers take it, that both GEMMs then launch it and nothing else quantises, and its numbers against
+the tile kernels' and the reference, over K with whole steps and a masked rest, rows read in one
+chunk and in several, group and channel scales, static and per-token scales, a foreign expert.
+In Triton's interpreter on the CPU (its dp4a the plain-Triton form); on a GPU (``-m gpu``) the
+PTX dp4a at a model's sizes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from launch_spy import LaunchSpy  # noqa: E402
+from moe_registry_kernels import one_token_gemv, quant_ref, triton_moe  # noqa: E402
+from moe_registry_kernels.reference import reference_moe  # noqa: E402
+from moe_registry_kernels.triton_moe import TritonExperts  # noqa: E402
+
+from moe_registry.core.keys import parse_quant_key  # noqa: E402
+from moe_registry.layer.experts import ExpertsConfig  # noqa: E402
+
+INT8_TOKEN = "int8 scale:float32:token:dynamic"
+INT8_STATIC = "int8 scale:float32:tensor:static"
+# (weight key, activation key) of the layers the GEMV takes
+GEMV_SCHEMES = {
+    "w4a8-g128-bf16": ("uint4b8 scale:bfloat16:group(128):static", INT8_TOKEN),
+    "w4a8-g32": ("uint4b8 scale:float32:group(32):static", INT8_TOKEN),
+    "w4a8-channel": ("uint4b8 scale:float16:channel:static", INT8_TOKEN),
+    "w8a8-int8-token": ("int8 scale:float32:channel:static", INT8_TOKEN),
+    "w8a8-int8-static": ("int8 scale:float32:tensor:static", INT8_STATIC),
+}
+E = 6
+# hidden 640: int4 rows of 80 words (a whole 64-word step and a masked rest), int8 rows of 160 (two
+# and a rest); intermediate 96: one masked step
+CPU_SIZES = (640, 96)
+GPU_SIZES = (2048 + 640, 1408)
+
+
+def _layer(scheme: str, hidden: int, inter: int, device: str, seed: int = 0):
+    wk, ak = GEMV_SCHEMES[scheme]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E,
+                                                   hidden=hidden, intermediate=inter, dtype=torch.float16,
+                                                   bias=True, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(1, hidden, generator=g) * 2).to(torch.float16)
+    ids = torch.randperm(E, generator=g)[:3].reshape(1, 3).to(torch.int32)
+    ids[0, 1] = -1  # a pair routed to another rank's expert: never read, no output
+    router = torch.rand(1, 3, generator=g) + 0.1
+    return weights.to(device), x.to(device), router.to(device), ids.to(device)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _gemv_against_tiles(scheme: str, sizes: tuple[int, int], device: str, monkeypatch, seed: int = 0):
+    """(GEMV layer output, the tile kernels' output, reference), with the GEMV's launches and the
+    layer's quantisation calls checked."""
+    weights, x, router, ids = _layer(scheme, *sizes, device, seed)
+    experts = TritonExperts(weights, ExpertsConfig())
+    gemv_grids: list = []
+    monkeypatch.setattr(triton_moe, "_one_token_gemv_kernel", LaunchSpy(triton_moe._one_token_gemv_kernel,
+                                                                        gemv_grids))
+    tile_grids: list = []
+    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, tile_grids))
+    quantised: list = []
+    real_quantize = triton_moe._quantize
+    monkeypatch.setattr(triton_moe, "_quantize", lambda *a, **k: quantised.append(1) or real_quantize(*a, **k))
+    got = experts.apply(x, router, ids)
+    assert len(gemv_grids) == 2 and tile_grids == [] and quantised == []
+    # a program per (column tile, pair): GEMM1's tiles hold BLOCK_N / 2 gate and up rows each
+    inter, hidden = sizes[1], sizes[0]
+    assert gemv_grids == [(inter // (one_token_gemv.BLOCK_N // 2), 3), (hidden // one_token_gemv.BLOCK_N, 3)]
+    monkeypatch.setattr(triton_moe, "ONE_TOKEN_GEMV", False)
+    tiles = experts.apply(x, router, ids)
+    assert len(tile_grids) == 2  # the tile kernels (quantising in the GEMM or by launches, by budget)
+    ref = reference_moe(x, router, ids, weights, ExpertsConfig())
+    return got, tiles, ref
+
+
+@pytest.mark.parametrize("scheme", list(GEMV_SCHEMES))
+def test_one_token_gemv_matches_the_tile_kernels_and_the_reference(scheme, monkeypatch):
+    """Both GEMMs of a one-token layer with int8 activations on int4 or int8 weights run as the
+    GEMV, no quantisation launch; its output is the tile kernels' (the same int8 codes and int32
+    sums, float32 sums in another order) and near the reference."""
+    got, tiles, ref = _gemv_against_tiles(scheme, CPU_SIZES, "cpu", monkeypatch)
+    assert _rel_err(got, tiles) < 2e-3
+    assert _rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.parametrize("scheme", ["w4a8-g128-bf16", "w8a8-int8-token"])
+def test_one_token_gemv_reads_long_rows_in_chunks(scheme, monkeypatch):
+    """Rows longer than ROW_CHUNK are quantised a chunk at a time (amax over all of them first):
+    the same output as rows read at once."""
+    weights, x, router, ids = _layer(scheme, *CPU_SIZES, "cpu")
+    experts = TritonExperts(weights, ExpertsConfig())
+    whole = experts.apply(x, router, ids)
+    monkeypatch.setattr(one_token_gemv, "ROW_CHUNK", 128)  # 640 and 96 columns: five chunks, and one
+    chunked = experts.apply(x, router, ids)
+    assert torch.equal(chunked, whole)
+
+
+def test_one_token_gemv_quantises_as_the_quantisation_kernel():
+    """The codes a GEMV program writes are act_quant's, split into even and odd columns for int4
+    words: every rounding tie and saturation the same."""
+    from moe_registry_kernels import triton_ops
+
+    k, unit = 640, 2.0 ** -4  # amax 127 units: the scale is the unit itself, exactly
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(1, k, generator=g) * 2).clamp(-7.8, 7.8)
+    x[0, :9] = torch.tensor([0.5, -0.5, 1.5, -2.5, 126.5, -126.5, 0.0, 3.0, 127.0]) * unit  # ties, the amax
+    x = x.to(torch.float16)
+    want, scale = triton_ops.act_quant(x, "none", "int8_token")
+    assert scale.item() == unit and want[0, 4] == 126 and want[0, 2] == 2  # ties to even
+    weights = torch.zeros(1, 16, k // 2, dtype=torch.uint8)
+    scales = torch.ones(1, 16, 1, dtype=torch.float16)
+    for packed, order in ((True, torch.cat([want[0, 0::2], want[0, 1::2]])), (False, want[0])):
+        codes = torch.full((1, k), 99, dtype=torch.int8)
+        w = weights if packed else torch.zeros(1, 16, k, dtype=torch.int8)
+        c = torch.empty(1, 16, dtype=torch.float16)
+        ids = torch.zeros(1, dtype=torch.int32)
+        one_token_gemv._one_token_gemv_kernel[(1, 1)](
+            x, x, codes, w, scales, x, c, x, ids, 16, k, 1, x.stride(0), w.stride(0), w.stride(1), scales.stride(0),
+            scales.stride(1), 0, c.stride(0), PACKED=packed, W_SCALE="channel", W_GROUP=0, STATIC=False,
+            HAS_BIAS=False, ROUTED_WEIGHT="none", TOP_K=1, FUSE_ACT="none", PTX=False, BLOCK_N=16, STEP_WORDS=64,
+            CHUNK=1024, ONE_CHUNK=True, PDL=False)
+        assert torch.equal(codes[0], order)
+
+
+def _proj(weight: torch.Tensor, scale: torch.Tensor, *, zero=None, perm=None, k: int | None = None):
+    return triton_moe._Proj(weight, scale, zero, perm, None, None, weight.shape[1], k or weight.shape[2] * 2)
+
+
+def test_which_one_token_gemms_take_the_gemv(monkeypatch):
+    """The GEMV takes int8 activations per token or static on uint4b8 or int8 codes with 16/32-bit
+    channel or group scales (groups of whole words, at most a step) in column order, rows of
+    aligned words; anything else keeps the tile kernels."""
+    w4a8 = triton_moe.scheme_from_keys("uint4b8 scale:bfloat16:group(128):static", INT8_TOKEN)
+    w4, s4 = torch.zeros(2, 32, 64, dtype=torch.uint8), torch.ones(2, 32, 1, dtype=torch.bfloat16)
+    assert triton_moe._takes_gemv(w4a8, _proj(w4, s4))
+    assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4, zero=s4))
+    assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4, perm=torch.zeros(2, 128, dtype=torch.int32)))
+    assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4.to(torch.float8_e4m3fn)))
+    assert not triton_moe._takes_gemv(w4a8, _proj(w4[:, :, :62], s4, k=124))  # K not whole words
+    assert not triton_moe._takes_gemv(w4a8, _proj(torch.zeros(2, 32, 66, dtype=torch.uint8)[:, :, 1:65], s4))
+    wide = triton_moe.scheme_from_keys("uint4b8 scale:float16:group(1024):static", INT8_TOKEN)
+    assert not triton_moe._takes_gemv(wide, _proj(w4, s4))  # a group past a step's 64 words
+    w4a16 = triton_moe.scheme_from_keys("uint4b8 scale:float16:group(128):static", "unquantized")
+    assert not triton_moe._takes_gemv(w4a16, _proj(w4, s4))
+    w8a8 = triton_moe.scheme_from_keys("int8 scale:float32:channel:static", INT8_STATIC)
+    assert triton_moe._takes_gemv(w8a8, _proj(torch.zeros(2, 32, 64, dtype=torch.int8),
+                                              torch.ones(2, 32, 1), k=64))
+    monkeypatch.setattr(triton_moe, "ONE_TOKEN_GEMV", False)
+    assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4))
+
+
+def test_one_token_gemv_has_no_weight_budget(monkeypatch):
+    """A GEMV quantises its row once a program, not once a K step: past SCALE_IN_GEMM_MAX_BYTES both
+    GEMMs still take it, and no quantisation launch runs."""
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", 0)
+    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", {})
+    got, _, ref = _gemv_against_tiles("w4a8-g32", CPU_SIZES, "cpu", monkeypatch)
+    assert _rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", list(GEMV_SCHEMES))
+def test_one_token_gemv_on_the_gpu(scheme, monkeypatch):
+    """The PTX dp4a at a model's sizes (hidden 2688: five whole steps of int4 words and a masked
+    rest; intermediate 1408): the tile kernels' output and near the reference."""
+    got, tiles, ref = _gemv_against_tiles(scheme, GPU_SIZES, "cuda", monkeypatch)
+    assert _rel_err(got, tiles) < 2e-3
+    assert _rel_err(got, ref) < 2e-2
