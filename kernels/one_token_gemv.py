@@ -12,12 +12,13 @@ moved into the top of its byte so that the byte reads 16 * (code - 8) as int8 (t
 binary's top bit flipped: no subtraction, the 16 leaves with the token's scale); int8 words are
 4 codes as they are.
 
-Each program quantises its input row itself, once, before its loop, into a row of int8 codes in
-global memory (the token's even columns, then its odd ones, for int4 words), which its loop then
-reads as words: every program of a row writes the same codes, so the programs need no order.
-The codes are those of ``triton_ops``' per-token (or static) int8 quantisation (the same
-rounding, :func:`moe_gemm._codes_by_reciprocal`). Per-group weight scales multiply each group's
-int32 sum; per-channel ones, the bias, the router weight and the fused activation are the tile
+The GEMV reads its input as codes :func:`_quantise_rows_kernel` wrote just before it, a program a
+row: the codes of ``triton_ops``' per-token (or static) int8 quantisation (the same rounding,
+:func:`moe_gemm._codes_by_reciprocal`), for int4 words the row's even columns then its odd ones.
+(Each GEMV program quantising its row itself into one shared buffer ran the layer 1.6-1.9x
+slower than the tile kernels on Mixtral's shape: thousands of programs writing the same few
+kilobytes; docs/bench/gemv-s37-h100.txt.) Per-group weight scales multiply each group's int32
+sum; per-channel ones, the bias, the router weight and the fused activation are the tile
 kernels' epilogue (:func:`moe_gemm._finish_tile`).
 """
 
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemm import _codes_by_reciprocal, _finish_tile, _scale_of, _weight_rows
-from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_release, grid_wait
+from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_dependency, grid_release, grid_wait
 
 # weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
 # weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
@@ -37,9 +38,10 @@ from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_release, grid_wait
 STEP_WORDS = 64
 BLOCK_N = 16
 NUM_WARPS = 4
-# input values a step of the prologue's amax and quantisation reads at most (a row up to this
-# long is read once)
+# input values a step of the quantisation's amax and codes reads at most (a row up to this long
+# is read once)
 ROW_CHUNK = 4096
+QUANT_WARPS = 8
 # 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, each byte's top bit
 HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
 BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)
@@ -111,6 +113,25 @@ def _store_codes(v, codes_row, k0, K, scale, reciprocal, PACKED: tl.constexpr, C
 
 
 @triton.jit
+def _quantise_rows_kernel(a_ptr, a_scale_ptr, codes_ptr, scales_ptr, expert_ids_ptr, K, stride_am, num_experts,
+                          STATIC: tl.constexpr, PACKED: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                          PAIR_ROWS: tl.constexpr, PDL: tl.constexpr):
+    """Row ``program_id(0)`` of A [rows, K] as the GEMV reads it: its int8 codes into codes [rows,
+    K] (see :func:`_quantise_row`), its scale into scales [rows]. PAIR_ROWS: A's rows are the
+    pairs' (GEMM2's input), and the row of a pair routed to another rank's expert, which GEMM1
+    never wrote, is left alone."""
+    grid_dependency(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    if PAIR_ROWS:
+        expert = tl.load(expert_ids_ptr + row)
+        if (expert < 0) | (expert >= num_experts):
+            return
+    scale = _quantise_row(a_ptr + row * stride_am, a_scale_ptr, codes_ptr + row * K, K, STATIC, PACKED, CHUNK,
+                          ONE_CHUNK)
+    tl.store(scales_ptr + row, scale)
+
+
+@triton.jit
 def _step(acc, w, x_words, scale_ptrs, w0, x_word, k_words, stride_sk, PACKED: tl.constexpr, W_SCALE: tl.constexpr,
           GROUP_WORDS: tl.constexpr, PTX: tl.constexpr, MASKED: tl.constexpr):
     """``acc`` [BN, groups, words] + one K step: the weight words ``w`` from word ``w0`` of their
@@ -148,17 +169,16 @@ def _step(acc, w, x_words, scale_ptrs, w0, x_word, k_words, stride_sk, PACKED: t
 
 @triton.jit
 def _one_token_gemv_kernel(
-        a_ptr, a_scale_ptr, codes_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, topk_weights_ptr, expert_ids_ptr,
-        N, K, num_experts, stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm,
-        PACKED: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, STATIC: tl.constexpr,
-        HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, FUSE_ACT: tl.constexpr,
-        PTX: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr, CHUNK: tl.constexpr,
-        ONE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+        codes_ptr, a_scales_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, topk_weights_ptr, expert_ids_ptr,
+        N, K, num_experts, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm,
+        PACKED: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, FUSE_ACT: tl.constexpr, PTX: tl.constexpr,
+        BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr, PDL: tl.constexpr):
     """C[pair, column tile] of one token's (token, expert) pair ``program_id(1)`` (its expert from
-    the router's ids): the pair's input row quantised to int8, then the int32 dot products of its
-    codes with the expert's weight rows a word at a time, through the tile kernels' epilogue.
-    The weights' K is a multiple of a word's codes and their rows start at word boundaries
-    (:func:`gemv_fits`)."""
+    the router's ids): the int32 dot products of its input row's codes (codes [A rows, K], their
+    scales [A rows], as :func:`_quantise_rows_kernel` wrote them) with the expert's weight rows a
+    word at a time, through the tile kernels' epilogue. The weights' K is a multiple of a word's
+    codes and their rows start at word boundaries (triton_moe._takes_gemv)."""
     CODES: tl.constexpr = 8 if PACKED else 4  # codes per weight word
     # a step's words as [groups, words of a group]: one scale per group and row (per-channel
     # weights: a step is one "group" of scale 1, their scale left to the epilogue)
@@ -166,10 +186,9 @@ def _one_token_gemv_kernel(
     STEP_GROUPS: tl.constexpr = STEP_WORDS // GROUP_WORDS
     tl.static_assert(W_SCALE == "channel" or W_SCALE == "group" and W_GROUP % CODES == 0
                      and STEP_WORDS % GROUP_WORDS == 0, "a step holds whole weight groups of whole words")
-    grid_wait(PDL)
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
-    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pair).to(tl.int64)  # the router's: written before the layer's chain
     if (expert < 0) | (expert >= num_experts):  # another rank's expert: its row is never read
         return
     k_words = K // CODES
@@ -178,13 +197,12 @@ def _one_token_gemv_kernel(
     word = group * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, None, :]  # [1, groups, words]
     w_ptrs = (b_ptr + expert * stride_be + offs_bn.to(tl.int64)[:, None, None] * stride_bn).to(
         tl.pointer_type(tl.int32)) + word
-    # the first step's weights are on their way while the row is quantised
+    # the first step's weights (which no kernel writes) are on their way while the kernel before
+    # this one (the quantisation) drains
     w_next = tl.load(w_ptrs, mask=word < k_words, other=0)
-
-    a_row = a_ptr + (pair // TOP_K).to(tl.int64) * stride_am
+    grid_wait(PDL)
     codes_row = codes_ptr + (pair // TOP_K).to(tl.int64) * K
-    scale = _quantise_row(a_row, a_scale_ptr, codes_row, K, STATIC, PACKED, CHUNK, ONE_CHUNK)
-    tl.debug_barrier()  # the program's codes are written before any of its threads reads them
+    scale = tl.load(a_scales_ptr + pair // TOP_K)
     x_words = codes_row.to(tl.pointer_type(tl.int32))
     x_word = tl.arange(0, STEP_GROUPS)[:, None] * GROUP_WORDS + tl.arange(0, GROUP_WORDS)[None, :]
     scale_ptrs = (b_scale_ptr + expert * stride_se + offs_bn[:, None] * stride_sn

@@ -65,7 +65,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 from .fp4_dequant import e2m1_register_order
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
-from .one_token_gemv import _one_token_gemv_kernel, dp4a_in_ptx
+from .one_token_gemv import _one_token_gemv_kernel, _quantise_rows_kernel, dp4a_in_ptx
 from .scheme import Scheme, packed, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
@@ -128,8 +128,8 @@ ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
 # one token's per-token or static int8 activations on int4 (W4A8) or int8 weights: both GEMMs run
-# as one_token_gemv's GEMV, each program quantising its row itself, whatever the weights' size
-# (H100, M = 1: docs/bench/gemv-s37-h100.txt)
+# as one_token_gemv's GEMV, each after a launch quantising its input rows, whatever the weights'
+# size (M = 1: docs/bench/gemv-s37-h100.txt)
 ONE_TOKEN_GEMV = True
 GEMV_QUANTS = ("int8_token", "int8_static")
 GEMV_WEIGHTS = {"uint4b8": 8, "int8": 4}  # weight type -> codes per 32-bit word
@@ -196,7 +196,7 @@ class _InputScale:
     pieces: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
     static: bool = False
-    gemv: bool = False  # the GEMM runs as one_token_gemv's GEMV, the scale static or its own row's (_takes_gemv)
+    gemv: bool = False  # the GEMM runs as one_token_gemv's GEMV (_takes_gemv), each row at the static scale or its own
 
     @property
     def source(self) -> str:
@@ -365,10 +365,11 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
 
 
 def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
-    """Whether a one-token GEMM that quantises its input itself runs as one_token_gemv's GEMV
-    (ONE_TOKEN_GEMV): int8 activations per token or static, int4 (W4A8) or int8 codes with no
-    zero points in column order, per-channel scales or 16/32-bit group scales of whole words a
-    group (at most a step's), and weight rows the kernel can read as aligned 32-bit words."""
+    """Whether a one-token GEMM given its 16-bit input runs as one_token_gemv's GEMV, which
+    quantises it by a launch of its own (ONE_TOKEN_GEMV): int8 activations per token or static,
+    int4 (W4A8) or int8 codes with no zero points in column order, per-channel scales or 16/32-bit
+    group scales of whole words a group (at most a step's), and weight rows the kernel can read as
+    aligned 32-bit words."""
     codes = GEMV_WEIGHTS.get(scheme.weight_type)
     if not (ONE_TOKEN_GEMV and codes and scheme.act_quant in GEMV_QUANTS and w.zero is None and w.perm is None
             and w.scale is not None and w.scale.dtype in GEMV_SCALE_DTYPES):
@@ -386,25 +387,29 @@ def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
 
 def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor, rows: _Rows, *,
           top_k: int, routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool) -> None:
-    """Launch one_token_gemv's kernel: C [pairs, N] (or [pairs, N / 2] with ``fuse_act``) of one
-    token's pairs, a program per (column tile, pair); each writes its input row's int8 codes into
-    a buffer of A's rows first."""
+    """One token's GEMM as one_token_gemv's two launches: A's rows quantised to int8 codes as the
+    GEMV reads them (at ``a_scale``, the static scale, or each row's own), then the GEMV writing C
+    [pairs, N] (or [pairs, N / 2] with ``fuse_act``), a program per (column tile, pair)."""
     dummy = w.weight
-    codes = torch.empty(a.shape[0], w.k, dtype=torch.int8, device=a.device)
+    rows_in, k = a.shape[0], w.k
+    codes = torch.empty(rows_in, k, dtype=torch.int8, device=a.device)
+    scales = torch.empty(rows_in, dtype=torch.float32, device=a.device)
+    chunk = min(one_token_gemv.ROW_CHUNK, triton.next_power_of_2(k))
+    _quantise_rows_kernel[(rows_in,)](
+        a, a_scale if a_scale is not None else dummy, codes, scales, rows.expert_ids, k, a.stride(0),
+        w.weight.shape[0], STATIC=a_scale is not None, PACKED=scheme.packed, CHUNK=chunk, ONE_CHUNK=k <= chunk,
+        PAIR_ROWS=top_k == 1, PDL=pdl, num_warps=one_token_gemv.QUANT_WARPS, **triton_ops.pdl_launch(pdl))
     scale = w.scale
     group = scheme.weight_scale == "group"
     grid = (_column_tiles(w.n, one_token_gemv.BLOCK_N, fuse_act), rows.expert_ids.numel())
     _one_token_gemv_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, codes, w.weight, scale,
-        w.bias if w.bias is not None else dummy, c, topk_weights if topk_weights is not None else dummy,
-        rows.expert_ids, w.n, w.k, w.weight.shape[0], a.stride(0), w.weight.stride(0), w.weight.stride(1),
-        scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2),
-        PACKED=scheme.packed, W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, STATIC=a_scale is not None,
+        codes, scales, w.weight, scale, w.bias if w.bias is not None else dummy, c,
+        topk_weights if topk_weights is not None else dummy, rows.expert_ids, w.n, k, w.weight.shape[0],
+        w.weight.stride(0), w.weight.stride(1), scale.stride(0), scale.stride(1), scale.stride(2) if group else 0,
+        c.stride(-2), PACKED=scheme.packed, W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group,
         HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act,
-        PTX=dp4a_in_ptx(a.device), BLOCK_N=one_token_gemv.BLOCK_N, STEP_WORDS=one_token_gemv.STEP_WORDS,
-        CHUNK=min(one_token_gemv.ROW_CHUNK, triton.next_power_of_2(w.k)), ONE_CHUNK=w.k <= one_token_gemv.ROW_CHUNK,
-        PDL=pdl, num_warps=one_token_gemv.NUM_WARPS, num_stages=1,
-        **triton_ops.pdl_launch(pdl))
+        PTX=dp4a_in_ptx(a.device), BLOCK_N=one_token_gemv.BLOCK_N, STEP_WORDS=one_token_gemv.STEP_WORDS, PDL=pdl,
+        num_warps=one_token_gemv.NUM_WARPS, num_stages=1, **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
@@ -559,7 +564,7 @@ def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _
     the token's experts' weights within SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in
     the hidden state) or GEMM2's budget for the activation quantisation (SCALE_IN_GEMM2_MAX_BYTES,
     else the same; GEMM2 finds the scale in GEMM1's amax pieces). A GEMM the GEMV takes
-    (_takes_gemv) has no budget: it quantises its row once a program, not once a K step."""
+    (_takes_gemv) has no budget: its input is quantised once, by the GEMV's own launch."""
     if not (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None):
         return _OneTokenQuant()
     weight_bytes = _expert_weight_bytes(w13, w2) * top_k

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from launch_spy import LaunchSpy  # noqa: E402
-from moe_registry_kernels import one_token_gemv, quant_ref, triton_moe  # noqa: E402
+from moe_registry_kernels import one_token_gemv, quant_ref, triton_moe, triton_ops  # noqa: E402
 from moe_registry_kernels.reference import reference_moe  # noqa: E402
 from moe_registry_kernels.triton_moe import TritonExperts  # noqa: E402
 
@@ -106,30 +106,38 @@ def test_one_token_gemv_reads_long_rows_in_chunks(scheme, monkeypatch):
 
 
 def test_one_token_gemv_quantises_as_the_quantisation_kernel():
-    """The codes a GEMV program writes are act_quant's, split into even and odd columns for int4
-    words: every rounding tie and saturation the same."""
-    from moe_registry_kernels import triton_ops
-
+    """The codes the GEMV's quantisation launch writes are act_quant's, split into even and odd
+    columns for int4 words: every rounding tie and saturation the same, its scale too."""
     k, unit = 640, 2.0 ** -4  # amax 127 units: the scale is the unit itself, exactly
     g = torch.Generator().manual_seed(4)
-    x = (torch.randn(1, k, generator=g) * 2).clamp(-7.8, 7.8)
+    x = (torch.randn(2, k, generator=g) * 2).clamp(-7.8, 7.8)
     x[0, :9] = torch.tensor([0.5, -0.5, 1.5, -2.5, 126.5, -126.5, 0.0, 3.0, 127.0]) * unit  # ties, the amax
     x = x.to(torch.float16)
-    want, scale = triton_ops.act_quant(x, "none", "int8_token")
-    assert scale.item() == unit and want[0, 4] == 126 and want[0, 2] == 2  # ties to even
-    weights = torch.zeros(1, 16, k // 2, dtype=torch.uint8)
-    scales = torch.ones(1, 16, 1, dtype=torch.float16)
-    for packed, order in ((True, torch.cat([want[0, 0::2], want[0, 1::2]])), (False, want[0])):
-        codes = torch.full((1, k), 99, dtype=torch.int8)
-        w = weights if packed else torch.zeros(1, 16, k, dtype=torch.int8)
-        c = torch.empty(1, 16, dtype=torch.float16)
-        ids = torch.zeros(1, dtype=torch.int32)
-        one_token_gemv._one_token_gemv_kernel[(1, 1)](
-            x, x, codes, w, scales, x, c, x, ids, 16, k, 1, x.stride(0), w.stride(0), w.stride(1), scales.stride(0),
-            scales.stride(1), 0, c.stride(0), PACKED=packed, W_SCALE="channel", W_GROUP=0, STATIC=False,
-            HAS_BIAS=False, ROUTED_WEIGHT="none", TOP_K=1, FUSE_ACT="none", PTX=False, BLOCK_N=16, STEP_WORDS=64,
-            CHUNK=1024, ONE_CHUNK=True, PDL=False)
-        assert torch.equal(codes[0], order)
+    want, want_scale = triton_ops.act_quant(x, "none", "int8_token")
+    assert want_scale[0].item() == unit and want[0, 4] == 126 and want[0, 2] == 2  # ties to even
+    for packed, order in ((True, torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)), (False, want)):
+        for chunk in (1024, 256):
+            codes = torch.full((2, k), 99, dtype=torch.int8)
+            scales = torch.zeros(2)
+            one_token_gemv._quantise_rows_kernel[(2,)](x, x, codes, scales, x, k, x.stride(0), 1, STATIC=False,
+                                                       PACKED=packed, CHUNK=chunk, ONE_CHUNK=chunk >= k,
+                                                       PAIR_ROWS=False, PDL=False)
+            assert torch.equal(codes, order) and torch.equal(scales, want_scale.reshape(-1))
+
+
+def test_one_token_gemv_leaves_the_rows_of_foreign_pairs_alone():
+    """GEMM2's input rows are the pairs': the row of a pair routed to another rank's expert (never
+    written by GEMM1: NaN here) is neither read nor quantised, and the other rows are."""
+    k = 64
+    x = torch.randn(3, k).to(torch.float16)
+    x[1] = float("nan")
+    ids = torch.tensor([2, -1, 0], dtype=torch.int32)
+    codes, scales = torch.full((3, k), 99, dtype=torch.int8), torch.full((3,), -1.0)
+    one_token_gemv._quantise_rows_kernel[(3,)](x, x, codes, scales, ids, k, x.stride(0), 4, STATIC=False, PACKED=False,
+                                               CHUNK=64, ONE_CHUNK=True, PAIR_ROWS=True, PDL=False)
+    assert (codes[1] == 99).all() and scales[1] == -1.0
+    want, want_scale = triton_ops.act_quant(x[[0, 2]], "none", "int8_token")
+    assert torch.equal(codes[[0, 2]], want) and torch.equal(scales[[0, 2]], want_scale.reshape(-1))
 
 
 def _proj(weight: torch.Tensor, scale: torch.Tensor, *, zero=None, perm=None, k: int | None = None):

@@ -133,6 +133,8 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
                     for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_one_token_gemv_kernel")]
+        # the one-token GEMV's input quantisation launch: not a GEMM, not recorded
+        patches.append((triton_moe, "_quantise_rows_kernel", _Recorder(triton_moe._quantise_rows_kernel, [])))
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
         config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
