@@ -54,7 +54,8 @@ import triton.language as tl
 from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
-from . import one_token_gemv, triton_ops
+from . import decode_gemv, triton_ops
+from .decode_gemv import _decode_gemv_kernel, _quantise_rows_kernel, dp4a_in_ptx
 from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them here)
     _dequant_byte,
     _dequant_byte_pairs,
@@ -65,7 +66,6 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
 from .fp4_dequant import e2m1_register_order
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
-from .one_token_gemv import _one_token_gemv_kernel, _quantise_rows_kernel, dp4a_in_ptx
 from .scheme import Scheme, packed, scheme_from_keys, swappable
 from .tile_config import (  # noqa: F401  (re-exported: tools/tune.py and tests reach for them here)
     CONFIG_DIR,
@@ -127,10 +127,13 @@ SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
-# one token's per-token or static int8 activations on int4 (W4A8) or int8 weights: both GEMMs run
-# as one_token_gemv's GEMV, each after a launch quantising its input rows, whatever the weights'
-# size (M = 1: docs/bench/gemv-s37-h100.txt)
-ONE_TOKEN_GEMV = True
+# per-token or static int8 activations on int4 (W4A8) or int8 weights, up to GEMV_MAX_TOKENS
+# tokens: both GEMMs run as decode_gemv's GEMV, each after a launch quantising its input rows,
+# whatever the weights' size; past one token on blocks of GEMV_BLOCK_M aligned pairs
+# (docs/bench/gemv-s37-h100.txt)
+DECODE_GEMV = True
+GEMV_MAX_TOKENS = 8
+GEMV_BLOCK_M = 2
 GEMV_QUANTS = ("int8_token", "int8_static")
 GEMV_WEIGHTS = {"uint4b8": 8, "int8": 4}  # weight type -> codes per 32-bit word
 GEMV_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -196,7 +199,7 @@ class _InputScale:
     pieces: torch.Tensor | None = None
     pair_ids: torch.Tensor | None = None
     static: bool = False
-    gemv: bool = False  # the GEMM runs as one_token_gemv's GEMV (_takes_gemv), each row at the static scale or its own
+    gemv: bool = False  # the GEMM runs as decode_gemv's GEMV (_takes_gemv), each row at the static scale or its own
 
     @property
     def source(self) -> str:
@@ -264,12 +267,12 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
     if input_scale is not None and input_scale.gemv:
-        if not (rows.one_pair_blocks and _takes_gemv(scheme, w)) or (a_scale is not None) != input_scale.static \
+        if not _takes_gemv(scheme, w) or rows.batched or (a_scale is not None) != input_scale.static \
                 or amax_pieces is not None or row_sums is not None or sums_out is not None:
-            raise ValueError("the one-token GEMV takes int8 activations of one token (a static scale given) on "
-                             "int4 or int8 weights it can read as words, and leaves no pieces")
+            raise ValueError("the decode GEMV takes int8 activations (a static scale given) on int4 or int8 weights "
+                             "it can read as words, in the standard format, and leaves no pieces")
         _gemv(a, a_scale, w, scheme, c, rows, top_k=top_k, routed_weight=routed_weight, topk_weights=topk_weights,
-              fuse_act=fuse_act, pdl=pdl)
+              fuse_act=fuse_act, pdl=pdl, pair_ids=input_scale.pair_ids)
         return
     bm, bn, split_k = config["BLOCK_M"], config["BLOCK_N"], config["SPLIT_K"]
     dummy = w.weight
@@ -365,18 +368,18 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
 
 
 def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
-    """Whether a one-token GEMM given its 16-bit input runs as one_token_gemv's GEMV, which
-    quantises it by a launch of its own (ONE_TOKEN_GEMV): int8 activations per token or static,
+    """Whether a one-token GEMM given its 16-bit input runs as decode_gemv's GEMV, which
+    quantises it by a launch of its own (DECODE_GEMV): int8 activations per token or static,
     int4 (W4A8) or int8 codes with no zero points in column order, per-channel scales or 16/32-bit
     group scales of whole words a group (at most a step's), and weight rows the kernel can read as
     aligned 32-bit words."""
     codes = GEMV_WEIGHTS.get(scheme.weight_type)
-    if not (ONE_TOKEN_GEMV and codes and scheme.act_quant in GEMV_QUANTS and w.zero is None and w.perm is None
+    if not (DECODE_GEMV and codes and scheme.act_quant in GEMV_QUANTS and w.zero is None and w.perm is None
             and w.scale is not None and w.scale.dtype in GEMV_SCALE_DTYPES):
         return False
     if scheme.weight_scale == "group":
         group_words = scheme.weight_group // codes
-        if scheme.weight_group % codes or one_token_gemv.STEP_WORDS % group_words:
+        if scheme.weight_group % codes or decode_gemv.STEP_WORDS % group_words:
             return False
     elif scheme.weight_scale != "channel":
         return False
@@ -386,30 +389,38 @@ def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
 
 
 def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor, rows: _Rows, *,
-          top_k: int, routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool) -> None:
-    """One token's GEMM as one_token_gemv's two launches: A's rows quantised to int8 codes as the
-    GEMV reads them (at ``a_scale``, the static scale, or each row's own), then the GEMV writing C
-    [pairs, N] (or [pairs, N / 2] with ``fuse_act``), a program per (column tile, pair)."""
+          top_k: int, routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool,
+          pair_ids: torch.Tensor | None) -> None:
+    """A decode GEMM as decode_gemv's two launches: A's rows quantised to int8 codes as the GEMV
+    reads them (at ``a_scale``, the static scale, or each row's own; ``pair_ids``: A's rows are the
+    pairs', these their experts, and a foreign pair's row is skipped), then the GEMV writing C
+    [pairs, N] (or [pairs, N / 2] with ``fuse_act``), a program per (row block, column tile): one
+    pair each (one token), or GEMV_BLOCK_M aligned pairs."""
     dummy = w.weight
     rows_in, k = a.shape[0], w.k
     codes = torch.empty(rows_in, k, dtype=torch.int8, device=a.device)
     scales = torch.empty(rows_in, dtype=torch.float32, device=a.device)
-    chunk = min(one_token_gemv.ROW_CHUNK, triton.next_power_of_2(k))
+    chunk = min(decode_gemv.ROW_CHUNK, triton.next_power_of_2(k))
     _quantise_rows_kernel[(rows_in,)](
-        a, a_scale if a_scale is not None else dummy, codes, scales, rows.expert_ids, k, a.stride(0),
-        w.weight.shape[0], STATIC=a_scale is not None, PACKED=scheme.packed, CHUNK=chunk, ONE_CHUNK=k <= chunk,
-        PAIR_ROWS=top_k == 1, PDL=pdl, num_warps=one_token_gemv.QUANT_WARPS, **triton_ops.pdl_launch(pdl))
+        a, a_scale if a_scale is not None else dummy, codes, scales, pair_ids if pair_ids is not None else dummy, k,
+        a.stride(0), w.weight.shape[0], STATIC=a_scale is not None, PACKED=scheme.packed, CHUNK=chunk,
+        ONE_CHUNK=k <= chunk, PAIR_ROWS=pair_ids is not None, PDL=pdl, num_warps=decode_gemv.QUANT_WARPS,
+        **triton_ops.pdl_launch(pdl))
     scale = w.scale
     group = scheme.weight_scale == "group"
-    grid = (_column_tiles(w.n, one_token_gemv.BLOCK_N, fuse_act), rows.expert_ids.numel())
-    _one_token_gemv_kernel[grid](
+    grid = (rows.expert_ids.numel(), _column_tiles(w.n, decode_gemv.BLOCK_N, fuse_act))
+    _decode_gemv_kernel[grid](
         codes, scales, w.weight, scale, w.bias if w.bias is not None else dummy, c,
-        topk_weights if topk_weights is not None else dummy, rows.expert_ids, w.n, k, w.weight.shape[0],
-        w.weight.stride(0), w.weight.stride(1), scale.stride(0), scale.stride(1), scale.stride(2) if group else 0,
-        c.stride(-2), PACKED=scheme.packed, W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group,
-        HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act,
-        PTX=dp4a_in_ptx(a.device), BLOCK_N=one_token_gemv.BLOCK_N, STEP_WORDS=one_token_gemv.STEP_WORDS, PDL=pdl,
-        num_warps=one_token_gemv.NUM_WARPS, num_stages=1, **triton_ops.pdl_launch(pdl))
+        topk_weights if topk_weights is not None else dummy,
+        rows.sorted_ids if rows.sorted_ids is not None else dummy, rows.expert_ids,
+        rows.num_post_padded if rows.num_post_padded is not None else dummy, w.n, k, rows.num_valid,
+        w.weight.shape[0], w.weight.stride(0), w.weight.stride(1), scale.stride(0), scale.stride(1),
+        scale.stride(2) if group else 0, c.stride(-2), PACKED=scheme.packed, W_SCALE=scheme.weight_scale,
+        W_GROUP=scheme.weight_group, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
+        FUSE_ACT=fuse_act, PTX=dp4a_in_ptx(a.device), ONE_PAIR_BLOCKS=rows.one_pair_blocks,
+        BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M, BLOCK_N=decode_gemv.BLOCK_N,
+        STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS, num_stages=1,
+        **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
@@ -548,30 +559,39 @@ def _amax_pieces_shape(scheme: Scheme, tokens: int, top_k: int, config1: dict, w
 
 
 @dataclass(frozen=True)
-class _OneTokenQuant:
-    """Which GEMMs of a one-token layer quantise their input themselves (SCALE_IN_GEMM)."""
+class _QuantisedInGemm:
+    """Which GEMMs of a decode layer take its 16-bit input and quantise it themselves: one token's
+    tile kernels (SCALE_IN_GEMM), or the decode GEMV (``gemv1``, ``gemv2``; its own launch)."""
 
     gemm1: bool = False
     gemm2: bool = False
-    gemv1: bool = False  # GEMM1 does so as one_token_gemv's GEMV (_takes_gemv)
+    gemv1: bool = False  # GEMM1 does so as decode_gemv's GEMV (_takes_gemv)
     gemv2: bool = False
 
 
-def _one_token_quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
-                                 row_scale: torch.Tensor | None) -> _OneTokenQuant:
-    """Which GEMMs quantise the layer's input themselves (SCALE_IN_GEMM): one token, one scale per
-    token or per tensor, no router weight to apply first, the GEMM's weights in column order, and
-    the token's experts' weights within SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in
-    the hidden state) or GEMM2's budget for the activation quantisation (SCALE_IN_GEMM2_MAX_BYTES,
-    else the same; GEMM2 finds the scale in GEMM1's amax pieces). A GEMM the GEMV takes
-    (_takes_gemv) has no budget: its input is quantised once, by the GEMV's own launch."""
-    if not (tokens == 1 and SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS and row_scale is None):
-        return _OneTokenQuant()
+def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
+                       row_scale: torch.Tensor | None) -> _QuantisedInGemm:
+    """Which GEMMs quantise the layer's input themselves, with no router weight to apply first.
+    The decode GEMV (_takes_gemv) up to GEMV_MAX_TOKENS tokens, whatever the weights' size (its
+    input quantised once, by its own launch), past one token both GEMMs or neither (they share its
+    blocks). Else one token's tile kernels (SCALE_IN_GEMM): one scale per token or per tensor, the
+    GEMM's weights in column order, and the token's experts' weights within
+    SCALE_IN_GEMM_MAX_BYTES (GEMM1, which finds the scale in the hidden state) or GEMM2's budget
+    for the activation quantisation (SCALE_IN_GEMM2_MAX_BYTES, else the same; GEMM2 finds the
+    scale in GEMM1's amax pieces)."""
+    if row_scale is not None:
+        return _QuantisedInGemm()
+    gemv1 = tokens <= GEMV_MAX_TOKENS and _takes_gemv(scheme, w13)
+    gemv2 = tokens <= GEMV_MAX_TOKENS and _takes_gemv(scheme, w2)
+    if tokens > 1:
+        both = gemv1 and gemv2
+        return _QuantisedInGemm(both, both, both, both)
+    if not (SCALE_IN_GEMM and scheme.act_quant in ONE_TOKEN_QUANTS):
+        return _QuantisedInGemm(gemv1, gemv2, gemv1, gemv2)
     weight_bytes = _expert_weight_bytes(w13, w2) * top_k
     gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(scheme.act_quant, SCALE_IN_GEMM_MAX_BYTES)
-    gemv1, gemv2 = _takes_gemv(scheme, w13), _takes_gemv(scheme, w2)
-    return _OneTokenQuant(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
-                          gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
+    return _QuantisedInGemm(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
+                            gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
 
 
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:
@@ -665,8 +685,9 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = triton_ops.pdl_supported(hidden.device)
     # one token whose activations take one scale per token or per tensor: both GEMMs quantise
-    # their input themselves (SCALE_IN_GEMM), no quantisation launch
-    in_gemm = _one_token_quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
+    # their input themselves (SCALE_IN_GEMM), no quantisation launch; int8 activations on int4 or
+    # int8 weights for a few tokens: the decode GEMV, which quantises its input by its own launch
+    in_gemm = _quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
     static = scheme.act_quant in STATIC_QUANTS
     scale1 = _InputScale(rows=1, static=static, gemv=in_gemm.gemv1) if in_gemm.gemm1 else None
     sums1 = None  # a ZERO_SUMS GEMM1's input sums
@@ -678,6 +699,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
                                      **_codes_dtype(scheme, config1, dt))
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
         sums1 = None if in_gemm.gemv1 else _input_row_sums(a1, config1, w13, scheme, rows, pdl)
+    elif in_gemm.gemv1:  # the GEMV's row blocks: GEMV_BLOCK_M aligned pairs of one expert
+        sorted_ids, expert_ids, num_post = triton_ops.align(topk_ids, num_experts, GEMV_BLOCK_M, pdl=pdl)
+        a1, a1_scale = hidden, w13.input_scale if static else None
+        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     elif scheme.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
         sorted_ids, expert_ids, num_post, a1, a1_scale = align_quant_fp8(
             topk_ids, num_experts, config1["BLOCK_M"], hidden, scheme.act_quant, row_scale=row_scale, pdl=pdl)
@@ -708,7 +733,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
     if in_gemm.gemv2:  # the GEMV quantises each intermediate row itself
         a2, a2_scale = inter, w2.input_scale if static else None
-        scale2 = _InputScale(rows=top_k, static=static, gemv=True)
+        scale2 = _InputScale(rows=m * top_k, pair_ids=pair_ids, static=static, gemv=True)
     elif in_gemm.gemm2 and (static or amax is not None):  # GEMM2 quantises the token's intermediates itself
         a2, a2_scale = inter, w2.input_scale if static else None
         scale2 = _InputScale(rows=top_k, pieces=amax, pair_ids=pair_ids, static=static)

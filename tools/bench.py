@@ -377,7 +377,7 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
 
 
 # what the GEMM kernels are called in a profile: the Triton kernel on GPU, the reference's matmuls on CPU
-GEMM_KERNELS = {"cuda": ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_one_token_gemv_kernel"), "cpu": ("aten::mm",)}
+GEMM_KERNELS = {"cuda": ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel"), "cpu": ("aten::mm",)}
 
 
 def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int = 3) -> tuple[float, float]:

@@ -132,7 +132,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (triton_moe, "_hardware_e4m3_convert", lambda device: True),
                    (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
-                    for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_one_token_gemv_kernel")]
+                    for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
         # the one-token GEMV's input quantisation launch: not a GEMM, not recorded
         patches.append((triton_moe, "_quantise_rows_kernel", _Recorder(triton_moe._quantise_rows_kernel, [])))
         for module, name, value in patches:
@@ -144,16 +144,17 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
             config2 = tile_config._fit_config({**config2, **overrides, "BLOCK_M": config1["BLOCK_M"]}, kscheme,
                                               can_split=True)
         pairs = m * top_k
+        # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
+        own = triton_moe._quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
+        block_m = triton_moe.GEMV_BLOCK_M if own.gemv1 else config1["BLOCK_M"]  # the decode GEMV's blocks
         if m == 1:
             rows = triton_moe._Rows(expert_ids=torch.empty(top_k, dtype=torch.int32, device="meta"), num_valid=top_k,
                                     one_pair_blocks=True)
         else:  # alignment's buffers, sized as triton_ops.align sizes them
-            padded, blocks = triton_ops.align_sizes(pairs, e, config1["BLOCK_M"])
+            padded, blocks = triton_ops.align_sizes(pairs, e, block_m)
             rows = triton_moe._Rows(torch.empty(padded, dtype=torch.int32, device="meta"),
                                     torch.empty(blocks, dtype=torch.int32, device="meta"),
                                     torch.empty(1, dtype=torch.int32, device="meta"), num_valid=pairs)
-        # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
-        own = triton_moe._one_token_quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
         static = kscheme.act_quant in triton_moe.STATIC_QUANTS
         a1, a1_scale = _activations(kscheme, config1, m, shape.hidden, own.gemm1)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
@@ -174,7 +175,8 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         a2, a2_scale = _activations(kscheme, config2, pairs, w2.k, own.gemm2)
         scale2 = None
         if own.gemv2:
-            scale2 = triton_moe._InputScale(rows=pairs, static=static, gemv=True)
+            scale2 = triton_moe._InputScale(rows=pairs, pair_ids=torch.empty(pairs, dtype=torch.int32, device="meta"),
+                                            static=static, gemv=True)
         elif own.gemm2 and (static or amax is not None):
             scale2 = triton_moe._InputScale(rows=pairs, pieces=amax, pair_ids=torch.empty(pairs, dtype=torch.int32,
                                                                                           device="meta"), static=static)

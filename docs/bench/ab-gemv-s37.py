@@ -1,5 +1,5 @@
-"""Session 37: one token's int8-activation layers with both GEMMs as one_token_gemv's dp4a GEMV
-(triton_moe.ONE_TOKEN_GEMV) against the tile kernels (the flag off), beside GPTQ int4 / int8 as the
+"""Session 37: one token's int8-activation layers with both GEMMs as decode_gemv's dp4a GEMV
+(triton_moe.DECODE_GEMV) against the tile kernels (the flag off), beside GPTQ int4 / int8 as the
 per-byte yardsticks, at M = 1 on the three benchmark shapes: five alternated rounds, medians (CUDA
 graphs), then each layer's GEMM and other kernel time (profiler, plain launches, 20 calls):
 docs/bench/gemv-s37-h100.txt. From a snapshot's root on the GPU: python3 docs/bench/ab-gemv-s37.py"""
@@ -21,15 +21,15 @@ gpu = ab_kernels.this_gpu()
 
 def row(label: str, layer: tune.Layer, inputs: tuple, gemv: bool, yardstick: str | None, ref) -> ab_kernels.Timed:
     def run() -> float:
-        triton_moe.ONE_TOKEN_GEMV = gemv  # read when the layer's graph is captured
+        triton_moe.DECODE_GEMV = gemv  # read when the layer's graph is captured
         return layer.time((None, None), 1, *inputs) * 1e6
-    triton_moe.ONE_TOKEN_GEMV = gemv
+    triton_moe.DECODE_GEMV = gemv
     error = layer.error((None, None), *inputs, ref)
     return ab_kernels.Timed(label, run, layer.weight_bytes, yardstick, error)
 
 
 def kernel_split(layer: tune.Layer, inputs: tuple, gemv: bool) -> str:
-    triton_moe.ONE_TOKEN_GEMV = gemv
+    triton_moe.DECODE_GEMV = gemv
     kernels = layer.copies_for(1)
     gemm, glue = bench.kernel_times(bench._calls(kernels, *inputs), len(kernels), gpu.device, repeats=20)
     return f"GEMMs {gemm * 1e6:6.1f} us   other kernels {glue * 1e6:5.1f} us"
@@ -58,6 +58,6 @@ for shape_name in ("qwen3", "dsv2lite", "mixtral"):
                        ("gptq-w8a16", True)):
         label = f"{name} {'gemv' if gemv else 'tiles'}" if "gptq" not in name else name
         print(f"# {shape_name:9s} {label:40s} {kernel_split(layers[name], layers[name].inputs(1), gemv)}", flush=True)
-    triton_moe.ONE_TOKEN_GEMV = True
+    triton_moe.DECODE_GEMV = True
     del rows, layers
     torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""One token's int8-activation GEMMs as one_token_gemv's dp4a GEMV (triton_moe.ONE_TOKEN_GEMV): which
+"""One token's int8-activation GEMMs as decode_gemv's dp4a GEMV (triton_moe.DECODE_GEMV): which
 layers take it, that both GEMMs then launch it and nothing else quantises, and its numbers against
 the tile kernels' and the reference, over K with whole steps and a masked rest, rows read in one
 chunk and in several, group and channel scales, static and per-token scales, a foreign expert.
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from launch_spy import LaunchSpy  # noqa: E402
-from moe_registry_kernels import one_token_gemv, quant_ref, triton_moe, triton_ops  # noqa: E402
+from moe_registry_kernels import decode_gemv, quant_ref, triton_moe, triton_ops  # noqa: E402
 from moe_registry_kernels.reference import reference_moe  # noqa: E402
 from moe_registry_kernels.triton_moe import TritonExperts  # noqa: E402
 
@@ -41,16 +41,17 @@ CPU_SIZES = (640, 96)
 GPU_SIZES = (2048 + 640, 1408)
 
 
-def _layer(scheme: str, hidden: int, inter: int, device: str, seed: int = 0):
+def _layer(scheme: str, hidden: int, inter: int, device: str, seed: int = 0, m: int = 1):
     wk, ak = GEMV_SCHEMES[scheme]
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E,
                                                    hidden=hidden, intermediate=inter, dtype=torch.float16,
                                                    bias=True, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    x = (torch.randn(1, hidden, generator=g) * 2).to(torch.float16)
-    ids = torch.randperm(E, generator=g)[:3].reshape(1, 3).to(torch.int32)
+    x = (torch.randn(m, hidden, generator=g) * 2).to(torch.float16)
+    # distinct experts a token, some shared between tokens (E = 6, top-3)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(m)]).to(torch.int32)
     ids[0, 1] = -1  # a pair routed to another rank's expert: never read, no output
-    router = torch.rand(1, 3, generator=g) + 0.1
+    router = torch.rand(m, 3, generator=g) + 0.1
     return weights.to(device), x.to(device), router.to(device), ids.to(device)
 
 
@@ -58,13 +59,13 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _gemv_against_tiles(scheme: str, sizes: tuple[int, int], device: str, monkeypatch, seed: int = 0):
-    """(GEMV layer output, the tile kernels' output, reference), with the GEMV's launches and the
-    layer's quantisation calls checked."""
-    weights, x, router, ids = _layer(scheme, *sizes, device, seed)
+def _gemv_against_tiles(scheme: str, sizes: tuple[int, int], device: str, monkeypatch, seed: int = 0, m: int = 1):
+    """(GEMV layer output, the tile kernels' output, reference) for ``m`` tokens, with the GEMV's
+    launches and the layer's quantisation calls checked."""
+    weights, x, router, ids = _layer(scheme, *sizes, device, seed, m)
     experts = TritonExperts(weights, ExpertsConfig())
     gemv_grids: list = []
-    monkeypatch.setattr(triton_moe, "_one_token_gemv_kernel", LaunchSpy(triton_moe._one_token_gemv_kernel,
+    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel,
                                                                         gemv_grids))
     tile_grids: list = []
     monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, tile_grids))
@@ -73,39 +74,43 @@ def _gemv_against_tiles(scheme: str, sizes: tuple[int, int], device: str, monkey
     monkeypatch.setattr(triton_moe, "_quantize", lambda *a, **k: quantised.append(1) or real_quantize(*a, **k))
     got = experts.apply(x, router, ids)
     assert len(gemv_grids) == 2 and tile_grids == [] and quantised == []
-    # a program per (column tile, pair): GEMM1's tiles hold BLOCK_N / 2 gate and up rows each
+    # a program per (row block, column tile): one token's pairs, or GEMV_BLOCK_M aligned pairs as the
+    # alignment sizes them; GEMM1's tiles hold BLOCK_N / 2 gate and up rows each
+    blocks = 3 if m == 1 else triton_ops.align_sizes(3 * m, E, triton_moe.GEMV_BLOCK_M)[1]
     inter, hidden = sizes[1], sizes[0]
-    assert gemv_grids == [(inter // (one_token_gemv.BLOCK_N // 2), 3), (hidden // one_token_gemv.BLOCK_N, 3)]
-    monkeypatch.setattr(triton_moe, "ONE_TOKEN_GEMV", False)
+    assert gemv_grids == [(blocks, inter // (decode_gemv.BLOCK_N // 2)), (blocks, hidden // decode_gemv.BLOCK_N)]
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     tiles = experts.apply(x, router, ids)
     assert len(tile_grids) == 2  # the tile kernels (quantising in the GEMM or by launches, by budget)
     ref = reference_moe(x, router, ids, weights, ExpertsConfig())
     return got, tiles, ref
 
 
+@pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize("scheme", list(GEMV_SCHEMES))
-def test_one_token_gemv_matches_the_tile_kernels_and_the_reference(scheme, monkeypatch):
-    """Both GEMMs of a one-token layer with int8 activations on int4 or int8 weights run as the
-    GEMV, no quantisation launch; its output is the tile kernels' (the same int8 codes and int32
-    sums, float32 sums in another order) and near the reference."""
-    got, tiles, ref = _gemv_against_tiles(scheme, CPU_SIZES, "cpu", monkeypatch)
+def test_decode_gemv_matches_the_tile_kernels_and_the_reference(scheme, m, monkeypatch):
+    """Both GEMMs of a decode layer (one token; five, experts shared between them) with int8
+    activations on int4 or int8 weights run as the GEMV, no quantisation launch; its output is the
+    tile kernels' (the same int8 codes and int32 sums, float32 sums in another order) and near
+    the reference."""
+    got, tiles, ref = _gemv_against_tiles(scheme, CPU_SIZES, "cpu", monkeypatch, m=m)
     assert _rel_err(got, tiles) < 2e-3
     assert _rel_err(got, ref) < 2e-2
 
 
 @pytest.mark.parametrize("scheme", ["w4a8-g128-bf16", "w8a8-int8-token"])
-def test_one_token_gemv_reads_long_rows_in_chunks(scheme, monkeypatch):
+def test_decode_gemv_reads_long_rows_in_chunks(scheme, monkeypatch):
     """Rows longer than ROW_CHUNK are quantised a chunk at a time (amax over all of them first):
     the same output as rows read at once."""
     weights, x, router, ids = _layer(scheme, *CPU_SIZES, "cpu")
     experts = TritonExperts(weights, ExpertsConfig())
     whole = experts.apply(x, router, ids)
-    monkeypatch.setattr(one_token_gemv, "ROW_CHUNK", 128)  # 640 and 96 columns: five chunks, and one
+    monkeypatch.setattr(decode_gemv, "ROW_CHUNK", 128)  # 640 and 96 columns: five chunks, and one
     chunked = experts.apply(x, router, ids)
     assert torch.equal(chunked, whole)
 
 
-def test_one_token_gemv_quantises_as_the_quantisation_kernel():
+def test_decode_gemv_quantises_as_the_quantisation_kernel():
     """The codes the GEMV's quantisation launch writes are act_quant's, split into even and odd
     columns for int4 words: every rounding tie and saturation the same, its scale too."""
     k, unit = 640, 2.0 ** -4  # amax 127 units: the scale is the unit itself, exactly
@@ -119,13 +124,13 @@ def test_one_token_gemv_quantises_as_the_quantisation_kernel():
         for chunk in (1024, 256):
             codes = torch.full((2, k), 99, dtype=torch.int8)
             scales = torch.zeros(2)
-            one_token_gemv._quantise_rows_kernel[(2,)](x, x, codes, scales, x, k, x.stride(0), 1, STATIC=False,
+            decode_gemv._quantise_rows_kernel[(2,)](x, x, codes, scales, x, k, x.stride(0), 1, STATIC=False,
                                                        PACKED=packed, CHUNK=chunk, ONE_CHUNK=chunk >= k,
                                                        PAIR_ROWS=False, PDL=False)
             assert torch.equal(codes, order) and torch.equal(scales, want_scale.reshape(-1))
 
 
-def test_one_token_gemv_leaves_the_rows_of_foreign_pairs_alone():
+def test_decode_gemv_leaves_the_rows_of_foreign_pairs_alone():
     """GEMM2's input rows are the pairs': the row of a pair routed to another rank's expert (never
     written by GEMM1: NaN here) is neither read nor quantised, and the other rows are."""
     k = 64
@@ -133,7 +138,7 @@ def test_one_token_gemv_leaves_the_rows_of_foreign_pairs_alone():
     x[1] = float("nan")
     ids = torch.tensor([2, -1, 0], dtype=torch.int32)
     codes, scales = torch.full((3, k), 99, dtype=torch.int8), torch.full((3,), -1.0)
-    one_token_gemv._quantise_rows_kernel[(3,)](x, x, codes, scales, ids, k, x.stride(0), 4, STATIC=False, PACKED=False,
+    decode_gemv._quantise_rows_kernel[(3,)](x, x, codes, scales, ids, k, x.stride(0), 4, STATIC=False, PACKED=False,
                                                CHUNK=64, ONE_CHUNK=True, PAIR_ROWS=True, PDL=False)
     assert (codes[1] == 99).all() and scales[1] == -1.0
     want, want_scale = triton_ops.act_quant(x[[0, 2]], "none", "int8_token")
@@ -163,11 +168,25 @@ def test_which_one_token_gemms_take_the_gemv(monkeypatch):
     w8a8 = triton_moe.scheme_from_keys("int8 scale:float32:channel:static", INT8_STATIC)
     assert triton_moe._takes_gemv(w8a8, _proj(torch.zeros(2, 32, 64, dtype=torch.int8),
                                               torch.ones(2, 32, 1), k=64))
-    monkeypatch.setattr(triton_moe, "ONE_TOKEN_GEMV", False)
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4))
 
 
-def test_one_token_gemv_has_no_weight_budget(monkeypatch):
+def test_decode_gemv_takes_up_to_gemv_max_tokens(monkeypatch):
+    """Past GEMV_MAX_TOKENS tokens the tile kernels run (their tiles read a weight tile once for
+    many rows); up to it, the GEMV."""
+    limit = triton_moe.GEMV_MAX_TOKENS
+    weights, x, router, ids = _layer("w4a8-g32", *CPU_SIZES, "cpu", m=limit + 1)
+    experts = TritonExperts(weights, ExpertsConfig())
+    gemv_grids: list = []
+    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel, gemv_grids))
+    experts.apply(x, router, ids)
+    assert gemv_grids == []
+    experts.apply(x[:limit], router[:limit], ids[:limit])
+    assert len(gemv_grids) == 2
+
+
+def test_decode_gemv_has_no_weight_budget(monkeypatch):
     """A GEMV quantises its row once a program, not once a K step: past SCALE_IN_GEMM_MAX_BYTES both
     GEMMs still take it, and no quantisation launch runs."""
     monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", 0)
@@ -179,7 +198,7 @@ def test_one_token_gemv_has_no_weight_budget(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("scheme", list(GEMV_SCHEMES))
-def test_one_token_gemv_on_the_gpu(scheme, monkeypatch):
+def test_decode_gemv_on_the_gpu(scheme, monkeypatch):
     """The PTX dp4a at a model's sizes (hidden 2688: five whole steps of int4 words and a masked
     rest; intermediate 1408): the tile kernels' output and near the reference."""
     got, tiles, ref = _gemv_against_tiles(scheme, GPU_SIZES, "cuda", monkeypatch)
