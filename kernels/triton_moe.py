@@ -127,13 +127,17 @@ SCALE_IN_GEMM2_MAX_BYTES = {"fp8_token": 1 << 62, "fp8_tensor": 1 << 62}
 ONE_TOKEN_QUANTS = ("fp8_tensor", "fp8_token", "int8_token", "fp8_static", "int8_static")
 STATIC_QUANTS = ("fp8_static", "int8_static")
 SCALE_TILE = 8192
-# per-token or static int8 activations on int4 (W4A8) or int8 weights, up to GEMV_MAX_TOKENS
-# tokens: both GEMMs run as decode_gemv's GEMV, each after a launch quantising its input rows,
-# whatever the weights' size; past one token on blocks of GEMV_BLOCK_M aligned pairs
-# (docs/bench/gemv-s37-h100.txt)
+# per-token or static int8 activations on int4 (W4A8) or int8 weights at decode: both GEMMs run
+# as decode_gemv's GEMV, each after a launch quantising its input rows, whatever the weights'
+# size, while uniform routing would give the experts it hits at most GEMV_PAIRS_PER_EXPERT pairs
+# each (the GEMV reads an expert's weights once a pair, the tile kernels once a block); past one
+# token on blocks of GEMV_BLOCK_M aligned pairs, row blocks side by side so that a second pair's
+# read of an expert finds it in L2. (H100, against the tile kernels: faster up to 1.24-1.46
+# pairs an expert on the three benchmark shapes, slower from 1.53; blocks of 2 or 4 pairs slower
+# than 1 everywhere: docs/bench/gemv-s37-h100.txt)
 DECODE_GEMV = True
-GEMV_MAX_TOKENS = 8
-GEMV_BLOCK_M = 2
+GEMV_PAIRS_PER_EXPERT = 1.5
+GEMV_BLOCK_M = 1
 GEMV_QUANTS = ("int8_token", "int8_static")
 GEMV_WEIGHTS = {"uint4b8": 8, "int8": 4}  # weight type -> codes per 32-bit word
 GEMV_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -572,7 +576,7 @@ class _QuantisedInGemm:
 def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
                        row_scale: torch.Tensor | None) -> _QuantisedInGemm:
     """Which GEMMs quantise the layer's input themselves, with no router weight to apply first.
-    The decode GEMV (_takes_gemv) up to GEMV_MAX_TOKENS tokens, whatever the weights' size (its
+    The decode GEMV (_takes_gemv) where it pays (_gemv_pays), whatever the weights' size (its
     input quantised once, by its own launch), past one token both GEMMs or neither (they share its
     blocks). Else one token's tile kernels (SCALE_IN_GEMM): one scale per token or per tensor, the
     GEMM's weights in column order, and the token's experts' weights within
@@ -581,8 +585,8 @@ def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: 
     scale in GEMM1's amax pieces)."""
     if row_scale is not None:
         return _QuantisedInGemm()
-    gemv1 = tokens <= GEMV_MAX_TOKENS and _takes_gemv(scheme, w13)
-    gemv2 = tokens <= GEMV_MAX_TOKENS and _takes_gemv(scheme, w2)
+    few = _gemv_pays(tokens, top_k, w13.weight.shape[0])
+    gemv1, gemv2 = few and _takes_gemv(scheme, w13), few and _takes_gemv(scheme, w2)
     if tokens > 1:
         both = gemv1 and gemv2
         return _QuantisedInGemm(both, both, both, both)
@@ -592,6 +596,17 @@ def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: 
     gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(scheme.act_quant, SCALE_IN_GEMM_MAX_BYTES)
     return _QuantisedInGemm(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
                             gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
+
+
+def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether ``tokens`` tokens routed uniformly at random would give the experts they hit at most
+    GEMV_PAIRS_PER_EXPERT pairs each (the decode GEMV's range; one token: one pair each). Under
+    expert parallelism ``num_experts`` is this rank's, fewer than the router's: the estimate errs
+    towards the tile kernels."""
+    if tokens == 1:
+        return True
+    hit = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** tokens)
+    return tokens * top_k <= GEMV_PAIRS_PER_EXPERT * hit
 
 
 def _expert_weight_bytes(w13: _Proj, w2: _Proj) -> int:

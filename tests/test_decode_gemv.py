@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from launch_spy import LaunchSpy  # noqa: E402
+from launch_spy import KwargSpy, LaunchSpy  # noqa: E402
 from moe_registry_kernels import decode_gemv, quant_ref, triton_moe, triton_ops  # noqa: E402
 from moe_registry_kernels.reference import reference_moe  # noqa: E402
 from moe_registry_kernels.triton_moe import TritonExperts  # noqa: E402
@@ -86,16 +86,31 @@ def _gemv_against_tiles(scheme: str, sizes: tuple[int, int], device: str, monkey
     return got, tiles, ref
 
 
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("scheme", list(GEMV_SCHEMES))
 def test_decode_gemv_matches_the_tile_kernels_and_the_reference(scheme, m, monkeypatch):
-    """Both GEMMs of a decode layer (one token; five, experts shared between them) with int8
+    """Both GEMMs of a decode layer (one token; two, experts shared between them) with int8
     activations on int4 or int8 weights run as the GEMV, no quantisation launch; its output is the
     tile kernels' (the same int8 codes and int32 sums, float32 sums in another order) and near
     the reference."""
     got, tiles, ref = _gemv_against_tiles(scheme, CPU_SIZES, "cpu", monkeypatch, m=m)
     assert _rel_err(got, tiles) < 2e-3
     assert _rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.parametrize("scheme", ["w4a8-g32", "w8a8-int8-static"])
+def test_decode_gemv_blocks_of_several_pairs(scheme, monkeypatch):
+    """GEMV_BLOCK_M aligned pairs a program (each weight word read once for the block's rows; slower
+    than a pair a program on an H100, kept for other GPUs): the same output as a pair a program."""
+    weights, x, router, ids = _layer(scheme, *CPU_SIZES, "cpu", m=2)
+    experts = TritonExperts(weights, ExpertsConfig())
+    one = experts.apply(x, router, ids)
+    monkeypatch.setattr(triton_moe, "GEMV_BLOCK_M", 2)
+    block_m: list = []
+    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel",
+                        KwargSpy(triton_moe._decode_gemv_kernel, "BLOCK_M", block_m))
+    two = experts.apply(x, router, ids)
+    assert block_m == [2, 2] and _rel_err(two, one) < 1e-3
 
 
 @pytest.mark.parametrize("scheme", ["w4a8-g128-bf16", "w8a8-int8-token"])
@@ -172,17 +187,22 @@ def test_which_one_token_gemms_take_the_gemv(monkeypatch):
     assert not triton_moe._takes_gemv(w4a8, _proj(w4, s4))
 
 
-def test_decode_gemv_takes_up_to_gemv_max_tokens(monkeypatch):
-    """Past GEMV_MAX_TOKENS tokens the tile kernels run (their tiles read a weight tile once for
-    many rows); up to it, the GEMV."""
-    limit = triton_moe.GEMV_MAX_TOKENS
-    weights, x, router, ids = _layer("w4a8-g32", *CPU_SIZES, "cpu", m=limit + 1)
+def test_decode_gemv_runs_where_it_pays(monkeypatch):
+    """The GEMV reads an expert's weights once a pair: it runs while uniform routing gives the
+    experts hit at most GEMV_PAIRS_PER_EXPERT pairs each, as measured on the benchmark shapes
+    (Qwen3-30B-A3B and DeepSeek-V2-Lite up to 8 tokens, Mixtral up to 4), and the layer follows."""
+    pays = triton_moe._gemv_pays
+    assert pays(8, 8, 128) and not pays(16, 8, 128)
+    assert pays(8, 6, 64) and not pays(16, 6, 64)
+    assert pays(4, 2, 8) and not pays(8, 2, 8)
+    assert pays(1, 4, 4) and pays(1, 8, 4)  # one token: one pair an expert, however few the experts
+    weights, x, router, ids = _layer("w4a8-g32", *CPU_SIZES, "cpu", m=3)  # E = 6, top-3: 9 pairs on ~5.3 experts
     experts = TritonExperts(weights, ExpertsConfig())
     gemv_grids: list = []
     monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel, gemv_grids))
     experts.apply(x, router, ids)
     assert gemv_grids == []
-    experts.apply(x[:limit], router[:limit], ids[:limit])
+    experts.apply(x[:2], router[:2], ids[:2])  # 6 pairs on 4.5
     assert len(gemv_grids) == 2
 
 

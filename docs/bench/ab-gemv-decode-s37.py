@@ -1,4 +1,5 @@
-"""Session 37: the decode GEMV past one token (triton_moe.GEMV_MAX_TOKENS raised to 16 here) on
+"""Session 37, ran at 631b745 (its triton_moe.GEMV_MAX_TOKENS, raised to 16 here, became
+GEMV_PAIRS_PER_EXPERT after this run): the decode GEMV past one token on
 blocks of 1, 2 and 4 aligned pairs (GEMV_BLOCK_M) against the tile kernels (DECODE_GEMV off), for
 W4A8 and Quark W8A8 int8 beside GPTQ int4 / int8 as per-byte yardsticks, M = 2, 4, 8, 16 on the
 three benchmark shapes; five alternated rounds, medians (CUDA graphs):
