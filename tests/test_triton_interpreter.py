@@ -570,8 +570,10 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, tiles, monke
     weights = _weights("w8a8-int8-token", seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
     monkeypatch.setattr(triton_ops, "PIECES_STEP", 2)  # the four pieces in two steps
-    # one token's GEMM2 would quantise its input itself (test_one_token_gemms_quantise_their_own_input)
+    # one token's GEMM2 would quantise its input itself (test_one_token_gemms_quantise_their_own_input),
+    # or the decode GEMV would run both GEMMs (tests/test_decode_gemv.py)
     monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     monkeypatch.setattr(triton_ops, "ROW_CHUNK", 16)  # four chunks per 64-column row
     if tiles:  # 14 rows: four a program
         monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
@@ -1213,7 +1215,9 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     """One token whose activations take one scale per token or per tensor: both GEMMs quantise its
     input themselves (static scale, or the amax of its hidden state and of GEMM1's row-amax
     pieces), so no quantisation kernel runs; bit-equal to the layer whose quantisation kernels
-    do it, with a pair routed to another rank's expert; and near the reference."""
+    do it, with a pair routed to another rank's expert; and near the reference. (The tile kernels:
+    int8 activations on int4 or int8 weights otherwise take the decode GEMV.)"""
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     topk_ids[0, 1] = -1
     experts = TritonExperts(weights, ExpertsConfig())
