@@ -596,8 +596,31 @@ def test_tune_default_is_every_key_pair_the_kernel_runs(tune_fake, tmp_path, mon
     assert tune.main(["--dry-run", "--m", "1", "--out", str(tmp_path)]) == 0
     schemes = tune.bench.registry_schemes()
     default = tune.bench.default_schemes(schemes)
-    assert sorted(w for w, _, _ in search.calls) == sorted(schemes[n].weight for n in default)
-    assert len(list(tmp_path.glob("*.json"))) == len({s.keys for s in schemes.values()})
+    # one token of int8 activations on int4/int8 weights runs the decode GEMV: no tiles to tune
+    shape = next(iter(tune.bench.DRY_SHAPES.values()))
+    gemv = {n for n in default if tune.runs_decode_gemv(shape, schemes[n], 1)}
+    assert {schemes[n].activation.split()[0] for n in gemv} == {"int8"} and len(gemv) >= 2
+    assert sorted(w for w, _, _ in search.calls) == sorted(schemes[n].weight for n in default if n not in gemv)
+    tuned_keys = {s.keys for s in schemes.values()} - {schemes[n].keys for n in gemv}
+    assert len(list(tmp_path.glob("*.json"))) == len(tuned_keys)
+
+
+def test_tune_skips_the_cells_the_decode_gemv_runs(tune_fake, tmp_path, monkeypatch, capsys):
+    """W4A8 at one token runs the decode GEMV, which reads no tile config: the tuner says so in one
+    line and searches only the other cells; with the GEMV off it searches them too."""
+    tune = tune_fake
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    args = ["--dry-run", "--schemes", "compressed-tensors-w4a8-int", "--m", "1", "8", "--out", str(tmp_path)]
+    assert tune.main(args) == 0
+    err = capsys.readouterr().err
+    assert "compressed-tensors-w4a8-int M=1: the decode GEMV runs both GEMMs (no tile config is read there)" in err
+    assert [m for _, m, _ in search.calls] == [8]
+    from moe_registry_kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    assert tune.main([*args, "--redo"]) == 0
+    assert [m for _, m, _ in search.calls] == [8, 1, 8]
 
 
 def test_tune_cut_off_keeps_finished_entries_and_resumes(tune_fake, tmp_path, monkeypatch):
@@ -706,11 +729,11 @@ def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, mon
         return asked, {**asked, "BLOCK_M": 32, "SPLIT_K": 2}, 1.0, 2.0
 
     monkeypatch.setattr(tune, "tune_target", search)
-    args = ["--dry-run", "--schemes", "compressed-tensors-w4a8-int", "--m", "1", "--out", str(tmp_path)]
+    args = ["--dry-run", "--schemes", "compressed-tensors-w4a8-int", "--m", "8", "--out", str(tmp_path)]
     assert tune.main(args) == 0
     (path,) = tmp_path.glob("*.json")
-    entries = _entries(path)  # the tiny shape: hidden 128, intermediate 128
-    gemm1, gemm2 = entries["E8_top2_N256_K128"]["1"], entries["E8_top2_N128_K128"]["1"]
+    entries = _entries(path)  # the tiny shape: hidden 128, intermediate 128 (M = 1 runs the decode GEMV)
+    gemm1, gemm2 = entries["E8_top2_N256_K128"]["8"], entries["E8_top2_N128_K128"]["8"]
     assert (gemm1["BLOCK_K"], gemm1["BLOCK_M"], gemm2["BLOCK_K"], gemm2["BLOCK_M"]) == (128, 16, 128, 16)
     assert (gemm1["SPLIT_K"], gemm2["SPLIT_K"], gemm1["SWAP_AB"]) == (1, 2, False)
 

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import statistics
@@ -648,6 +649,21 @@ def tolerance_for_keys(schemes: dict[str, bench.Scheme], keys: tuple[str, str], 
     return min(s.tolerance_for(dtype) for s in schemes.values() if s.keys == keys)
 
 
+def runs_decode_gemv(shape: bench.Shape, scheme: bench.Scheme, m: int) -> bool:
+    """Whether the layer's GEMMs at ``m`` tokens are the decode GEMV (triton_moe.DECODE_GEMV),
+    which reads no tile config: its launches as tools/kernel_sass.py records them."""
+    import kernel_sass
+
+    quiet = logging.getLogger("moe_registry")  # not a word on the tile tables it looks up on the way
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        launches = kernel_sass.record_launches(scheme, shape, m)
+    finally:
+        quiet.setLevel(level)
+    return any(fn.__name__ == "_decode_gemv_kernel" for fn, *_ in launches)
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` in one step: a run killed mid-write leaves the old file whole."""
     tmp = path.with_name(path.name + ".tmp")
@@ -725,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         key2 = triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate)
         todo = [t for t in group if args.redo or str(t.m) not in table.get(key1, {})
                 or str(t.m) not in table.get(key2, {})]
+        gemv = [t for t in todo if runs_decode_gemv(shape, scheme, t.m)]
+        if gemv:  # every candidate would time the same GEMV
+            print(f"\n{shape_name} {name} M={', '.join(str(t.m) for t in gemv)}: the decode GEMV runs both GEMMs "
+                  f"(no tile config is read there): not tuned", file=sys.stderr)
+            todo = [t for t in todo if t not in gemv]
+            done += len(gemv)
         done += len(group) - len(todo)
         if not todo:
             continue
