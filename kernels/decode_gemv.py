@@ -1,5 +1,6 @@
-"""One token's integer GEMMs as a GEMV on four-way integer dot products (dp4a), for int8
-activations and int4 (W4A8) or int8 weights.
+"""Decode GEMMs with int8 activations on int4 (W4A8) or int8 weights as a GEMV on four-way integer
+dot products (dp4a): a program per (token, expert) pair and column tile at decode (or per block of
+aligned pairs of one expert), where each expert a step reads takes few of its pairs.
 
 A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.moe_gemm`)
 pad the token to a 16-row matrix-unit tile and move its row into the operand layout through
@@ -34,7 +35,7 @@ from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_dependency, grid_release, gri
 
 # weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
 # weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
-# activation); measured on an H100 over 16-64 rows and 32-64 words a step (docs/bench/gemv-s37-h100.txt)
+# activation); measured on an H100 over 8-64 rows and 32-64 words a step (docs/bench/gemv-s37-h100.txt)
 STEP_WORDS = 64
 BLOCK_N = 16
 NUM_WARPS = 4

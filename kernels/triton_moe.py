@@ -372,7 +372,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
 
 
 def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
-    """Whether a one-token GEMM given its 16-bit input runs as decode_gemv's GEMV, which
+    """Whether a decode GEMM given its 16-bit input runs as decode_gemv's GEMV, which
     quantises it by a launch of its own (DECODE_GEMV): int8 activations per token or static,
     int4 (W4A8) or int8 codes with no zero points in column order, per-channel scales or 16/32-bit
     group scales of whole words a group (at most a step's), and weight rows the kernel can read as
