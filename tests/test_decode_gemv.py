@@ -1,7 +1,8 @@
-"""One token's int8-activation GEMMs as decode_gemv's dp4a GEMV (triton_moe.DECODE_GEMV): which
-layers take it, that both GEMMs then launch it and nothing else quantises, and its numbers against
-the tile kernels' and the reference, over K with whole steps and a masked rest, rows read in one
-chunk and in several, group and channel scales, static and per-token scales, a foreign expert.
+"""Decode GEMMs with int8 activations as decode_gemv's dp4a GEMV (triton_moe.DECODE_GEMV): which
+layers take it and at how many tokens, that both GEMMs then launch it and nothing else quantises,
+and its numbers against the tile kernels' and the reference, over K with whole steps and a masked
+rest, rows read in one chunk and in several, group and channel scales, static and per-token
+scales, a foreign expert, one token and two sharing experts (aligned blocks of one pair or two).
 In Triton's interpreter on the CPU (its dp4a the plain-Triton form); on a GPU (``-m gpu``) the
 PTX dp4a at a model's sizes."""
 
