@@ -74,7 +74,7 @@ def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
     (GEMM1 from its rows, GEMM2 from GEMM1's pieces), their weights still copied ahead and only the
     token's row loaded in the step; past GEMM1's weight budget (Mixtral's shape) GEMM1 takes codes
     and GEMM2 still quantises from the pieces (dynamic fp8's own budget), where per-token int8
-    takes codes in both."""
+    runs the decode GEMV in both, which reads codes its own launch wrote."""
     done = _run("--scheme", "fp8-w8a8-dynamic", "--shape", "qwen3", "--m", "1", "--json")
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
@@ -85,7 +85,25 @@ def test_one_token_gemms_are_compiled_as_the_layer_launches_them():
     mixtral = json.loads(_run("--scheme", "fp8-w8a8-dynamic", "--shape", "mixtral", "--m", "1", "--json").stdout)
     assert [r["input_quantised"] for r in mixtral] == ["none", "pieces"]
     int8 = json.loads(_run("--scheme", "quark-w8a8-int8", "--shape", "mixtral", "--m", "1", "--json").stdout)
-    assert [r["input_quantised"] for r in int8] == ["none", "none"]
+    assert [(r["kernel"], r["input_quantised"]) for r in int8] == [("_decode_gemv_kernel", "none")] * 2
+
+
+def test_the_decode_gemv_is_compiled_as_the_layer_launches_it():
+    """W4A8 at Qwen3's M = 1 runs the decode GEMV: its own tile is reported (16 weight rows, 512
+    columns a step), and its loop is dp4a on whole words, fewer than 10 instructions a dp4a (two
+    dp4a a word of 8 weights: under 0.08 warp instructions a weight, where the tile kernels' loop
+    was 0.136; Triton 3.6: 8.25); at M = 64 the tile kernels run."""
+    results = json.loads(_run("--scheme", "compressed-tensors-w4a8-int", "--shape", "qwen3", "--m", "1",
+                              "--json").stdout)
+    for r in results:
+        assert r["kernel"] == "_decode_gemv_kernel" and r["spill_bytes"] == 0, r
+        assert r["config"] == {"BLOCK_K": 512, "BLOCK_M": 1, "BLOCK_N": 16, "num_warps": 4}
+        dp4a = r["loop_opcodes"].get("IDP", 0)
+        assert dp4a > 0 and "HMMA" not in r["loop_opcodes"]
+        assert r["loop_instructions"] < 10 * dp4a, r["loop_opcodes"]
+    prefill = json.loads(_run("--scheme", "compressed-tensors-w4a8-int", "--shape", "qwen3", "--m", "64",
+                              "--json").stdout)
+    assert [r["kernel"] for r in prefill] == ["_fused_moe_kernel"] * 2
 
 
 def test_the_k_loop_is_reported_where_a_zero_sums_tile_has_a_longer_loop_after_it():

@@ -1243,7 +1243,7 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(scheme, monkeypatch
     SCALE_IN_GEMM2_MAX_BYTES, else the same: past it its longer loop costs more than the launch
     saves); past GEMM1's the hidden state takes a quantisation launch, past GEMM2's its input one
     from GEMM1's pieces. The numbers never move. (Tile kernels: int8 activations on int8 weights
-    otherwise take the one-token GEMV, which has no budget: tests/test_decode_gemv.py.)"""
+    otherwise take the decode GEMV, which has no budget: tests/test_decode_gemv.py.)"""
     monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # a byte a weight
@@ -1336,8 +1336,8 @@ def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypat
 def test_w4a8_group_dots_equal_one_group_a_tile(m, monkeypatch):
     """W4A8 tiles of two 32-column groups with GROUP_DOTS (a dot per group, its scale on the result;
     at M = 1 the GEMM quantises the token a group at a time) give the same numbers as one group a K
-    tile -- each group's dot of exact codes is exact -- and both GEMMs took them (the one-token
-    GEMV, which one token's W4A8 GEMMs otherwise take, off)."""
+    tile -- each group's dot of exact codes is exact -- and both GEMMs took them (the decode GEMV,
+    which one token's W4A8 GEMMs otherwise take, off)."""
     monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     weights = _w4a8_weights(seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=9)

@@ -133,7 +133,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
                     for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
-        # the one-token GEMV's input quantisation launch: not a GEMM, not recorded
+        # the decode GEMV's input quantisation launch: not a GEMM, not recorded
         patches.append((triton_moe, "_quantise_rows_kernel", _Recorder(triton_moe._quantise_rows_kernel, [])))
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
@@ -159,7 +159,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         a1, a1_scale = _activations(kscheme, config1, m, shape.hidden, own.gemm1)
         inter = torch.empty(pairs, w13.n // 2, dtype=torch.bfloat16, device="meta")
         weights = torch.empty(pairs, device="meta")
-        # (a one-token GEMV leaves no pieces and reads none)
+        # (a decode GEMV leaves no pieces and reads none)
         pieces = None if own.gemv1 or own.gemv2 else triton_moe._amax_pieces_shape(kscheme, m, top_k, config1, w13,
                                                                                     "silu")
         amax = torch.empty(pieces, device="meta") if pieces else None
@@ -188,7 +188,17 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
         triton_moe._gemm(a2, a2_scale, w2, kscheme, out, rows, config2, compute_dtype=torch.bfloat16,
                          routed_weight="output", topk_weights=weights, pdl=True, input_scale=scale2,
                          row_sums=pieces2 or _row_sums(a2, config2, w2, kscheme, rows))
-    return [(fn, args, kwargs, cfg) for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
+    return [(fn, args, kwargs, _launch_tile(fn, kwargs, cfg))
+            for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
+
+
+def _launch_tile(fn, kwargs: dict, config: dict) -> dict:
+    """The tile a launch runs: its tile config, or the decode GEMV's own (BLOCK_K: the columns of a
+    K step), which reads no tile config."""
+    if fn.__name__ != "_decode_gemv_kernel":
+        return config
+    return {"BLOCK_M": kwargs["BLOCK_M"], "BLOCK_N": kwargs["BLOCK_N"],
+            "BLOCK_K": kwargs["STEP_WORDS"] * (8 if kwargs["PACKED"] else 4), "num_warps": kwargs["num_warps"]}
 
 
 def _row_sums(a: torch.Tensor, config: dict, w, kscheme, rows):
