@@ -162,7 +162,7 @@ def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
             raise ValueError(f"{name} group {value} is not a power of two (keys {weight_key!r}, {activation_key!r})")
     if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel") and not _w4a8(scheme):
         raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales (or uint4b8 with "
-                         f"float32 group or channel scales), got {weight_key!r}")
+                         f"group or channel scales), got {weight_key!r}")
     if scheme.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
         raise ValueError(f"fp8 group activations need fp8 weights with block scales, got {weight_key!r}")
     if scheme.dot == "fp8_outer" and (wtype != "fp8e4m3" or wscale != "channel"):

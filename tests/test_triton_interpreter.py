@@ -396,6 +396,17 @@ def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
     assert tile_config.group_dot_width(scheme_from_keys(*SCHEMES["int4-g128"][:2]), 16) == 128
 
 
+def test_int8_activations_name_the_weights_they_take():
+    """int8 activations run on int8 weights with per-channel or per-tensor scales, or on uint4b8
+    (W4A8) with group or channel scales of any float dtype (compressed-tensors writes bfloat16);
+    other weights are refused by a message that says so."""
+    for scale in ("float32", "bfloat16", "float16"):
+        assert scheme_from_keys(f"uint4b8 scale:{scale}:group(128):static", INT8_TOKEN).weight_type == "uint4b8"
+    with pytest.raises(ValueError, match=r"int8 activations need int8 weights with per-channel/tensor scales \(or "
+                                         r"uint4b8 with group or channel scales\), got 'int8 scale:float16:group"):
+        scheme_from_keys("int8 scale:float16:group(64):static", INT8_TOKEN)
+
+
 def test_w4a8_group_dots_only_on_its_16_bit_dot_tiles():
     """W4A8 takes per-group dots on tiles of <= 32 rows (the codes' 16-bit dot), where its K tile
     may then span groups; a 64-row tile (the int8 dot) keeps one group a K tile and no GROUP_DOTS."""
