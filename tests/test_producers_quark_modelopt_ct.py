@@ -249,6 +249,31 @@ def test_native_cpu_kernel_matches_float64_moe_on_the_producers_weights(name: st
         assert _rel(got, want) <= layer.tolerance, f"{name} M={m}: {_rel(got, want):.2e} > {layer.tolerance}"
 
 
+INT8_ACTIVATION_CASES = sorted(n for n, c in CASES.items() if c.triton and c.act in ("int8_token", "int8_tensor"))
+
+
+@pytest.mark.parametrize("name", INT8_ACTIVATION_CASES)
+def test_decode_gemv_on_the_producers_files_matches_float64_moe(name: str, built, monkeypatch) -> None:
+    """One token of the producers' int8-activation checkpoints (Quark W8A8 int8 per channel and per
+    tensor, compressed-tensors W8A8 int8 and W4A8) runs the decode GEMV in both GEMMs, on the
+    converted weights, within the scheme's tolerance of the float64 MoE of the producer's own
+    dequantisation."""
+    pytest.importorskip("triton")
+    from launch_spy import LaunchSpy
+    from moe_registry_kernels import triton_moe
+
+    case, layer = CASES[name], built[name]
+    ids, w = _routing(12, m=1)
+    x = _ref(name)["hidden_states"][:1].to(torch.float16)
+    want = _moe64(case, name, _library_weights(name), x.float(), ids, w)
+    launched: list = []
+    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel, launched))
+    got = triton_moe.TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
+    assert len(launched) == 2
+    tol = moe_registry.load_registry().scheme(case.scheme).tolerance["float16"]
+    assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
+
+
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.triton))
 def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
     """The Triton fused kernel (interpreter, float16 activations) on the converted weights."""
