@@ -13,12 +13,11 @@ moved into the top of its byte so that the byte reads 16 * (code - 8) as int8 (t
 binary's top bit flipped: no subtraction, the 16 leaves with the token's scale); int8 words are
 4 codes as they are.
 
-The GEMV reads its input as codes :func:`_quantise_rows_kernel` wrote just before it, a program a
-row: the codes of ``triton_ops``' per-token (or static) int8 quantisation (the same rounding,
-:func:`moe_gemm._codes_by_reciprocal`), for int4 words the row's even columns then its odd ones.
-(Each GEMV program quantising its row itself into one shared buffer ran the layer 1.6-1.9x
-slower than the tile kernels on Mixtral's shape: thousands of programs writing the same few
-kilobytes; docs/bench/gemv-s37-h100.txt.) Per-group weight scales multiply each group's int32
+The GEMV reads its input as the codes ``triton_ops.act_quant`` wrote just before it (per token or
+static, its rows' codes for int4 words in nibble halves: even columns, then odd ones). (Each GEMV
+program quantising its row itself into one shared buffer ran the layer 1.6-1.9x slower than the
+tile kernels on Mixtral's shape: thousands of programs writing the same few kilobytes;
+docs/bench/gemv-s37-h100.txt.) Per-group weight scales multiply each group's int32
 sum; per-channel ones, the bias, the router weight and the fused activation are the tile
 kernels' epilogue (:func:`moe_gemm._finish_tile`).
 """
@@ -30,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemm import _block_pairs, _block_rows, _codes_by_reciprocal, _finish_tile, _scale_of, _weight_rows
-from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_dependency, grid_release, grid_wait
+from .moe_gemm import _block_pairs, _block_rows, _finish_tile, _scale_of, _weight_rows
+from .triton_ops import grid_release, grid_wait
 
 # weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
 # weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
@@ -39,10 +38,6 @@ from .triton_ops import AMAX_FLOOR, INT8_MAX, grid_dependency, grid_release, gri
 STEP_WORDS = 64
 BLOCK_N = 16
 NUM_WARPS = 4
-# input values a step of the quantisation's amax and codes reads at most (a row up to this long
-# is read once)
-ROW_CHUNK = 4096
-QUANT_WARPS = 8
 # 0xF0F0F0F0 and 0x80808080 as int32: each byte's high nibble, each byte's top bit
 HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
 BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)
@@ -68,68 +63,6 @@ def _dp4a(a, b, acc, PTX: tl.constexpr):
         for i in tl.static_range(4):  # byte i, sign-extended: to the top, then arithmetically down
             out += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
     return out
-
-
-@triton.jit
-def _quantise_row(a_row, a_scale_ptr, codes_row, K, STATIC: tl.constexpr, PACKED: tl.constexpr,
-                  CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr):
-    """The row's int8 scale (the static one, or max(amax, 1e-10) / 127 as triton_ops finds it),
-    its codes written into ``codes_row`` [K]: in column order, or (PACKED) its even columns then
-    its odd ones, as the int4 words' low and high nibbles take them. ONE_CHUNK (K <= CHUNK): the
-    row is read once, its amax and codes from the same registers."""
-    cols = tl.arange(0, CHUNK)
-    if ONE_CHUNK:
-        v = tl.load(a_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        amax = tl.abs(v)
-    else:
-        amax = tl.zeros([CHUNK], tl.float32)
-        for k0 in tl.range(0, K, CHUNK, num_stages=1):
-            amax = tl.maximum(amax, tl.abs(tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)))
-    if STATIC:
-        scale = tl.load(a_scale_ptr).to(tl.float32)
-    else:
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), AMAX_FLOOR), INT8_MAX)
-    reciprocal = tl.math.div_rn(1.0, scale)
-    if ONE_CHUNK:
-        _store_codes(v, codes_row, 0, K, scale, reciprocal, PACKED, CHUNK)
-    else:
-        for k0 in tl.range(0, K, CHUNK, num_stages=1):
-            v = tl.load(a_row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            _store_codes(v, codes_row, k0, K, scale, reciprocal, PACKED, CHUNK)
-    return scale
-
-
-@triton.jit
-def _store_codes(v, codes_row, k0, K, scale, reciprocal, PACKED: tl.constexpr, CHUNK: tl.constexpr):
-    """The codes of the row's values ``v`` from column ``k0`` on (see :func:`_quantise_row`)."""
-    codes = _codes_by_reciprocal(v, scale, reciprocal, "int8", False)
-    if PACKED:
-        even, odd = tl.split(tl.reshape(codes, (CHUNK // 2, 2)))
-        half = k0 // 2 + tl.arange(0, CHUNK // 2)
-        tl.store(codes_row + half, even, mask=half < K // 2)
-        tl.store(codes_row + K // 2 + half, odd, mask=half < K // 2)
-    else:
-        cols = k0 + tl.arange(0, CHUNK)
-        tl.store(codes_row + cols, codes, mask=cols < K)
-
-
-@triton.jit
-def _quantise_rows_kernel(a_ptr, a_scale_ptr, codes_ptr, scales_ptr, expert_ids_ptr, K, stride_am, num_experts,
-                          STATIC: tl.constexpr, PACKED: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
-                          PAIR_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """Row ``program_id(0)`` of A [rows, K] as the GEMV reads it: its int8 codes into codes [rows,
-    K] (see :func:`_quantise_row`), its scale into scales [rows]. PAIR_ROWS: A's rows are the
-    pairs' (GEMM2's input), and the row of a pair routed to another rank's expert, which GEMM1
-    never wrote, is left alone."""
-    grid_dependency(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    if PAIR_ROWS:
-        expert = tl.load(expert_ids_ptr + row)
-        if (expert < 0) | (expert >= num_experts):
-            return
-    scale = _quantise_row(a_ptr + row * stride_am, a_scale_ptr, codes_ptr + row * K, K, STATIC, PACKED, CHUNK,
-                          ONE_CHUNK)
-    tl.store(scales_ptr + row, scale)
 
 
 @triton.jit
@@ -169,15 +102,15 @@ def _step(acc, w, x_words, row_mask, scale_ptrs, w0, x_word, k_words, stride_sk,
 @triton.jit
 def _decode_gemv_kernel(
         codes_ptr, a_scales_ptr, b_ptr, b_scale_ptr, bias_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-        expert_ids_ptr, num_post_padded_ptr, N, K, num_valid, num_experts, stride_be, stride_bn, stride_se,
-        stride_sn, stride_sk, stride_cm,
+        expert_ids_ptr, num_post_padded_ptr, N, K, num_valid, num_experts, stride_as, stride_be, stride_bn,
+        stride_se, stride_sn, stride_sk, stride_cm,
         PACKED: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
         ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, FUSE_ACT: tl.constexpr, PTX: tl.constexpr,
         ONE_PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr,
         PDL: tl.constexpr):
     """C[rows of block ``program_id(0)``, column tile ``program_id(1)``]: the int32 dot products of
-    the block's input rows' codes (codes [A rows, K], their scales [A rows], as
-    :func:`_quantise_rows_kernel` wrote them) with its expert's weight rows a word at a time, each
+    the block's input rows' codes (codes [A rows, K] as triton_ops.act_quant wrote them, their
+    scales a_scales_ptr[row * stride_as]: 0 for a static one) with its expert's weight rows a word at a time, each
     word read once for the block's BLOCK_M rows, through the tile kernels' epilogue. The blocks
     are the tile kernels' (moe_gemm._block_pairs): aligned pairs of one expert, or ONE_PAIR_BLOCKS
     a pair each with the router's ids (BLOCK_M 1). The weights' K is a multiple of a word's codes
@@ -233,7 +166,7 @@ def _decode_gemv_kernel(
                     GROUP_WORDS, PTX, True)
     grid_release(PDL)
 
-    scale = tl.load(a_scales_ptr + a_rows, mask=row_mask, other=0.0)
+    scale = tl.load(a_scales_ptr + a_rows * stride_as, mask=row_mask, other=0.0)
     out = tl.sum(tl.sum(acc, axis=3), axis=2) * (scale * NIBBLE_UNIT if PACKED else scale)[:, None]
     scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
     _finish_tile(out, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, 0, N, scale_cols, bias_ptr,

@@ -55,7 +55,7 @@ from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionW
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
 from . import decode_gemv, triton_ops
-from .decode_gemv import _decode_gemv_kernel, _quantise_rows_kernel, dp4a_in_ptx
+from .decode_gemv import _decode_gemv_kernel, dp4a_in_ptx
 from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them here)
     _dequant_byte,
     _dequant_byte_pairs,
@@ -372,8 +372,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
 
 
 def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
-    """Whether a decode GEMM given its 16-bit input runs as decode_gemv's GEMV, which
-    quantises it by a launch of its own (DECODE_GEMV): int8 activations per token or static,
+    """Whether a decode GEMM given its 16-bit input runs as decode_gemv's GEMV, after a launch
+    of act_quant of its own (DECODE_GEMV): int8 activations per token or static,
     int4 (W4A8) or int8 codes with no zero points in column order, per-channel scales or 16/32-bit
     group scales of whole words a group (at most a step's), and weight rows the kernel can read as
     aligned 32-bit words."""
@@ -395,36 +395,30 @@ def _takes_gemv(scheme: Scheme, w: _Proj) -> bool:
 def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Scheme, c: torch.Tensor, rows: _Rows, *,
           top_k: int, routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool,
           pair_ids: torch.Tensor | None) -> None:
-    """A decode GEMM as decode_gemv's two launches: A's rows quantised to int8 codes as the GEMV
-    reads them (at ``a_scale``, the static scale, or each row's own; ``pair_ids``: A's rows are the
-    pairs', these their experts, and a foreign pair's row is skipped), then the GEMV writing C
-    [pairs, N] (or [pairs, N / 2] with ``fuse_act``), a program per (row block, column tile): one
-    pair each (one token), or GEMV_BLOCK_M aligned pairs."""
+    """A decode GEMM as two launches: A's rows quantised to int8 codes by triton_ops.act_quant (at
+    ``a_scale``, the static scale, or each row's own; int4 weights: in nibble halves; ``pair_ids``:
+    A's rows are the pairs', these their experts, and a foreign pair's row is skipped), then
+    decode_gemv's GEMV writing C [pairs, N] (or [pairs, N / 2] with ``fuse_act``), a program per
+    (row block, column tile): one pair each (one token), or GEMV_BLOCK_M aligned pairs."""
     dummy = w.weight
-    rows_in, k = a.shape[0], w.k
-    codes = torch.empty(rows_in, k, dtype=torch.int8, device=a.device)
-    scales = torch.empty(rows_in, dtype=torch.float32, device=a.device)
-    chunk = min(decode_gemv.ROW_CHUNK, triton.next_power_of_2(k))
-    _quantise_rows_kernel[(rows_in,)](
-        a, a_scale if a_scale is not None else dummy, codes, scales, pair_ids if pair_ids is not None else dummy, k,
-        a.stride(0), w.weight.shape[0], STATIC=a_scale is not None, PACKED=scheme.packed, CHUNK=chunk,
-        ONE_CHUNK=k <= chunk, PAIR_ROWS=pair_ids is not None, PDL=pdl, num_warps=decode_gemv.QUANT_WARPS,
-        **triton_ops.pdl_launch(pdl))
+    codes, a_scales = triton_ops.act_quant(a, "none", scheme.act_quant, static_scale=a_scale, pdl=pdl,
+                                           nibble_halves=scheme.packed, pair_experts=pair_ids,
+                                           num_experts=w.weight.shape[0])
     scale = w.scale
     group = scheme.weight_scale == "group"
     grid = (rows.expert_ids.numel(), _column_tiles(w.n, decode_gemv.BLOCK_N, fuse_act))
     _decode_gemv_kernel[grid](
-        codes, scales, w.weight, scale, w.bias if w.bias is not None else dummy, c,
+        codes, a_scales, w.weight, scale, w.bias if w.bias is not None else dummy, c,
         topk_weights if topk_weights is not None else dummy,
         rows.sorted_ids if rows.sorted_ids is not None else dummy, rows.expert_ids,
-        rows.num_post_padded if rows.num_post_padded is not None else dummy, w.n, k, rows.num_valid,
-        w.weight.shape[0], w.weight.stride(0), w.weight.stride(1), scale.stride(0), scale.stride(1),
-        scale.stride(2) if group else 0, c.stride(-2), PACKED=scheme.packed, W_SCALE=scheme.weight_scale,
-        W_GROUP=scheme.weight_group, HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
-        FUSE_ACT=fuse_act, PTX=dp4a_in_ptx(a.device), ONE_PAIR_BLOCKS=rows.one_pair_blocks,
-        BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M, BLOCK_N=decode_gemv.BLOCK_N,
-        STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS, num_stages=1,
-        **triton_ops.pdl_launch(pdl))
+        rows.num_post_padded if rows.num_post_padded is not None else dummy, w.n, w.k, rows.num_valid,
+        w.weight.shape[0], 0 if a_scale is not None else a_scales.stride(0), w.weight.stride(0), w.weight.stride(1),
+        scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2), PACKED=scheme.packed,
+        W_SCALE=scheme.weight_scale, W_GROUP=scheme.weight_group, HAS_BIAS=w.bias is not None,
+        ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act, PTX=dp4a_in_ptx(a.device),
+        ONE_PAIR_BLOCKS=rows.one_pair_blocks, BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M,
+        BLOCK_N=decode_gemv.BLOCK_N, STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS,
+        num_stages=1, **triton_ops.pdl_launch(pdl))
 
 
 def _zero_sums(config: dict, w: _Proj) -> bool:
@@ -757,9 +751,9 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     elif scheme.act_quant in FP8_DYNAMIC_MODES:
         # fp8_tensor's one amax skips the rows of pairs routed to another rank's expert (never written)
         a2, a2_scale = _quantize(inter, scheme, None, pair_ids=pair_ids, num_experts=num_experts, pdl=pdl)
-    else:
-        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pdl=pdl,
-                                 **_codes_dtype(scheme, config2, dt))
+    else:  # (the row of a pair routed to another rank's expert, never written, is left alone)
+        a2, a2_scale = _quantize(inter, scheme, w2.input_scale, amax_pieces=amax, pair_experts=pair_ids,
+                                 num_experts=num_experts, pdl=pdl, **_codes_dtype(scheme, config2, dt))
     split = 1 if in_gemm.gemv2 else config2["SPLIT_K"]
     if split > 1:
         partial = torch.empty(split, m * top_k, w2.n, dtype=torch.float32, device=dev)

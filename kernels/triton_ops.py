@@ -741,7 +741,9 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
                       D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows,
                       ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                       HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                      ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+                      ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr,
+                      pair_experts_ptr=None, num_experts=0, NIBBLE_HALVES: tl.constexpr = False,
+                      PAIR_ROWS: tl.constexpr = False):
     """Program (r, c): rows [r * ROWS, (r + 1) * ROWS), columns [c * BLOCK, (c + 1) * BLOCK) (the
     whole row for int8_token, whose scale needs it, unless its amax comes in pieces)."""
     grid_dependency(PDL)
@@ -750,7 +752,16 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
     _act_quant_tile(tl.program_id(0).to(tl.int64) * ROWS, x_ptr, out_ptr, scale_ptr, static_scale_ptr,
                     row_scale_ptr, counts_ptr, pieces_ptr, D, stride_x, stride_out, stride_scale, capacity,
                     num_pieces, num_rows, col_lo, col_hi, ACTIVATION, QUANT, GROUP, HAS_ROW_SCALE, HAS_COUNTS, BLOCK,
-                    ONE_READ, PIECES, ROWS)
+                    ONE_READ, PIECES, ROWS, pair_experts_ptr, num_experts, NIBBLE_HALVES, PAIR_ROWS)
+
+
+@triton.jit
+def _stored_cols(cols, D, NIBBLE_HALVES: tl.constexpr):
+    """Where the codes of columns ``cols`` go in a row: in place, or (NIBBLE_HALVES) even columns
+    in the first half, odd ones in the second."""
+    if NIBBLE_HALVES:
+        cols = cols // 2 + (cols % 2) * (D // 2)
+    return cols
 
 
 @triton.jit
@@ -771,11 +782,16 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
                     D, stride_x, stride_out, stride_scale, capacity, num_pieces, num_rows, col_lo, col_hi,
                     ACTIVATION: tl.constexpr, QUANT: tl.constexpr, GROUP: tl.constexpr,
                     HAS_ROW_SCALE: tl.constexpr, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr,
-                    ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr):
+                    ONE_READ: tl.constexpr, PIECES: tl.constexpr, ROWS: tl.constexpr, pair_experts_ptr=None,
+                    num_experts=0, NIBBLE_HALVES: tl.constexpr = False, PAIR_ROWS: tl.constexpr = False):
     """Rows [row_lo, row_lo + ROWS) (those below num_rows; with counts, the batched format, rows
-    past their expert's count are skipped), columns [col_lo, col_hi), BLOCK at a time: optional
-    gated activation ([2D] -> [D]), optional row factor (router weight on the input), then store
-    as the activation dtype or quantise (see QUANT_MODES).
+    past their expert's count are skipped; PAIR_ROWS, rows that are (token, expert) pairs, the rows
+    of pairs whose expert in pair_experts_ptr lies outside [0, num_experts) are skipped: another
+    rank's, never written), columns [col_lo, col_hi), BLOCK at a time: optional gated activation
+    ([2D] -> [D]), optional row factor (router weight on the input), then store as the activation
+    dtype or quantise (see QUANT_MODES). NIBBLE_HALVES (int8 codes): each row's even columns are
+    stored first, then its odd ones, as the low and high nibbles of int4 weight words take them
+    (decode_gemv).
 
     int8_token needs each row's amax first: with PIECES > 0 the largest of its num_pieces pieces
     (read PIECES at a time; any column range can then be quantised alone, and the chunk at
@@ -787,6 +803,9 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
     row_ok = rows < num_rows
     if HAS_COUNTS:
         row_ok &= rows % capacity < tl.load(counts_ptr + rows // capacity, mask=row_ok, other=0)
+    if PAIR_ROWS:
+        expert = tl.load(pair_experts_ptr + rows, mask=row_ok, other=-1)
+        row_ok &= (expert >= 0) & (expert < num_experts)
     row_factor = tl.full([ROWS], 1.0, tl.float32)
     if HAS_ROW_SCALE:
         row_factor = tl.load(row_scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -812,7 +831,7 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         scale = row_scale[:, None]
         if ONE_READ and PIECES == 0:  # the values are still in registers: the codes now
             cols = tl.arange(0, BLOCK)
-            tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+            tl.store(out_ptr + rows[:, None] * stride_out + _stored_cols(cols, D, NIBBLE_HALVES)[None, :],
                      _as_stored(_int8_codes(v, scale), out_ptr), mask=row_ok[:, None] & (cols[None, :] < D))
             col_hi = 0  # done: the loop below runs no step
     elif QUANT == "int8_static" or QUANT == "fp8_static":
@@ -826,7 +845,8 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         if QUANT == "none":
             tl.store(out_tile, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_tile, _as_stored(_int8_codes(v, scale), out_ptr), mask=mask)
+            tl.store(out_ptr + rows[:, None] * stride_out + _stored_cols(cols, D, NIBBLE_HALVES)[None, :],
+                     _as_stored(_int8_codes(v, scale), out_ptr), mask=mask)
         elif QUANT == "fp8_static":
             tl.store(out_tile, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
@@ -842,7 +862,8 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
               row_scale: torch.Tensor | None = None, group: int = 128,
               out_dtype: torch.dtype | None = None, expert_num_tokens: torch.Tensor | None = None,
               capacity: int = 1, amax_pieces: torch.Tensor | None = None,
-              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+              pdl: bool = False, nibble_halves: bool = False, pair_experts: torch.Tensor | None = None,
+              num_experts: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows of x [T, D_in] -> (values [T, D], scale or None): ``activation`` "none" or one of
     core.vocab.ACTIVATION_FNS (then D = D_in / 2), ``quant`` one of QUANT_MODES. Scales: int8_token float32
     [T, 1]; static modes return ``static_scale``; fp8_group float32 [T, ceil(D/group)]; mxfp8 uint8
@@ -852,10 +873,23 @@ def act_quant(x: torch.Tensor, activation: str, quant: str, *, static_scale: tor
     ``expert_num_tokens`` [E] (batched rows, T = E·capacity) rows past a count are left unwritten.
     ``amax_pieces`` [T, P] (int8_token, no activation or row factor): each row's amax is the
     largest of its P pieces (a GEMM epilogue left them), so rows are cut into chunks like the
-    group modes. ``pdl``: launch as part of a programmatic-dependent-launch chain. Plain
+    group modes. ``pdl``: launch as part of a programmatic-dependent-launch chain.
+    ``nibble_halves`` (int8 modes, even D): each row's codes of even columns first, then of odd
+    ones (the decode GEMV's int4 words). ``pair_experts`` [T]: the rows are (token, expert) pairs,
+    these their experts; a pair's row whose expert lies outside [0, ``num_experts``) (another
+    rank's: GEMM1 never wrote it) is neither read nor written, nor is its scale. Plain
     implementation behind the custom ops (no dispatcher hop inside the fused layer)."""
+    if nibble_halves and not (quant.startswith("int8") and x.shape[1] % 2 == 0 and activation == "none"):
+        raise ValueError(f"codes in nibble halves are int8 codes of rows of even width, no activation; got {quant} "
+                         f"rows of {x.shape[1]}, activation {activation}")
+    if pair_experts is not None and pair_experts.shape != (x.shape[0],):
+        raise ValueError(f"pair_experts holds one expert per row: [{x.shape[0]}], got {list(pair_experts.shape)}")
     out, scale, args, meta = _act_quant_launch(x, activation, quant, static_scale, row_scale, group, out_dtype,
                                                expert_num_tokens, capacity, amax_pieces)
+    if nibble_halves:
+        meta["NIBBLE_HALVES"] = True
+    if pair_experts is not None:
+        meta |= {"PAIR_ROWS": True, "pair_experts_ptr": pair_experts, "num_experts": num_experts}
     if x.shape[0]:
         whole_rows = quant == "int8_token" and amax_pieces is None
         chunks = 1 if whole_rows else triton.cdiv(out.shape[1], meta["BLOCK"])

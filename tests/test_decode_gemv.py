@@ -121,14 +121,28 @@ def test_decode_gemv_reads_long_rows_in_chunks(scheme, monkeypatch):
     weights, x, router, ids = _layer(scheme, *CPU_SIZES, "cpu")
     experts = TritonExperts(weights, ExpertsConfig())
     whole = experts.apply(x, router, ids)
-    monkeypatch.setattr(decode_gemv, "ROW_CHUNK", 128)  # 640 and 96 columns: five chunks, and one
+    monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 128)  # 640 and 96 columns: an amax pass, then five chunks
     chunked = experts.apply(x, router, ids)
     assert torch.equal(chunked, whole)
 
 
-def test_decode_gemv_quantises_as_the_quantisation_kernel():
-    """The codes the GEMV's quantisation launch writes are act_quant's, split into even and odd
-    columns for int4 words: every rounding tie and saturation the same, its scale too."""
+def _sentinel_empty(monkeypatch) -> None:
+    """Every later torch.empty comes back filled: int8 with 99, floating point with -1, so what a
+    kernel never wrote shows."""
+    real_empty = torch.empty
+
+    def filled(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(-1.0 if t.is_floating_point() else 99)
+
+    monkeypatch.setattr(torch, "empty", filled)
+
+
+@pytest.mark.parametrize("row_block_max", [16384, 256])
+def test_decode_gemv_quantises_as_the_quantisation_kernel(row_block_max, monkeypatch):
+    """The GEMV's input codes are act_quant's, for int4 words split into even and odd columns (nibble
+    halves): every rounding tie and saturation the same, the scale too, rows read at once or in an
+    amax pass and chunks."""
     k, unit = 640, 2.0 ** -4  # amax 127 units: the scale is the unit itself, exactly
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(2, k, generator=g) * 2).clamp(-7.8, 7.8)
@@ -136,29 +150,29 @@ def test_decode_gemv_quantises_as_the_quantisation_kernel():
     x = x.to(torch.float16)
     want, want_scale = triton_ops.act_quant(x, "none", "int8_token")
     assert want_scale[0].item() == unit and want[0, 4] == 126 and want[0, 2] == 2  # ties to even
+    monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", row_block_max)
     for packed, order in ((True, torch.cat([want[:, 0::2], want[:, 1::2]], dim=1)), (False, want)):
-        for chunk in (1024, 256):
-            codes = torch.full((2, k), 99, dtype=torch.int8)
-            scales = torch.zeros(2)
-            decode_gemv._quantise_rows_kernel[(2,)](x, x, codes, scales, x, k, x.stride(0), 1, STATIC=False,
-                                                       PACKED=packed, CHUNK=chunk, ONE_CHUNK=chunk >= k,
-                                                       PAIR_ROWS=False, PDL=False)
-            assert torch.equal(codes, order) and torch.equal(scales, want_scale.reshape(-1))
+        codes, scales = triton_ops.act_quant(x, "none", "int8_token", nibble_halves=packed)
+        assert torch.equal(codes, order) and torch.equal(scales, want_scale)
+    with pytest.raises(ValueError, match=r"codes in nibble halves are int8 codes of rows of even width, no "
+                                         r"activation; got int8_token rows of 639"):
+        triton_ops.act_quant(x[:, :639], "none", "int8_token", nibble_halves=True)
 
 
-def test_decode_gemv_leaves_the_rows_of_foreign_pairs_alone():
+def test_decode_gemv_leaves_the_rows_of_foreign_pairs_alone(monkeypatch):
     """GEMM2's input rows are the pairs': the row of a pair routed to another rank's expert (never
     written by GEMM1: NaN here) is neither read nor quantised, and the other rows are."""
     k = 64
     x = torch.randn(3, k).to(torch.float16)
     x[1] = float("nan")
     ids = torch.tensor([2, -1, 0], dtype=torch.int32)
-    codes, scales = torch.full((3, k), 99, dtype=torch.int8), torch.full((3,), -1.0)
-    decode_gemv._quantise_rows_kernel[(3,)](x, x, codes, scales, ids, k, x.stride(0), 4, STATIC=False, PACKED=False,
-                                               CHUNK=64, ONE_CHUNK=True, PAIR_ROWS=True, PDL=False)
-    assert (codes[1] == 99).all() and scales[1] == -1.0
     want, want_scale = triton_ops.act_quant(x[[0, 2]], "none", "int8_token")
-    assert torch.equal(codes[[0, 2]], want) and torch.equal(scales[[0, 2]], want_scale.reshape(-1))
+    _sentinel_empty(monkeypatch)
+    codes, scales = triton_ops.act_quant(x, "none", "int8_token", pair_experts=ids, num_experts=4)
+    assert (codes[1] == 99).all() and scales[1] == -1.0
+    assert torch.equal(codes[[0, 2]], want) and torch.equal(scales[[0, 2]], want_scale)
+    with pytest.raises(ValueError, match=r"pair_experts holds one expert per row: \[3\], got \[2\]"):
+        triton_ops.act_quant(x, "none", "int8_token", pair_experts=ids[:2], num_experts=4)
 
 
 def _proj(weight: torch.Tensor, scale: torch.Tensor, *, zero=None, perm=None, k: int | None = None):

@@ -133,8 +133,9 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
                     for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
-        # the decode GEMV's input quantisation launch: not a GEMM, not recorded
-        patches.append((triton_moe, "_quantise_rows_kernel", _Recorder(triton_moe._quantise_rows_kernel, [])))
+        # the decode GEMV's input quantisation launch: not a GEMM, not run (its outputs on the meta device)
+        patches.append((triton_ops, "act_quant", lambda x, activation, quant, *, static_scale=None, **_:
+                        triton_ops._fake_quant(x.shape[0], x.shape[1], quant, x, static_scale)))
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
         config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
