@@ -27,6 +27,8 @@ of two with D = 0 where every scale times 2^U stays a normal number of the 16-bi
 the code's bits (_folded_e8m0).
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -46,33 +48,84 @@ def _e2m1_value(codes):
     return bits.to(tl.float16, bitcast=True).to(tl.float32) * E2M1_UNSCALE
 
 
-E4M3_SIGN_SHIFT = tl.constexpr(8)  # e4m3 bit 7 -> float16 bit 15
-E4M3_MAGNITUDE_SHIFT = tl.constexpr(7)  # e4m3 bits 0..6 (4 exponent, 3 mantissa) -> float16 bits 7..13
-E4M3_UNSCALE = tl.constexpr(256.0)  # 2^8: float16's exponent bias 15 minus e4m3's 7
+# NVFP4's e4m3 group scales reach the GEMMs as kernel-private exponent codes (:func:`e4m3_scale_codes`,
+# written once when the Triton experts are built): a positive e4m3 value 2^e * (1 + m/8), subnormals
+# normalised (e from -9 to 8), as the byte ((e + SCALE_CODE_BIAS) << 3) | m. Its bits times 2^(mantissa
+# bits - 3), plus a constant exponent, are the value in any float type (:func:`_scale_code_value`): one
+# integer multiply-add a scale, where the e4m3 byte took a load pair, two converts through float32, a
+# multiply and a pack. (Offline sm_90 SASS, NVFP4 GEMM1 at DeepSeek-V2-Lite's M = 8: 270 instructions a
+# step against 290.) Zero and negative scales have no code: their groups' FP4 codes take them instead
+# (zeroed, or their signs flipped), which leaves every product the same.
+SCALE_CODE_BIAS = tl.constexpr(10)  # e = -9 is code field 1; field 0 (the groups' padding) reads 2^-10
+SCALE_CODE_MANTISSA = 3
+SCALE_CODE_EXPONENTS = (-9, 8)  # the smallest e4m3 subnormal, 2^-9, and the largest normal's 2^8
+GROUP_CODE_BYTES = 8  # packed FP4 bytes an e4m3 scale's group of 16 holds
+
+
+def _group_bytes(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[..., G] per-group values -> [..., groups * GROUP_CODE_BYTES], each repeated over its group's bytes."""
+    return t.repeat_interleave(GROUP_CODE_BYTES, dim=-1)[..., :groups]
+
+
+def e4m3_scale_codes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed FP4 codes, float8_e4m3fn group scales of 16) -> (the codes, exponent-code scales uint8):
+    the GEMMs' form of NVFP4's scales (see above). A group whose scale is zero has its codes zeroed, one
+    whose scale is negative their signs flipped (new tensors; the codes are returned as given where
+    every scale is positive). NaN scales are refused."""
+    if scale.dtype != torch.float8_e4m3fn or packed.dtype != torch.uint8:
+        raise ValueError(f"NVFP4 scale codes take uint8 FP4 codes and float8_e4m3fn scales, got {packed.dtype} "
+                         f"and {scale.dtype}")
+    value = scale.to(torch.float32)
+    if value.isnan().any():
+        raise ValueError("NVFP4 group scales hold a NaN code (0x7f or 0xff)")
+    if (value <= 0).any():
+        packed = packed.clone()
+        for e in range(packed.shape[0]):  # one expert at a time: the byte masks stay small
+            s = _group_bytes(value[e], packed.shape[-1])
+            packed[e] = torch.where(s == 0, 0, torch.where(s < 0, packed[e] ^ 0x88, packed[e]))
+    mantissa, exponent = torch.frexp(value.abs())  # |value| = mantissa * 2^exponent, mantissa in [0.5, 1)
+    fraction = (mantissa * 2 - 1) * (1 << SCALE_CODE_MANTISSA)  # exact: e4m3 keeps 3 fraction bits
+    field = exponent - 1 + SCALE_CODE_BIAS.value
+    codes = torch.where(value == 0, 0, (field << SCALE_CODE_MANTISSA) + fraction.to(torch.int32))
+    return packed, codes.to(torch.uint8)
+
+
+@triton.constexpr_function
+def _float_layout(dtype) -> tuple[int, int]:
+    """(exponent bias, mantissa bits) of a float type."""
+    if dtype == tl.bfloat16:
+        return 127, 7
+    if dtype == tl.float16:
+        return 15, 10
+    return 127, 23
+
+
+@triton.constexpr_function
+def _scale_code_shift(dtype) -> int:
+    return _float_layout(dtype)[1] - SCALE_CODE_MANTISSA
+
+
+@triton.constexpr_function
+def _scale_code_offset(dtype, times: float) -> int:
+    """What a scale code's exponent field gains in ``dtype``'s bits for the value times ``times`` (a
+    power of two), shifted into place; asserted to keep every code's value a normal number."""
+    bias, mantissa = _float_layout(dtype)
+    gain = bias - SCALE_CODE_BIAS.value + int(math.log2(times))
+    top = (1 << (8 if dtype != tl.float16 else 5)) - 2  # the largest finite exponent field
+    low, high = SCALE_CODE_EXPONENTS
+    assert gain + low + SCALE_CODE_BIAS.value >= 1 and gain + high + SCALE_CODE_BIAS.value <= top, (dtype, times)
+    return gain << mantissa
 
 
 @triton.jit
-def _e4m3_value(codes, TIMES: tl.constexpr = 1.0):
-    """float8_e4m3fn bytes (uint8) -> their values in float32, by the same bit move as _e2m1_value (the
-    half reads value * 2^-8; e4m3 subnormals become float16 subnormals, exactly): no fp8 conversion, which
-    Triton has only from sm_89, and no masked fp8 load, which cannot fill in 0. NaN codes are refused at load.
-    TIMES: a power of two to multiply in as well, in the same multiply (exact where it stays finite)."""
-    c = codes.to(tl.uint16)
-    bits = ((c & 0x80) << E4M3_SIGN_SHIFT) | ((c & 0x7F) << E4M3_MAGNITUDE_SHIFT)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * (E4M3_UNSCALE * TIMES)
-
-
-@triton.jit
-def _e4m3_scale(codes, dtype, TIMES: tl.constexpr, CVT: tl.constexpr):
-    """float8_e4m3fn scale bytes (uint8) -> value * TIMES (a power of two) in the 16-bit ``dtype``, exact
-    (3 mantissa bits). CVT: the GPU's fp8 conversion (sm_89+: two scales an instruction); else the bit
-    move of :func:`_e4m3_value` (the interpreter, older GPUs), which gives the same values. H100, NVFP4's
-    loop at M = 8 and 64 (offline sm_90 SASS): 8-10% fewer instructions with CVT."""
-    if CVT:  # noqa: SIM108  (a constexpr branch: the other one is not built)
-        value = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * TIMES
-    else:
-        value = _e4m3_value(codes, TIMES)
-    return value.to(dtype)
+def _scale_code_value(codes, dtype, TIMES: tl.constexpr):
+    """Exponent-code scales (uint8, :func:`e4m3_scale_codes`) -> value * TIMES (a power of two) in
+    ``dtype``, exactly: the code's bits moved into the type's and its exponent raised, one integer
+    multiply-add each (the padding code 0 reads a finite power of two)."""
+    bits = (codes.to(tl.int32) << _scale_code_shift(dtype)) + _scale_code_offset(dtype, TIMES)
+    if dtype != tl.float32:
+        bits = bits.to(tl.int16)  # (below 2^15: no sign bit)
+    return bits.to(dtype, bitcast=True)
 
 
 # The paired forms read a kernel-private byte order (:func:`e2m1_register_order`, written once when

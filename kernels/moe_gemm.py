@@ -31,7 +31,7 @@ from .dequant_ptx import (
     _nibbles_as_int8,
     _offset_zero,
 )
-from .fp4_dequant import _dequant_e2m1, _e4m3_scale, _folded_e8m0, e2m1_fold_factor
+from .fp4_dequant import _dequant_e2m1, _folded_e8m0, _scale_code_value, e2m1_fold_factor
 from .scheme import dot_kind, float_w4a8, packed, zero_code
 from .triton_ops import (
     AMAX_FLOOR,
@@ -220,8 +220,7 @@ def _repeat_cols(x, COLS: tl.constexpr):
 def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk, dtype, W_SCALE: tl.constexpr,
                   W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
                   K_AXIS: tl.constexpr, K_LEN: tl.constexpr, E2M1_FOLDED: tl.constexpr = False,
-                  E2M1_SHIFT: tl.constexpr = 0, E4M3_CVT: tl.constexpr = False,
-                  E4M3_FOLDED: tl.constexpr = False):
+                  E2M1_SHIFT: tl.constexpr = 0, E4M3_FOLDED: tl.constexpr = False):
     """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
@@ -230,8 +229,7 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
     one vector, which the pipeliner streams ahead of the tile like the codes; past K the pad is
     finite and meets masked-off codes and activations). E2M1_FOLDED, E2M1_SHIFT: an FP4 tile's
     scales carry the codes' unscale over 2^E2M1_SHIFT (fp4_dequant's module note; MX: no shift).
-    E4M3_CVT: e4m3 scales by the GPU's fp8 conversion (fp4_dequant._e4m3_scale). E4M3_FOLDED: MX fp8
-    tiles' scales as :func:`_dequant_e4m3` takes them (dequant_ptx._e4m3_folded_scale)."""
+    E4M3_FOLDED: MX fp8 tiles' scales as :func:`_dequant_e4m3` takes them (dequant_ptx._e4m3_folded_scale)."""
     # a K tile starts at a multiple of W_GROUPS groups
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
@@ -248,8 +246,8 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
             scale = _e4m3_folded_scale(_e8m0(scale), dtype)
         else:
             scale = _e8m0(scale)
-    elif scale.dtype == tl.uint8:  # e4m3 group scales (NVFP4) come as bytes (fp4_dequant._e4m3_scale)
-        scale = _e4m3_scale(scale, dtype, e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT), E4M3_CVT)
+    elif scale.dtype == tl.uint8:  # NVFP4's e4m3 group scales, as exponent codes (fp4_dequant.e4m3_scale_codes)
+        scale = _scale_code_value(scale, dtype, e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
     else:
         scale = scale.to(dtype)
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
@@ -510,10 +508,10 @@ def _fused_moe_kernel(
         # W_SCALE2: a second-level weight scale per (expert, weight row), float32 [E, N] (NVFP4's global
         # scale), multiplied into the dot's result before the epilogue; E2M1_FOLDED, E2M1_SHIFT: FP4
         # tiles whose scales carry their unscale, holding 2^-E2M1_SHIFT times the weights, which the
-        # result takes back (fp4_dequant's module note); E4M3_CVT: e4m3 group scales by the GPU's fp8
-        # conversion; E4M3_FOLDED: MX fp8 weights by the PTX of dequant_ptx._e4m3_asm, their scales folded
+        # result takes back (fp4_dequant's module note); E4M3_FOLDED: MX fp8 weights by the PTX of
+        # dequant_ptx._e4m3_asm, their scales folded
         b_scale2_ptr, W_SCALE2: tl.constexpr, E2M1_FOLDED: tl.constexpr, E2M1_SHIFT: tl.constexpr,
-        E4M3_CVT: tl.constexpr, E4M3_FOLDED: tl.constexpr,
+        E4M3_FOLDED: tl.constexpr,
         # the groups each weight row's group (or MX) scales hold: ceil(K / W_GROUP), or more where padded
         scale_groups,
         # GROUP_DOTS: a tile spanning several weight groups takes one dot per group (see GROUPED)
@@ -688,7 +686,7 @@ def _fused_moe_kernel(
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
-                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_CVT, E4M3_FOLDED)
+                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -847,7 +845,7 @@ def _fused_moe_swap_kernel(
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr, E2M1_FOLDED: tl.constexpr,
-        E2M1_SHIFT: tl.constexpr, E4M3_CVT: tl.constexpr, E4M3_FOLDED: tl.constexpr, scale_groups):
+        E2M1_SHIFT: tl.constexpr, E4M3_FOLDED: tl.constexpr, scale_groups):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -896,7 +894,7 @@ def _fused_moe_swap_kernel(
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS,
-                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_CVT, E4M3_FOLDED)
+                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED)
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 

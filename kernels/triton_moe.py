@@ -19,7 +19,8 @@ constexprs that say how a weight tile becomes something a ``tl.dot`` takes:
 - W8A8 int8: int8 × int8 dot accumulating in int32; per-token and per-channel scales are applied
   once after the K loop.
 - FP4 (e2m1; MXFP4, NVFP4): dequantised in registers to the 16-bit activation dtype, from codes the
-  experts put once in the decoders' byte order (:func:`moe_registry_kernels.fp4_dequant.e2m1_register_order`).
+  experts put once in the decoders' byte order (:func:`moe_registry_kernels.fp4_dequant.e2m1_register_order`),
+  NVFP4's e4m3 group scales as exponent codes (:func:`~moe_registry_kernels.fp4_dequant.e4m3_scale_codes`).
 - fp8 with e8m0 per-32 scales (MXFP8): dequantised to the 16-bit activation dtype in registers
   (Hopper has no MX dot); MXFP8 activations, when the scheme quantises them, are dequantised the
   same way, so the numerics are the scheme's.
@@ -63,7 +64,7 @@ from .dequant_ptx import (  # noqa: F401  (re-exported: tests reach for them her
     _offset_zero,
     _paired_halves,
 )
-from .fp4_dequant import e2m1_register_order
+from .fp4_dequant import e2m1_register_order, e4m3_scale_codes
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_dynamic, quant_fp8_from_pieces
 from .moe_gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .scheme import Scheme, packed, scheme_from_keys, swappable
@@ -228,14 +229,6 @@ def _hardware_fp8_cast(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-@functools.cache
-def _hardware_e4m3_convert(device: torch.device) -> bool:
-    """Whether a kernel converts e4m3 bytes with the GPU's instruction (fp4_dequant._e4m3_scale):
-    compiled for sm_89 or later, where Triton has it."""
-    return (_hardware_fp8_cast(device) and not torch.version.hip
-            and torch.cuda.get_device_capability(device) >= (8, 9))
-
-
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -282,8 +275,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
     dummy = w.weight
     w = _word_halves_for(w, config)
     scale = w.scale if w.scale is not None else dummy
-    if scale.dtype == torch.float8_e4m3fn and scheme.weight_scale == "group":  # NVFP4's e4m3 group scales
-        scale = scale.view(torch.uint8)  # as bytes (see moe_gemm._group_scales)
+    if scale.dtype == torch.float8_e4m3fn:
+        raise ValueError("NVFP4's e4m3 group scales reach the Triton GEMMs as exponent codes (uint8, "
+                         "fp4_dequant.e4m3_scale_codes, as TritonExperts holds them), not as float8_e4m3fn")
     s_strides = (scale.stride(0), scale.stride(1), scale.stride(2)) if w.scale is not None else (0, 0, 0)
     if a_scale is None or a_scale.numel() == 1:
         as_strides = (0, 0)
@@ -341,7 +335,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, scheme, dummy),
-            **_e2m1_fold(w, scheme, compute_dtype), E4M3_CVT=_hardware_e4m3_convert(a.device),
+            **_e2m1_fold(w, scheme, compute_dtype),
             E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
             **_launch_options(config), **triton_ops.pdl_launch(pdl))
         return
@@ -366,7 +360,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, scheme: Schem
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, scheme, dummy), **_e2m1_fold(w, scheme, compute_dtype),
-        E4M3_CVT=_hardware_e4m3_convert(a.device), E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
+        E4M3_FOLDED=_e4m3_folded(w, scheme, compute_dtype, asm),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
         **_row_sums_args(row_sums, sums_out), **_launch_options(config), **triton_ops.pdl_launch(pdl))
 
@@ -932,21 +926,23 @@ def _kernel_tensors(p: ProjectionWeights, scheme: Scheme) -> list[torch.Tensor |
     """The projection's tensors in custom-op order, contiguous, router-side dtypes fixed once, one-byte
     group scales and zero-point weights' group scales padded (:func:`_padded_groups`; zero points
     share the scales' strides, and are padded with them), 4-bit codes' group scales and zero points
-    as one word each (:func:`_scale_zero_words`),
-    FP4 codes in their decoders' byte order (:func:`e2m1_register_order`)."""
+    as one word each (:func:`_scale_zero_words`), NVFP4's e4m3 scales as exponent codes
+    (:func:`e4m3_scale_codes`), FP4 codes in their decoders' byte order (:func:`e2m1_register_order`)."""
     def ready(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if t is None:
             return None
         t = t if dtype is None else t.to(dtype)
         return t.contiguous()
 
-    scale, zero = ready(p.scale), ready(p.zero)
+    scale, zero, codes = ready(p.scale), ready(p.zero), p.weight
+    if scale is not None and scale.dtype == torch.float8_e4m3fn:  # NVFP4's scales as the kernels read them
+        codes, scale = e4m3_scale_codes(codes, scale)
     if scheme.weight_scale in ("group", "mx") and scale is not None and (scale.element_size() == 1
                                                                          or zero is not None):
         scale, zero = _padded_groups(scale), _padded_groups(zero)
     if scheme.weight_scale == "group" and zero is not None and packed(scheme.weight_type):
         scale, zero = _scale_zero_words(scale, zero)
-    weight = e2m1_register_order(p.weight) if scheme.weight_type == "e2m1" else ready(p.weight)
+    weight = e2m1_register_order(codes) if scheme.weight_type == "e2m1" else ready(codes)
     return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
             ready(p.input_scale, torch.float32)]
 

@@ -35,18 +35,22 @@ try:  # the Triton decoders, for the exhaustive test below (a jit function resol
     from moe_registry_kernels.fp4_dequant import (
         _dequant_e2m1,
         _e2m1_value,
-        _e4m3_value,
         _folded_e8m0,
+        _scale_code_value,
         e2m1_register_order,
+        e4m3_scale_codes,
     )
 except ImportError:
     triton = None
 else:
     @triton.jit
-    def _decode_fp4_codes(e4m3_ptr, e4m3_out, e2m1_ptr, e2m1_out):
-        offs = tl.arange(0, 256)
-        tl.store(e4m3_out + offs, _e4m3_value(tl.load(e4m3_ptr + offs)))
+    def _decode_e2m1_codes(e2m1_ptr, e2m1_out):
         tl.store(e2m1_out + tl.arange(0, 16), _e2m1_value(tl.load(e2m1_ptr + tl.arange(0, 16))))
+
+    @triton.jit
+    def _decode_scale_codes(codes_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr):
+        offs = tl.arange(0, 256)
+        tl.store(out_ptr + offs, _scale_code_value(tl.load(codes_ptr + offs), DT, TIMES))
 
     @triton.jit
     def _folded_scales(codes_ptr, out_ptr, n, DT: tl.constexpr):
@@ -331,20 +335,72 @@ def test_fp4_triton_kernel_matches_float64_moe_float16(name: str, nvfp4_built) -
 # ---------------------------------------------------------------- Triton FP4 paths the default tiles do not take
 
 
-def test_triton_fp4_and_e4m3_decoders_are_exact_for_every_code() -> None:
-    """The in-register bit moves (fp4_dequant) against the producers' tables: all 16 e2m1 codes (ModelOpt's
-    e2m1_values, transformers' FP4_VALUES) and all 254 finite e4m3 codes (torch's float8_e4m3fn)."""
+def test_triton_fp4_decoder_is_exact_for_every_code() -> None:
+    """The in-register bit move (fp4_dequant) against the producers' table: all 16 e2m1 codes (ModelOpt's
+    e2m1_values, transformers' FP4_VALUES)."""
     if triton is None:
         pytest.skip("triton is not installed")
     from moe_registry_kernels.fp4 import E2M1_VALUES
 
-    codes = torch.arange(256, dtype=torch.uint8)
-    e4m3, e2m1 = torch.empty(256), torch.empty(16)
-    _decode_fp4_codes[(1,)](codes, e4m3, codes[:16].clone(), e2m1)
-    want = codes.view(torch.float8_e4m3fn).float()
-    finite = ~torch.isnan(want)
-    assert int(finite.sum()) == 254 and torch.equal(e4m3[finite], want[finite])
+    e2m1 = torch.empty(16)
+    _decode_e2m1_codes[(1,)](torch.arange(16, dtype=torch.uint8), e2m1)
     assert torch.equal(e2m1, torch.tensor(E2M1_VALUES)) and torch.equal(torch.signbit(e2m1)[8], torch.tensor(True))
+
+
+# the types and fold factors the GEMMs decode NVFP4's scales in (triton_moe._e2m1_fold: unscale 2^U over 2^8)
+SCALE_CODE_TYPES = [(torch.bfloat16, 2.0 ** 118), (torch.float16, 2.0 ** 6), (torch.bfloat16, 1.0),
+                    (torch.float16, 1.0), (torch.float32, 1.0)]
+
+
+@pytest.mark.parametrize(("dtype", "times"), SCALE_CODE_TYPES, ids=lambda v: str(v).replace("torch.", ""))
+def test_nvfp4_scale_codes_decode_to_every_positive_e4m3_value(dtype: torch.dtype, times: float) -> None:
+    """NVFP4's scales as the GEMMs take them (fp4_dequant.e4m3_scale_codes, decoded by one integer
+    multiply-add): every positive finite e4m3 value (126, subnormals too) times the type's fold factor,
+    bit for bit torch's float8_e4m3fn value times it; the groups' padding code 0 reads a finite nonzero
+    power of two."""
+    if triton is None:
+        pytest.skip("triton is not installed")
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    positive = every[every.float() > 0]
+    assert positive.numel() == 126
+    _, codes = e4m3_scale_codes(torch.zeros(1, 1, 8 * positive.numel(), dtype=torch.uint8), positive.view(1, 1, -1))
+    codes = torch.cat([codes.view(-1), torch.zeros(256 - positive.numel(), dtype=torch.uint8)])
+    out = torch.empty(256, dtype=dtype)
+    tl_type = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+    _decode_scale_codes[(1,)](codes, out, DT=tl_type, TIMES=times)
+    want = (positive.float() * times).to(dtype)
+    assert torch.equal(out[:positive.numel()], want)
+    padding = out[positive.numel():].float()
+    assert torch.isfinite(padding).all() and (padding > 0).all()
+
+
+def test_nvfp4_zero_and_negative_scales_move_into_their_groups_codes() -> None:
+    """A group whose e4m3 scale is zero has its codes zeroed, one whose scale is negative their signs
+    flipped: each group's codes times its scale are unchanged (the scales' codes then stand for |scale|),
+    and the codes handed in are left as they were. A NaN scale is refused by name."""
+    from moe_registry_kernels.fp4 import E2M1_VALUES
+
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (2, 3, 24), dtype=torch.uint8, generator=gen)  # 48 columns, 3 groups
+    scale = torch.tensor([[[1.5, -2.0, 0.0], [-0.0, 0.25, -448.0], [3.0, 2.0 ** -9, 1.0]],
+                          [[-1.0, -1.0, -1.0], [0.0, 0.0, 0.0], [1.0, 2.0, 4.0]]]).to(torch.float8_e4m3fn)
+    given = packed.clone()
+    codes, scale_codes = e4m3_scale_codes(packed, scale)
+    assert torch.equal(packed, given)
+
+    def weights(p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(E2M1_VALUES)
+        values = torch.stack([table[(p & 0xF).long()], table[(p >> 4).long()]], dim=-1).flatten(-2)
+        return values * s.repeat_interleave(16, dim=-1)
+
+    magnitude = torch.ldexp(1 + (scale_codes.int() & 7).float() / 8, (scale_codes.int() >> 3) - 10)
+    assert torch.equal(magnitude[scale.float() != 0], scale.float().abs()[scale.float() != 0])
+    assert torch.equal(weights(codes, magnitude), weights(given, scale.float()))
+    assert not codes[1, 1].any() and torch.equal(codes[0, 2], given[0, 2])  # zeroed / untouched
+    nan = scale.clone()
+    nan.view(torch.uint8)[0, 0, 0] = 0x7F
+    with pytest.raises(ValueError, match="NVFP4 group scales hold a NaN code"):
+        e4m3_scale_codes(packed, nan)
 
 
 SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
@@ -474,6 +530,44 @@ def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(key: str, conf
     shift = 0 if key == MXFP4_KEY else 8
     assert seen and all(s == {"E2M1_FOLDED": True, "E2M1_SHIFT": shift} for s in seen), seen
     assert torch.equal(folded, plain)
+
+
+@pytest.mark.parametrize("config", ["default", "swapped", "split-k"])
+def test_nvfp4_negative_and_zero_scales_through_the_triton_layer(config: str) -> None:
+    """Expert 0's e4m3 scales all negative, half of expert 1's weight rows with zero scales (their codes
+    left as they were): the Triton layer, whose scales are exponent codes of |scale| with the signs and
+    zeros moved into the groups' codes, against the float64 reference of the file's values. (A zero
+    scale's code alone reads 2^-10, too small to show here: the test above checks those codes are zeroed.)"""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+    from moe_registry_kernels.reference import reference_moe
+
+    from moe_registry.core.keys import parse_quant_key
+
+    weights = make_random_expert_weights(parse_quant_key(NVFP4_KEY), parse_quant_key("unquantized"), num_experts=4,
+                                         hidden=128, intermediate=64, dtype=torch.float16, bias=True, seed=8)
+
+    def signed(p):
+        raw = p.scale.view(torch.uint8).clone()
+        raw[0] |= 0x80
+        raw[1, ::2] = 0
+        return dataclasses.replace(p, scale=raw.view(torch.float8_e4m3fn))
+
+    weights = dataclasses.replace(weights, w13=signed(weights.w13), w2=signed(weights.w2))
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 128, generator=gen).to(torch.float16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)]).to(torch.int32)
+    ids[:, 0] = torch.tensor([0, 1, 0, 1, 0, 1, 0], dtype=torch.int32)
+    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], 3, ids[:, 1])
+    w = torch.rand(7, 2, generator=gen) + 0.1
+    gemms = {"default": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
+    with triton_moe.config_override(*gemms):
+        got = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
+    assert _rel(got, want) <= 1e-2, f"{config}: {_rel(got, want):.2e}"
 
 
 @pytest.mark.parametrize("code", [129, 98])

@@ -652,35 +652,28 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
         assert torch.equal(got.float() * 2.0 ** shift, (e2m1_to_float(codes) * scale[:, None]).to(dtype).float())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_e4m3_scales_by_the_gpus_conversion_equal_the_bit_move(dtype):
-    """NVFP4's e4m3 group scales through the GPU's fp8 conversion (what the GEMMs take on sm_89+) and
-    through the bit move (the interpreter's, older GPUs'): every finite byte, unfolded and times the fold
-    factors of both 16-bit types, bit for bit, and both torch's float8_e4m3fn value times the factor."""
+@pytest.mark.parametrize(("dtype", "times"), [(torch.bfloat16, 2.0 ** 118), (torch.float16, 2.0 ** 6),
+                                               (torch.float32, 1.0)], ids=["bf16", "fp16", "fp32"])
+def test_nvfp4_scale_codes_compiled_decode_every_positive_e4m3_value(dtype, times):
+    """NVFP4's scales as the GEMMs take them (fp4_dequant.e4m3_scale_codes), decoded by the compiled
+    kernel's integer multiply-add: every positive finite e4m3 value times the fold factor, bit for bit."""
     import triton
     import triton.language as tl
-    from moe_registry_kernels.fp4_dequant import _e4m3_scale
+    from moe_registry_kernels.fp4_dequant import _scale_code_value, e4m3_scale_codes
 
     @triton.jit
-    def decode(c_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr, CVT: tl.constexpr):
-        offs = tl.arange(0, 256)
-        tl.store(out_ptr + offs, _e4m3_scale(tl.load(c_ptr + offs), DT, TIMES, CVT))
+    def decode(c_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr):
+        offs = tl.arange(0, 128)
+        tl.store(out_ptr + offs, _scale_code_value(tl.load(c_ptr + offs), DT, TIMES))
 
-    if not triton_moe._hardware_e4m3_convert(torch.device(DEVICE)):
-        pytest.skip("no fp8 conversion on this GPU")
-    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    finite = ~torch.isnan(codes.view(torch.float8_e4m3fn).float())
-    for times in (1.0, 2.0 ** 118, 2.0 ** 6):  # bfloat16's and float16's fold (unscale 2^U over 2^8)
-        if dtype == torch.float16 and times > 2.0 ** 6:
-            continue  # out of float16's range
-        outs = {}
-        for cvt in (False, True):
-            outs[cvt] = torch.empty(256, dtype=dtype, device=DEVICE)
-            decode[(1,)](codes, outs[cvt], DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, TIMES=times,
-                         CVT=cvt)
-        assert torch.equal(outs[True][finite].view(torch.int16), outs[False][finite].view(torch.int16)), times
-        want = (codes.view(torch.float8_e4m3fn).float() * times).to(dtype)
-        assert torch.equal(outs[True][finite].view(torch.int16), want[finite].view(torch.int16)), times
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    positive = every[every.float() > 0]
+    _, codes = e4m3_scale_codes(torch.zeros(1, 1, 8 * positive.numel(), dtype=torch.uint8), positive.view(1, 1, -1))
+    codes = torch.cat([codes.view(-1), torch.zeros(128 - positive.numel(), dtype=torch.uint8)]).to(DEVICE)
+    out = torch.empty(128, dtype=dtype, device=DEVICE)
+    decode[(1,)](codes, out, DT={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32),
+                 TIMES=times)
+    assert torch.equal(out[:positive.numel()].cpu(), (positive.float() * times).to(dtype))
 
 
 @pytest.mark.parametrize("word_pairs", [False, True], ids=["bytes", "word-pairs"])

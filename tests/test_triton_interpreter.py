@@ -40,7 +40,7 @@ from moe_registry_kernels import (  # noqa: E402
     triton_moe,
     triton_ops,
 )
-from moe_registry_kernels.fp4_dequant import e2m1_register_order  # noqa: E402
+from moe_registry_kernels.fp4_dequant import e2m1_register_order, e4m3_scale_codes  # noqa: E402
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
 from moe_registry_kernels.triton_moe import (  # noqa: E402
     TritonBatchedExperts,
@@ -651,20 +651,27 @@ def test_float32_activations(scheme):
 def test_one_byte_group_scales_are_padded_to_whole_vectors(weight_key):
     """TritonExperts keeps a row's one-byte group scales padded with zeros to 16 groups (one vector
     load per row, which the pipeliner streams); the op gives the same layer from the converted,
-    unpadded scales an op caller passes (with the codes in their decoders' byte order, as the op
-    reads them), and the reference's within FP4's tolerance."""
+    unpadded scales an op caller passes (with the codes in their decoders' byte order and NVFP4's
+    scales as exponent codes, as the op reads them), and the reference's within FP4's tolerance."""
     weights = quant_ref.make_random_expert_weights(parse_quant_key(weight_key), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, bias=True)
     experts = TritonExperts(weights, ExpertsConfig())
+
+    def codes_and_scales(p):
+        if p.scale.dtype == torch.float8_e4m3fn:
+            return e4m3_scale_codes(p.weight, p.scale)
+        return p.weight, p.scale
+
     for held, proj in ((experts._tensors[1], weights.w13), (experts._tensors[7], weights.w2)):
         groups = proj.scale.shape[2]
         assert groups % 16 and held.shape[2] == 16
-        assert torch.equal(held[..., :groups].view(torch.uint8), proj.scale.view(torch.uint8))
+        assert torch.equal(held[..., :groups].view(torch.uint8), codes_and_scales(proj)[1].view(torch.uint8))
         assert not held[..., groups:].view(torch.uint8).any()
     hidden, topk_weights, topk_ids = _routing(5, 2)
 
     def tensors(p):
-        return [e2m1_register_order(p.weight), p.scale, p.zero, p.perm, None if p.bias is None else p.bias.float(),
+        codes, scale = codes_and_scales(p)
+        return [e2m1_register_order(codes), scale, p.zero, p.perm, None if p.bias is None else p.bias.float(),
                 p.input_scale]
 
     projections = {"w13": weights.w13, "w2": weights.w2}

@@ -129,7 +129,6 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                    (tile_config, "_num_sms", lambda device: DEVICE_SMS),
                    (triton_moe, "_paired_halves", lambda device, dtype: True),
                    (triton_moe, "_hardware_fp8_cast", lambda device: True),
-                   (triton_moe, "_hardware_e4m3_convert", lambda device: True),
                    (triton_moe, "dp4a_in_ptx", lambda device: True)]
         patches += [(triton_moe, kernel, _Recorder(getattr(triton_moe, kernel), launches))
                     for kernel in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
