@@ -117,11 +117,27 @@ def _scale_code_offset(dtype, times: float) -> int:
     return gain << mantissa
 
 
+@triton.constexpr_function
+def _scale_code_pair_asm(dtype, times: float) -> str:
+    """PTX decoding two scale codes at once, as two 16-bit halves of a register: one multiply-add
+    (each half's code times 2^shift plus its offset, no carry between them: every result is below 2^15)."""
+    offset = _scale_code_offset(dtype, times)
+    return f"mad.lo.u32 $0, $1, {1 << _scale_code_shift(dtype)}, {offset << 16 | offset};"
+
+
 @triton.jit
-def _scale_code_value(codes, dtype, TIMES: tl.constexpr):
+def _scale_code_value(codes, dtype, TIMES: tl.constexpr, ASM: tl.constexpr = False):
     """Exponent-code scales (uint8, :func:`e4m3_scale_codes`) -> value * TIMES (a power of two) in
     ``dtype``, exactly: the code's bits moved into the type's and its exponent raised, one integer
-    multiply-add each (the padding code 0 reads a finite power of two)."""
+    multiply-add each (the padding code 0 reads a finite power of two). ASM (16-bit types, an even
+    number of codes): two codes a multiply-add, their values left paired in one register as the
+    paired multiplies take them (offline sm_90 SASS, NVFP4 GEMM1 at Mixtral's M = 1: 168 registers a
+    thread, against 192 decoding one code a register, which left room for one block fewer a SM)."""
+    if ASM and dtype != tl.float32 and codes.numel % 2 == 0:
+        program: tl.constexpr = _scale_code_pair_asm(dtype, TIMES)
+        result: tl.constexpr = _asm_result_dtype(dtype, 1)
+        return tl.inline_asm_elementwise(program, "=r,r", [codes.to(tl.uint16)], dtype=result.value, is_pure=True,
+                                         pack=2)
     bits = (codes.to(tl.int32) << _scale_code_shift(dtype)) + _scale_code_offset(dtype, TIMES)
     if dtype != tl.float32:
         bits = bits.to(tl.int16)  # (below 2^15: no sign bit)

@@ -220,7 +220,7 @@ def _repeat_cols(x, COLS: tl.constexpr):
 def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk, dtype, W_SCALE: tl.constexpr,
                   W_GROUP: tl.constexpr, W_GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, NARROW: tl.constexpr,
                   K_AXIS: tl.constexpr, K_LEN: tl.constexpr, E2M1_FOLDED: tl.constexpr = False,
-                  E2M1_SHIFT: tl.constexpr = 0, E4M3_FOLDED: tl.constexpr = False):
+                  E2M1_SHIFT: tl.constexpr = 0, E4M3_FOLDED: tl.constexpr = False, ASM: tl.constexpr = False):
     """(scale, tile_zero) of the weight tile at k_start for per-group (16-bit) or MX (e8m0) scales:
     one load per group and weight row, repeated over the tile's K_LEN weight elements along
     K_AXIS (0: a [K_LEN, BN] tile, 1: [BN, K_LEN]). ``tile_zero``: the group's offset zero
@@ -229,7 +229,8 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
     one vector, which the pipeliner streams ahead of the tile like the codes; past K the pad is
     finite and meets masked-off codes and activations). E2M1_FOLDED, E2M1_SHIFT: an FP4 tile's
     scales carry the codes' unscale over 2^E2M1_SHIFT (fp4_dequant's module note; MX: no shift).
-    E4M3_FOLDED: MX fp8 tiles' scales as :func:`_dequant_e4m3` takes them (dequant_ptx._e4m3_folded_scale)."""
+    E4M3_FOLDED: MX fp8 tiles' scales as :func:`_dequant_e4m3` takes them (dequant_ptx._e4m3_folded_scale).
+    ASM: NVFP4's scale codes decoded two at a time by PTX (fp4_dequant._scale_code_value)."""
     # a K tile starts at a multiple of W_GROUPS groups
     w_groups = tl.max_contiguous(tl.multiple_of(k_start // W_GROUP + tl.arange(0, W_GROUPS), W_GROUPS), W_GROUPS)
     groups = w_groups[:, None] if K_AXIS == 0 else w_groups[None, :]
@@ -247,7 +248,7 @@ def _group_scales(scale_ptrs, zero_ptrs, zero, k_start, scale_groups, stride_sk,
         else:
             scale = _e8m0(scale)
     elif scale.dtype == tl.uint8:  # NVFP4's e4m3 group scales, as exponent codes (fp4_dequant.e4m3_scale_codes)
-        scale = _scale_code_value(scale, dtype, e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT))
+        scale = _scale_code_value(scale, dtype, e2m1_fold_factor(dtype, E2M1_FOLDED, E2M1_SHIFT), ASM)
     else:
         scale = scale.to(dtype)
     scale = _repeat_rows(scale, K_LEN) if K_AXIS == 0 else _repeat_cols(scale, K_LEN)
@@ -686,7 +687,7 @@ def _fused_moe_kernel(
         elif W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
-                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED)
+                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED, ASM_DEQUANT)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -894,7 +895,7 @@ def _fused_moe_swap_kernel(
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 1, W_COLS,
-                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED)
+                                             E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED, ASM_DEQUANT)
         else:
             scale = 1.0  # none, or per channel: applied after the loop
 

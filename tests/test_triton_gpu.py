@@ -652,19 +652,21 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
         assert torch.equal(got.float() * 2.0 ** shift, (e2m1_to_float(codes) * scale[:, None]).to(dtype).float())
 
 
+@pytest.mark.parametrize("asm", [False, True], ids=["plain", "paired-ptx"])
 @pytest.mark.parametrize(("dtype", "times"), [(torch.bfloat16, 2.0 ** 118), (torch.float16, 2.0 ** 6),
                                                (torch.float32, 1.0)], ids=["bf16", "fp16", "fp32"])
-def test_nvfp4_scale_codes_compiled_decode_every_positive_e4m3_value(dtype, times):
+def test_nvfp4_scale_codes_compiled_decode_every_positive_e4m3_value(dtype, times, asm):
     """NVFP4's scales as the GEMMs take them (fp4_dequant.e4m3_scale_codes), decoded by the compiled
-    kernel's integer multiply-add: every positive finite e4m3 value times the fold factor, bit for bit."""
+    kernel: one integer multiply-add a code, or a pair (the 16-bit types' paired PTX, which the GEMMs
+    run); every positive finite e4m3 value times the fold factor, bit for bit."""
     import triton
     import triton.language as tl
     from moe_registry_kernels.fp4_dequant import _scale_code_value, e4m3_scale_codes
 
     @triton.jit
-    def decode(c_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr):
+    def decode(c_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr, ASM: tl.constexpr):
         offs = tl.arange(0, 128)
-        tl.store(out_ptr + offs, _scale_code_value(tl.load(c_ptr + offs), DT, TIMES))
+        tl.store(out_ptr + offs, _scale_code_value(tl.load(c_ptr + offs), DT, TIMES, ASM))
 
     every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     positive = every[every.float() > 0]
@@ -672,7 +674,7 @@ def test_nvfp4_scale_codes_compiled_decode_every_positive_e4m3_value(dtype, time
     codes = torch.cat([codes.view(-1), torch.zeros(128 - positive.numel(), dtype=torch.uint8)]).to(DEVICE)
     out = torch.empty(128, dtype=dtype, device=DEVICE)
     decode[(1,)](codes, out, DT={torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(dtype, tl.float32),
-                 TIMES=times)
+                 TIMES=times, ASM=asm)
     assert torch.equal(out[:positive.numel()].cpu(), (positive.float() * times).to(dtype))
 
 
