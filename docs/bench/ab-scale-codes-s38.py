@@ -6,7 +6,8 @@ medians (CUDA graphs): docs/bench/scale-codes-s38-h100.txt. From a snapshot's ro
 earlier commit's kernel modules given:
     git show 11aa88a:kernels/moe_gemm.py > /tmp/moe_gemm-bytes.py
     git show 11aa88a:kernels/fp4_dequant.py > /tmp/fp4_dequant-bytes.py
-    python3 docs/bench/ab-scale-codes-s38.py /tmp/moe_gemm-bytes.py /tmp/fp4_dequant-bytes.py"""
+    python3 docs/bench/ab-scale-codes-s38.py /tmp/moe_gemm-bytes.py /tmp/fp4_dequant-bytes.py [prefill]
+(prefill: M = 512 and 4096 on the three shapes, three rounds)"""
 import importlib.util
 import sys
 from unittest import mock
@@ -19,7 +20,9 @@ import bench  # noqa: E402
 import tune  # noqa: E402
 from moe_registry_kernels import fp4_dequant, triton_moe  # noqa: E402
 
-CELLS = {"dsv2lite": (1, 8, 64), "qwen3": (1, 8), "mixtral": (1, 8)}
+PREFILL = sys.argv[3:] == ["prefill"]
+CELLS = ({"dsv2lite": (512, 4096), "qwen3": (512, 4096), "mixtral": (512, 4096)} if PREFILL
+         else {"dsv2lite": (1, 8, 64), "qwen3": (1, 8), "mixtral": (1, 8)})
 
 
 def bytes_kernel(moe_gemm_path: str, fp4_dequant_path: str):  # type: ignore[no-untyped-def]
@@ -69,4 +72,4 @@ for shape_name, ms in CELLS.items():
                                              m, before, base, ref))
         rows.append(ab_kernels.timed_variant(base, gptq, inputs, m, today, None, gptq.reference(*inputs)))
     print(f"built {shape_name}", flush=True)
-    ab_kernels.print_per_byte(rows, 5)
+    ab_kernels.print_per_byte(rows, 3 if PREFILL else 5)
