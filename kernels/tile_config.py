@@ -101,13 +101,15 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
 
 
 def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
-               activation_key: QuantKey | str, device_name: str, num_sms: int = INTERPRETER_SMS) -> dict:
+               activation_key: QuantKey | str, device_name: str, num_sms: int = INTERPRETER_SMS, *,
+               warn: bool = True) -> dict:
     """Tile config (BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps, num_stages) for one MoE GEMM of
     ``tokens`` tokens, top-k routing over ``num_experts``, projection ``n``×``k``.
 
     A tuned file (:func:`config_file`) maps :func:`shape_key` to ``{"<tokens>": config}``; the
     entry with the nearest token count (by ratio, within TUNED_REACH) wins and its keys override
-    :func:`default_config`. Shapes and token counts nobody tuned get the defaults.
+    :func:`default_config`. Shapes and token counts nobody tuned get the defaults, with a warning
+    unless ``warn`` is False (a caller whose launch reads no tile).
     """
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
     path = config_file(weight_key, activation_key, device_name)
@@ -115,14 +117,15 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
     if not by_tokens:
-        why = f"{path.name} has no {shape} table" if table else f"no tuned config file {path}"
-        _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
+        if warn:
+            why = f"{path.name} has no {shape} table" if table else f"no tuned config file {path}"
+            _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
         return config
     distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
     nearest = min(distance, key=distance.__getitem__)
     if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
         config.update(by_tokens[nearest])
-    else:
+    elif warn:
         why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
         _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
     return config
@@ -222,15 +225,17 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
 
 def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_key: str,
                    activation_key: str, scheme: Scheme, device: torch.device, *,
-                   split_gemm2: bool) -> tuple[dict, dict]:
+                   split_gemm2: bool, tiles_read: tuple[bool, bool] = (True, True)) -> tuple[dict, dict]:
     """GEMM1 and GEMM2 configs (overridden, tuned or default), fitted; GEMM2 shares BLOCK_M.
-    ``w13`` and ``w2`` give each GEMM's shape as ``n`` outputs and ``k`` inputs."""
+    ``w13`` and ``w2`` give each GEMM's shape as ``n`` outputs and ``k`` inputs. ``tiles_read``:
+    whether each GEMM's launch reads its tile config (not the decode GEMV's): an untuned one that is
+    not read is not warned about."""
     name, sms = _device_name(device), _num_sms(device)
     override = _OVERRIDE.get() or {}
     config1 = override.get("gemm1") or get_config(tokens, top_k, num_experts, w13.n, w13.k, weight_key,
-                                                  activation_key, name, sms)
+                                                  activation_key, name, sms, warn=tiles_read[0])
     config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
-                                                  activation_key, name, sms)
+                                                  activation_key, name, sms, warn=tiles_read[1])
     return _fit_pair(config1, config2, scheme, split_gemm2=split_gemm2)
 
 

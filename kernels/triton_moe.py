@@ -673,8 +673,6 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     on_input = router_weight_on_input
     if on_input and top_k != 1:
         raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got {top_k}")
-    config1, config2 = _layer_configs(m, top_k, num_experts, w13, w2, weight_key, activation_key, scheme,
-                                      hidden.device, split_gemm2=True)
     weights = topk_weights.reshape(-1).to(torch.float32)
     if not weights.is_contiguous():
         weights = weights.contiguous()
@@ -691,6 +689,9 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # their input themselves (SCALE_IN_GEMM), no quantisation launch; int8 activations on int4 or
     # int8 weights for a few tokens: the decode GEMV, which quantises its input by its own launch
     in_gemm = _quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
+    config1, config2 = _layer_configs(m, top_k, num_experts, w13, w2, weight_key, activation_key, scheme,
+                                      hidden.device, split_gemm2=True,
+                                      tiles_read=(not in_gemm.gemv1, not in_gemm.gemv2))
     static = scheme.act_quant in STATIC_QUANTS
     scale1 = _InputScale(rows=1, static=static, gemv=in_gemm.gemv1) if in_gemm.gemm1 else None
     sums1 = None  # a ZERO_SUMS GEMM1's input sums

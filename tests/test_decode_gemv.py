@@ -99,6 +99,23 @@ def test_decode_gemv_matches_the_tile_kernels_and_the_reference(scheme, m, monke
     assert _rel_err(got, ref) < 2e-2
 
 
+def test_decode_gemv_layers_do_not_warn_about_tiles_they_do_not_read(monkeypatch, caplog):
+    """A layer whose GEMMs both run as the GEMV reads no tile config, so an untuned shape is not warned
+    about ("Using default MoE config"); the same layer on the tile kernels is, once a GEMM."""
+    from moe_registry_kernels import tile_config
+
+    monkeypatch.setattr(tile_config, "_WARNED_DEFAULT", set())
+    caplog.set_level("WARNING", logger="moe_registry")
+    weights, x, router, ids = _layer("w4a8-g128-bf16", *CPU_SIZES, "cpu")
+    experts = TritonExperts(weights, ExpertsConfig())
+    experts.apply(x, router, ids)
+    assert [r for r in caplog.records if "Using default MoE config" in r.getMessage()] == []
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    experts.apply(x, router, ids)
+    warned = [r.getMessage() for r in caplog.records if "Using default MoE config" in r.getMessage()]
+    assert len(warned) == 2 and all("uint4b8 scale:bfloat16:group(128)" in w for w in warned), warned
+
+
 @pytest.mark.parametrize("scheme", ["w4a8-g32", "w8a8-int8-static"])
 def test_decode_gemv_blocks_of_several_pairs(scheme, monkeypatch):
     """GEMV_BLOCK_M aligned pairs a program (each weight word read once for the block's rows; slower

@@ -137,15 +137,16 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
                         triton_ops._fake_quant(x.shape[0], x.shape[1], quant, x, static_scale)))
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
+        # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
+        own = triton_moe._quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
         config1, config2 = triton_moe._layer_configs(m, top_k, e, w13, w2, scheme.weight, scheme.activation, kscheme,
-                                                     torch.device("meta"), split_gemm2=True)
+                                                     torch.device("meta"), split_gemm2=True,
+                                                     tiles_read=(not own.gemv1, not own.gemv2))
         if overrides:
             config1 = tile_config._fit_config({**config1, **overrides}, kscheme, can_split=False)
             config2 = tile_config._fit_config({**config2, **overrides, "BLOCK_M": config1["BLOCK_M"]}, kscheme,
                                               can_split=True)
         pairs = m * top_k
-        # one token's GEMMs may quantise their own input (16-bit A; GEMM2's scale from GEMM1's pieces)
-        own = triton_moe._quantised_in_gemm(kscheme, m, top_k, w13, w2, None)
         block_m = triton_moe.GEMV_BLOCK_M if own.gemv1 else config1["BLOCK_M"]  # the decode GEMV's blocks
         if m == 1:
             rows = triton_moe._Rows(expert_ids=torch.empty(top_k, dtype=torch.int32, device="meta"), num_valid=top_k,
