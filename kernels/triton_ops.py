@@ -756,12 +756,22 @@ def _act_quant_kernel(x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_scale_ptr
 
 
 @triton.jit
-def _stored_cols(cols, D, NIBBLE_HALVES: tl.constexpr):
-    """Where the codes of columns ``cols`` go in a row: in place, or (NIBBLE_HALVES) even columns
-    in the first half, odd ones in the second."""
+def _store_int8_codes(out_ptr, rows, row_ok, stride_out, col_lo, codes, D, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      NIBBLE_HALVES: tl.constexpr):
+    """Store a [ROWS, BLOCK] tile of int8 codes (columns from ``col_lo``, even) in place, or
+    (NIBBLE_HALVES) its even columns in the row's first half and its odd ones in the second: split
+    in registers, two contiguous stores (each code scattered to its place took a byte store apiece)."""
+    codes = _as_stored(codes, out_ptr)
+    row_base = out_ptr + rows[:, None] * stride_out
     if NIBBLE_HALVES:
-        cols = cols // 2 + (cols % 2) * (D // 2)
-    return cols
+        even, odd = tl.split(tl.reshape(codes, (ROWS, BLOCK // 2, 2)))
+        half = col_lo // 2 + tl.arange(0, BLOCK // 2)
+        mask = row_ok[:, None] & (half[None, :] < D // 2)
+        tl.store(row_base + half[None, :], even, mask=mask)
+        tl.store(row_base + D // 2 + half[None, :], odd, mask=mask)
+    else:
+        cols = col_lo + tl.arange(0, BLOCK)
+        tl.store(row_base + cols[None, :], codes, mask=row_ok[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
@@ -830,9 +840,8 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
             tl.store(scale_ptr + rows * stride_scale, row_scale, mask=row_ok)
         scale = row_scale[:, None]
         if ONE_READ and PIECES == 0:  # the values are still in registers: the codes now
-            cols = tl.arange(0, BLOCK)
-            tl.store(out_ptr + rows[:, None] * stride_out + _stored_cols(cols, D, NIBBLE_HALVES)[None, :],
-                     _as_stored(_int8_codes(v, scale), out_ptr), mask=row_ok[:, None] & (cols[None, :] < D))
+            _store_int8_codes(out_ptr, rows, row_ok, stride_out, 0, _int8_codes(v, scale), D, ROWS, BLOCK,
+                              NIBBLE_HALVES)
             col_hi = 0  # done: the loop below runs no step
     elif QUANT == "int8_static" or QUANT == "fp8_static":
         scale = tl.load(static_scale_ptr).to(tl.float32)
@@ -845,8 +854,8 @@ def _act_quant_tile(row_lo, x_ptr, out_ptr, scale_ptr, static_scale_ptr, row_sca
         if QUANT == "none":
             tl.store(out_tile, v.to(out_ptr.dtype.element_ty), mask=mask)
         elif QUANT == "int8_token" or QUANT == "int8_static":
-            tl.store(out_ptr + rows[:, None] * stride_out + _stored_cols(cols, D, NIBBLE_HALVES)[None, :],
-                     _as_stored(_int8_codes(v, scale), out_ptr), mask=mask)
+            _store_int8_codes(out_ptr, rows, row_ok, stride_out, d, _int8_codes(v, scale), D, ROWS, BLOCK,
+                              NIBBLE_HALVES)
         elif QUANT == "fp8_static":
             tl.store(out_tile, _fp8_codes(v, scale), mask=mask)
         else:  # a scale per GROUP columns: fp8_group (float32 amax / 448) or mxfp8 (e8m0)
