@@ -1,0 +1,44 @@
+"""Session 38: W4A8 at M = 1 on the decode GEMV, its input's int8 codes in nibble halves stored by
+triton_ops.act_quant as two contiguous runs (today) against each code scattered to its place (the
+act_quant kernel of 1050189, loaded beside today's), beside GPTQ int4 as the per-byte yardstick, on
+the three benchmark shapes: five alternated rounds, medians (CUDA graphs):
+docs/bench/scale-codes-s38-h100.txt. From a snapshot's root on the GPU:
+    git show 1050189:kernels/triton_ops.py > /tmp/triton_ops-scattered.py
+    python3 docs/bench/ab-nibble-store-s38.py /tmp/triton_ops-scattered.py"""
+import importlib.util
+import sys
+
+sys.path.insert(0, "tools")
+import ab_kernels  # noqa: E402
+import bench  # noqa: E402
+import tune  # noqa: E402
+from moe_registry_kernels import triton_ops  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("moe_registry_kernels._triton_ops_scattered", sys.argv[1])
+scattered_module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(scattered_module)
+KERNELS = {"split": triton_ops._act_quant_kernel, "scattered": scattered_module._act_quant_kernel}
+gpu = ab_kernels.this_gpu()
+
+
+def row(label: str, layer: tune.Layer, inputs: tuple, store: str, yardstick: str | None, ref) -> ab_kernels.Timed:
+    def run() -> float:
+        triton_ops._act_quant_kernel = KERNELS[store]  # read when the layer's graph is captured
+        return layer.time((None, None), 1, *inputs) * 1e6
+    triton_ops._act_quant_kernel = KERNELS[store]
+    error = layer.error((None, None), *inputs, ref)
+    return ab_kernels.Timed(label, run, layer.weight_bytes, yardstick, error)
+
+
+for shape_name in ("qwen3", "dsv2lite", "mixtral"):
+    shape = bench.SHAPES[shape_name]
+    w4a8 = tune.Layer(shape, gpu.schemes["compressed-tensors-w4a8-int"], gpu.device, False)
+    gptq = tune.Layer(shape, gpu.schemes["gptq-w4a16"], gpu.device, False)
+    inputs = w4a8.inputs(1)
+    ref = w4a8.reference(*inputs)
+    base = f"gptq-w4a16 {shape_name} M=1"
+    rows = [row(f"compressed-tensors-w4a8-int {shape_name} M=1 {store}", w4a8, inputs, store, base, ref)
+            for store in KERNELS]
+    rows.append(row(base, gptq, inputs, "split", None, gptq.reference(*inputs)))
+    print(f"built {shape_name}", flush=True)
+    ab_kernels.print_per_byte(rows, 5)
