@@ -562,9 +562,10 @@ class _QuantisedInGemm:
 
 
 def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
-                       row_scale: torch.Tensor | None) -> _QuantisedInGemm:
+                       row_scale: torch.Tensor | None, routed_experts: int | None = None) -> _QuantisedInGemm:
     """Which GEMMs quantise the layer's input themselves, with no router weight to apply first.
-    The decode GEMV (_takes_gemv) where it pays (_gemv_pays), whatever the weights' size (its
+    The decode GEMV (_takes_gemv) where it pays (_gemv_pays, over the ``routed_experts`` the router
+    picks among where more than these hold), whatever the weights' size (its
     input quantised once, by its own launch), past one token both GEMMs or neither (they share its
     blocks). Else one token's tile kernels (SCALE_IN_GEMM): one scale per token or per tensor, the
     GEMM's weights in column order, and the token's experts' weights within
@@ -573,7 +574,7 @@ def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: 
     scale in GEMM1's amax pieces)."""
     if row_scale is not None:
         return _QuantisedInGemm()
-    few = _gemv_pays(tokens, top_k, w13.weight.shape[0])
+    few = _gemv_pays(tokens, top_k, routed_experts or w13.weight.shape[0])
     gemv1, gemv2 = few and _takes_gemv(scheme, w13), few and _takes_gemv(scheme, w2)
     if tokens > 1:
         both = gemv1 and gemv2
@@ -587,10 +588,10 @@ def _quantised_in_gemm(scheme: Scheme, tokens: int, top_k: int, w13: _Proj, w2: 
 
 
 def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether ``tokens`` tokens routed uniformly at random would give the experts they hit at most
-    GEMV_PAIRS_PER_EXPERT pairs each (the decode GEMV's range; one token: one pair each). Under
-    expert parallelism ``num_experts`` is this rank's, fewer than the router's: the estimate errs
-    towards the tile kernels."""
+    """Whether ``tokens`` tokens routed uniformly at random among ``num_experts`` (the router's: under
+    expert parallelism every rank's, of which a rank holds a share and sees that share's pairs, as
+    many a held expert) would give the experts they hit at most GEMV_PAIRS_PER_EXPERT pairs each (the
+    decode GEMV's range; one token: one pair each)."""
     if tokens == 1:
         return True
     hit = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** tokens)
@@ -656,9 +657,9 @@ def _projections(hidden_size: int, w13: torch.Tensor, w13_scale, w13_zero, w13_p
 
 def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13: _Proj, w2: _Proj, weight_key: str, activation_key: str, activation: str,
-                   router_weight_on_input: bool) -> torch.Tensor:
+                   router_weight_on_input: bool, routed_experts: int | None = None) -> torch.Tensor:
     """align (+ quantise(hidden); one token: quantise only) -> GEMM1 + act -> quantise? -> GEMM2
-    (split-K) -> sum (top-k, splits)."""
+    (split-K) -> sum (top-k, splits). ``routed_experts``: see :func:`fused_experts`."""
     scheme = scheme_from_keys(weight_key, activation_key)
     m, top_k = topk_ids.shape
     # top-1 layers may write GEMM2 straight into out, where the row of a foreign pair (expert
@@ -688,7 +689,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # one token whose activations take one scale per token or per tensor: both GEMMs quantise
     # their input themselves (SCALE_IN_GEMM), no quantisation launch; int8 activations on int4 or
     # int8 weights for a few tokens: the decode GEMV, which quantises its input by its own launch
-    in_gemm = _quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale)
+    in_gemm = _quantised_in_gemm(scheme, m, top_k, w13, w2, row_scale, routed_experts)
     config1, config2 = _layer_configs(m, top_k, num_experts, w13, w2, weight_key, activation_key, scheme,
                                       hidden.device, split_gemm2=True,
                                       tiles_read=(not in_gemm.gemv1, not in_gemm.gemv2))
@@ -806,16 +807,18 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                   w2_input_scale: torch.Tensor | None,
                   weight_key: str, activation_key: str, activation: str,
                   router_weight_on_input: bool, w13_scale2: torch.Tensor | None = None,
-                  w2_scale2: torch.Tensor | None = None, mx_scale_codes: list[int] | None = None) -> torch.Tensor:
+                  w2_scale2: torch.Tensor | None = None, mx_scale_codes: list[int] | None = None,
+                  routed_experts: int | None = None) -> torch.Tensor:
     """The standard-format MoE layer [M, H] -> [M, H] on ``nk``-layout weights (ProjectionWeights
     fields, flattened) but for FP4 codes, which it reads in their decoders' byte order
     (:func:`_kernel_tensors` puts them there); the keys are QuantKey strings; ``mx_scale_codes``:
-    see mx_scale_codes."""
+    see mx_scale_codes; ``routed_experts``: the experts the router picks among where more than these
+    (ExpertsConfig.routed_experts)."""
     p13, p2 = _projections(hidden.shape[1], w13, w13_scale, w13_zero, w13_perm, w13_bias, w13_input_scale,
                            w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
                            mx_scale_codes)
     return _fused_experts(hidden, topk_weights, topk_ids, p13, p2, weight_key, activation_key, activation,
-                          router_weight_on_input)
+                          router_weight_on_input, routed_experts)
 
 
 @fused_experts.register_fake
@@ -976,6 +979,9 @@ class _TritonBase(Experts):
         codes = mx_scale_codes(weights, self.scheme)
         if codes is not None:
             self._options["mx_scale_codes"] = codes
+        self._routed: dict[str, object] = {}  # the standard format's estimate of the routing (fused_experts)
+        if config.routed_experts is not None:
+            self._routed["routed_experts"] = config.routed_experts
 
 
 class TritonExperts(_TritonBase):
@@ -985,7 +991,7 @@ class TritonExperts(_TritonBase):
               topk_ids: torch.Tensor) -> torch.Tensor:
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._options)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
 
 
 class TritonBatchedExperts(_TritonBase):
@@ -1003,4 +1009,4 @@ class TritonBatchedExperts(_TritonBase):
         """The standard format through the same weights (for callers that hold both formats)."""
         return torch.ops.moe_registry.fused_experts(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._options)
+            self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)

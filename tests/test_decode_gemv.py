@@ -238,6 +238,22 @@ def test_decode_gemv_runs_where_it_pays(monkeypatch):
     assert len(gemv_grids) == 2
 
 
+def test_decode_gemv_range_is_reckoned_over_the_routers_experts(monkeypatch):
+    """Under expert parallelism a rank holds a share of the router's experts and sees the pairs
+    routed to them (others' pairs carry foreign ids): the GEMV's range is reckoned over the router's
+    count (ExpertsConfig.routed_experts), which the layer builder sets. 3 tokens, top-3: over 6
+    experts 9 pairs on ~5.3 hit, 1.7 a hit (tiles); over 12, of which a rank holds these 6, 9 pairs
+    on ~6.9 hit, 1.3 a hit (the GEMV), its output the reference's."""
+    weights, x, router, ids = _layer("w4a8-g32", *CPU_SIZES, "cpu", m=3)
+    gemv_grids: list = []
+    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel, gemv_grids))
+    TritonExperts(weights, ExpertsConfig()).apply(x, router, ids)
+    assert gemv_grids == []
+    got = TritonExperts(weights, ExpertsConfig(routed_experts=2 * E)).apply(x, router, ids)
+    assert len(gemv_grids) == 2
+    assert _rel_err(got, reference_moe(x, router, ids, weights, ExpertsConfig())) < 2e-2
+
+
 def test_decode_gemv_has_no_weight_budget(monkeypatch):
     """A GEMV quantises its row once a program, not once a K step: past SCALE_IN_GEMM_MAX_BYTES both
     GEMMs still take it, and no quantisation launch runs."""

@@ -184,7 +184,8 @@ def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
         hidden, topk_weights, ids = _inputs(7)
         lo, hi = (0, 4) if rank == 0 else (4, 7)
         out = layer.kernel(hidden[lo:hi], topk_weights[lo:hi], ids[lo:hi])
-        save_file({"out": out.contiguous(), "local": torch.tensor([layer.weights.num_experts])},
+        save_file({"out": out.contiguous(), "local": torch.tensor([layer.weights.num_experts]),
+                   "routed": torch.tensor([layer.kernel.experts.config.routed_experts or 0])},
                   str(Path(out_dir) / f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
@@ -193,12 +194,14 @@ def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
 @pytest.mark.parametrize("kernel", EP_KERNELS)
 def test_every_kernel_claiming_the_backend_runs_it_through_build(kernel: str, tmp_path: Path) -> None:
     """What a kernel spec claims, this runs: build(ep=2, all2all=allgather_reducescatter) in two gloo ranks,
-    on a checkpoint llm-compressor wrote (the first of FIXTURES the kernel runs), equals the single-process layer."""
+    on a checkpoint llm-compressor wrote (the first of FIXTURES the kernel runs), equals the single-process layer.
+    Each rank's experts know the router picks among all 4 (ExpertsConfig.routed_experts); the whole layer's, its own."""
     mp.spawn(_rank_builds, args=(kernel, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
     whole = moe_registry.build(_fixture_for(kernel), platform="cpu", layer=0, dtype="float32", kernel=kernel)
     expected = whole.kernel(*_inputs(7))
     parts = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
     assert [int(p["local"]) for p in parts] == [2, 2]  # each rank holds its half of the experts
+    assert [int(p["routed"]) for p in parts] == [4, 4] and whole.kernel.experts.config.routed_experts is None
     torch.testing.assert_close(torch.cat([p["out"] for p in parts]), expected, rtol=1e-5, atol=1e-5)
 
 

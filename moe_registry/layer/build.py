@@ -113,9 +113,11 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
     cls = experts_class(kernel_spec)
     shape = runtime.shape
+    routed = prepare_finalize.num_global_experts(weights.num_experts)
     config = ExpertsConfig(activation=shape.activation if shape else "silu",  # type: ignore[arg-type]
                            apply_router_weight_on_input=runtime.router_weight_on_input,
-                           activation_format=fmt)  # type: ignore[arg-type]
+                           activation_format=fmt,  # type: ignore[arg-type]
+                           routed_experts=routed if routed != weights.num_experts else None)
     dev = device_for(runtime.platform, device)
     experts = cls(weights.to(dev), config)
     key = (scheme.scheme, kernel_spec.kernel, str(runtime.platform), runtime.dtype)

@@ -22,6 +22,10 @@ class ExpertsConfig:
     activation: ActivationFn = "silu"
     apply_router_weight_on_input: bool = False
     activation_format: ActivationFormat = "standard"
+    # the experts the router picks among, where more than these hold (expert parallelism: every
+    # rank's); kernels that estimate the routing from the token count (the Triton decode GEMV's
+    # range) use it; None: these experts
+    routed_experts: int | None = None
 
 
 class Experts(abc.ABC):
