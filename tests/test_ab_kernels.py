@@ -116,3 +116,76 @@ def test_a_timed_variant_is_checked_and_timed_under_its_own_kernel(monkeypatch):
     assert seen == [("error", "other", "ref")]
     assert row.step() == pytest.approx(2.0) and seen[-1] == "other"
     assert ab_kernels.timed_variant("b", Checked([1e-6], seen), (), 8, "other").error == 0.0
+
+
+def test_a_timed_setting_is_checked_and_timed_under_its_setting(monkeypatch):
+    """timed_setting: the setting put in place before the row's error is found and before each timing
+    (the layer's graph is captured under it), whatever another row set in between; no reference, no
+    error."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+
+    state = {"flag": None}
+    seen: list = []
+
+    class Flagged:
+        weight_bytes = 77
+
+        def __init__(self, times: list[float]) -> None:
+            self.times = iter(times)
+
+        def time(self, configs, m, *inputs) -> float:
+            seen.append(("time", state["flag"], m))
+            return next(self.times)
+
+        def error(self, configs, *args) -> float:
+            seen.append(("error", state["flag"], args[-1]))
+            return 0.5
+
+    def setting(value):
+        return lambda: state.update(flag=value)
+
+    on = ab_kernels.timed_setting("on", Flagged([3e-6]), (), 4, setting("on"), "base", "ref")
+    off = ab_kernels.timed_setting("off", Flagged([5e-6]), (), 4, setting("off"))
+    assert (on.label, on.weight_bytes, on.yardstick, on.error, off.error) == ("on", 77, "base", 0.5, 0.0)
+    assert seen == [("error", "on", "ref")]
+    assert on.step() == pytest.approx(3.0) and seen[-1] == ("time", "on", 4)
+    assert off.step() == pytest.approx(5.0) and seen[-1] == ("time", "off", 4)
+
+
+def test_decode_cells_are_timed_against_the_yardstick_of_their_weight_width(monkeypatch):
+    """print_cells_per_byte: each cell's schemes as rows under today's kernel, checked against their
+    reference, each compared with GPTQ int4 (4-bit weights) or GPTQ int8 (8-bit) of the same cell,
+    which is a row of its own once a cell; then one per-byte table."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+    import bench
+    import torch
+
+    class Built:
+        def __init__(self, shape, scheme, device, dry) -> None:
+            self.shape, self.scheme, self.weight_bytes = shape, scheme, 1
+
+        def inputs(self, m):
+            return (m,)
+
+        def reference(self, *inputs):
+            return ("ref", self.scheme.name)
+
+        def error(self, configs, *args) -> float:
+            assert args[-1] == ("ref", self.scheme.name)
+            return 0.0
+
+    schemes = bench.registry_schemes()
+    monkeypatch.setattr(ab_kernels, "this_gpu", lambda: ab_kernels.Gpu(schemes, torch.device("cpu"), "cpu", 1))
+    monkeypatch.setattr(ab_kernels.tune, "Layer", Built)
+    printed: list = []
+    monkeypatch.setattr(ab_kernels, "print_per_byte", lambda rows, rounds: printed.append((rows, rounds)))
+    ab_kernels.print_cells_per_byte({("qwen3", 8): ["modelopt-nvfp4", "modelopt-fp8"],
+                                     ("dsv2lite", 1): ["mxfp4"]}, 5)
+    [(rows, rounds)] = printed
+    assert rounds == 5
+    assert [(r.label, r.yardstick) for r in rows] == [
+        ("modelopt-nvfp4 qwen3 M=8", "gptq-w4a16 qwen3 M=8"), ("modelopt-fp8 qwen3 M=8", "gptq-w8a16 qwen3 M=8"),
+        ("gptq-w4a16 qwen3 M=8", None), ("gptq-w8a16 qwen3 M=8", None),
+        ("mxfp4 dsv2lite M=1", "gptq-w4a16 dsv2lite M=1"), ("gptq-w4a16 dsv2lite M=1", None)]

@@ -131,6 +131,44 @@ def timed_variant(label: str, layer: tune.Layer, inputs: tuple, m: int, kernel, 
     return Timed(label, v.step(), layer.weight_bytes, yardstick, v.error)
 
 
+def timed_setting(label: str, layer: tune.Layer, inputs: tuple, m: int,  # type: ignore[no-untyped-def]
+                  use: Callable[[], None], yardstick: str | None = None, ref=None) -> Timed:
+    """A per-byte row of ``layer`` at ``m`` tokens on today's kernel and tiles under a setting that
+    ``use`` puts in place (a module flag the layer reads when its graph is captured): applied before
+    its output is checked against ``ref`` (where given) and before each timing."""
+    def run() -> float:
+        use()
+        return layer.time((None, None), m, *inputs) * 1e6
+    use()
+    error = layer.error((None, None), *inputs, ref) if ref is not None else 0.0
+    return Timed(label, run, layer.weight_bytes, yardstick, error)
+
+
+def print_cells_per_byte(cells: dict[tuple[str, int], list[str]], rounds: int) -> None:
+    """Decode cells ((shape, M) -> schemes) on today's kernel and tiles, each against its yardstick
+    (per_byte's GPTQ int4 for 4-bit weights, int8 for 8-bit, timed in the same rounds), in alternation:
+    print_per_byte's table."""
+    import bench
+    import per_byte
+
+    gpu = this_gpu()
+    bits = per_byte.weight_bits(gpu.schemes)
+    yardsticks = per_byte.baselines_by_width(list(per_byte.DEFAULT_BASELINES), bits)
+    kernel = todays_kernel()
+    rows = []
+    for (shape_name, m), schemes in cells.items():
+        shape = bench.SHAPES[shape_name]
+        bases = {yardsticks[bits[s]] for s in schemes}
+        for name in [*schemes, *sorted(bases)]:
+            layer = tune.Layer(shape, gpu.schemes[name], gpu.device, False)
+            inputs = layer.inputs(m)
+            base = None if name in bases else f"{yardsticks[bits[name]]} {shape_name} M={m}"
+            rows.append(timed_variant(f"{name} {shape_name} M={m}", layer, inputs, m, kernel, base,
+                                      layer.reference(*inputs)))
+        print(f"built {shape_name} M={m}", flush=True)
+    print_per_byte(rows, rounds)
+
+
 def two_tensor_layer(shape, scheme, device, m_values: tuple[int, ...]) -> tune.Layer:  # type: ignore[no-untyped-def]
     """A layer whose kernels hold zero-point weights' scales and zero points as two tensors, not as
     triton_moe._scale_zero_words' words (every weight copy the ``m_values`` time is built now)."""

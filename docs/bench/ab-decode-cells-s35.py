@@ -6,28 +6,10 @@ import sys
 
 sys.path.insert(0, "tools")
 import ab_kernels  # noqa: E402
-import bench  # noqa: E402
-import per_byte  # noqa: E402
-import tune  # noqa: E402
 
 CELLS = {("dsv2lite", 1): ["fp8-block128", "fp8-w8a8-dynamic", "modelopt-mxfp8"],
          ("dsv2lite", 8): ["awq-w4a16", "modelopt-nvfp4"],
          ("qwen3", 1): ["compressed-tensors-w4a8-int"],
          ("qwen3", 8): ["awq-w4a16", "compressed-tensors-w4a8-int"]}
 
-gpu = ab_kernels.this_gpu()
-bits = per_byte.weight_bits(gpu.schemes)
-yardsticks = per_byte.baselines_by_width(list(per_byte.DEFAULT_BASELINES), bits)
-kernel = ab_kernels.todays_kernel()
-rows = []
-for (shape_name, m), schemes in CELLS.items():
-    shape = bench.SHAPES[shape_name]
-    bases = {yardsticks[bits[s]] for s in schemes}
-    for name in [*schemes, *sorted(bases)]:
-        layer = tune.Layer(shape, gpu.schemes[name], gpu.device, False)
-        inputs = layer.inputs(m)
-        base = None if name in bases else f"{yardsticks[bits[name]]} {shape_name} M={m}"
-        rows.append(ab_kernels.timed_variant(f"{name} {shape_name} M={m}", layer, inputs, m, kernel, base,
-                                             layer.reference(*inputs)))
-    print(f"built {shape_name} M={m}", flush=True)
-ab_kernels.print_per_byte(rows, 5)
+ab_kernels.print_cells_per_byte(CELLS, 5)

@@ -24,12 +24,7 @@ def row(label: str, layer: tune.Layer, m: int, inputs: tuple, variant: tuple[boo
         ref) -> ab_kernels.Timed:
     def use() -> None:  # read when the layer's graph is captured
         triton_moe.DECODE_GEMV, triton_moe.GEMV_BLOCK_M = variant
-
-    def run() -> float:
-        use()
-        return layer.time((None, None), m, *inputs) * 1e6
-    use()
-    return ab_kernels.Timed(label, run, layer.weight_bytes, yardstick, layer.error((None, None), *inputs, ref))
+    return ab_kernels.timed_setting(label, layer, inputs, m, use, yardstick, ref)
 
 
 for shape_name in ("qwen3", "dsv2lite", "mixtral"):

@@ -20,12 +20,9 @@ gpu = ab_kernels.this_gpu()
 
 
 def row(label: str, layer: tune.Layer, inputs: tuple, gemv: bool, yardstick: str | None, ref) -> ab_kernels.Timed:
-    def run() -> float:
-        triton_moe.DECODE_GEMV = gemv  # read when the layer's graph is captured
-        return layer.time((None, None), 1, *inputs) * 1e6
-    triton_moe.DECODE_GEMV = gemv
-    error = layer.error((None, None), *inputs, ref)
-    return ab_kernels.Timed(label, run, layer.weight_bytes, yardstick, error)
+    def use() -> None:  # read when the layer's graph is captured
+        triton_moe.DECODE_GEMV = gemv
+    return ab_kernels.timed_setting(label, layer, inputs, 1, use, yardstick, ref)
 
 
 def kernel_split(layer: tune.Layer, inputs: tuple, gemv: bool) -> str:

@@ -21,13 +21,10 @@ KERNELS = {"split": triton_ops._act_quant_kernel, "scattered": scattered_module.
 gpu = ab_kernels.this_gpu()
 
 
-def row(label: str, layer: tune.Layer, inputs: tuple, store: str, yardstick: str | None, ref) -> ab_kernels.Timed:
-    def run() -> float:
-        triton_ops._act_quant_kernel = KERNELS[store]  # read when the layer's graph is captured
-        return layer.time((None, None), 1, *inputs) * 1e6
-    triton_ops._act_quant_kernel = KERNELS[store]
-    error = layer.error((None, None), *inputs, ref)
-    return ab_kernels.Timed(label, run, layer.weight_bytes, yardstick, error)
+def using(store: str):  # type: ignore[no-untyped-def]
+    def use() -> None:
+        triton_ops._act_quant_kernel = KERNELS[store]
+    return use
 
 
 for shape_name in ("qwen3", "dsv2lite", "mixtral"):
@@ -37,8 +34,8 @@ for shape_name in ("qwen3", "dsv2lite", "mixtral"):
     inputs = w4a8.inputs(1)
     ref = w4a8.reference(*inputs)
     base = f"gptq-w4a16 {shape_name} M=1"
-    rows = [row(f"compressed-tensors-w4a8-int {shape_name} M=1 {store}", w4a8, inputs, store, base, ref)
-            for store in KERNELS]
-    rows.append(row(base, gptq, inputs, "split", None, gptq.reference(*inputs)))
+    rows = [ab_kernels.timed_setting(f"compressed-tensors-w4a8-int {shape_name} M=1 {store}", w4a8, inputs, 1,
+                                     using(store), base, ref) for store in KERNELS]
+    rows.append(ab_kernels.timed_setting(base, gptq, inputs, 1, using("split"), None, gptq.reference(*inputs)))
     print(f"built {shape_name}", flush=True)
     ab_kernels.print_per_byte(rows, 5)
