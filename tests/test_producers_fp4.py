@@ -475,30 +475,41 @@ def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
 # ---------------------------------------------------------------- FP4 tiles whose scales carry the codes' unscale
 
 
-def _with_scale_codes(weights, codes: dict[tuple[int, int], int]):
-    """The experts with some scale bytes set (expert 0, weight row r, group g -> code), both projections."""
+def _with_scales(weights, rewrite):
+    """The experts with their scale bytes rewritten (``rewrite`` of a uint8 view of a copy, in place),
+    both projections."""
     import dataclasses
 
-    def set_codes(p):
+    def rewritten(p):
         scale = p.scale.clone()
-        raw = scale.view(torch.uint8)
-        for (row, group), code in codes.items():
-            raw[0, row, group] = code
+        rewrite(scale.view(torch.uint8))
         return dataclasses.replace(p, scale=scale)
 
-    return dataclasses.replace(weights, w13=set_codes(weights.w13), w2=set_codes(weights.w2))
+    return dataclasses.replace(weights, w13=rewritten(weights.w13), w2=rewritten(weights.w2))
 
 
-def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str, fold: bool):
-    """(output, the fold arguments each GEMM took) of a float16 FP4 layer; fold False: unfolded tiles."""
+def _scale_codes_set(codes: dict[tuple[int, int], int]):
+    """A rewrite for _with_scales: some scale bytes set (expert 0, weight row r, group g -> code)."""
+    def rewrite(raw: torch.Tensor) -> None:
+        for (row, group), code in codes.items():
+            raw[0, row, group] = code
+    return rewrite
+
+
+def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str, fold: bool, rewrite=None):
+    """(output, the fold arguments each GEMM took, the weights, the inputs) of a float16 FP4 layer with
+    some scale codes set (and ``rewrite``, where given, applied to its scale bytes after); fold False:
+    unfolded tiles."""
     from moe_registry_kernels import triton_moe
     from moe_registry_kernels.quant_ref import make_random_expert_weights
 
     from moe_registry.core.keys import parse_quant_key
 
-    weights = _with_scale_codes(make_random_expert_weights(
+    weights = _with_scales(make_random_expert_weights(
         parse_quant_key(key), parse_quant_key("unquantized"), num_experts=4, hidden=128, intermediate=64,
-        dtype=torch.float16, bias=True, seed=8), codes)
+        dtype=torch.float16, bias=True, seed=8), _scale_codes_set(codes))
+    if rewrite is not None:
+        weights = _with_scales(weights, rewrite)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(m, 128, generator=gen).to(torch.float16)
     ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(m)]).to(torch.int32)
@@ -544,33 +555,14 @@ def test_nvfp4_negative_and_zero_scales_through_the_triton_layer(config: str) ->
     zeros moved into the groups' codes, against the float64 reference of the file's values. (A zero
     scale's code alone reads 2^-10, too small to show here: the test above checks those codes are zeroed.)"""
     pytest.importorskip("triton")
-    import dataclasses
-
-    from moe_registry_kernels import triton_moe
-    from moe_registry_kernels.quant_ref import make_random_expert_weights
     from moe_registry_kernels.reference import reference_moe
 
-    from moe_registry.core.keys import parse_quant_key
-
-    weights = make_random_expert_weights(parse_quant_key(NVFP4_KEY), parse_quant_key("unquantized"), num_experts=4,
-                                         hidden=128, intermediate=64, dtype=torch.float16, bias=True, seed=8)
-
-    def signed(p):
-        raw = p.scale.view(torch.uint8).clone()
+    def signed(raw: torch.Tensor) -> None:
         raw[0] |= 0x80
         raw[1, ::2] = 0
-        return dataclasses.replace(p, scale=raw.view(torch.float8_e4m3fn))
 
-    weights = dataclasses.replace(weights, w13=signed(weights.w13), w2=signed(weights.w2))
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(7, 128, generator=gen).to(torch.float16)
-    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)]).to(torch.int32)
-    ids[:, 0] = torch.tensor([0, 1, 0, 1, 0, 1, 0], dtype=torch.int32)
-    ids[:, 1] = torch.where(ids[:, 1] == ids[:, 0], 3, ids[:, 1])
-    w = torch.rand(7, 2, generator=gen) + 0.1
-    gemms = {"default": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
-    with triton_moe.config_override(*gemms):
-        got = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    got, _, weights, (x, w, ids) = _fp4_layer(NVFP4_KEY, {}, 7, config, fold=True, rewrite=signed)
+    assert {0, 1} <= set(ids.flatten().tolist())  # both experts are routed to
     want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
     assert _rel(got, want) <= 1e-2, f"{config}: {_rel(got, want):.2e}"
 
