@@ -221,7 +221,9 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
     input themselves (Markstein's reciprocal, the GPU's fp8 cast), or whose GEMM2 input is
     quantised from GEMM1's row-amax pieces, gives exactly the output of the layer whose
     quantisation kernels read whole rows, a pair routed to another rank's expert included; and
-    it is near the reference."""
+    it is near the reference. (The decode GEMV, which the int8 layers' few-token GEMMs otherwise
+    take, whatever these switches say, is off.)"""
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m)
@@ -243,7 +245,9 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
 def test_gemm2_alone_quantising_one_token_is_bit_equal(scheme, shape, monkeypatch):
     """One token past GEMM1's weight budget (its input quantised by a launch) whose GEMM2 still
     quantises its own input (SCALE_IN_GEMM2_MAX_BYTES; dynamic fp8 on Mixtral-sized experts) gives
-    exactly the output of the layer with both quantisation launches."""
+    exactly the output of the layer with both quantisation launches. (The decode GEMV, which the
+    int8 layers' one-token GEMMs otherwise take, is off.)"""
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(1, e, h, top_k, torch.bfloat16, seed=1)
@@ -488,8 +492,10 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
     """GEMM1 leaves each per-token int8 intermediate row its amax in pieces and the quantisation
     runs in row chunks (from 1024 rows, several rows a program): eagerly and replayed in a CUDA
     graph, bit for bit what reading each whole row gives. (One token's GEMMs would quantise their
-    input themselves, with no quantisation launch: SCALE_IN_GEMM is off here.)"""
+    input themselves, with no quantisation launch: SCALE_IN_GEMM is off here; the decode GEMV, which
+    quantises GEMM2's input from whole rows, is off too.)"""
     monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights("w8a8-int8-token", e, h, i, torch.bfloat16)
     experts = TritonExperts(weights, ExpertsConfig())
