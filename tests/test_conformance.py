@@ -9,6 +9,7 @@ TRITON_INTERPRET=1 in float16 at small shapes (the interpreter cannot do bfloat1
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -112,26 +113,35 @@ def run_case(case: Case, device: torch.device) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
+def _record_case(record_property: Callable[[str, object], None], case: Case, err: float) -> None:
+    """The case's keys and error as the test's user properties: tools/pytest_progress.py logs them
+    as each test ends and tabulates the worst error per (scheme, kernel)."""
+    for name, value in (("scheme", case.scheme), ("kernel", case.kernel), ("dtype", case.dtype), ("rel_err", err)):
+        record_property(name, value)
+
+
 @pytest.mark.parametrize("case", _ci_or_slow(CPU_CASES))
-def test_reference_kernel_conforms(case: Case) -> None:
+def test_reference_kernel_conforms(case: Case, record_property) -> None:
     err = run_case(case, torch.device("cpu"))
+    _record_case(record_property, case, err)
     assert err <= case.tolerance, f"{case.id}: relative error {err:.3e} > {case.tolerance:.1e}"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("case", _ci_or_slow(INTERPRETER_CASES))
-def test_triton_kernel_conforms_in_interpreter(case: Case) -> None:
+def test_triton_kernel_conforms_in_interpreter(case: Case, record_property) -> None:
     if torch.cuda.is_available():
         pytest.skip("the interpreter run is for machines without a GPU; use -m gpu")
     err = run_case(case, torch.device("cpu"))
+    _record_case(record_property, case, err)
     assert err <= case.tolerance, f"{case.id}: relative error {err:.3e} > {case.tolerance:.1e}"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c.id for c in GPU_CASES])
-def test_kernel_conforms_on_gpu(case: Case) -> None:
+def test_kernel_conforms_on_gpu(case: Case, record_property) -> None:
     err = run_case(case, torch.device("cuda"))
-    print(f"CONFORMANCE {case.scheme} {case.kernel} {case.dtype} {err:.3e}")
+    _record_case(record_property, case, err)
     assert err <= case.tolerance, f"{case.id}: relative error {err:.3e} > {case.tolerance:.1e}"
 
 
@@ -235,11 +245,11 @@ TUNED_GPU = _tuned_config_cases([c for c in GPU_CASES if c.dtype == "bfloat16"])
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuned", TUNED_GPU, ids=[t[0] for t in TUNED_GPU])
-def test_tuned_configs_conform_on_gpu(tuned) -> None:
+def test_tuned_configs_conform_on_gpu(tuned, record_property) -> None:
     from moe_registry_kernels.triton_moe import config_override
 
     _, case, config1, config2 = tuned
     with config_override(config1, config2):
         err = run_case(case, torch.device("cuda"))
-    print(f"CONFORMANCE-TUNED {case.scheme} {case.kernel} {case.dtype} {err:.3e}")
+    _record_case(record_property, case, err)
     assert err <= case.tolerance, f"{case.id} with {config1} / {config2}: relative error {err:.3e}"

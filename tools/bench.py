@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from json_lines import read_json_lines
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
@@ -508,14 +509,8 @@ def read_run(path: Path) -> tuple[dict | None, list[dict]]:
             return {"env": doc["env"], "ceilings": doc["ceilings"]}, doc["rows"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a tools/bench.py result ({e})") from None
-    header, rows, lines = None, [], path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):  # cut off mid-write
-                break
-            raise ValueError(f"{path}:{number}: not a JSON line") from None
+    header, rows = None, []
+    for record in read_json_lines(path):
         if "row" in record:
             rows.append(record["row"])
         elif "ceilings" in record:

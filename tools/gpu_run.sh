@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
 #   bash tools/gpu_run.sh tests -n 6     # conformance + CUDA-graph tests (-n 6: more workers ran test_triton_gpu out of memory on an H100)
+#   bash tools/gpu_run.sh tests --resume -n 6  # the rest, after cp <earlier call's gpu_tests.jsonl> $OUT/
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
@@ -20,23 +21,19 @@ what=${1:-tests}; shift || true
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 case "$what" in
-  tests) # one CPU thread per pytest worker (-n N): the cases' weights are made on the CPU
-         OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} python3 -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="" -rf "$@" tests/test_conformance.py \
-           tests/test_triton_gpu.py > "$out/gpu_tests.log" 2>&1
+  tests) # each finished test goes to $out/gpu_tests.jsonl as it ends (tools/pytest_progress.py): a call cut
+         # off by its time limit keeps what it ran; --resume (the earlier call's log copied to $out first)
+         # runs only the tests that log does not hold as passed. One CPU thread per pytest worker (-n N):
+         # the cases' weights are made on the CPU. pytest is interrupted after GPU_TESTS_SECONDS (default
+         # 540: a device call runs 600 s at most) so that it still reports and the summary still prints.
+         resume=(); [ "${1:-}" = "--resume" ] && { resume=(--progress-resume); shift; }
+         PYTHONPATH="tools${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+           timeout -s INT -k 30 "${GPU_TESTS_SECONDS:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+           -p pytest_progress --progress-log "$out/gpu_tests.jsonl" "${resume[@]}" -o addopts="" -rf "$@" \
+           tests/test_conformance.py tests/test_triton_gpu.py > "$out/gpu_tests.log" 2>&1
          rc=$?
-         grep -v "CONFORMANCE" "$out/gpu_tests.log" | tail -25
-         python3 - "$out/gpu_tests.log" <<'PY'
-import collections, sys
-# pytest's progress dots share the line: take what follows the marker
-rows = [l[l.index("CONFORMANCE "):].split() for l in open(sys.argv[1]) if "CONFORMANCE " in l]
-worst, count = collections.defaultdict(float), collections.Counter()
-for _, scheme, kernel, dtype, err in rows:
-    count[(scheme, kernel)] += 1
-    worst[(scheme, kernel)] = max(worst[(scheme, kernel)], float(err))
-print(f"{'scheme':<32}{'kernel':<18}{'cases':>6}{'worst rel err':>15}")
-for key in sorted(count):
-    print(f"{key[0]:<32}{key[1]:<18}{count[key]:>6}{worst[key]:>15.2e}")
-PY
+         tail -25 "$out/gpu_tests.log"
+         python3 tools/pytest_progress.py "$out/gpu_tests.jsonl"
          exit $rc ;;
   bench) python3 tools/bench.py --out "$out" "$@" ;;
   decode) python3 tools/bench_decode.py "$@" | tee "$out/bench_decode.txt"; exit "${PIPESTATUS[0]}" ;;

@@ -1,0 +1,154 @@
+"""tools/pytest_progress.py, the log of finished tests that GPU runs cut off by a device call's
+time limit keep (tools/gpu_run.sh tests): run on small test files in a pytest subprocess, with and
+without pytest-xdist workers, killed, resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pytest_progress import main, read_log, summary
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+TESTS = '''
+import pytest
+
+@pytest.mark.parametrize("n", range(4))
+def test_passes(n, record_property):
+    record_property("scheme", f"s{n % 2}")
+    record_property("kernel", "k")
+    record_property("dtype", "bfloat16")
+    record_property("rel_err", 1e-3 * (n + 1))
+
+def test_fails():
+    assert False
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup")
+
+def test_setup_error(broken):
+    pass
+
+def test_skipped():
+    pytest.skip("no")
+'''
+
+
+# pytest as tools/gpu_run.sh runs it, the plugin importable from tools/
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-p", "pytest_progress"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
+
+
+def _pytest(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*PYTEST, *args], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _outcomes(log: Path) -> dict[str, str]:
+    return {t.nodeid: t.outcome for t in read_log(log)}
+
+
+WANT = {**{f"test_some.py::test_passes[{n}]": "passed" for n in range(4)}, "test_some.py::test_fails": "failed",
+        "test_some.py::test_setup_error": "error", "test_some.py::test_skipped": "skipped"}
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_each_finished_test_is_logged_once_with_its_properties(tmp_path, workers):
+    (tmp_path / "test_some.py").write_text(TESTS)
+    log = tmp_path / "out" / "gpu_tests.jsonl"
+    result = _pytest(tmp_path, "--progress-log", str(log), *workers)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(r["nodeid"] for r in lines) == sorted(WANT)  # once each: the workers write nothing
+    assert _outcomes(log) == WANT
+    props = {t.nodeid: t.properties for t in read_log(log)}
+    assert props["test_some.py::test_passes[2]"] == {"scheme": "s0", "kernel": "k", "dtype": "bfloat16",
+                                                     "rel_err": 3e-3}
+    assert props["test_some.py::test_fails"] == {}
+
+
+def test_a_resumed_run_runs_only_what_did_not_pass_and_appends(tmp_path):
+    (tmp_path / "test_some.py").write_text(TESTS)
+    log = tmp_path / "gpu_tests.jsonl"
+    _pytest(tmp_path, "--progress-log", str(log))
+    first = log.read_text()
+    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume", "-n", "2")
+    assert f"pytest_progress: 4 tests that {log} holds as passed were not run again" in result.stdout, result.stdout
+    assert log.read_text().startswith(first)
+    rerun = [json.loads(line)["nodeid"] for line in log.read_text()[len(first):].splitlines()]
+    assert sorted(rerun) == sorted(n for n, o in WANT.items() if o != "passed")
+    assert _outcomes(log) == WANT
+    # a fresh run (no --progress-resume) starts the log again
+    _pytest(tmp_path, "--progress-log", str(log), "-k", "fails")
+    assert list(_outcomes(log)) == ["test_some.py::test_fails"]
+
+
+def test_a_run_interrupted_by_its_time_limit_keeps_what_finished_and_resume_runs_the_rest(tmp_path):
+    """As tools/gpu_run.sh runs it: pytest (with xdist workers) under ``timeout -s INT``."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time, pytest\n"
+        "@pytest.mark.parametrize('n', range(8))\n"
+        "def test_slow(n):\n"
+        "    time.sleep(0.05 if n < 2 else 30)\n")
+    log = tmp_path / "gpu_tests.jsonl"
+    proc = subprocess.Popen([*PYTEST, "--progress-log", str(log), "-n", "2"], cwd=tmp_path, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(_outcomes(log) if log.is_file() else {}) < 2:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    kept = _outcomes(log)
+    assert kept == {"test_slow.py::test_slow[0]": "passed", "test_slow.py::test_slow[1]": "passed"}
+    (tmp_path / "test_slow.py").write_text(  # the rest, fast this time
+        "import pytest\n@pytest.mark.parametrize('n', range(8))\ndef test_slow(n):\n    pass\n")
+    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")
+    assert result.returncode == 0 and "6 passed, 2 deselected" in result.stdout, result.stdout
+    assert set(_outcomes(log).values()) == {"passed"} and len(_outcomes(log)) == 8
+
+
+def test_resume_refuses_a_missing_or_broken_log_by_message(tmp_path):
+    (tmp_path / "test_some.py").write_text(TESTS)
+    log = tmp_path / "gpu_tests.jsonl"
+    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")
+    assert f"--progress-resume: {log} does not exist (copy the earlier run's log there)" in result.stderr
+    log.write_text('{"nodeid": "a", "outcome": "passed", "seconds": 1}\nnot json\n{"nodeid": "b"')
+    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")
+    assert f"--progress-resume: {log}:2: not a JSON line" in result.stderr
+    log.write_text('{"nodeid": "a", "outcome": "passed"}\n')
+    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")
+    assert f"--progress-resume: {log}: record 1: not a test record (KeyError('seconds'))" in result.stderr
+    result = _pytest(tmp_path, "--progress-resume")
+    assert "--progress-resume needs --progress-log" in result.stderr
+
+
+def test_a_log_cut_off_mid_line_reads_up_to_the_cut(tmp_path):
+    log = tmp_path / "gpu_tests.jsonl"
+    log.write_text('{"nodeid": "a", "outcome": "failed", "seconds": 1}\n'
+                   '{"nodeid": "a", "outcome": "passed", "seconds": 2}\n{"nodeid": "b", "outc')
+    assert [(t.nodeid, t.outcome, t.seconds) for t in read_log(log)] == [("a", "passed", 2.0)]
+
+
+def test_summary_counts_outcomes_lists_failures_and_tabulates_the_worst_case_error(tmp_path, capsys):
+    (tmp_path / "test_some.py").write_text(TESTS)
+    log = tmp_path / "gpu_tests.jsonl"
+    _pytest(tmp_path, "--progress-log", str(log))
+    assert main([str(log)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "4 passed, 1 failed, 1 error, 1 skipped"
+    assert lines[1:3] == ["FAILED  test_some.py::test_fails", "ERROR   test_some.py::test_setup_error"]
+    assert lines[3].split() == ["scheme", "kernel", "cases", "worst", "rel", "err"]
+    assert [line.split() for line in lines[4:]] == [["s0", "k", "2", "3.00e-03"], ["s1", "k", "2", "4.00e-03"]]
+    assert summary([]) == "no tests finished"
+    assert main([str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
