@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
-#   bash tools/gpu_run.sh tests -n 6     # conformance + CUDA-graph tests (-n 6: more workers ran test_triton_gpu out of memory on an H100)
+#   bash tools/gpu_run.sh tests -n 6     # every GPU test: conformance, kernels, producers' fixtures (-n 6: more workers ran test_triton_gpu out of memory on an H100)
 #   bash tools/gpu_run.sh tests --resume -n 6  # the rest, after cp <earlier call's gpu_tests.jsonl> $OUT/
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
@@ -27,10 +27,12 @@ case "$what" in
          # the cases' weights are made on the CPU. pytest is interrupted after GPU_TESTS_SECONDS (default
          # 540: a device call runs 600 s at most) so that it still reports and the summary still prints.
          resume=(); [ "${1:-}" = "--resume" ] && { resume=(--progress-resume); shift; }
+         # every test marked gpu (those needing two GPUs skip on one), unless test paths are given
+         targets=(tests); for arg in "$@"; do [[ $arg == tests/* ]] && targets=(); done
          PYTHONPATH="tools${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
            timeout -s INT -k 30 "${GPU_TESTS_SECONDS:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
            -p pytest_progress --progress-log "$out/gpu_tests.jsonl" "${resume[@]}" -o addopts="" -rf "$@" \
-           tests/test_conformance.py tests/test_triton_gpu.py > "$out/gpu_tests.log" 2>&1
+           "${targets[@]}" > "$out/gpu_tests.log" 2>&1
          rc=$?
          tail -25 "$out/gpu_tests.log"
          python3 tools/pytest_progress.py "$out/gpu_tests.jsonl"
