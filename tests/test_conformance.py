@@ -8,13 +8,18 @@ TRITON_INTERPRET=1 in float16 at small shapes (the interpreter cannot do bfloat1
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
+import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from moe_registry.core.keys import QuantKey
+from moe_registry.formats.weights import ExpertWeights
 from moe_registry.layer.build import DTYPES, experts_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
@@ -82,17 +87,55 @@ def _routing(case: Case, device: torch.device, gen: torch.Generator) -> tuple[to
     return ids.to(device), weights.to(device)
 
 
+@dataclass(frozen=True)
+class WeightsOf:
+    """What a case's random weights are made from: the cases sharing it share the weights (their
+    tokens and routing are their own)."""
+
+    weight_key: QuantKey
+    activation_key: QuantKey
+    num_experts: int
+    hidden: int
+    intermediate: int
+    dtype: str
+    bias: bool
+    act_order: bool
+
+    @classmethod
+    def of(cls, case: Case) -> WeightsOf:
+        return cls(case.weight_key, case.activation_key, case.num_experts, case.hidden, case.intermediate,
+                   case.dtype, case.bias, case.act_order)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.weight_key}|{self.activation_key}|E{self.num_experts}H{self.hidden}I{self.intermediate}"
+                f"|{self.dtype}|bias={self.bias}|act_order={self.act_order}")
+
+
+def _stable_seed(text: str) -> int:
+    """A seed that is the same in every process (str hashes are salted per process), so a failing
+    case's data can be made again."""
+    return zlib.crc32(text.encode())
+
+
+@functools.lru_cache(maxsize=2)
+def _random_weights(of: WeightsOf) -> ExpertWeights:
+    """Random weights, made once for a run of cases sharing them: at the GPU cases' sizes, making
+    them on a CPU thread took most of a case's time (FP4: 6 s). Under pytest-xdist the GPU cases
+    sharing them run on one worker in turn (an xdist_group each, tools/gpu_run.sh's --dist loadgroup)."""
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+
+    return make_random_expert_weights(of.weight_key, of.activation_key, num_experts=of.num_experts,
+                                      hidden=of.hidden, intermediate=of.intermediate, dtype=DTYPES[of.dtype],
+                                      bias=of.bias, act_order=of.act_order, seed=_stable_seed(of.name))
+
+
 def run_case(case: Case, device: torch.device) -> float:
     """Run one case; returns ‖out − ref‖ / ‖ref‖ against the float64 reference."""
-    from moe_registry_kernels.quant_ref import make_random_expert_weights
     from moe_registry_kernels.reference import reference_moe
 
-    seed = abs(hash(case.id)) % (2**31)
-    weights = make_random_expert_weights(case.weight_key, case.activation_key, num_experts=case.num_experts,
-                                         hidden=case.hidden, intermediate=case.intermediate,
-                                         dtype=DTYPES[case.dtype], bias=case.bias, act_order=case.act_order,
-                                         seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    weights = copy.deepcopy(_random_weights(WeightsOf.of(case)))  # the cached ones stay as made
+    gen = torch.Generator().manual_seed(_stable_seed(case.id))
     x = torch.randn(case.tokens, case.hidden, generator=gen).to(DTYPES[case.dtype])
     ids, topk_w = _routing(case, torch.device("cpu"), gen)
     config = ExpertsConfig(activation=case.activation, apply_router_weight_on_input=case.router_weight_on_input,  # type: ignore[arg-type]
@@ -137,8 +180,15 @@ def test_triton_kernel_conforms_in_interpreter(case: Case, record_property) -> N
     assert err <= case.tolerance, f"{case.id}: relative error {err:.3e} > {case.tolerance:.1e}"
 
 
+def _in_weights_group(value: object, case: Case, test_id: str) -> object:
+    """A GPU test's parameter in an xdist_group per WeightsOf (a short hash), so that under --dist
+    loadgroup one worker runs the tests sharing weights in turn and makes them once."""
+    group = f"w{_stable_seed(WeightsOf.of(case).name):08x}"
+    return pytest.param(value, id=test_id, marks=pytest.mark.xdist_group(group))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=[c.id for c in GPU_CASES])
+@pytest.mark.parametrize("case", [_in_weights_group(c, c, c.id) for c in GPU_CASES])
 def test_kernel_conforms_on_gpu(case: Case, record_property) -> None:
     err = run_case(case, torch.device("cuda"))
     _record_case(record_property, case, err)
@@ -149,6 +199,38 @@ def test_every_scheme_has_cases() -> None:
     schemes = {c.scheme for c in CPU_CASES}
     assert schemes == set(REGISTRY.schemes)
     assert len(SMALL.tokens) >= 1 and len(CPU_CASES) > 3 * len(REGISTRY.schemes)
+
+
+def test_cases_sharing_weights_make_them_once_and_get_their_own_copy(monkeypatch) -> None:
+    """Two cases of one WeightsOf (other tokens, other kernel) make the weights once; what a run
+    does to the weights it was handed (here: zeroed after the reference) reaches neither the cache
+    nor the other case, and a case run again gives the same error (its data from stable seeds)."""
+    import moe_registry_kernels.quant_ref as quant_ref
+    import moe_registry_kernels.reference as reference
+
+    first = next(c for c in CPU_CASES if c.kernel == "torch-reference" and c.weight_key.quantized)
+    second = next(c for c in CPU_CASES if c.id != first.id and c.kernel != first.kernel
+                  and c.tokens != first.tokens and WeightsOf.of(c) == WeightsOf.of(first))
+    _random_weights.cache_clear()
+    made = []
+    real_make, real_reference = quant_ref.make_random_expert_weights, reference.reference_moe
+    monkeypatch.setattr(quant_ref, "make_random_expert_weights", lambda *a, **k: made.append(1) or real_make(*a, **k))
+    err = run_case(first, torch.device("cpu"))
+    cached = _random_weights(WeightsOf.of(first))
+    kept = cached.w13.weight.clone()
+
+    def reference_then_zero(hidden, topk_weights, topk_ids, weights, *args, **kwargs):
+        out = real_reference(hidden, topk_weights, topk_ids, weights, *args, **kwargs)
+        weights.w13.weight.zero_()
+        return out
+
+    monkeypatch.setattr(reference, "reference_moe", reference_then_zero)
+    run_case(second, torch.device("cpu"))
+    monkeypatch.setattr(reference, "reference_moe", real_reference)
+    assert made == [1]
+    assert torch.equal(cached.w13.weight, kept) and kept.any()
+    assert run_case(first, torch.device("cpu")) == err
+    _random_weights.cache_clear()
 
 
 @pytest.mark.parametrize("cases", [CPU_CASES, INTERPRETER_CASES], ids=["cpu", "interpreter"])
@@ -244,7 +326,7 @@ TUNED_GPU = _tuned_config_cases([c for c in GPU_CASES if c.dtype == "bfloat16"])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuned", TUNED_GPU, ids=[t[0] for t in TUNED_GPU])
+@pytest.mark.parametrize("tuned", [_in_weights_group(t, t[1], t[0]) for t in TUNED_GPU])
 def test_tuned_configs_conform_on_gpu(tuned, record_property) -> None:
     from moe_registry_kernels.triton_moe import config_override
 

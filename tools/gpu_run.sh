@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
-#   bash tools/gpu_run.sh tests -n 6     # every GPU test: conformance, kernels, producers' fixtures (-n 6: more workers ran test_triton_gpu out of memory on an H100)
-#   bash tools/gpu_run.sh tests --resume -n 6  # the rest, after cp <earlier call's gpu_tests.jsonl> $OUT/
+#   bash tools/gpu_run.sh tests [args]   # every GPU test: conformance, kernels, producers' fixtures
+#   bash tools/gpu_run.sh tests --resume [args]  # the rest, after cp <earlier call's gpu_tests.jsonl> $OUT/
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
@@ -23,15 +23,18 @@ mkdir -p "$out"
 case "$what" in
   tests) # each finished test goes to $out/gpu_tests.jsonl as it ends (tools/pytest_progress.py): a call cut
          # off by its time limit keeps what it ran; --resume (the earlier call's log copied to $out first)
-         # runs only the tests that log does not hold as passed. One CPU thread per pytest worker (-n N):
-         # the cases' weights are made on the CPU. pytest is interrupted after GPU_TESTS_SECONDS (default
-         # 540: a device call runs 600 s at most) so that it still reports and the summary still prints.
+         # runs only the tests that log does not hold as passed. GPU_TEST_WORKERS pytest workers (default
+         # 6: more ran test_triton_gpu out of memory on an H100), one CPU thread each (the cases' weights
+         # are made on the CPU), the conformance cases sharing weights on one worker (loadgroup: made
+         # once). pytest is interrupted after GPU_TESTS_SECONDS (default 540: a device call runs 600 s
+         # at most) so that it still reports and the summary still prints.
          resume=(); [ "${1:-}" = "--resume" ] && { resume=(--progress-resume); shift; }
          # every test marked gpu (those needing two GPUs skip on one), unless test paths are given
          targets=(tests); for arg in "$@"; do [[ $arg == tests/* ]] && targets=(); done
          PYTHONPATH="tools${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
            timeout -s INT -k 30 "${GPU_TESTS_SECONDS:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-           -p pytest_progress --progress-log "$out/gpu_tests.jsonl" "${resume[@]}" -o addopts="" -rf "$@" \
+           -n "${GPU_TEST_WORKERS:-6}" --dist loadgroup -p pytest_progress --progress-log "$out/gpu_tests.jsonl" \
+           "${resume[@]}" -o addopts="" -rf "$@" \
            "${targets[@]}" > "$out/gpu_tests.log" 2>&1
          rc=$?
          tail -25 "$out/gpu_tests.log"
