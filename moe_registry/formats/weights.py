@@ -54,7 +54,8 @@ class ProjectionWeights:
     scale2: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ProjectionWeights:
-        """A copy on ``device`` (new tensors; this one is left as it is)."""
+        """These weights on ``device``: new tensors where they move, the same ones where they are
+        already there (Tensor.to); this one is left as it is."""
         moved = {k: (None if v is None else v.to(device)) for k, v in self.__dict__.items()}
         return ProjectionWeights(**moved)
 
