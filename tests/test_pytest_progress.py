@@ -94,8 +94,9 @@ def test_a_resumed_run_runs_only_what_did_not_pass_and_appends(tmp_path):
 
 
 def test_a_run_interrupted_by_its_time_limit_keeps_what_finished_and_resume_runs_the_rest(tmp_path):
-    """As tools/gpu_run.sh runs it: pytest with xdist workers under ``timeout -s INT``, which signals
-    its whole process group (the workers too) when the time is up."""
+    """As tools/gpu_run.sh runs it: pytest with xdist workers under ``timeout``, here at its worst, the
+    kill it sends the whole process group when the interrupt did not end the run in time (under
+    load, xdist's workers may finish their tests first: CI)."""
     (tmp_path / "test_slow.py").write_text(
         "import time, pytest\n"
         "@pytest.mark.parametrize('n', range(8))\n"
@@ -107,10 +108,9 @@ def test_a_run_interrupted_by_its_time_limit_keeps_what_finished_and_resume_runs
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(_outcomes(log) if log.is_file() else {}) < 2:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    kept = _outcomes(log)
-    assert {n for n, o in kept.items() if o == "passed"} == {"test_slow.py::test_slow[0]", "test_slow.py::test_slow[1]"}
+    assert _outcomes(log) == {"test_slow.py::test_slow[0]": "passed", "test_slow.py::test_slow[1]": "passed"}
     (tmp_path / "test_slow.py").write_text(  # the rest, fast this time
         "import pytest\n@pytest.mark.parametrize('n', range(8))\ndef test_slow(n):\n    pass\n")
     result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")

@@ -27,7 +27,8 @@ case "$what" in
          # 6: more ran test_triton_gpu out of memory on an H100), one CPU thread each (the cases' weights
          # are made on the CPU), the conformance cases sharing weights on one worker (loadgroup: made
          # once). pytest is interrupted after GPU_TESTS_SECONDS (default 540: a device call runs 600 s
-         # at most) so that it still reports and the summary still prints.
+         # at most), so that it reports what finished, and killed 30 s later if it has not stopped; the
+         # log holds every finished test either way, and the summary still prints.
          resume=(); [ "${1:-}" = "--resume" ] && { resume=(--progress-resume); shift; }
          # every test marked gpu (those needing two GPUs skip on one), unless test paths are given
          targets=(tests); for arg in "$@"; do [[ $arg == tests/* ]] && targets=(); done
