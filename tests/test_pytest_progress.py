@@ -154,22 +154,3 @@ def test_summary_counts_outcomes_lists_failures_and_tabulates_the_worst_case_err
     assert main([str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
 
-
-def test_loadgroup_node_ids_are_logged_and_resumed_as_xdist_names_them(tmp_path):
-    """Under --dist loadgroup (tools/gpu_run.sh) the log holds the node ids without xdist's group, and
-    a resumed run deselects by them."""
-    (tmp_path / "test_grouped.py").write_text(
-        "import pytest\n"
-        "PARAMS = [pytest.param(n, marks=pytest.mark.xdist_group(f'g{n % 2}')) for n in range(4)]\n"
-        "@pytest.mark.parametrize('n', PARAMS)\n"
-        "def test_grouped(n):\n"
-        "    assert n != 3\n")
-    log = tmp_path / "gpu_tests.jsonl"
-    _pytest(tmp_path, "--progress-log", str(log), "-n", "2", "--dist", "loadgroup")
-    want = {f"test_grouped.py::test_grouped[{n}]": "failed" if n == 3 else "passed" for n in range(4)}
-    assert _outcomes(log) == want
-    first = len(log.read_text().splitlines())
-    result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume", "-n", "2", "--dist", "loadgroup")
-    assert "1 failed" in result.stdout and "passed" not in result.stdout.splitlines()[-1], result.stdout
-    assert [json.loads(line)["nodeid"] for line in log.read_text().splitlines()[first:]] == [
-        "test_grouped.py::test_grouped[3]"]

@@ -24,17 +24,17 @@ case "$what" in
   tests) # each finished test goes to $out/gpu_tests.jsonl as it ends (tools/pytest_progress.py): a call cut
          # off by its time limit keeps what it ran; --resume (the earlier call's log copied to $out first)
          # runs only the tests that log does not hold as passed. GPU_TEST_WORKERS pytest workers (default
-         # 6: more ran test_triton_gpu out of memory on an H100), one CPU thread each (the cases' weights
-         # are made on the CPU), the conformance cases sharing weights on one worker (loadgroup: made
-         # once). pytest is interrupted after GPU_TESTS_SECONDS (default 540: a device call runs 600 s
-         # at most), so that it reports what finished, and killed 30 s later if it has not stopped; the
-         # log holds every finished test either way, and the summary still prints.
+         # 6: more ran test_triton_gpu out of memory on an H100), one CPU thread each (the conformance
+         # cases' weights are made on the CPU, once per run of cases sharing them). pytest is
+         # interrupted after GPU_TESTS_SECONDS (default 540: a device call runs 600 s at most), so that
+         # it reports what finished, and killed 30 s later if it has not stopped; the log holds every
+         # finished test either way, and the summary still prints.
          resume=(); [ "${1:-}" = "--resume" ] && { resume=(--progress-resume); shift; }
          # every test marked gpu (those needing two GPUs skip on one), unless test paths are given
          targets=(tests); for arg in "$@"; do [[ $arg == tests/* ]] && targets=(); done
          PYTHONPATH="tools${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
            timeout -s INT -k 30 "${GPU_TESTS_SECONDS:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-           -n "${GPU_TEST_WORKERS:-6}" --dist loadgroup -p pytest_progress --progress-log "$out/gpu_tests.jsonl" \
+           -n "${GPU_TEST_WORKERS:-6}" -p pytest_progress --progress-log "$out/gpu_tests.jsonl" \
            "${resume[@]}" -o addopts="" -rf "$@" \
            "${targets[@]}" > "$out/gpu_tests.log" 2>&1
          rc=$?
