@@ -189,3 +189,20 @@ def test_decode_cells_are_timed_against_the_yardstick_of_their_weight_width(monk
         ("modelopt-nvfp4 qwen3 M=8", "gptq-w4a16 qwen3 M=8"), ("modelopt-fp8 qwen3 M=8", "gptq-w8a16 qwen3 M=8"),
         ("gptq-w4a16 qwen3 M=8", None), ("gptq-w8a16 qwen3 M=8", None),
         ("mxfp4 dsv2lite M=1", "gptq-w4a16 dsv2lite M=1"), ("gptq-w4a16 dsv2lite M=1", None)]
+
+
+def test_a_one_token_cell_holds_the_scheme_beside_its_yardstick(monkeypatch):
+    """one_token_cell: the scheme's layer and the yardstick's on one shape, one token of the scheme's
+    inputs with its reference, and the yardstick row's label."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import ab_kernels
+    import bench
+    import torch
+
+    monkeypatch.setitem(bench.SHAPES, "tiny", bench.Shape("tiny", 4, 2, 128, 128))
+    gpu = ab_kernels.Gpu(bench.registry_schemes(), torch.device("cpu"), "cpu", 1)
+    cell = ab_kernels.one_token_cell(gpu, "tiny", "compressed-tensors-w4a8-int", "gptq-w4a16")
+    assert cell.layer.scheme is gpu.schemes["compressed-tensors-w4a8-int"]
+    assert cell.yardstick.scheme is gpu.schemes["gptq-w4a16"]
+    assert cell.inputs[0].shape == (1, 128) and cell.base == "gptq-w4a16 tiny M=1"
+    assert torch.equal(cell.ref, cell.layer.reference(*cell.inputs))

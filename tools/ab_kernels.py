@@ -169,6 +169,28 @@ def print_cells_per_byte(cells: dict[tuple[str, int], list[str]], rounds: int) -
     print_per_byte(rows, rounds)
 
 
+@dataclass(frozen=True)
+class OneTokenCell:
+    """A scheme's layer beside its yardstick's at one token on one shape: the scheme's inputs and
+    reference, and the yardstick row's label (what the scheme's rows are read per byte against)."""
+
+    layer: tune.Layer
+    yardstick: tune.Layer
+    inputs: tuple
+    ref: object
+    base: str
+
+
+def one_token_cell(gpu: Gpu, shape_name: str, scheme: str, yardstick: str) -> OneTokenCell:
+    import bench
+
+    shape = bench.SHAPES[shape_name]
+    layer = tune.Layer(shape, gpu.schemes[scheme], gpu.device, False)
+    other = tune.Layer(shape, gpu.schemes[yardstick], gpu.device, False)
+    inputs = layer.inputs(1)
+    return OneTokenCell(layer, other, inputs, layer.reference(*inputs), f"{yardstick} {shape_name} M=1")
+
+
 def two_tensor_layer(shape, scheme, device, m_values: tuple[int, ...]) -> tune.Layer:  # type: ignore[no-untyped-def]
     """A layer whose kernels hold zero-point weights' scales and zero points as two tensors, not as
     triton_moe._scale_zero_words' words (every weight copy the ``m_values`` time is built now)."""

@@ -33,12 +33,8 @@ def error(layer: tune.Layer, inputs: tuple, ref, in_gemm: bool, budget: int, con
 gpu = ab_kernels.this_gpu()
 rows = []
 for shape_name in ("qwen3", "dsv2lite", "mixtral"):
-    shape = bench.SHAPES[shape_name]
-    fp8 = tune.Layer(shape, gpu.schemes["fp8-block128"], gpu.device, False)
-    gptq = tune.Layer(shape, gpu.schemes["gptq-w8a16"], gpu.device, False)
-    inputs = fp8.inputs(1)
-    ref = fp8.reference(*inputs)
-    base = f"gptq-w8a16 {shape_name} M=1"
+    cell = ab_kernels.one_token_cell(gpu, shape_name, "fp8-block128", "gptq-w8a16")
+    fp8, gptq, inputs, ref, base = cell.layer, cell.yardstick, cell.inputs, cell.ref, cell.base
     variants = [("launch", False, BUDGET), ("in-gemm", True, BUDGET)]
     if shape_name == "mixtral":
         variants.append(("in-gemm unbounded", True, UNBOUNDED))

@@ -10,8 +10,6 @@ import sys
 
 sys.path.insert(0, "tools")
 import ab_kernels  # noqa: E402
-import bench  # noqa: E402
-import tune  # noqa: E402
 from moe_registry_kernels import triton_ops  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("moe_registry_kernels._triton_ops_scattered", sys.argv[1])
@@ -28,14 +26,10 @@ def using(store: str):  # type: ignore[no-untyped-def]
 
 
 for shape_name in ("qwen3", "dsv2lite", "mixtral"):
-    shape = bench.SHAPES[shape_name]
-    w4a8 = tune.Layer(shape, gpu.schemes["compressed-tensors-w4a8-int"], gpu.device, False)
-    gptq = tune.Layer(shape, gpu.schemes["gptq-w4a16"], gpu.device, False)
-    inputs = w4a8.inputs(1)
-    ref = w4a8.reference(*inputs)
-    base = f"gptq-w4a16 {shape_name} M=1"
-    rows = [ab_kernels.timed_setting(f"compressed-tensors-w4a8-int {shape_name} M=1 {store}", w4a8, inputs, 1,
-                                     using(store), base, ref) for store in KERNELS]
-    rows.append(ab_kernels.timed_setting(base, gptq, inputs, 1, using("split"), None, gptq.reference(*inputs)))
+    cell = ab_kernels.one_token_cell(gpu, shape_name, "compressed-tensors-w4a8-int", "gptq-w4a16")
+    rows = [ab_kernels.timed_setting(f"compressed-tensors-w4a8-int {shape_name} M=1 {store}", cell.layer, cell.inputs,
+                                     1, using(store), cell.base, cell.ref) for store in KERNELS]
+    rows.append(ab_kernels.timed_setting(cell.base, cell.yardstick, cell.inputs, 1, using("split"), None,
+                                         cell.yardstick.reference(*cell.inputs)))
     print(f"built {shape_name}", flush=True)
     ab_kernels.print_per_byte(rows, 5)

@@ -9,22 +9,16 @@ import sys
 
 sys.path.insert(0, "tools")
 import ab_kernels  # noqa: E402
-import bench  # noqa: E402
-import tune  # noqa: E402
 
 gpu = ab_kernels.this_gpu()
 today = ab_kernels.todays_kernel()
 one_vector = ab_kernels.kernel_from_file("/tmp/moe_gemm-one-vector.py")
 rows = []
 for shape_name in ("qwen3", "dsv2lite", "mixtral"):
-    shape = bench.SHAPES[shape_name]
-    w4a8 = tune.Layer(shape, gpu.schemes["compressed-tensors-w4a8-int"], gpu.device, False)
-    gptq = tune.Layer(shape, gpu.schemes["gptq-w4a16"], gpu.device, False)
-    inputs = w4a8.inputs(1)
-    ref = w4a8.reference(*inputs)
-    base = f"gptq-w4a16 {shape_name} M=1"
+    cell = ab_kernels.one_token_cell(gpu, shape_name, "compressed-tensors-w4a8-int", "gptq-w4a16")
     for label, kernel in (("one vector", one_vector), ("two vectors", today)):
-        rows.append(ab_kernels.timed_variant(f"w4a8 {shape_name} M=1 {label}", w4a8, inputs, 1, kernel, base, ref))
-    rows.append(ab_kernels.timed_variant(base, gptq, gptq.inputs(1), 1, today))
+        rows.append(ab_kernels.timed_variant(f"w4a8 {shape_name} M=1 {label}", cell.layer, cell.inputs, 1, kernel,
+                                             cell.base, cell.ref))
+    rows.append(ab_kernels.timed_variant(cell.base, cell.yardstick, cell.yardstick.inputs(1), 1, today))
     print(f"built {shape_name}", flush=True)
 ab_kernels.print_per_byte(rows, 5)
