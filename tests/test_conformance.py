@@ -134,7 +134,7 @@ def run_case(case: Case, device: torch.device) -> float:
     """Run one case; returns ‖out − ref‖ / ‖ref‖ against the float64 reference."""
     from moe_registry_kernels.reference import reference_moe
 
-    weights = copy.deepcopy(_random_weights(WeightsOf.of(case)))  # the cached ones stay as made
+    made = _random_weights(WeightsOf.of(case))  # on the CPU; the case gets its own copy, the cache stays as made
     gen = torch.Generator().manual_seed(_stable_seed(case.id))
     x = torch.randn(case.tokens, case.hidden, generator=gen).to(DTYPES[case.dtype])
     ids, topk_w = _routing(case, torch.device("cpu"), gen)
@@ -143,7 +143,8 @@ def run_case(case: Case, device: torch.device) -> float:
     cls = experts_class(REGISTRY.kernel(case.kernel))
     pf = (BatchedLocalPrepareFinalize(case.num_experts) if case.activation_format == "batched"
           else LocalPrepareFinalize())
-    inputs, on_device = (x.to(device), topk_w.to(device), ids.to(device)), weights.to(device)
+    inputs = x.to(device), topk_w.to(device), ids.to(device)
+    on_device = copy.deepcopy(made) if device.type == "cpu" else made.to(device)  # .to copies only across devices
     # the float64 reference on the same device (on a GPU the CPU's float64 GEMMs at realistic sizes, one per
     # pytest worker, were most of a case's time), before the kernel runs: a kernel that wrote into its
     # inputs or weights could not change it
