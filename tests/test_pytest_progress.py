@@ -58,16 +58,26 @@ def _outcomes(log: Path) -> dict[str, str]:
     return {t.nodeid: t.outcome for t in read_log(log)}
 
 
+# a module skipped whole at collection: pytest counts it among the skipped, and so does the log
+GONE = 'import pytest\npytest.importorskip("no_such_module_xyz")\n\ndef test_never():\n    pass\n'
+
 WANT = {**{f"test_some.py::test_passes[{n}]": "passed" for n in range(4)}, "test_some.py::test_fails": "failed",
-        "test_some.py::test_setup_error": "error", "test_some.py::test_skipped": "skipped"}
+        "test_some.py::test_setup_error": "error", "test_some.py::test_skipped": "skipped",
+        "test_gone.py": "skipped"}
+
+
+def _write_tests(tmp_path: Path) -> None:
+    (tmp_path / "test_some.py").write_text(TESTS)
+    (tmp_path / "test_gone.py").write_text(GONE)
 
 
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
 def test_each_finished_test_is_logged_once_with_its_properties(tmp_path, workers):
-    (tmp_path / "test_some.py").write_text(TESTS)
+    _write_tests(tmp_path)
     log = tmp_path / "out" / "gpu_tests.jsonl"
     result = _pytest(tmp_path, "--progress-log", str(log), *workers)
     assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 4 passed, 2 skipped, 1 error" in result.stdout  # pytest's count, the log's below
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(r["nodeid"] for r in lines) == sorted(WANT)  # once each: the workers write nothing
     assert _outcomes(log) == WANT
@@ -78,7 +88,7 @@ def test_each_finished_test_is_logged_once_with_its_properties(tmp_path, workers
 
 
 def test_a_resumed_run_runs_only_what_did_not_pass_and_appends(tmp_path):
-    (tmp_path / "test_some.py").write_text(TESTS)
+    _write_tests(tmp_path)
     log = tmp_path / "gpu_tests.jsonl"
     _pytest(tmp_path, "--progress-log", str(log))
     first = log.read_text()
@@ -89,7 +99,7 @@ def test_a_resumed_run_runs_only_what_did_not_pass_and_appends(tmp_path):
     assert sorted(rerun) == sorted(n for n, o in WANT.items() if o != "passed")
     assert _outcomes(log) == WANT
     # a fresh run (no --progress-resume) starts the log again
-    _pytest(tmp_path, "--progress-log", str(log), "-k", "fails")
+    _pytest(tmp_path, "--progress-log", str(log), "test_some.py", "-k", "fails")
     assert list(_outcomes(log)) == ["test_some.py::test_fails"]
 
 
@@ -119,7 +129,7 @@ def test_a_run_interrupted_by_its_time_limit_keeps_what_finished_and_resume_runs
 
 
 def test_resume_refuses_a_missing_or_broken_log_by_message(tmp_path):
-    (tmp_path / "test_some.py").write_text(TESTS)
+    _write_tests(tmp_path)
     log = tmp_path / "gpu_tests.jsonl"
     result = _pytest(tmp_path, "--progress-log", str(log), "--progress-resume")
     assert f"--progress-resume: {log} does not exist (copy the earlier run's log there)" in result.stderr
@@ -141,16 +151,30 @@ def test_a_log_cut_off_mid_line_reads_up_to_the_cut(tmp_path):
 
 
 def test_summary_counts_outcomes_lists_failures_and_tabulates_the_worst_case_error(tmp_path, capsys):
-    (tmp_path / "test_some.py").write_text(TESTS)
+    _write_tests(tmp_path)
     log = tmp_path / "gpu_tests.jsonl"
     _pytest(tmp_path, "--progress-log", str(log))
     assert main([str(log)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "4 passed, 1 failed, 1 error, 1 skipped"
-    assert lines[1:3] == ["FAILED  test_some.py::test_fails", "ERROR   test_some.py::test_setup_error"]
-    assert lines[3].split() == ["scheme", "kernel", "cases", "worst", "rel", "err"]
-    assert [line.split() for line in lines[4:]] == [["s0", "k", "2", "3.00e-03"], ["s1", "k", "2", "4.00e-03"]]
+    assert lines[0] == "4 passed, 1 failed, 1 error, 2 skipped"
+    assert lines[1:3] == ["FAILED  test_some.py::test_fails: assert False",
+                          "ERROR   test_some.py::test_setup_error: RuntimeError: setup"]
+    assert lines[3:5] == ["SKIPPED    1  could not import 'no_such_module_xyz': No module named 'no_such_module_xyz'",
+                          "SKIPPED    1  no"]
+    assert lines[5].split() == ["scheme", "kernel", "cases", "worst", "rel", "err"]
+    assert [line.split() for line in lines[6:]] == [["s0", "k", "2", "3.00e-03"], ["s1", "k", "2", "4.00e-03"]]
     assert summary([]) == "no tests finished"
     assert main([str(tmp_path / "none.jsonl")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
+def test_a_module_that_fails_to_import_is_logged_as_an_error_with_its_cause(tmp_path, workers):
+    """No test then runs: the log says why rather than holding nothing."""
+    (tmp_path / "test_broken.py").write_text("import no_such_module_xyz\n\ndef test_never():\n    pass\n")
+    log = tmp_path / "gpu_tests.jsonl"
+    result = _pytest(tmp_path, "--progress-log", str(log), *workers)
+    assert result.returncode in (1, 2), result.stdout + result.stderr  # interrupted (2); xdist: errors (1)
+    assert [(t.nodeid, t.outcome, t.reason) for t in read_log(log)] == [
+        ("test_broken.py", "error", "ModuleNotFoundError: No module named 'no_such_module_xyz'")]

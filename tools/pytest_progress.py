@@ -1,7 +1,9 @@
 """A pytest plugin for the GPU test runs that a device call's time limit cuts off (tools/gpu_run.sh
 tests): each finished test goes to a JSON-lines log as it ends, with what it recorded (a conformance
-case's relative error), so a killed run keeps what it ran; ``--progress-resume`` deselects the tests
-the log holds as passed, so the next call runs only the rest. Run as a script, it summarises a log.
+case's relative error) and why it did not pass, so a killed run keeps what it ran (a module skipped
+or failing whole at collection is one record, so the log accounts for every test pytest counts);
+``--progress-resume`` deselects the tests the log holds as passed, so the next call runs only the
+rest. Run as a script, it summarises a log.
 
     PYTHONPATH=tools python -m pytest -p pytest_progress --progress-log OUT/gpu_tests.jsonl [--progress-resume] ...
     python tools/pytest_progress.py OUT/gpu_tests.jsonl      # outcomes, failures, conformance errors
@@ -26,10 +28,11 @@ CASE_PROPERTIES = ("scheme", "kernel", "dtype", "rel_err")
 class Finished:
     """One test as the log holds it."""
 
-    nodeid: str
-    outcome: str  # passed, failed, skipped, or error (setup or teardown failed)
+    nodeid: str  # a test's, or a module's that was skipped or failed whole at collection
+    outcome: str  # passed, failed, skipped, or error (setup, teardown or collection failed)
     seconds: float
     properties: dict
+    reason: str = ""  # why it was skipped or did not pass, one line
 
 
 def read_log(path: Path) -> list[Finished]:
@@ -38,7 +41,7 @@ def read_log(path: Path) -> list[Finished]:
     for number, record in enumerate(read_json_lines(path), 1):
         try:
             finished = Finished(record["nodeid"], record["outcome"], float(record["seconds"]),
-                                dict(record.get("properties", {})))
+                                dict(record.get("properties", {})), str(record.get("reason", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: record {number}: not a test record ({e!r})") from None
         latest[finished.nodeid] = finished
@@ -83,7 +86,20 @@ class _LogWriter:
     def write(self, finished: Finished) -> None:
         with self.path.open("a") as f:  # a line at a time: a kill loses at most the line being written
             f.write(json.dumps({"nodeid": finished.nodeid, "outcome": finished.outcome,
-                                "seconds": round(finished.seconds, 3), "properties": finished.properties}) + "\n")
+                                "seconds": round(finished.seconds, 3), "properties": finished.properties,
+                                "reason": finished.reason}) + "\n")
+
+
+def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """One line on why a test or module was skipped or did not pass: the skip's message, else the
+    first ``E`` line of the failure (its last line where there is none)."""
+    if report.passed:
+        return ""
+    if report.skipped and isinstance(report.longrepr, tuple):  # (path, line, "Skipped: message")
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    lines = [line.strip() for line in report.longreprtext.splitlines() if line.strip()]
+    errors = [line.removeprefix("E").strip() for line in lines if line.startswith("E ")]
+    return (errors or lines or [""])[0 if errors else -1]
 
 
 class _Progress:
@@ -105,7 +121,15 @@ class _Progress:
             outcome = "error"
         else:
             return
-        self.writer.write(Finished(report.nodeid, outcome, report.duration, dict(report.user_properties)))
+        self.writer.write(Finished(report.nodeid, outcome, report.duration, dict(report.user_properties),
+                                   _reason(report)))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        # a module skipped whole (importorskip) or failing to import runs none of its tests: logged
+        # as one record, so the log accounts for pytest's own count (xdist's controller hears each once)
+        if self.writer is not None and not report.passed:
+            self.writer.write(Finished(report.nodeid, "skipped" if report.skipped else "error", 0.0, {},
+                                       _reason(report)))
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         # under xdist the workers deselect, and the controller's summary line would not say so
@@ -115,12 +139,15 @@ class _Progress:
 
 
 def summary(tests: list[Finished]) -> str:
-    """Outcome counts, the tests that did not pass, and per (scheme, kernel) the conformance cases
-    run and their worst relative error."""
+    """Outcome counts, the tests that did not pass (with why), the skips counted by reason, and per
+    (scheme, kernel) the conformance cases run and their worst relative error."""
     counts = collections.Counter(t.outcome for t in tests)
     lines = [", ".join(f"{counts[o]} {o}" for o in ("passed", "failed", "error", "skipped") if counts[o])
              or "no tests finished"]
-    lines += [f"{t.outcome.upper():<7} {t.nodeid}" for t in tests if t.outcome in ("failed", "error")]
+    lines += [f"{t.outcome.upper():<7} {t.nodeid}" + (f": {t.reason}" if t.reason else "")
+              for t in tests if t.outcome in ("failed", "error")]
+    skips = collections.Counter(t.reason or "(no reason given)" for t in tests if t.outcome == "skipped")
+    lines += [f"SKIPPED {n:>4}  {reason}" for reason, n in sorted(skips.items())]
     cases = [t for t in tests if t.outcome != "skipped" and all(p in t.properties for p in CASE_PROPERTIES)]
     if cases:
         worst: dict[tuple[str, str], float] = collections.defaultdict(float)
