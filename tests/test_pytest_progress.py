@@ -168,7 +168,6 @@ def test_summary_counts_outcomes_lists_failures_and_tabulates_the_worst_case_err
     assert "none.jsonl" in capsys.readouterr().err
 
 
-
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "xdist"])
 def test_a_module_that_fails_to_import_is_logged_as_an_error_with_its_cause(tmp_path, workers):
     """No test then runs: the log says why rather than holding nothing."""

@@ -99,7 +99,9 @@ def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
         return str(report.longrepr[2]).removeprefix("Skipped: ")
     lines = [line.strip() for line in report.longreprtext.splitlines() if line.strip()]
     errors = [line.removeprefix("E").strip() for line in lines if line.startswith("E ")]
-    return (errors or lines or [""])[0 if errors else -1]
+    if errors:
+        return errors[0]
+    return lines[-1] if lines else ""
 
 
 class _Progress:
