@@ -241,34 +241,6 @@ def test_a_cells_tokens_and_routing_are_the_same_resumed_or_not(bench, tmp_path,
     assert not bench.torch.equal(seen["whole"][1][1], ti_whole[:1])  # (M = 1 is a draw of its own)
 
 
-def test_sequential_inputs_are_the_check_then_each_m_drawn_in_turn_from_one_generator(bench, tmp_path, monkeypatch):
-    # the draws of the runs that measured docs/bench/h100-*.json, to compare cells on their inputs
-    seen: dict[int, tuple] = {}
-    calls = bench._calls
-
-    def spy(kernels, x, tw, ti):
-        seen[x.shape[0]] = (x.clone(), ti.clone())
-        return calls(kernels, x, tw, ti)
-
-    monkeypatch.setattr(bench, "_calls", spy)
-    assert run(bench, tmp_path, "--schemes", "unquantized", "--m", "1", "8", "--sequential-inputs") == 0
-    shape = bench.DRY_SHAPES["tiny"]
-    dtype, device = seen[8][0].dtype, seen[8][0].device
-    gen = bench.torch.Generator(device=device).manual_seed(bench.ROUTING_SEED)
-    bench.draw_inputs(shape, 8, dtype, gen)  # the correctness check's draw (min(max(ms), 64) tokens)
-    for m in (1, 8):
-        x, _, ti = bench.draw_inputs(shape, m, dtype, gen)
-        assert bench.torch.equal(x, seen[m][0]) and bench.torch.equal(ti, seen[m][1])
-    x_cell, _, _ = bench.cell_inputs(shape, 8, dtype, device)
-    assert not bench.torch.equal(x_cell, seen[8][0])
-
-
-def test_sequential_inputs_refuse_resume(bench, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        run(bench, tmp_path, "--schemes", "unquantized", "--m", "1", "--sequential-inputs", "--resume")
-    assert "a resumed run would draw others" in capsys.readouterr().err
-
-
 def test_resume_refuses_cells_measured_on_another_device(bench, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -352,29 +324,6 @@ def test_bench_ep_outside_torchrun_says_how_to_start_it():
 
 
 # ---------------------------------------------------------------------------------------------
-# bench_weight_reads.py
-
-
-@pytest.mark.parametrize("tiled", [False, True])
-def test_weight_read_benchmark_reads_every_byte_once(tiled, monkeypatch):
-    """Its programs read the bytes they claim, each once: strided, program p sums weight rows p*BN..;
-    tiled, the p-th run of BN x K/2 contiguous bytes (interpreter, a small tensor)."""
-    pytest.importorskip("triton")
-    import torch
-
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import bench_weight_reads
-
-    k2, block_n, block_k2 = 64, 32, 16
-    w = torch.randint(0, 255, (4 * block_n * k2,), dtype=torch.uint8)
-    sums = bench_weight_reads.read_weights(w, k2, block_n, block_k2, tiled, num_stages=2)
-    want = w.view(-1, block_n * k2).to(torch.int32).sum(1)  # row blocks are contiguous in both layouts
-    assert torch.equal(sums, want)
-    with pytest.raises(ValueError, match="do not split into 48 x 16 tiles"):
-        bench_weight_reads.read_weights(w, k2, 48, block_k2, tiled)
-
-
-# ---------------------------------------------------------------------------------------------
 # per byte of weights against the int4 / int8 baselines (tools/per_byte.py)
 
 
@@ -447,58 +396,6 @@ def test_per_byte_reads_a_run_cut_off_by_a_kill(per_byte, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[1].split() == ["mxfp4", "1.10"]
 
 
-# two runs cell by cell (tools/bench_diff.py)
-
-
-@pytest.fixture
-def bench_diff(monkeypatch):
-    return _tool(monkeypatch, "bench_diff")
-
-
-def test_bench_diff_lists_the_cells_that_moved_with_their_baselines(bench_diff, tmp_path, capsys):
-    """Cells whose layer time moved by more than the threshold either way, slowest first, each with
-    its GEMMs' ratio where both runs timed them and its width's baseline's ratio; cells in one run
-    only, and cells within the threshold, are left out; --m keeps only those token counts."""
-    first = _bench_lines(tmp_path / "first.jsonl", {
-        ("S", "gptq-w4a16", 1): (10.0, 1.0), ("S", "awq-w4a16", 1): (10.0, 1.0), ("S", "mxfp4", 1): (20.0, 1.0),
-        ("S", "gptq-w4a16", 8): (30.0, 1.0), ("S", "awq-w4a16", 8): (30.0, 1.0),
-        ("S", "modelopt-mxfp8", 1): (5.0, 1.0)})
-    second = _bench_lines(tmp_path / "second.jsonl", {
-        ("S", "gptq-w4a16", 1): (10.2, 1.0), ("S", "awq-w4a16", 1): (12.0, 1.0), ("S", "mxfp4", 1): (16.0, 1.0),
-        ("S", "gptq-w4a16", 8): (30.0, 1.0), ("S", "awq-w4a16", 8): (31.0, 1.0), ("S", "unquantized", 1): (9.0, 1.0)})
-    assert bench_diff.main([str(first), str(second)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["shape", "scheme", "M", "first", "us", "second", "us", "layer", "GEMMs", "baseline"]
-    assert lines[1].split() == ["S", "awq-w4a16", "1", "10.0", "12.0", "1.20x", "-", "gptq-w4a16", "1.02x"]
-    assert lines[2].split() == ["S", "mxfp4", "1", "20.0", "16.0", "0.80x", "-", "gptq-w4a16", "1.02x"]
-    assert len(lines) == 3  # gptq 1.02x and awq M = 8 1.03x are within 5%; mxfp8 and bf16 are in one run only
-    assert bench_diff.main([str(first), str(second), "--m", "8", "--threshold", "0.01", "--json"]) == 0
-    cells = json.loads(capsys.readouterr().out)
-    assert [(c["scheme"], c["m"], round(c["ratio"], 3), c["baseline_ratio"]) for c in cells] == [
-        ("awq-w4a16", 8, 1.033, 1.0)]
-    assert bench_diff.main([str(first), str(first)]) == 0
-    assert capsys.readouterr().out.strip() == "no cell moved by more than 5%"
-
-
-def test_bench_diff_reads_the_gemms_and_names_what_it_cannot_compare(bench_diff, tmp_path, capsys):
-    lines = [json.dumps({"env": {}, "ceilings": {}})]
-    for us, gemm in ((10.0, 8.0), (13.0, 12.0)):
-        lines.append(json.dumps({"row": {"shape": "S", "scheme": "awq-w4a16", "m": 1, "us": us, "gemm_us": gemm,
-                                         "bytes_moved": 1.0}}))
-    (tmp_path / "a.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n")
-    (tmp_path / "b.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n")
-    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split()[5:7] == ["1.30x", "1.50x"]
-    other = _bench_lines(tmp_path / "other.jsonl", {("T", "awq-w4a16", 1): (10.0, 1.0)})
-    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(other)]) == 2
-    assert capsys.readouterr().err.strip() == "bench_diff.py: the two runs share no cell (shape, scheme and M)"
-    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "none.jsonl")]) == 2
-    assert capsys.readouterr().err.strip().endswith("none.jsonl: no such file or directory")
-    assert bench_diff.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--baselines", "gptq-w4a"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "bench_diff.py: baseline 'gptq-w4a': not a quantised scheme spec the benchmark runs")
-
-
 def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):
     """The GEMM profile asks Kineto to tear CUPTI down when it ends (left attached, it slowed every
     layer timed after it: H100, Qwen3 M = 1, 18.1 -> 20.9 us); a user's own setting is kept."""
@@ -514,64 +411,3 @@ def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
     bench.kernel_times(lambda: None, 1, torch.device("cpu"), repeats=1)
     assert os.environ["TEARDOWN_CUPTI"] == "0"
-
-
-# the slow cells of a run timed again (tools/recheck.py)
-
-
-@pytest.fixture
-def recheck(monkeypatch):
-    return _tool(monkeypatch, "recheck")
-
-
-def test_recheck_times_the_slow_cells_again_beside_their_baselines(recheck, tmp_path, monkeypatch, capsys):
-    """Only the cells below the ratio are built, each with its width's baseline at its shape and M,
-    timed in alternation ``--rounds`` times; the ratio now keeps the run's bytes moved over the
-    medians; each cell's output is checked against the reference."""
-    import importlib
-
-    run = _bench_lines(tmp_path / "bench.jsonl", {
-        ("tiny", "gptq-w4a16", 1): (10.0, 100.0), ("tiny", "mxfp4", 1): (12.0, 108.0),
-        ("tiny", "gptq-w8a16", 8): (10.0, 200.0), ("tiny", "modelopt-mxfp8", 8): (10.0, 210.0)})
-    seconds = {"mxfp4": [3e-5, 1e-5, 2e-5], "gptq-w4a16": [1.2e-5, 1.3e-5, 1.1e-5]}  # medians 20 and 12 µs
-    timed: list[str] = []
-
-    def time(layer, configs, m, *inputs):  # type: ignore[no-untyped-def]
-        timed.append(layer.scheme.name)
-        return seconds[layer.scheme.name][sum(name == layer.scheme.name for name in timed) - 1]
-
-    monkeypatch.setattr(importlib.import_module("tune").Layer, "time", time)
-    assert recheck.main([str(run), "--dry-run", "--rounds", "3", "--json"]) == 0
-    [cell] = json.loads(capsys.readouterr().out)
-    assert timed == ["mxfp4", "gptq-w4a16"] * 3
-    assert (cell["shape"], cell["scheme"], cell["m"], cell["baseline"]) == ("tiny", "mxfp4", 1, "gptq-w4a16")
-    assert (cell["run_ratio"], cell["us"], cell["baseline_us"]) == (pytest.approx(0.9), 20.0, 12.0)
-    assert cell["ratio"] == pytest.approx((108.0 / 20.0) / (100.0 / 12.0))
-    assert 0 < cell["rel_error"] < 3e-2
-    timed.clear()
-    assert recheck.main([str(run), "--dry-run", "--rounds", "3"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["shape", "scheme", "M", "run", "now", "us", "baseline", "us", "rel", "err"]
-    assert lines[1].split()[:7] == ["tiny", "mxfp4", "1", "0.900", "0.648", "20.0", "gptq-w4a16"]
-    assert lines[-1] == "1 of 1 still below 0.95 (medians of 3 rounds)"
-
-
-def test_recheck_names_what_it_cannot_time(recheck, tmp_path, monkeypatch, capsys):
-    """No GPU without --dry-run, a shape the run names that this benchmark does not build: one line
-    each; no cell below the ratio: said so; fewer than one round: refused."""
-    import torch
-
-    run = _bench_lines(tmp_path / "bench.jsonl", {("Qwen3-30B-A3B", "gptq-w4a16", 1): (10.0, 100.0),
-                                                   ("Qwen3-30B-A3B", "mxfp4", 1): (12.0, 108.0)})
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert recheck.main([str(run)]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "recheck.py: no GPU here: the cells are timed on one (--dry-run: a dry run's cells, on the CPU)")
-    assert recheck.main([str(run), "--dry-run"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        "recheck.py: shape 'Qwen3-30B-A3B' is not one this benchmark builds on a dry run (known: tiny)")
-    assert recheck.main([str(run), "--dry-run", "--below", "0.8"]) == 0
-    assert capsys.readouterr().out.strip() == "no cell below 0.8"
-    with pytest.raises(SystemExit):
-        recheck.main([str(run), "--rounds", "0"])
-    assert "--rounds: at least 1, got 0" in capsys.readouterr().err

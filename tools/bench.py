@@ -320,11 +320,10 @@ def draw_inputs(shape: Shape, m: int, dtype: torch.dtype, gen: torch.Generator,
 
 
 def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, float], device: torch.device,
-              kernel_cls, dry: bool, check_m: int | None = None, sequential: bool = False) -> Iterator[Row]:
+              kernel_cls, dry: bool, check_m: int | None = None) -> Iterator[Row]:
     """One row per M, each yielded as soon as it is measured (the correctness check on
-    ``check_m`` tokens, default min(max(ms), 64), comes first). ``sequential``: the check's inputs
-    and then each M's are drawn in turn from one generator, as runs before session 24 drew them,
-    not per cell (cell_inputs)."""
+    ``check_m`` tokens, default min(max(ms), 64), comes first); each cell draws its own inputs
+    (cell_inputs), so a resumed cell reads what an uncut run's would."""
     from moe_registry_kernels.reference import ReferenceExperts
 
     wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
@@ -334,12 +333,7 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     peak = {"bf16": ceilings["bf16_flops"], "int8": ceilings["int8_ops"], "fp8": ceilings["fp8_flops"]}[scheme.unit]
     # correctness first, on the real shape
     check_m = check_m or min(max(ms), 64)
-    in_turn = torch.Generator(device=device).manual_seed(ROUTING_SEED) if sequential else None
-
-    def inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return cell_inputs(shape, m, dtype, device) if in_turn is None else draw_inputs(shape, m, dtype, in_turn)
-
-    x, tw, ti = inputs(check_m)
+    x, tw, ti = cell_inputs(shape, check_m, dtype, device)
     kernel = kernel_cls(base, config)
     out = kernel.apply(x, tw, ti)
     ref = ReferenceExperts(base, config).apply(x.float(), tw, ti).float()
@@ -347,7 +341,7 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
     del ref
     pool = [kernel]
     for m in ms:
-        x, tw, ti = inputs(m)
+        x, tw, ti = cell_inputs(shape, m, dtype, device)
         hit = float(torch.unique(ti).numel())  # the experts this routing really reads
         wbytes = _tensor_bytes(base.w13, hit, shape.experts) + _tensor_bytes(base.w2, hit, shape.experts)
         act_bytes = 2 * m * shape.hidden * x.element_size() + m * shape.top_k * 8
@@ -550,14 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--resume", action="store_true",
                         help=f"keep the cells already in --out ({PROGRESS}, else {RESULT}) and measure the rest")
-    parser.add_argument("--sequential-inputs", action="store_true",
-                        help="draw each scheme's inputs in turn from one generator (the check's, then each M's), "
-                             "as runs before session 24 did: with the default --m, the tokens and routing of the "
-                             "tables measured then (docs/bench/h100-*.json), to compare cells on the same inputs")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (reference kernel)")
     args = parser.parse_args(argv)
-    if args.sequential_inputs and args.resume:
-        parser.error("--sequential-inputs draws each M's inputs after the earlier M's: a resumed run would draw others")
     names = default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
     bad_names = check_names(names, list(schemes))
     if bad_names:
@@ -600,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
             if not todo:
                 continue
             for row in bench_one(shape, schemes[name], todo, ceilings, device, kernel_cls, dry,
-                                 check_m=min(max(ms), 64), sequential=args.sequential_inputs):
+                                 check_m=min(max(ms), 64)):
                 rows[cell(asdict(row))] = row
                 with progress.open("a") as f:
                     f.write(json.dumps({"row": row_record(row), "at": time.time()}) + "\n")

@@ -1,9 +1,10 @@
 """Per byte of weights: each quantised scheme's whole-layer bytes moved per µs in one tools/bench.py
-run, over those of the baseline scheme of its weight width in the same run, cell by cell (issue 19's
-measure: no weight format may run slower per byte than the int4 / int8 paths at decode). Below 1 is
-slower per byte than the baseline.
+run, over those of the baseline scheme of its weight width in the same run, cell by cell (the
+measure that no weight format may run slower per byte than the int4 / int8 paths at decode). Below 1
+is slower per byte than the baseline.
 
-    python tools/per_byte.py docs/bench/issue19-s29-h100-decode-final.jsonl
+    python tools/per_byte.py docs/bench/h100-layer.jsonl
+    python tools/per_byte.py docs/bench/h100-layer.jsonl --markdown   # the table docs/performance.md shows
     python tools/per_byte.py out/ --baselines gptq-w4a16 gptq-w8a16 --below 0.95
     python tools/per_byte.py out/bench.json --json
 """
@@ -122,6 +123,22 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def markdown(cells: list[Cell]) -> str:
+    """The same ratios in Markdown, one table per shape: schemes down, M across."""
+    ms = sorted({c.m for c in cells})
+    ratio = {(c.scheme, c.shape, c.m): c.ratio for c in cells}
+    baseline = {c.scheme: c.baseline for c in cells}
+    head = ["scheme", "against"] + [f"M = {m}" for m in ms]
+    out = []
+    for shape in dict.fromkeys(c.shape for c in cells):
+        out += [f"**{shape}**", "", "| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+        for scheme in sorted({c.scheme for c in cells if c.shape == shape}):
+            entries = [f"{ratio[(scheme, shape, m)]:.2f}" if (scheme, shape, m) in ratio else "-" for m in ms]
+            out.append("| " + " | ".join([f"`{scheme}`", f"`{baseline[scheme]}`", *entries]) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a tools/bench.py --out directory, bench.jsonl or bench.json")
@@ -130,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--below", type=float, default=None, metavar="RATIO",
                         help="also list the cells below this ratio, with their times")
     parser.add_argument("--json", action="store_true", help="the cells as JSON")
+    parser.add_argument("--markdown", action="store_true", help="the table in Markdown (docs/performance.md)")
     args = parser.parse_args(argv)
     from bench import registry_schemes
 
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(c) for c in cells], indent=1))
         return 0
-    print(table(cells))
+    print(markdown(cells) if args.markdown else table(cells))
     if args.below is not None:
         low = [c for c in cells if c.ratio < args.below]
         print(f"\n{len(low)} cells below {args.below}:")

@@ -15,7 +15,7 @@ plain launches, no CUDA graph) and reads back, per kernel:
 
     python tools/profile_ncu.py --shapes qwen3 --schemes gptq-w4a16 --m 8 64 --out DIR
     bash tools/gpu_run.sh profile --resume --shapes mixtral --schemes fp8-block128 --m 4096
-    python tools/profile_ncu.py --show docs/bench/profile-s24-h100.jsonl --gemms   # the table again, no GPU
+    python tools/profile_ncu.py --show DIR/profile.jsonl --gemms   # the table again, no GPU
     bash tools/gpu_run.sh profile --bench /tmp/benchout --below 85 --shapes qwen3 --schemes mxfp4 --m 8 64
 
 ``--bench DIR --below PCT``: of the cells asked for, only those a tools/bench.py run in DIR

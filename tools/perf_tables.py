@@ -1,0 +1,207 @@
+"""The tables of docs/performance.md, made from the benchmark records named in docs/bench/records.json.
+
+Each generated block of the document sits between ``<!-- generated: NAME -->`` and
+``<!-- /generated -->``; the text around the blocks is written by hand. A block names the record it
+reads, the command that made it (derived from the record's cells), the machine (from the record's
+environment) and the date and commit the manifest gives.
+
+    python tools/perf_tables.py                              # print every block
+    python tools/perf_tables.py --write docs/performance.md  # rewrite the blocks in place
+    python tools/perf_tables.py --check docs/performance.md  # exit 1 if a block is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = ROOT / "docs" / "bench" / "records.json"
+BLOCK = re.compile(r"(<!-- generated: (?P<name>[a-z-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+
+
+class TablesError(Exception):
+    """A manifest, record or document this tool cannot read: one line for the user."""
+
+
+def read_manifest(path: Path = MANIFEST) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TablesError(f"{path}: {e}") from None
+
+
+def gpu_run(entry: dict, base: Path) -> tuple[dict, list[dict]]:
+    """(header, rows) of one tools/bench.py record the manifest names."""
+    from bench import read_run
+
+    path = base / entry["record"]
+    if not path.is_file():
+        raise TablesError(f"{path}: no such record (named in {MANIFEST.name})")
+    header, rows = read_run(path)
+    if header is None or not rows:
+        raise TablesError(f"{path}: no tools/bench.py header or rows in it")
+    return header, rows
+
+
+def bench_command(rows: list[dict]) -> str:
+    """The tools/gpu_run.sh command that measures exactly these cells (defaults left out)."""
+    from bench import DEFAULT_SHAPES, SHAPES, default_schemes, registry_schemes
+
+    by_name = {shape.name: key for key, shape in SHAPES.items()}
+    shapes = list(dict.fromkeys(by_name.get(r["shape"], r["shape"]) for r in rows))
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    ms = sorted({int(r["m"]) for r in rows})
+    parts = ["bash tools/gpu_run.sh bench"]
+    if sorted(shapes) != sorted(DEFAULT_SHAPES):
+        parts.append("--shapes " + " ".join(shapes))
+    if sorted(schemes) != sorted(default_schemes(registry_schemes())):
+        parts.append("--schemes " + " ".join(schemes))
+    if ms != [1, 8, 64, 512, 4096]:
+        parts.append("--m " + " ".join(map(str, ms)))
+    return " ".join(parts)
+
+
+def provenance(command: str, machine: str, entry: dict) -> str:
+    return (f"Command: `{command}`. Machine: {machine}. Date: {entry['date']}, code at commit "
+            f"`{entry['commit']}`. Record: `docs/bench/{entry['record']}`.")
+
+
+def gpu_machine(header: dict) -> str:
+    env = header["env"]
+    return f"{env['device']}, torch {env['torch']}, Triton {env.get('triton', '?')}"
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def gpu_layer_block(entry: dict, base: Path) -> str:
+    """Per shape: µs per layer call and its % of the roofline, schemes down, M across."""
+    header, rows = gpu_run(entry, base)
+    out = [provenance(bench_command(rows), gpu_machine(header), entry), ""]
+    ms = sorted({int(r["m"]) for r in rows})
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        cells = {(r["scheme"], int(r["m"])): r for r in rows if r["shape"] == shape}
+        schemes = sorted({s for s, _ in cells})
+        table = [[f"`{s}`"] + [f"{cells[(s, m)]['us']:.1f} ({cells[(s, m)]['pct_roofline']:.0f}%)"
+                               if (s, m) in cells else "-" for m in ms] for s in schemes]
+        out += [f"**{shape}**: µs per layer call (% of roofline)", "",
+                md_table(["scheme"] + [f"M = {m}" for m in ms], table), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def per_byte_cells(rows: list[dict]) -> list:
+    import per_byte
+    from bench import registry_schemes
+
+    return per_byte.per_byte(rows, per_byte.weight_bits(registry_schemes()), list(per_byte.DEFAULT_BASELINES))
+
+
+def per_byte_block(entry: dict, base: Path) -> str:
+    """The whole table's quantised schemes per byte of weights against GPTQ int4 / int8."""
+    import per_byte
+
+    header, rows = gpu_run(entry, base)
+    command = f"python tools/per_byte.py docs/bench/{entry['record']} --markdown"
+    return (provenance(command, gpu_machine(header) + " (the whole-layer table's run)", entry) + "\n\n"
+            + per_byte.markdown(per_byte_cells(rows)) + "\n")
+
+
+def tuned_block(entries: list[dict], base: Path) -> str:
+    """Cells measured again after their tile tables were tuned, each beside its baseline in the
+    same run; a cell in a later record replaces the same cell of an earlier one."""
+    latest: dict[tuple[str, str, int], tuple] = {}
+    notes = []
+    for entry in entries:
+        header, rows = gpu_run(entry, base)
+        notes.append(f"- {provenance(bench_command(rows), gpu_machine(header), entry)}")
+        for c in per_byte_cells(rows):
+            latest[(c.shape, c.scheme, c.m)] = (c, entry["record"])
+    table = [[f"`{c.scheme}`", c.shape, str(c.m), f"{c.us:.1f}", f"`{c.baseline}` {c.baseline_us:.1f}",
+              f"{c.ratio:.2f}", f"`{record}`"] for (c, record) in (latest[k] for k in sorted(latest))]
+    return (md_table(["scheme", "shape", "M", "µs", "baseline µs", "per byte", "record"], table) + "\n\n"
+            + "\n".join(notes) + "\n")
+
+
+def cpu_block(entry: dict, base: Path) -> str:
+    path = base / entry["record"]
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TablesError(f"{path}: {e}") from None
+    shape = doc["shape"]
+    kernels = ",".join(dict.fromkeys(r["kernel"] for r in doc["rows"]))
+    tokens = ",".join(str(m) for m in sorted({r["tokens"] for r in doc["rows"]}))
+    command = (f"python tools/bench_cpu.py --preset {entry['preset']} --tokens {tokens} --threads {doc['threads']} "
+               f"--kernel {kernels} --repeats {entry['repeats']} --json")
+    machine = f"{doc['machine']}, torch {doc['torch']}" + (f" ({entry['note']})" if entry.get("note") else "")
+    table = [[f"`{r['scheme']}`" + (f" (+{len(r['schemes']) - 1})" if len(r["schemes"]) > 1 else ""),
+              f"`{r['kernel']}`", str(r["tokens"]), f"{r['ms']:.3f}", f"{r['x_plain']:.2f}",
+              f"{r['resident_over_packed']:.2f}"] for r in doc["rows"]]
+    return (provenance(command, machine, entry) + "\n\n"
+            + f"E = {shape['experts']}, top-{shape['top_k']}, hidden {shape['hidden']}, intermediate "
+              f"{shape['intermediate']}, {shape['dtype']} activations; `x plain` is the kernel's time over a plain "
+              "float32 torch layer's in the same run, `resident/packed` the bytes it holds over the checkpoint's.\n\n"
+            + md_table(["scheme (+ same keys)", "kernel", "M", "ms", "x plain", "resident/packed"], table) + "\n")
+
+
+def blocks(manifest: dict, base: Path) -> dict[str, str]:
+    """Every generated block's body, by name."""
+    return {
+        "gpu-layer": gpu_layer_block(manifest["gpu_layer"], base),
+        "per-byte": per_byte_block(manifest["gpu_layer"], base),
+        "tuned": tuned_block(manifest["gpu_tuned"], base),
+        "cpu-layer": cpu_block(manifest["cpu_layer"], base),
+    }
+
+
+def render(document: str, bodies: dict[str, str]) -> str:
+    """The document with each generated block's body replaced; a block the tool does not make is an error."""
+    def body(match: re.Match) -> str:
+        name = match["name"]
+        if name not in bodies:
+            raise TablesError(f"generated block {name!r}: not one this tool makes (known: {', '.join(bodies)})")
+        return match.group(1) + bodies[name] + match.group(4)
+
+    return BLOCK.sub(body, document)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", type=Path, metavar="DOC", help="rewrite DOC's generated blocks in place")
+    group.add_argument("--check", type=Path, metavar="DOC", help="exit 1 if DOC's generated blocks are out of date")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST)
+    args = parser.parse_args(argv)
+    try:
+        bodies = blocks(read_manifest(args.manifest), args.manifest.parent)
+        if args.write is None and args.check is None:
+            for name, text in bodies.items():
+                print(f"<!-- generated: {name} -->\n{text}<!-- /generated -->\n")
+            return 0
+        doc_path = args.write or args.check
+        document = doc_path.read_text()
+        new = render(document, bodies)
+    except (TablesError, OSError, ValueError) as e:
+        print(f"perf_tables.py: {e}", file=sys.stderr)
+        return 2
+    if args.check is not None:
+        if new != document:
+            print(f"{doc_path}: generated tables out of date; run python tools/perf_tables.py --write {doc_path}",
+                  file=sys.stderr)
+            return 1
+        return 0
+    doc_path.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
