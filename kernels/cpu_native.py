@@ -35,7 +35,7 @@ compiled pass, bit-equal to ``quant_ref`` (tested). Integer activations: the cod
 ``_mm256_madd_epi16``), then ``y = x_scale * sum_g w_scale_g * dot_g`` in float32. fp8 and e8m0 NaN bytes
 are not special-cased: checkpoints holding them are refused when they load.
 
-Measured (issue 21, session 17): ``python tools/bench_cpu.py --preset qwen3-30b-a3b --tokens 1,16 --threads 2
+Measured with ``python tools/bench_cpu.py --preset qwen3-30b-a3b --tokens 1,16 --threads 2
 --kernel torch-cpu-native,torch-cpu-packed --json``, 3 runs, on the 2-vCPU AMD EPYC (family 25 model 17,
 Zen 4: AVX-512 present, this build uses AVX2+FMA; L2 1 MiB per core, L3 32 MiB), torch 2.13.0+cpu, load
 average 1.5-2 from other jobs; x over the float32 layer (9.2-10.7 ms at M=1, 131-149 ms at M=16) timed

@@ -25,7 +25,7 @@ Experts' ``weights`` keep shapes and keys only, so nothing pins the converted te
 Activations: the 4- and 8-bit ops are fast on this CPU only in bfloat16, so they get bfloat16
 hidden states. No int8 activations: feeding int8 codes (exact in bfloat16) works, but the ops round
 each integer dot product to bfloat16 and requantising GEMM1's output then flips codes (2.0e-2 from
-the reference measured; issue 21). ``torch.ops.quantized.linear_dynamic`` (fbgemm, onednn and x86
+the reference measured). ``torch.ops.quantized.linear_dynamic`` (fbgemm, onednn and x86
 engines) takes the N=1536 K=2048 GEMM in 0.21-0.72 ms at M=1, but fed integer codes (padded with two
 columns so its per-tensor range is [-128, 127]) it gave 1.8e-1 relative error, and torch 2.13 deprecates
 quantized tensors: W8A8/W4A8 run on the compiled kernel (``cpu_native``, exact int32 dots).
@@ -35,7 +35,7 @@ calls. Everything between the GEMMs (bias, act-and-mul, router weight) is float3
 Measured on the 2-core AMD EPYC (AVX2, no AVX-512/VNNI/AMX; L2 512 KiB per core, L3 32 MiB), torch
 2.13.0+cpu, 2 threads, load average 1-3 from other jobs (repeat runs differ by 10-20%), one expert
 GEMM N=1536 K=2048 (Qwen3-30B-A3B's w13), 12 rotating weight copies, time over a float32 ``x @ W.T``
-in the same run (the issue 21 session's one-thread column, load 5-8, in brackets):
+in the same run (a one-thread run's column, load 5-8, in brackets):
 
 ================================================  ===========  ===========  ===========
 op (weights resident)                              M=1          M=4          M=16
@@ -69,7 +69,7 @@ of the time, the matmuls on the cache-hot tile 16%. Layer tile sweep (M=1, x ove
 2^18 elements 2.3-2.8, 2^19 1.8-2.1, 2^20 1.5-1.7, 2^21 1.7-2.1, 2^22 1.9-2.4; 2^20 is used. Against
 the earlier 2 MiB tiles with scales on the weights (same run): block(128x128) 1.92 -> 1.53 at M=1 and
 1.51 -> 1.29 at M=16, MX 1.57 -> 1.45 at M=1. Still slower than float32: no torch CPU op reads fp8.
-Layer results (``tools/bench_cpu.py``) are in issue 21's closing note. Group-scaled int8 and fp8 now run on
+Layer results: ``tools/bench_cpu.py`` (docs/performance.md). Group-scaled int8 and fp8 run on
 the compiled kernel (``cpu_native``: its docstring has the same-run comparison); this one keeps 4-bit and
 per-channel int8 (where the compiled kernel measured no faster).
 """

@@ -16,8 +16,8 @@ binary's top bit flipped: no subtraction, the 16 leaves with the token's scale);
 The GEMV reads its input as the codes ``triton_ops.act_quant`` wrote just before it (per token or
 static, its rows' codes for int4 words in nibble halves: even columns, then odd ones). (Each GEMV
 program quantising its row itself into one shared buffer ran the layer 1.6-1.9x slower than the
-tile kernels on Mixtral's shape: thousands of programs writing the same few kilobytes;
-docs/bench/gemv-s37-h100.txt.) Per-group weight scales multiply each group's int32
+tile kernels on Mixtral's shape, H100, tools/bench.py: thousands of programs writing the same
+few kilobytes.) Per-group weight scales multiply each group's int32
 sum; per-channel ones, the bias, the router weight and the fused activation are the tile
 kernels' epilogue (:func:`moe_gemm._finish_tile`).
 """
@@ -34,7 +34,7 @@ from .triton_ops import grid_release, grid_wait
 
 # weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
 # weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
-# activation); measured on an H100 over 8-64 rows and 32-64 words a step (docs/bench/gemv-s37-h100.txt)
+# activation); measured on an H100 over 8-64 rows and 32-64 words a step (tools/bench.py --m 1 8)
 STEP_WORDS = 64
 BLOCK_N = 16
 NUM_WARPS = 4

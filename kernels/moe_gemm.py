@@ -325,14 +325,14 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
     the GEMM. The dot keeps float32 accuracy (three TF32 products): with zero points far
     from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
     rank-1 update a group, 1.06-1.15x the time; under a cap of 168 registers, three programs an
-    SM instead of two, 1.05-1.19x: docs/bench/ab-zero-sums-s31.py.)"""
+    SM instead of two, 1.05-1.19x: tools/bench.py --shapes mixtral --m 64.)"""
     first, groups = tl.cdiv(k_lo, W_GROUP), tl.cdiv(k_hi, W_GROUP)
     # steps start at multiples of ZERO_TERM_GROUPS (a split's first step reads a few of the last
     # one's groups, whose sums it takes as zero) and the scales and zero points are masked by the
     # groups a weight row holds, not the split's: a row's 16 load as vectors where that is a
     # multiple of 16 (Triton marks such integer arguments; TritonExperts pads zero-point weights'
     # scales to one), not as 16 scalar loads a thread each (H100, AWQ on GPTQ int4's tiles at
-    # Qwen3's M = 64: 181.1 -> 164.7 us a layer, docs/bench/ab-zero-terms-vector-s32.py). Not
+    # Qwen3's M = 64: 181.1 -> 164.7 us a layer, tools/bench.py --shapes qwen3 --m 64). Not
     # pipelined: a few steps after the main loop, whose registers a pipeline's would add to.
     for g0 in tl.range(first // ZERO_TERM_GROUPS * ZERO_TERM_GROUPS, groups, ZERO_TERM_GROUPS, num_stages=1):
         g = tl.max_contiguous(tl.multiple_of(g0 + tl.arange(0, ZERO_TERM_GROUPS), ZERO_TERM_GROUPS),
@@ -375,7 +375,7 @@ def _dot_tf32x3(a, b, acc):
     high), each accumulated into ``acc`` itself: Triton's tf32x3 sums them into a second
     accumulator from zero, which held a whole extra tile of registers at the epilogue (W8A16 asym
     at Mixtral's M = 64: 239 registers, 209 so; on an H100 645.1 -> 611.3 us a layer,
-    docs/bench/ab-zero-terms-s32.py)."""
+    tools/bench.py --shapes mixtral --m 64)."""
     a_high, a_rest = _tf32_halves(a)
     b_high, b_rest = _tf32_halves(b)
     acc = tl.dot(a_rest, b_high, acc, input_precision="tf32")
@@ -609,11 +609,10 @@ def _fused_moe_kernel(
     # Subtracting each weight's loaded zero instead makes Triton convert the whole dequantised tile
     # through shared memory (offline sm_90 SASS, W8A16 asym at Mixtral's M = 64: 128 STS a step,
     # 0.27 warp instructions a weight against 0.17 without zero points). Taken in the loop (the
-    # sums and zero points loaded a step) the groups' terms were slower (H100, Mixtral M = 64:
-    # 681.8 us, against 697.6 for the swapped kernel they replaced; after the loop 600.6-619.5 in
-    # later calls, docs/bench/tune-s31-h100.txt); the inputs' sums found in the loop were slower
-    # still (session 30: summed in the tile's load layout; a second dot with ones loses the
-    # input's pipelining, its operand layout differing from the mixed-precision dot's).
+    # sums and zero points loaded a step) the groups' terms are slower (H100, Mixtral M = 64,
+    # tools/bench.py: 681.8 us in the loop, 600.6-619.5 after it); the inputs' sums found in the
+    # loop are slower still (a second dot with ones loses the input's pipelining, its operand
+    # layout differing from the mixed-precision dot's).
     FACTORED_ZERO: tl.constexpr = (8 if PACKED else 128) if HAS_ZERO else W_ZERO  # the code the dot subtracts
     # GROUP_DOTS (a tile config's choice; tile_config.group_dot_width): the same for 4-bit tiles
     # that span several groups, one dot per group and each group's result taking its scale; a
@@ -621,7 +620,7 @@ def _fused_moe_kernel(
     # (sm_90 SASS, GPTQ int4 at M = 8 on Qwen3's shape, BLOCK_N 128, BLOCK_K 256), against the
     # same tile's per-weight scales: 6-12% fewer instructions a weight and 159-167 registers a
     # thread instead of 210-214. A config's choice, since it is not faster everywhere: on an H100
-    # (session 23) the tuner picked it for GPTQ int4 at M = 8 on all three benchmark shapes and at
+    # (tools/tune.py) the tuner picks it for GPTQ int4 at M = 8 on all three benchmark shapes and at
     # M = 64 on Qwen3's and DeepSeek-V2-Lite's (4-6% faster whole layers), not at M = 1 on Qwen3's.
     # W4A8 on few rows (scheme.float_w4a8): a 16-bit dot of the codes, which the layer's quantisation
     # kernels store as 16-bit floats (int8 codes, where a caller passes them, are converted here)

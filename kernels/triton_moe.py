@@ -135,7 +135,7 @@ SCALE_TILE = 8192
 # token on blocks of GEMV_BLOCK_M aligned pairs, row blocks side by side so that a second pair's
 # read of an expert finds it in L2. (H100, against the tile kernels: faster up to 1.24-1.46
 # pairs an expert on the three benchmark shapes, slower from 1.53; blocks of 2 or 4 pairs slower
-# than 1 everywhere: docs/bench/gemv-s37-h100.txt)
+# than 1 everywhere: tools/bench.py --m 1 2 4 8 16)
 DECODE_GEMV = True
 GEMV_PAIRS_PER_EXPERT = 1.5
 GEMV_BLOCK_M = 1
@@ -887,8 +887,8 @@ def _scale_zero_words(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Te
     high. A tile's scale and zero of a column are then one 4-byte load, which the pipeliner streams
     ahead of the step like the codes (cp.async), where a 2-byte scale and a 1-byte zero point were
     two loads the step waited on (sm_90 SASS, tools/kernel_sass.py: AWQ's GEMM2 at Qwen3's M = 8,
-    4 such loads a step -> none). TritonExperts packs 4-bit codes' only. H100, on tables tuned for
-    two tensors (docs/bench/ab-scale-words-s33.py): AWQ's Mixtral M = 1 108.9 -> 103.7 us, M = 8
+    4 such loads a step -> none). TritonExperts packs 4-bit codes' only. H100, tools/bench.py, on
+    tables tuned for two tensors: AWQ's Mixtral M = 1 108.9 -> 103.7 us, M = 8
     312.1 -> 301.6, Qwen3 M = 64 164.3 -> 159.1, but DeepSeek-V2-Lite M = 8 88.6 -> 91.3 (its
     M = 64 re-tuned since); W8A16 asym's M = 64 241.8 -> 260.1 (Qwen3), 231.9 -> 251.4
     (DeepSeek-V2-Lite). Other scales and zero points are left as they are."""
@@ -909,10 +909,9 @@ def _word_halves_for(w: _Proj, config: dict) -> _Proj:
     scales and the zero points (int16 views of the same storage, strides doubled). A 4-byte word is
     one load the pipeliner streams through shared memory (faster at decode, and for the swapped
     prefill tiles); a 2-byte one is a load into registers, which the large non-swapped tiles take
-    better. H100, AWQ at M = 4096 (docs/bench/tune-s34-h100.txt, parts 6 and 7): words 1183.4 ->
-    halves 1131.8 us on Qwen3-30B-A3B's shape, 1466.3 -> 1402.4 on DeepSeek-V2-Lite's (session 32's
-    two tensors: 1091.8 and 1319.9 in another call); Mixtral's swapped tiles, words against two
-    tensors, 6288.2 against 7285.1."""
+    better. H100, AWQ at M = 4096 (tools/bench.py --m 4096 --schemes awq-w4a16): words 1183.4 ->
+    halves 1131.8 us on Qwen3-30B-A3B's shape, 1466.3 -> 1402.4 on DeepSeek-V2-Lite's; Mixtral's
+    swapped tiles, words against two tensors, 6288.2 against 7285.1."""
     if config["SWAP_AB"] or config["BLOCK_M"] < WORD_HALVES_MIN_ROWS:  # (every decode launch stops here)
         return w
     words = w.scale is not None and w.scale.dtype == torch.int32 and w.zero is not None and (

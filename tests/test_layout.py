@@ -1,5 +1,5 @@
 """The package layout shows the flow: each stage imports only the stages below it, and no module
-imports another that imports it back (DESIGN "Layout"; each sub-package's docstring says what it
+imports another that imports it back (docs/design.md, "Stages"; each sub-package's docstring says what it
 may import)."""
 
 from __future__ import annotations

@@ -385,7 +385,7 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
     # CUPTI torn down when the profile ends: left attached (Kineto's default), it slowed every layer
     # timed after a run's first profile, so only the run's first cell was timed without it (H100,
     # Qwen3 M = 1: whichever of AWQ and GPTQ int4 ran second took 20.9 us against 18.1-18.2; torn
-    # down, 18.2-18.6 in both orders: docs/bench/tune-s33-h100.txt)
+    # down, 18.2-18.6 in both orders; tests/test_bench_tools.py checks it is torn down)
     os.environ.setdefault("TEARDOWN_CUPTI", "1")
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with plain_launches():

@@ -1,5 +1,5 @@
 // One expert's GEMM on the CPU, y[M, N] = x[M, K] . W[N, K]^T, with W kept in checkpoint bytes
-// (moe_registry_kernels.cpu_native compiles this on first use; issue 21).
+// (moe_registry_kernels.cpu_native compiles this on first use).
 //
 // dq_gemm   float32 x times weight codes converted in registers: int8 (uint8 checkpoints as code - 128,
 //           with an optional zero point per scale group), fp8e4m3, or packed e2m1 (FP4); float32 sums of

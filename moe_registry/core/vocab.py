@@ -1,7 +1,8 @@
 """The closed vocabulary every stage shares: activation dtypes, activation functions and formats,
 kernel features, devices, shape dimensions and all2all backends. Specs validate against these
 Literals, the runtime and CLI check flags against them, kernels and tools read them; a new word
-is added here once (and, for all2all, only when code implements it: DESIGN rule 5)."""
+is added here once (and, for all2all, only when code implements it: docs/design.md,
+"Declared support is tested support")."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ All2All = Literal["none", "naive", "allgather_reducescatter", "deepep_high_throu
 A kernel spec claims only those this code implements (KernelAll2All)."""
 
 KernelAll2All = Literal["none", "allgather_reducescatter"]
-"""The all2all backends this code implements: the only ones a kernel spec may claim (DESIGN rule 5).
+"""The all2all backends this code implements: the only ones a kernel spec may claim
+(docs/design.md, "Declared support is tested support").
 ``none``: the layer moves no tokens (its caller hands each rank its experts' pairs);
 ``allgather_reducescatter``: moe_registry.layer.all2all.AllGatherReduceScatter over torch.distributed."""
 

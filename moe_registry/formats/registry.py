@@ -1,6 +1,7 @@
 """Converters: a checkpoint format is turned into a kernel layout by the function a format spec
 (``specs/formats/*.yaml``) declares for that (format, layout) pair, so no code ever chooses a
-converter with an ``if`` (DESIGN rule 3) and a user spec dir can add one.
+converter with an ``if`` (docs/design.md, "No selection code outside the oracle") and a user spec
+dir can add one.
 
 A converter receives one :data:`ExpertTensors` per expert, in expert order, whose shapes and
 dtypes the loader has already checked against the scheme spec, and whose weight key the format spec

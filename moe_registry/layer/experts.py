@@ -1,7 +1,7 @@
 """The Experts interface: the GEMM half of a FusedMoEKernel.
 
 An Experts class implements the math and nothing else: what it supports is written in its kernel
-spec (DESIGN rule 1), so it never checks platforms, keys or shapes itself.
+spec (docs/design.md, "One source of truth"), so it never checks platforms, keys or shapes itself.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The oracle's contract: what it decides for (Situation), what every check returns (Check with a
-Reason from a closed set, DESIGN rule 4), the verdicts on schemes and kernels, how the kernel was
-selected (SelectedBy) and the Report that holds it all.
+Reason from a closed set: docs/design.md, "Every decision explains itself"), the verdicts on
+schemes and kernels, how the kernel was selected (SelectedBy) and the Report that holds it all.
 
 The codes are closed sets: programs switch on them (``--json``); people read ``message``, which
 names the field, the value seen and the value wanted.

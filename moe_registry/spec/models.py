@@ -430,7 +430,7 @@ class ParallelSpec(Strict):
 
 
 class KernelSpec(Strict):
-    """An experts implementation and everything it supports (DESIGN rule 1: written only here)."""
+    """An experts implementation and all it supports (written only here: docs/design.md, "One source of truth")."""
 
     kernel: str = Field(pattern=NAME_RE, description=(
         "the kernel's name (lowercase, digits, . _ -), as scheme specs list it in kernels"))

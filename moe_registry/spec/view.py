@@ -193,7 +193,7 @@ class ParallelSpec(SpecRecord):
 
 
 class KernelSpec(SpecRecord):
-    """An experts implementation and everything it supports (DESIGN rule 1: written only here)."""
+    """An experts implementation and all it supports (written only here: docs/design.md, "One source of truth")."""
     kernel: str
     summary: str
     impl: str

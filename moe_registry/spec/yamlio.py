@@ -1,6 +1,6 @@
 """Safe YAML reading that keeps line numbers.
 
-Specs are data (DESIGN rule 2): only plain YAML is accepted — no python tags, no anchors/aliases
+Specs are data (docs/design.md, "Specs are data"): only plain YAML is accepted — no python tags, no anchors/aliases
 (they buy nothing in a spec and are how alias bombs are built), no files over a size limit. Every
 mapping comes back as a :class:`LineDict`, which remembers the line of each key so errors can say
 ``file:line``.

@@ -1,4 +1,5 @@
-"""The conformance suite's case generator, driven by the specs (DESIGN rule 5).
+"""The conformance suite's case generator, driven by the specs (docs/design.md,
+"Declared support is tested support").
 
 Every (scheme × kernel × declared option) the specs claim becomes cases: a base case per binding
 sample, then one case per declared option varied from it (dtype, activation function, bias,
