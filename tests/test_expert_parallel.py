@@ -1,4 +1,4 @@
-"""Expert parallelism over torch.distributed (issue #20, the CPU/gloo half of part 1 and part 5): the
+"""Expert parallelism over torch.distributed, on CPUs over gloo: the
 all-gather / reduce-scatter PrepareFinalize across 2 and 4 processes gives the single-process layer's
 output within float32 round-off, with tokens sharded over the ranks (one rank with none), experts
 placed contiguously or round-robin, and experts that receive no tokens."""

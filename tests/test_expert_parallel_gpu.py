@@ -1,5 +1,5 @@
-"""Expert parallelism over NCCL on two GPUs of one host (issue #20, part 5's GPU half; ``pytest -m gpu``, on the
-device tool's ``nvidia-h200-x2``): the all-gather / reduce-scatter PrepareFinalize with the Triton experts, in the
+"""Expert parallelism over NCCL on two GPUs of one host (``pytest -m gpu`` on a
+machine with two GPUs): the all-gather / reduce-scatter PrepareFinalize with the Triton experts, in the
 standard and the batched format, gives the single-process layer's output, eagerly and replayed from a CUDA
 graph; every CUDA kernel spec that claims the backend runs it through ``build`` on a checkpoint a producer wrote;
 ``moe-registry run`` under torchrun on two GPUs writes the single-process output.

@@ -1,4 +1,4 @@
-"""Expert parallelism, parts 3 and 4 of issue #20: a rank reads only its own experts' tensors (per-expert
+"""Expert parallelism end to end: a rank reads only its own experts' tensors (per-expert
 names, fused slices) yet gets the single-process layer's layer-wide input_scale; ``build``/``load_layer`` in gloo
 ranks equal the single-process layer; ``run`` under torchrun (2 and 4 ranks) writes the single-process output and
 reports per-rank experts, pairs, bytes and time; bad world sizes and ``--ep`` without torchrun are one line."""

@@ -561,7 +561,7 @@ def test_all2all_backend_delivering_batched_format(registry):
     assert report.chosen is None
     assert reasons(report, "triton-fused-moe") == {Reason.ALL2ALL}
     assert reasons(report, "torch-reference") == {Reason.ALL2ALL}
-    # naive is not implemented (issue 20): no spec claims it, so every kernel is refused ...
+    # naive is not implemented: no spec claims it, so every kernel is refused ...
     report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry,
                                             Flags(platform="cuda:9.0", ep=8, all2all="naive")),
                     raise_on_failure=False)

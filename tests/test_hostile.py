@@ -1,5 +1,5 @@
 # ruff: noqa: E501  (a table of cases: one case a line reads better than wrapped regexes)
-"""Hostile input (issue 24): specs, configs, checkpoints, flags and run inputs malformed on purpose.
+"""Hostile input: specs, configs, checkpoints, flags and run inputs malformed on purpose.
 
 Each case builds its bad input in tmp_path, runs ``moe_registry.cli.main.main`` and asserts the exit code
 and the one-line message (a regex, ``{d}`` standing for tmp_path). A SIGALRM fixture turns a hang

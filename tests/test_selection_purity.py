@@ -1,4 +1,4 @@
-"""Pure selection (issue #23, part 4): the machine is probed once, when the situation is built;
+"""Pure selection: the machine is probed once, when the situation is built;
 predicates read that value; the report records how the kernel was chosen as data."""
 
 from __future__ import annotations

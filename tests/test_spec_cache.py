@@ -1,4 +1,4 @@
-"""The spec cache and the runtime view (issue #23, part 7): a cached registry is the registry validation
+"""The spec cache and the runtime view: a cached registry is the registry validation
 builds, a stale or corrupt cache never changes an answer, and a cached start imports no pydantic or YAML."""
 
 from __future__ import annotations

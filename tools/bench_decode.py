@@ -1,8 +1,8 @@
 """Decode timings on a CUDA GPU: µs per layer for every Triton scheme at a Qwen-MoE-like shape
 (64 experts, hidden 2048, intermediate 1408, top-6), the weight bandwidth that implies, the glue
 ops alone, and the two alignment paths (one launch vs chunked) for 128 experts, to place
-ALIGN_ONE_LAUNCH_MAX. A report, not a pass/fail check: tests/test_triton_gpu.py holds the checks
-(this used to be two of its "tests"). For the whole-layer roofline see tools/bench.py.
+ALIGN_ONE_LAUNCH_MAX. A report, not a pass/fail check: tests/test_triton_gpu.py holds the checks.
+For the whole-layer roofline see tools/bench.py.
 
 Each time is the mean of CUDA-graph replays (no launch overhead); a layer is replayed over 4
 weight copies so L2 (50 MB on an H100) cannot hold them; H100 copy bandwidth is ~3.0 TB/s.

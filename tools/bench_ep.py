@@ -1,4 +1,4 @@
-"""Expert-parallel benchmark (issue #20): one MoE layer on one GPU (EP = 1) and split over the GPUs of one host
+"""Expert-parallel benchmark: one MoE layer on one GPU (EP = 1) and split over the GPUs of one host
 (EP = world), each GPU holding its own batch of M tokens, as data-parallel attention hands them over. Run it
 under torchrun, one process per GPU:
 

@@ -3,7 +3,7 @@ bare Python start measured in the same run, and check that the spec/oracle/expla
 neither torch nor triton. Runs as an installed package runs: bytecode cached (``PYTHONDONTWRITEBYTECODE``
 is dropped from the children's environment; pip writes .pyc files at install) and the spec cache warm,
 after one untimed run that fills both; ``--cold`` times the first run after clearing the spec cache.
-Issue #23's target: the explain median at most 0.12 s over the bare
+The target: the explain median at most 0.12 s over the bare
 start's median; also reported: the pydantic import alone (the floor of any path that uses it).
 
     python tools/bench_explain.py [config.json ...] [--runs 10]

@@ -2,7 +2,7 @@
 
 The pydantic models validate spec files; everything after the loader reads immutable records with the
 same names, fields and methods, built from the validated data (or from the spec cache without importing
-pydantic at all: issue #23's instant ``explain``). This tool derives them from the models' source, so
+pydantic at all, so ``explain`` answers at once). This tool derives them from the models' source, so
 the two cannot drift; ``tests/test_spec_cache.py`` fails when view.py is not what it would write.
 
     python tools/gen_spec_view.py            # rewrite view.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
+# One call on a GPU machine: install (pydantic wheels carried in .whl/), GPU tests, then the benchmark.
 #   bash tools/gpu_run.sh tests [args]   # every GPU test: conformance, kernels, producers' fixtures
 #   bash tools/gpu_run.sh tests --resume [args]  # the rest, after cp <earlier call's gpu_tests.jsonl> $OUT/
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args

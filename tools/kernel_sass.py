@@ -1,7 +1,7 @@
 """The fused MoE GEMM kernels as ptxas builds them for a GPU that is not here: what a scheme's two
 GEMMs become at a model shape and token count, with the tile configs the layer would take there.
 
-For decode work between GPU sessions (issue #22). Per GEMM: registers per thread, local-memory
+For decode work without a GPU. Per GEMM: registers per thread, local-memory
 spills, the main K loop's instruction count by opcode, and how the loop reads global memory:
 cp.async copies that Triton's pipeliner issues stages ahead (LDGSTS) against plain loads a step
 waits on (LDG). The second kind in a decode loop is where MXFP4's scales stalled every step

@@ -11,7 +11,7 @@ tensors, names and dtypes untouched, plus ref.safetensors with the library's OWN
 projection's dequantised weight (``<module>.weight``, [out, in], as the library's quantized linear reconstructs it)
 and that linear's output on fixed inputs (``<module>.output`` for ``inputs``). Our packers play no part.
 
-Heavy dependencies live in their own venvs, never in the project's (see the report of issue 18):
+Heavy dependencies live in their own venvs, never in the project's (their pins fight the project's):
 
     python3 -m venv /work/producers/gptq && /work/producers/gptq/bin/pip install torch==2.13.0
     /work/producers/gptq/bin/pip install --no-deps gptqmodel==7.7.0

@@ -1,4 +1,4 @@
-"""``moe-registry run`` across the ranks torchrun starts (issue #20): each rank builds its share of the
+"""``moe-registry run`` across the ranks torchrun starts: each rank builds its share of the
 layer's experts (reading only their tensors), takes its contiguous share of the tokens (data parallel; a rank
 may get none), and the all2all backend moves tokens between the ranks. Every rank knows every token (the
 inputs are read, or drawn from the seed, identically on each), so after the timed calls one all-gather of the

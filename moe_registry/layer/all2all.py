@@ -1,4 +1,4 @@
-"""Expert parallelism over torch.distributed (issue #20): a PrepareFinalize that moves tokens between
+"""Expert parallelism over torch.distributed: a PrepareFinalize that moves tokens between
 the ranks of a process group (NCCL on GPUs, gloo on CPUs), each rank holding a share of the experts.
 
 ``AllGatherReduceScatter`` is vLLM's ``allgather_reducescatter`` backend: every rank gathers every

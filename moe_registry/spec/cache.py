@@ -1,5 +1,5 @@
 """The spec cache: a validated registry kept as data, so a run whose spec files were validated before
-builds its registry without pydantic or YAML (issue #23: ``explain`` in well under a second).
+builds its registry without pydantic or YAML (so ``explain`` answers in well under a second).
 
 The key is a digest of every spec file's path and bytes, in load order, and of the spec language's own
 code (``moe_registry/core`` and ``moe_registry/spec``): a changed file, a file added or removed, or an
