@@ -345,7 +345,8 @@ def test_turned_down_schemes_count_and_nearest(capsys):
 
 
 def readme() -> str:
-    return (ROOT / "README.md").read_text()
+    """The README and the reference pages it links to, where the flags, files and examples are written."""
+    return "\n".join((ROOT / page).read_text() for page in ("README.md", "docs/cli.md", "docs/extending.md"))
 
 
 def test_readme_explain_sample_is_the_programs_output(capsys):

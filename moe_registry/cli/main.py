@@ -1,6 +1,6 @@
 """The ``moe-registry`` command line.
 
-Exit codes, the same in every verb (README, "Exit codes"):
+Exit codes, the same in every verb (docs/cli.md, "Exit codes"):
 
   0  ok
   1  refused: no scheme matches, no kernel can run it, the pinned kernel cannot; or ``run``'s

@@ -1,6 +1,6 @@
 """Guards for untrusted input: files, numbers, regular expressions, nesting depth, tensor values.
 
-Nothing in a model dir is trusted (README, "What moe-registry trusts"): a safetensors index may name
+Nothing in a model dir is trusted (docs/security.md): a safetensors index may name
 files outside the dir, a config may hold a billion layers or a regex that backtracks for hours, a
 tensor may hold NaN. Every place that reads such input goes through one of these checks, so each
 class of hostile input is refused in one place, with a one-line error of the project's types.
