@@ -9,6 +9,7 @@ The blocks run in a scratch directory laid out as the checkout is after the main
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import runpy
@@ -150,3 +151,13 @@ def test_shown_output_is_the_commands_output(block: Block, workdir: Path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n").splitlines() == shown
+
+
+def test_every_tool_is_in_the_reference():
+    """docs/cli.md's tools table names every script in tools/ (by name or pattern): a tool nobody lists is
+    one nobody maintains."""
+    table = (ROOT / "docs" / "cli.md").read_text().split("\n## Tools\n", 1)[1]
+    listed = set(re.findall(r"`([\w*.-]+\.(?:py|sh))`", table))
+    tracked = subprocess.run(["git", "ls-files", "tools"], cwd=ROOT, capture_output=True, text=True, check=True)
+    tools = [Path(p).name for p in tracked.stdout.split()]
+    assert tools and [t for t in tools if not any(fnmatch.fnmatch(t, pattern) for pattern in listed)] == []
