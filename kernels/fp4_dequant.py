@@ -150,7 +150,7 @@ def _scale_code_value(codes, dtype, TIMES: tl.constexpr, ASM: tl.constexpr = Fal
 # bits on 6..5. Each byte is placed in the high byte of a 16-bit half (prmt with zero bytes), where
 # bits 15 and 8 already hold the odd code's sign and top exponent bit in bfloat16's places (15, 8)
 # and the even code's magnitude sits in float16's (9..11). An exhaustive search over byte orders
-# and pairs of shifts with one lop3 (tools/fp4_order_search.py) finds this order the only one where
+# and pairs of shifts with one lop3 (kept in git under the tag bench-history) finds this order the only one where
 # a code needs a single shift: bfloat16 costs 2 moves for the odd pair and 3 for the even (4.25 a
 # pair in the checkpoint's nibble order), float16 4 a pair in either order. H100, whole layer, bfloat16, side by side
 # with the nibble order's form (shifts as IMAD.SHL): MXFP4 1.07-1.09x at M = 8 and 64 on Qwen3-30B-A3B
