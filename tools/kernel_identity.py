@@ -17,7 +17,7 @@ Writes identity.json (per case: equal, sha256 of both outputs) and timing.json u
 they come, identity.jsonl per finished chunk and timing.jsonl per timed cell, so a run cut off keeps them), and
 the conformance cases' outputs (old_outputs.safetensors, new_outputs.safetensors) under --save.
 
-    git archive 0390905 kernels | tar -x -C /tmp/old        # the old package
+    git archive OLD_COMMIT kernels | tar -x -C /tmp/old     # the kernels before the change
     python3 tools/kernel_identity.py --old /tmp/old/kernels --out /tmp/identity --time
 
 Needs a CUDA GPU.
