@@ -1,7 +1,7 @@
 """moe-registry: declarative quantized-MoE kernel registry.
 
-``build`` and ``load_layer`` are imported lazily so that the spec/oracle/explain path never
-imports torch. ``__version__`` is the installed distribution's version (the checkout's
+``build``, ``load_layer`` and ``load_model`` are imported lazily so that the spec/oracle/explain path never
+imports torch (nor transformers). ``__version__`` is the installed distribution's version (the checkout's
 pyproject.toml when the package runs uninstalled).
 """
 
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["__version__", "build", "load_layer", "load_registry", "select"]
+__all__ = ["__version__", "build", "load_layer", "load_model", "load_registry", "select"]
 
 
 def _version() -> str:
@@ -34,6 +34,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module("moe_registry.layer.build"), name)
+    if name == "load_model":  # transformers (the optional extra) is imported only when a model is loaded
+        from moe_registry.whole.load import load_model
+
+        return load_model
     if name == "load_registry":
         from moe_registry.spec.loader import load_registry
 

@@ -1,0 +1,274 @@
+"""``load_model``: a checkpoint dir to a transformers model (eval mode) whose MoE layers' routed experts run
+on the registry's kernels.
+
+The model is transformers' own, built from the checkpoint's config.json with its parameters on the meta
+device (nothing allocated); each MoE layer's experts module (the one transformers' ``use_experts_implementation``
+wraps: the experts contract) is replaced by a :class:`RegistryExperts` built for that layer through the oracle
+(its own scheme and kernel; weights converted once, kept packed); every other tensor is read from the
+checkpoint under transformers' own checkpoint-to-model renaming. Loading never holds a dequantised copy of all
+experts. Cheap checks (family, layers, every tensor present, memory) run before any tensor is read."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_registry.core.errors import CheckpointError, ConfigError
+from moe_registry.layer.build import DTYPES, build, device_for
+from moe_registry.model.checkpoint import CheckpointIndex, TensorInfo, open_checkpoint
+from moe_registry.model.config import ModelConfig, config_path, read_model_config
+from moe_registry.model.situation import check_kernel_names
+from moe_registry.oracle.runtime import parse_platform
+from moe_registry.spec.loader import load_registry
+from moe_registry.whole.experts_module import RegistryExperts
+from moe_registry.whole.memory import check_fits
+from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
+from moe_registry.whole.requirement import require_transformers
+
+_LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int8": 1, "uint8": 1,
+                  "float8_e4m3fn": 1, "float8_e8m0fnu": 1, "int16": 2, "float64": 8, "bool": 1}
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside put their parameters on the meta device (no memory) and keep their buffers real
+    (rotary tables and the like are computed in ``__init__`` and are not in the checkpoint)."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def experts_modules(model: torch.nn.Module) -> dict[int, str]:
+    """Decoder layer -> path of the experts module transformers' ``use_experts_implementation`` wraps in it (the
+    module that takes ``(hidden_states, top_k_index, top_k_weights)``)."""
+    found: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
+            m = _LAYER_RE.search(f".{name}.")
+            if m:
+                found[int(m.group(1))] = name
+    return found
+
+
+def _other_experts(model: torch.nn.Module) -> list[str]:
+    """Experts modules transformers does not wrap with its experts contract (named ``experts``)."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if name.endswith(".experts") and not hasattr(m, "is_concatenated")]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where every checkpoint tensor goes: a model tensor, an experts module, or nowhere."""
+
+    to_model: Mapping[str, str]  # model name -> checkpoint name
+    expert_bytes: Mapping[int, int]  # MoE layer -> bytes of its expert tensors in the checkpoint
+    ignored: tuple[str, ...]
+
+
+def _nbytes(info: TensorInfo) -> int:
+    n = 1
+    for d in info.shape:
+        n *= d
+    return n * _ELEMENT_BYTES.get(info.dtype, 4)
+
+
+def non_expert_tensors(model: torch.nn.Module, experts: Mapping[int, str]) -> dict[str, torch.Tensor]:
+    """The model's state dict without its experts modules' tensors (the registry's kernels hold those)."""
+    prefixes = tuple(f"{p}." for p in experts.values())
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+
+
+def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_layers: int) -> _Plan:
+    """Map checkpoint names to model names with transformers' own renaming (``conversion_mapping``)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    wanted = non_expert_tensors(model, experts)
+    prefixes = {f"{path}.": layer for layer, path in experts.items()}
+    to_model: dict[str, str] = {}
+    expert_bytes = dict.fromkeys(experts, 0)
+    ignored: list[str] = []
+    for name, info in index.tensors.items():
+        target, converted = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+        layer = next((lay for p, lay in prefixes.items() if target.startswith(p)), None)
+        if layer is not None:
+            expert_bytes[layer] += _nbytes(info)
+            continue
+        if converted is not None:  # transformers merges or splits it into another tensor: not read here
+            raise CheckpointError(f"{name}: transformers converts it into {target} ({converted}); only experts' "
+                                  "tensors are converted by the registry, other tensors must load as stored")
+        m = _LAYER_RE.search(f".{target}")
+        if m and int(m.group(1)) >= num_layers:
+            raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
+                              f"{num_layers} layers")
+        if target in wanted:
+            to_model[target] = name
+        else:
+            ignored.append(name)
+    return _Plan(to_model, expert_bytes, tuple(sorted(ignored)))
+
+
+def _expected_file(index: CheckpointIndex, plan: _Plan, name: str) -> str:
+    """The checkpoint file a missing model tensor belongs in: the one holding its layer's (or module's) others."""
+    m = _LAYER_RE.search(f".{name}")
+    scope = name[:m.end() - 1] if m else name.rsplit(".", 1)[0]
+    for model_name, ckpt in plan.to_model.items():
+        if model_name.startswith(scope):
+            return index.tensors[ckpt].file.name
+    files = sorted({i.file.name for i in index.tensors.values()})
+    return files[0] if len(files) == 1 else f"one of {', '.join(files)}"
+
+
+def _check_tensors(model: Any, index: CheckpointIndex, plan: _Plan, experts: Mapping[int, str]) -> None:
+    """Every model tensor (not tied to another, not an experts module's) is in the checkpoint with its shape."""
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    for name, tensor in non_expert_tensors(model, experts).items():
+        if name in tied:
+            continue
+        ckpt = plan.to_model.get(name)
+        if ckpt is None:
+            raise CheckpointError(f"{name}: missing from the checkpoint (expected in "
+                                  f"{_expected_file(index, plan, name)} in {index.root})")
+        shape = index.tensors[ckpt].shape
+        if tuple(shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{ckpt}: shape {list(shape)}; config.json wants {list(tensor.shape)} for {name}")
+
+
+def _keep_float32(model: Any, name: str, dtype: torch.dtype) -> bool:
+    """Whether transformers keeps ``name`` in float32 at ``dtype``, as its from_pretrained does:
+    ``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under float16 and bfloat16."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    return any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", name) for k in keep)
+
+
+def _load_tensors(model: Any, index: CheckpointIndex, plan: _Plan, dtype: torch.dtype,
+                  device: torch.device) -> tuple[TensorLoad, ...]:
+    """Read every non-expert tensor once, cast floating ones to the model's dtype, and put it in its place."""
+    how: dict[str, list[str]] = {}
+    for name, ckpt in plan.to_model.items():
+        tensor = index.load(ckpt)
+        stored = str(tensor.dtype).removeprefix("torch.")
+        want = torch.float32 if _keep_float32(model, name, dtype) else dtype
+        if tensor.is_floating_point() and tensor.dtype != want:
+            tensor = tensor.to(want)
+            how.setdefault(f"cast from {stored} to {str(want).removeprefix('torch.')}", []).append(name)
+        else:
+            how.setdefault(f"as stored ({stored})", []).append(name)
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        tensor = tensor.to(device)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+        else:
+            module._buffers[attr] = tensor
+    return tuple(TensorLoad(k, tuple(v)) for k, v in how.items())
+
+
+def _dtype_name(dtype: str | torch.dtype | None, model: ModelConfig) -> str:
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in DTYPES.items()}
+        if dtype not in names:
+            raise ConfigError(f"dtype={dtype}: wanted one of {', '.join(DTYPES)}")
+        return names[dtype]
+    name = dtype or model.dtype or "bfloat16"
+    if name not in DTYPES:
+        raise ConfigError(f"dtype={name!r}: wanted one of {', '.join(DTYPES)}")
+    return name
+
+
+def _skeleton(transformers: Any, path: Path, dtype: torch.dtype) -> Any:
+    """transformers' causal-LM model for config.json, parameters on the meta device."""
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # the registry runs the quantized experts; transformers must not
+    try:
+        with parameters_on_meta():
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"{config_path(path)}: transformers has no causal-LM model for "
+                          f"model_type {config.model_type!r}: {first}") from None
+
+
+def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+               platform: str | None = None, kernel: str | None = None, prefer: str | None = None) -> Any:
+    """A transformers ``PreTrainedModel`` (eval mode) for the checkpoint dir ``path``, its MoE layers' routed
+    experts on the registry's kernels (the oracle decides per layer; ``kernel`` pins one, ``prefer`` prefers
+    one). ``model.moe_registry_report`` (a :class:`LoadReport`) says what runs and how each tensor was loaded.
+    Raises ConfigError/CheckpointError (one line) on bad input, SelectionError when no kernel runs a layer."""
+    transformers = require_transformers()
+    target = Path(path)
+    if not target.is_dir():
+        raise ConfigError(f"{target}: not a model dir (wanted a dir with config.json and safetensors)")
+    registry = load_registry(())
+    check_kernel_names(registry, kernel=kernel, prefer=prefer)
+    model_config = read_model_config(target, registry)  # an unknown family: one line with the closest ones
+    dtype_name = _dtype_name(dtype, model_config)
+    torch_dtype = DTYPES[dtype_name]
+    platform_text = platform or ("cpu" if str(device).startswith("cpu") else "auto")
+    dev = device_for(parse_platform("cpu"), device)  # the device is given: the platform is not read
+    model = _skeleton(transformers, target, torch_dtype)
+    experts = experts_modules(model)
+    if not experts:
+        others = _other_experts(model)
+        raise ConfigError(f"{config_path(target)}: transformers' {type(model).__name__} has no experts module taking "
+                          f"the experts contract (hidden_states, top_k_index, top_k_weights)"
+                          + (f"; its experts: {', '.join(others[:2])}" if others else ""))
+    for layer in sorted(set(model_config.moe_layers) ^ set(experts)):
+        where = f"transformers builds an experts module at {experts[layer]}" if layer in experts else \
+            "transformers builds no experts module there"
+        raise ConfigError(f"{config_path(target)}: layer {layer}: the family spec {model_config.family} says "
+                          f"{'MoE' if layer in model_config.moe_layers else 'dense'}, but {where}")
+    index = open_checkpoint(target)
+    plan = _plan(model, index, experts, model_config.num_layers)
+    for layer, size in plan.expert_bytes.items():
+        if size == 0:
+            raise CheckpointError(f"layer {layer}: no expert tensors for {experts[layer]} in {index.root}")
+    _check_tensors(model, index, plan, experts)
+    other = sum(_nbytes(index.tensors[c]) for c in plan.to_model.values())
+    check_fits(other * max(1, torch_dtype.itemsize // 2) + sum(plan.expert_bytes.values())
+               + max(plan.expert_bytes.values()), dev, f"loading {target}")
+    plans = []
+    for layer, module_path in sorted(experts.items()):
+        built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
+                      device=dev).built
+        module = RegistryExperts(built.kernel, built.report, layer)
+        owner, _, attr = module_path.rpartition(".")
+        setattr(model.get_submodule(owner), attr, module)
+        assert built.report.scheme is not None and built.report.chosen is not None
+        plans.append(LayerPlan(layer, built.report.scheme.scheme, built.report.chosen, module.resident_bytes,
+                               plan.expert_bytes[layer]))
+    loads = _load_tensors(model, index, plan, torch_dtype, dev)
+    model.tie_weights()
+    for name, buffer in list(model.named_buffers()):
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buffer.to(dev)
+    generation = target / "generation_config.json"
+    if generation.is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(target))
+    model.eval()
+    model.moe_registry_report = LoadReport(str(target), model_config.family, model.config.model_type,
+                                           type(model).__name__, str(dev), dtype_name, tuple(plans), loads,
+                                           plan.ignored)
+    return model
