@@ -235,3 +235,41 @@ def test_transformers_out_of_range_says_what_to_install(monkeypatch: pytest.Monk
     with pytest.raises(ConfigError, match=r"^whole models need transformers>=5\.17,<6; this environment has "
                                           r"transformers 4\.57\.1: pip install 'moe-registry\[transformers\]'$"):
         load_model(tmp_path)
+
+
+# --- transformers' ExpertsInterface: a model loaded by transformers, its experts on the registry's kernel ---------
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_experts_implementation_registered_in_transformers(name: str, whole) -> None:  # type: ignore[no-untyped-def]
+    """``experts_implementation="moe_registry"`` at load (float32: transformers' logits within 1e-5) and
+    ``set_experts_implementation`` on a bfloat16 model (the same logits as load_model's bfloat16 model, whose
+    experts run on the same kernel from the same weights)."""
+    from moe_registry.whole.interface import NAME, register_experts_implementation
+
+    assert register_experts_implementation() == NAME == "moe_registry"
+    path = whole(name)
+    prompt = _prompt()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                             experts_implementation=NAME).eval()
+    with torch.no_grad():
+        assert _rel(ours(prompt).logits, _reference(path)(prompt).logits) < FP32_TOL
+    held = [m.__dict__["_moe_registry_experts"] for m in ours.modules() if "_moe_registry_experts" in m.__dict__]
+    assert len(held) >= 2 and all(h.report.chosen == "torch-reference" for h in held)
+    model = _reference(path, torch.bfloat16)
+    model.set_experts_implementation(NAME)
+    loaded = load_model(path)
+    with torch.no_grad():
+        assert torch.equal(model(prompt).logits, loaded(prompt).logits)
+
+
+def test_experts_implementation_refuses_experts_it_cannot_run(whole) -> None:  # type: ignore[no-untyped-def]
+    from moe_registry.whole.interface import NAME, register_experts_implementation
+
+    register_experts_implementation()
+    model = _reference(whole("gpt_oss"), torch.bfloat16)
+    model.set_experts_implementation(NAME)
+    with pytest.raises(ConfigError, match=r"experts_implementation='moe_registry': GptOssExperts has its own gate "
+                                          r"function or expert biases; load the checkpoint with moe_registry\."
+                                          r"load_model instead"):
+        model(_prompt())
