@@ -19,6 +19,7 @@ within the tolerance of each other (a near tie, not a wrong model).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -273,3 +274,40 @@ def test_experts_implementation_refuses_experts_it_cannot_run(whole) -> None:  #
                                           r"function or expert biases; load the checkpoint with moe_registry\."
                                           r"load_model instead"):
         model(_prompt())
+
+
+# --- moe-registry generate ----------------------------------------------------------------------------------------
+
+
+def test_generate_command_prints_tokens_speeds_and_experts_memory(whole, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from moe_registry.cli.main import main
+
+    path = whole("qwen3_moe")
+    code = main(["generate", str(path), "--input-ids", "5,6,7,8", "--max-new-tokens", "6", "--dtype", "float32",
+                 "--kernel", "torch-reference", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    ref = _reference(path)
+    want = ref.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                        pad_token_id=0)[0, 4:].tolist()
+    assert out["new_ids"] == want and out["prompt_ids"] == [5, 6, 7, 8] and out["text"] is None
+    assert out["prefill_tokens_per_s"] > 0 and out["decode_tokens_per_s"] > 0 and out["decode_tokens"] == 5
+    assert out["experts_resident_bytes"] == out["report"]["experts_resident_bytes"] > 0
+    assert main(["generate", str(path), "--input-ids", "5,6", "--max-new-tokens", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "new token ids: [" in text and "tokens/s" in text and "bytes resident" in text
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--prompt", "hello"], r"--prompt: .* has no tokenizer \(tokenizer\.json, .*\); give token ids with --input-ids"),
+    (["--input-ids", "1,x"], r"--input-ids: got '1,x'; wanted integers separated by commas"),
+    (["--input-ids", "1,128"], r"--input-ids: got '1,128'; wanted token ids in \[0, 128\)"),
+    (["--input-ids", "1", "--max-new-tokens", "0"], r"--max-new-tokens: got 0; wanted >= 1"),
+])
+def test_generate_command_bad_input(flags: list[str], message: str, whole,  # type: ignore[no-untyped-def]
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from moe_registry.cli.main import main
+
+    assert main(["generate", str(whole("qwen3_moe")), *flags, "--json"]) == 2
+    err = json.loads(capsys.readouterr().out)["error"]
+    assert re.search(message, err), err

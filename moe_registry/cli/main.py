@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from moe_registry.cli.generate import add_generate_parser
 from moe_registry.core.errors import MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
@@ -372,6 +373,8 @@ def build_parser() -> Parser:
     _add_json(p, "the matrix")
     _add_spec_dir(p)
     p.set_defaults(func=cmd_matrix)
+
+    add_generate_parser(parser, sub, _add, _add_json)  # transformers is imported only when generate runs
     return parser
 
 
