@@ -53,12 +53,13 @@ FAMILIES = ["deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe",
 
 @pytest.fixture(scope="module")
 def whole(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    made: dict[str, Path] = {}
+    made: dict[tuple[str, tuple[tuple[str, int], ...]], Path] = {}
 
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = make_whole_model(name, tmp_path_factory.mktemp("whole") / name, layers=3)
-        return made[name]
+    def get(name: str, **fields: int) -> Path:
+        key = (name, tuple(sorted(fields.items())))
+        if key not in made:
+            made[key] = make_whole_model(name, tmp_path_factory.mktemp("whole") / name, layers=3, **fields)
+        return made[key]
     return get
 
 
@@ -311,3 +312,82 @@ def test_generate_command_bad_input(flags: list[str], message: str, whole,  # ty
     assert main(["generate", str(whole("qwen3_moe")), *flags, "--json"]) == 2
     err = json.loads(capsys.readouterr().out)["error"]
     assert re.search(message, err), err
+
+
+# --- a quantized whole model: quantized experts on the kernel, quantized attention dequantised once -------------
+
+
+def _gptq_whole(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """``src`` with every decoder projection (attention and experts) in GPTQ 4-bit, one group per row; returns the
+    dequantised weights by checkpoint name (what the codes mean: (code - 8) * scale, computed here)."""
+    from moe_registry.testing.packers import pack_gptq
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    meant: dict[str, torch.Tensor] = {}
+    for name in [n for n, t in tensors.items() if n.endswith("_proj.weight") and t.dim() == 2]:
+        w = tensors.pop(name).float()
+        packed = pack_gptq(w, 4, -1)
+        prefix = name.removesuffix(".weight")
+        tensors.update({f"{prefix}.{k}": v for k, v in packed.items()})
+        scale = packed["scales"].float()[packed["g_idx"].long()].t()  # [out, in]
+        meant[name] = ((torch.round(w / scale) + 8).clamp(0, 15) - 8) * scale
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False,
+                                  "sym": True, "checkpoint_format": "gptq"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return meant
+
+
+def test_gptq_whole_model_matches_transformers_on_the_dequantised_weights(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Experts run GPTQ on the kernel (packed), attention is dequantised once; the reference is transformers'
+    float32 model holding the dequantised weights: logits within 1e-5 (both compute in float32 from the same
+    real weights), greedy tokens equal."""
+    src = whole("qwen3_moe")
+    meant = _gptq_whole(src, tmp_path / "gptq")
+    ours = load_model(tmp_path / "gptq", dtype="float32", kernel="torch-reference")
+    report = ours.moe_registry_report
+    assert {p.scheme for p in report.layers} == {"gptq-w4a16"}
+    dequantised = [t for t in report.non_expert if t.how.startswith("dequantised once from gptq-w4a16")]
+    assert len(dequantised) == 1 and len(dequantised[0].names) == 12  # q, k, v, o in each of 3 layers
+    ref = _gptq_reference(src, meant)
+    prompt = _prompt()
+    with torch.no_grad():
+        assert _rel(ours(prompt).logits, ref(prompt).logits) < FP32_TOL
+    _assert_same_greedy(ours, ref, prompt[:1], FP32_TOL)
+
+
+def test_gptq_whole_model_default_kernel_holds_packed_experts(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Nothing pinned: the oracle's CPU kernel for GPTQ keeps the experts packed (at most 1.25x the checkpoint's
+    expert bytes) and the logits are the dequantised reference's within the scheme's float32 tolerance
+    (intermediate 32: the packed CPU kernel's least)."""
+    src = whole("qwen3_moe", moe_intermediate_size=32)
+    meant = _gptq_whole(src, tmp_path / "gptq")
+    ours = load_model(tmp_path / "gptq", dtype="float32")
+    report = ours.moe_registry_report
+    for plan in report.layers:
+        assert plan.kernel == build(tmp_path / "gptq", layer=plan.layer, platform="cpu", dtype="float32").report.chosen
+    assert "torch-reference" not in {p.kernel for p in report.layers}
+    assert 0 < report.experts_resident_bytes <= 1.25 * report.experts_checkpoint_bytes, report.to_text()
+    ref = _gptq_reference(src, meant)
+    prompt = _prompt()
+    with torch.no_grad():
+        assert _rel(ours(prompt).logits, ref(prompt).logits) < 1e-2
+
+
+def _gptq_reference(src: Path, meant: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """transformers' float32 model of ``src`` holding the dequantised weights ``meant``."""
+    ref = _reference(src)
+    state = ref.state_dict()
+    with torch.no_grad():
+        for name, w in meant.items():
+            if ".experts." not in name:
+                state[name].copy_(w)
+        for layer in range(3):  # transformers' fused experts [E, 2I, H] / [E, H, I] from the per-expert ones
+            experts = ref.model.layers[layer].mlp.experts
+            for e in range(8):
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                experts.gate_up_proj[e].copy_(torch.cat([meant[p + "gate_proj.weight"], meant[p + "up_proj.weight"]]))
+                experts.down_proj[e].copy_(meant[p + "down_proj.weight"])
+    return ref

@@ -61,13 +61,14 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
             p.copy_(value.to(p.dtype))
 
 
-def make_whole_model(model_type: str, out_dir: Path, *, layers: int = 3, dtype: torch.dtype = torch.bfloat16) -> Path:
+def make_whole_model(model_type: str, out_dir: Path, *, layers: int = 3, dtype: torch.dtype = torch.bfloat16,
+                     **fields: Any) -> Path:
     """Write a tiny whole model of ``model_type`` (a dir under the tiny fixtures) to ``out_dir`` with
-    ``save_pretrained``; returns ``out_dir``."""
+    ``save_pretrained``, config ``fields`` set over the fixture's; returns ``out_dir``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = json.loads((TINY / model_type / "config.json").read_text())
-    cfg_dict = {**whole_config(raw, layers), **OVERRIDES.get(model_type, {})}
+    cfg_dict = {**whole_config(raw, layers), **OVERRIDES.get(model_type, {}), **fields}
     cfg_dict.pop("transformers_version", None)
     kind = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(kind, **cfg_dict)

@@ -24,8 +24,10 @@ from moe_registry.layer.build import DTYPES, build, device_for
 from moe_registry.model.checkpoint import CheckpointIndex, TensorInfo, open_checkpoint
 from moe_registry.model.config import ModelConfig, config_path, read_model_config
 from moe_registry.model.situation import check_kernel_names
+from moe_registry.oracle.contract import Report
 from moe_registry.oracle.runtime import parse_platform
-from moe_registry.spec.loader import load_registry
+from moe_registry.spec.loader import Registry, load_registry
+from moe_registry.whole.dense_linear import dequantize_linear
 from moe_registry.whole.experts_module import RegistryExperts
 from moe_registry.whole.memory import check_fits
 from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
@@ -79,6 +81,7 @@ class _Plan:
     to_model: Mapping[str, str]  # model name -> checkpoint name
     expert_bytes: Mapping[int, int]  # MoE layer -> bytes of its expert tensors in the checkpoint
     ignored: tuple[str, ...]
+    quantized: Mapping[str, Mapping[str, str]]  # a quantized linear (module name) -> tensor suffix -> checkpoint name
 
 
 def _nbytes(info: TensorInfo) -> int:
@@ -124,7 +127,19 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
             to_model[target] = name
         else:
             ignored.append(name)
-    return _Plan(to_model, expert_bytes, tuple(sorted(ignored)))
+    # a linear whose checkpoint tensors are more than weight and bias is stored quantized (GPTQ qweight/scales,
+    # an fp8 weight with its weight_scale, ...): its tensors go to the dequantiser together
+    quantized: dict[str, dict[str, str]] = {}
+    for name in list(ignored):
+        target, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
+        module, _, suffix = target.rpartition(".")
+        if f"{module}.weight" in wanted:
+            quantized.setdefault(module, {})[suffix] = name
+            ignored.remove(name)
+    for module, parts in quantized.items():
+        if f"{module}.weight" in to_model:
+            parts["weight"] = to_model.pop(f"{module}.weight")
+    return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized)
 
 
 def _expected_file(index: CheckpointIndex, plan: _Plan, name: str) -> str:
@@ -142,7 +157,7 @@ def _check_tensors(model: Any, index: CheckpointIndex, plan: _Plan, experts: Map
     """Every model tensor (not tied to another, not an experts module's) is in the checkpoint with its shape."""
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     for name, tensor in non_expert_tensors(model, experts).items():
-        if name in tied:
+        if name in tied or name.removesuffix(".weight") in plan.quantized:
             continue
         ckpt = plan.to_model.get(name)
         if ckpt is None:
@@ -182,6 +197,27 @@ def _load_tensors(model: Any, index: CheckpointIndex, plan: _Plan, dtype: torch.
             module._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
         else:
             module._buffers[attr] = tensor
+    return tuple(TensorLoad(k, tuple(v)) for k, v in how.items())
+
+
+def _dequantize_linears(model: Any, index: CheckpointIndex, plan: _Plan, reports: Mapping[int, Report],
+                        registry: Registry, dtype: torch.dtype, device: torch.device) -> tuple[TensorLoad, ...]:
+    """Dequantise every quantized linear once, with the scheme the oracle chose for its decoder layer (the first
+    MoE layer's for a linear outside the decoder layers)."""
+    how: dict[str, list[str]] = {}
+    first = reports[min(reports)]
+    for module, parts in plan.quantized.items():
+        m = _LAYER_RE.search(f".{module}.")
+        report = reports.get(int(m.group(1)), first) if m else first
+        assert report.scheme is not None
+        weight = dequantize_linear(registry, report, {k: index.load(v) for k, v in parts.items()}, module, dtype)
+        owner = model.get_submodule(module)
+        want = tuple(owner._parameters["weight"].shape)
+        if tuple(weight.shape) != want:
+            raise CheckpointError(f"{module}: dequantised to {list(weight.shape)}; config.json wants {list(want)}")
+        owner._parameters["weight"] = torch.nn.Parameter(weight.to(device), requires_grad=False)
+        key = f"dequantised once from {report.scheme.scheme} (weights; activations run unquantized)"
+        how.setdefault(key, []).append(f"{module}.weight")
     return tuple(TensorLoad(k, tuple(v)) for k, v in how.items())
 
 
@@ -246,10 +282,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         if size == 0:
             raise CheckpointError(f"layer {layer}: no expert tensors for {experts[layer]} in {index.root}")
     _check_tensors(model, index, plan, experts)
-    other = sum(_nbytes(index.tensors[c]) for c in plan.to_model.values())
+    wanted = non_expert_tensors(model, experts)
+    other = sum(_nbytes(index.tensors[c]) for c in plan.to_model.values()) + sum(
+        wanted[f"{m}.weight"].numel() * torch_dtype.itemsize for m in plan.quantized)
     check_fits(other * max(1, torch_dtype.itemsize // 2) + sum(plan.expert_bytes.values())
                + max(plan.expert_bytes.values()), dev, f"loading {target}")
-    plans = []
+    plans, reports = [], []
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
                       device=dev).built
@@ -257,9 +295,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
         assert built.report.scheme is not None and built.report.chosen is not None
+        reports.append(built.report)
         plans.append(LayerPlan(layer, built.report.scheme.scheme, built.report.chosen, module.resident_bytes,
                                plan.expert_bytes[layer]))
     loads = _load_tensors(model, index, plan, torch_dtype, dev)
+    loads += _dequantize_linears(model, index, plan, {p.layer: r for p, r in zip(plans, reports, strict=True)},
+                                 registry, torch_dtype, dev)
     model.tie_weights()
     for name, buffer in list(model.named_buffers()):
         owner, _, attr = name.rpartition(".")
