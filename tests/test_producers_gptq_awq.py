@@ -119,8 +119,8 @@ def test_explain_detects_the_scheme_and_a_triton_kernel_takes_it(name: str, caps
     out = json.loads(capsys.readouterr().out)
     assert out["scheme"]["name"] == CASES[name][1]
     assert out["scheme"]["weight_key"] == CASES[name][2]
-    # the kernel spec accepts the bound keys; 8-bit weights with zero points have no Triton kernel yet
-    assert out["chosen_kernel"] == ("torch-reference" if "w8-asym" in name else "triton-fused-moe")
+    # the kernel spec accepts the bound keys (8-bit codes with zero points included)
+    assert out["chosen_kernel"] == "triton-fused-moe"
 
 
 def test_the_fixtures_hold_what_they_are_named_for() -> None:

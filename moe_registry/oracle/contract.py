@@ -148,6 +148,30 @@ class Situation:
     not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
 
 
+class DowngradeKind(str, Enum):
+    """What about the run differs from what the checkpoint or the user asked for."""
+
+    ACTIVATION = "activation"  # the checkpoint's activation quantisation is not what runs
+    COMPUTE_DTYPE = "compute-dtype"  # the GEMMs compute in a narrower dtype than the one asked
+    SLOW_PATH = "slow-path"  # the scheme's order fell to a kernel its spec calls a slow path
+
+
+@dataclass(frozen=True)
+class Downgrade:
+    """One place where what runs differs from what was asked, derived by the oracle from spec words
+    (a scheme's or a key pattern's ``emulation``, a key pattern's ``compute``, a kernel's ``slow_path``)."""
+
+    kind: DowngradeKind
+    asked: str
+    runs: str
+    why: str
+    message: str  # the line explain and run print
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "asked": self.asked, "runs": self.runs, "why": self.why,
+                "message": self.message}
+
+
 class SelectedBy(str, Enum):
     """How the chosen kernel (or the failure to choose one) came about."""
 
@@ -170,10 +194,22 @@ class Report:
     selected_by: SelectedBy | None = None  # None when no scheme matched
     requested: str | None = None  # the kernel named by pin or prefer
     overrides: tuple[str, ...] = field(default=())
+    downgrades: tuple[Downgrade, ...] = ()  # where what runs differs from what was asked (explain says each)
+    # the activation key the chosen kernel runs, where its key pattern's emulation differs from the scheme's
+    kernel_activation_key: QuantKey | None = None
+
 
     def with_kernels(self, kernels: tuple[KernelVerdict, ...], chosen: str | None, selected_by: SelectedBy,
                      requested: str | None) -> Report:
         return replace(self, kernels=kernels, chosen=chosen, selected_by=selected_by, requested=requested)
+
+    @property
+    def run_activation_key(self) -> QuantKey | None:
+        """The activation key the chosen kernel runs (and the weights are converted for)."""
+        if self.kernel_activation_key is not None:
+            return self.kernel_activation_key
+        return self.scheme.activation_key if self.scheme is not None else None
+
 
     def verdict(self, kernel: str) -> KernelVerdict | None:
         return next((k for k in self.kernels if k.kernel == kernel), None)

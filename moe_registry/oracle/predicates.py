@@ -14,7 +14,7 @@ from moe_registry.core.vocab import ALL2ALL_DELIVERS
 from moe_registry.oracle.contract import Check, Reason, failed, passed
 from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.spec.expr import ExprError, parse_expr
-from moe_registry.spec.view import KernelSpec, PlatformSpec
+from moe_registry.spec.view import KernelSpec, KeyPattern, PlatformSpec
 
 _OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
         "<": lambda a, b: a < b, "==": lambda a, b: a == b}
@@ -77,6 +77,15 @@ def _admits(platforms: list[PlatformSpec], plat: Platform) -> bool:
                                         and all(_OPS[op](plat.capability, ver) for op, ver in bounds)):
             return True
     return False
+
+
+def matching_pattern(kernel: KernelSpec, weight: QuantKey, activation: QuantKey,
+                     platform: Platform | None) -> KeyPattern | None:
+    """The first of the kernel's key patterns that takes the pair on ``platform`` (None: on any of its
+    platforms): the one whose ``emulation`` and ``compute`` words say how the pair runs there."""
+    return next((p for p in kernel.key_patterns()
+                 if key_matches(weight, p.weights()) and key_matches(activation, p.activations())
+                 and (not p.platforms or platform is None or _admits(p.platforms, platform))), None)
 
 
 def check_keys(kernel: KernelSpec, weight: QuantKey, activation: QuantKey,

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # types only: the contract calls these functions
     from moe_registry.oracle.contract import Check, KernelVerdict, Report, SchemeVerdict
 
 TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
+DOWNGRADE_LABELS = {"compute-dtype": "compute", "slow-path": "slow path"}  # text rows; activation: "emulation"
 
 
 def wrap(text: str, width: int, indent: int) -> list[str]:
@@ -65,8 +66,7 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
     if report.scheme is not None:
         v = report.scheme
         rows += [("scheme", v.scheme), ("weight", str(v.weight_key)), ("activation", str(v.activation_key))]
-        if v.emulation_note:
-            rows.append(("emulation", v.emulation_note))
+        rows += [("emulation", d.message) for d in report.downgrades if d.kind.value == "activation"]
         if v.bindings:
             rows.append(("bindings", ", ".join(f"{k}={val}" for k, val in v.bindings.items())))
         if v.scope_note:
@@ -77,6 +77,7 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
         rows.append(("excluded", report.excluded_note))
     if report.scheme is not None:
         rows.append(("kernel", report.chosen or "none eligible"))
+        rows += [(DOWNGRADE_LABELS[d.kind.value], d.message) for d in report.downgrades if d.kind.value != "activation"]
     rows += [("note", n) for n in report.notes]
     rows += [("override", o) for o in report.overrides]
     return rows
@@ -124,7 +125,8 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
                      "checks": checks(v.checks) if not v.matched else [c.to_dict() for c in v.checks]}
                     for v in shown],
         "schemes_turned_down": len(report.turned_down()),
-        "notes": list(report.notes), "spec_overrides": list(report.overrides),
+        "notes": list(report.notes), "downgrades": [d.to_dict() for d in report.downgrades],
+        "spec_overrides": list(report.overrides),
         "not_runnable": list(s.not_runnable),
     }
 

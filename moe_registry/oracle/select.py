@@ -10,6 +10,7 @@ from __future__ import annotations
 from moe_registry.core.errors import SelectionError
 from moe_registry.oracle.contract import KernelVerdict, Reason, Report, SchemeVerdict, SelectedBy, Situation, failed
 from moe_registry.oracle.detect import detect_scheme
+from moe_registry.oracle.downgrades import derive
 from moe_registry.oracle.predicates import kernel_checks
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ModelFamilySpec
@@ -82,7 +83,8 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
     eligible = [v.kernel for v in verdicts_k if v.eligible]
     by_order = eligible[0] if eligible else None
     if pin is not None:
-        report = base.with_kernels(tuple(verdicts_k), pin if pin in eligible else None, SelectedBy.PIN, pin)
+        report = derive(base.with_kernels(tuple(verdicts_k), pin if pin in eligible else None, SelectedBy.PIN, pin),
+                        registry)
         if report.chosen is None:
             if raise_on_failure:
                 reasons = "; ".join(c.message for c in report.verdict(pin).failures)  # type: ignore[union-attr]
@@ -93,6 +95,8 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
                   else base.with_kernels(tuple(verdicts_k), by_order, SelectedBy.FALLBACK, prefer))
     else:
         report = base.with_kernels(tuple(verdicts_k), by_order, SelectedBy.PREFERENCE, None)
+    if pin is None:
+        report = derive(report, registry)
     chosen = report.chosen
     if situation.not_runnable and raise_on_failure:  # the kernels fit the shape, not the model's experts
         raise SelectionError(f"{situation.model}: family {situation.family}: not run here: "

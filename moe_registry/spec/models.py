@@ -364,6 +364,23 @@ def check_key_patterns(patterns: list[str]) -> None:
                 raise ValueError(f"unknown token {token!r} in key pattern {pattern!r}")
 
 
+class ComputeSpec(Strict):
+    """The dtype a kernel's GEMMs compute in where it is narrower than the activation dtype asked (torch's
+    CPU int4 op is fast only on bfloat16 inputs), said out loud: explain and run name both and the reason."""
+
+    dtypes: dict[Dtype, Dtype] = Field(min_length=1, description=(
+        "activation dtype asked → the dtype the GEMMs compute in, e.g. {float16: bfloat16}"))
+    reason: str = Field(min_length=1, description="why, in one line (explain prints it)")
+
+    @field_validator("dtypes")
+    @classmethod
+    def _narrower(cls, dtypes: dict[str, str]) -> dict[str, str]:
+        same = [asked for asked, runs in dtypes.items() if asked == runs]
+        if same:
+            raise ValueError(f"{', '.join(same)} maps to itself: list only the dtypes computed in another one")
+        return dtypes
+
+
 class KeyPattern(Strict):
     """Accepted (weight key, activation key) pairs; ``*`` matches any run of characters of the
     canonical key string, so ``uint4 scale:float16:group(*):static zp:group`` accepts any group."""
@@ -377,12 +394,20 @@ class KeyPattern(Strict):
     platforms: list[PlatformSpec] = Field(default_factory=list, description=(
         "the platforms these key pairs run on, narrowing the kernel's own (e.g. fp8 tensor-core dots: "
         "[{device: cuda, capability: \">=8.9\"}]); empty: wherever the kernel runs"))
+    emulation: EmulationSpec | None = Field(default=None, description=(
+        "these pairs run other activations than the scheme binds (e.g. fp8 weights on a GPU without an fp8 "
+        "dot: unquantized, weights dequantised in registers), and why: the build runs that key and explain "
+        "says so; absent: the bound activation key is run"))
+    compute: ComputeSpec | None = Field(default=None, description=(
+        "on these pairs the GEMMs compute in another dtype than the activation dtype asked, and why "
+        "(explain and run say so); absent: they compute in the asked dtype or wider"))
 
     @model_validator(mode="after")
     def _one_form(self) -> KeyPattern:
         if self.keyset is not None and (self.weight is not None or self.activation is not None
-                                        or self.platforms):
-            raise ValueError("give either keyset or weight and activation (and platforms), not both")
+                                        or self.platforms or self.emulation or self.compute):
+            raise ValueError("give either keyset or weight and activation (and platforms, emulation, compute), "
+                             "not both")
         if self.keyset is None and (self.weight is None or self.activation is None):
             raise ValueError("needs weight and activation (or a keyset)")
         return self
@@ -458,6 +483,10 @@ class KernelSpec(Strict):
         "optional layer parts it handles (bias, zero_point, act_order, router_weight_on_input); empty: none"))
     layout: str = Field(default="nk", description=(
         "the weight layout it reads, produced by a format spec's converter; default nk"))
+
+    slow_path: str | None = Field(default=None, min_length=1, description=(
+        "present: the kernel is a yardstick, not a fast path, and this line says what makes it slow; explain "
+        "and run say so when the scheme's order falls to it, with why each faster kernel did not take the layer"))
 
     def key_patterns(self) -> list[KeyPattern]:
         """The accepted (weight, activation) patterns; key set references are expanded at load."""

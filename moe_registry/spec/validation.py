@@ -200,6 +200,13 @@ def _check_kernel(loaded: Loaded[KernelSpec], data: Any, layouts: set[str]) -> l
         guards.check_impl(loaded.spec.impl, f"kernel {loaded.spec.kernel}", loaded.path, loaded.builtin)
     except ConfigError as err:
         problems.append(SpecError(loaded.path, line_of(data, "impl"), str(err), field="impl"))
+    for pattern in loaded.spec.keys:  # key sets expanded: a problem is reported at the kernel's keys
+        if pattern.emulation is not None:
+            try:
+                parse_quant_key(pattern.emulation.activation)
+            except KeyError_ as err:
+                problems.append(SpecError(loaded.path, line_of(data, "keys"), f"emulation.activation: {err}",
+                                          field="keys.emulation.activation"))
     for dim, limit in loaded.spec.shapes.items():
         for attr in ("multiple_of", "min", "max"):
             value = getattr(limit, attr)

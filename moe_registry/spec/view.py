@@ -162,6 +162,13 @@ class PlatformSpec(SpecRecord):
         return out
 
 
+class ComputeSpec(SpecRecord):
+    """The dtype a kernel's GEMMs compute in where it is narrower than the activation dtype asked (torch's
+    CPU int4 op is fast only on bfloat16 inputs), said out loud: explain and run name both and the reason."""
+    dtypes: dict[Dtype, Dtype]
+    reason: str
+
+
 class KeyPattern(SpecRecord):
     """Accepted (weight key, activation key) pairs; ``*`` matches any run of characters of the
     canonical key string, so ``uint4 scale:float16:group(*):static zp:group`` accepts any group."""
@@ -169,6 +176,8 @@ class KeyPattern(SpecRecord):
     activation: str | list[str] | None
     keyset: str | None
     platforms: list[PlatformSpec]
+    emulation: EmulationSpec | None
+    compute: ComputeSpec | None
 
     def weights(self) -> list[str]:
         return [self.weight] if isinstance(self.weight, str) else list(self.weight or [])
@@ -208,6 +217,7 @@ class KernelSpec(SpecRecord):
     shapes: dict[ShapeDim, ShapeLimit]
     features: list[Feature]
     layout: str
+    slow_path: str | None
 
     def key_patterns(self) -> list[KeyPattern]:
         """The accepted (weight, activation) patterns; key set references are expanded at load."""
@@ -364,6 +374,7 @@ class FormatSpec(SpecRecord):
 RECORDS: dict[str, type[SpecRecord]] = {
     'BindRule': BindRule,
     'CheckpointSpec': CheckpointSpec,
+    'ComputeSpec': ComputeSpec,
     'ConverterSpec': ConverterSpec,
     'DetectSpec': DetectSpec,
     'EmulationSpec': EmulationSpec,

@@ -1,0 +1,75 @@
+"""Where what runs differs from what the checkpoint or the user asked for, derived from spec words only:
+
+- a scheme's ``emulation`` (the checkpoint's activation quantisation is not run by any kernel);
+- the chosen kernel's key pattern's ``emulation`` (this kernel, on this platform, runs other activations);
+- the chosen kernel's key pattern's ``compute`` (its GEMMs compute in a narrower dtype than the one asked);
+- the chosen kernel's ``slow_path`` (the scheme's order fell to a yardstick), with why each faster kernel
+  the scheme lists did not take the layer.
+
+Nothing here knows a scheme or kernel by name: a new scheme or kernel gets its notes by writing the words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.oracle.contract import Downgrade, DowngradeKind, KernelVerdict, Report, SelectedBy
+from moe_registry.oracle.predicates import matching_pattern
+from moe_registry.spec.loader import Registry
+
+
+def _runs_as(key: QuantKey) -> str:
+    return "in the 16-bit activation dtype (weight-only)" if not key.quantized else f"as {key}"
+
+
+def _slow_path_why(report: Report, registry: Registry) -> str:
+    """Why each kernel the scheme lists that is not a slow path did not take the layer."""
+    def fast(v: KernelVerdict) -> bool:
+        return v.kernel != report.chosen and v.kernel in registry.kernels and not registry.kernel(v.kernel).slow_path
+
+    reasons = [f"{v.kernel}: {v.failures[0].message}" if not v.eligible  # eligible: after the chosen one
+               else f"{v.kernel}: eligible, after {report.chosen} in the scheme's order (--prefer {v.kernel} runs it)"
+               for v in report.kernels if fast(v)]
+    if not reasons:
+        assert report.scheme is not None
+        return f"scheme {report.scheme.scheme} lists no other kernel"
+    return "; ".join(reasons)
+
+
+def derive(report: Report, registry: Registry) -> Report:
+    """The report with its downgrades (and the chosen kernel's own activation key, where its pattern emulates)."""
+    v = report.scheme
+    if v is None or v.activation_key is None or v.weight_key is None:
+        return report
+    out: list[Downgrade] = []
+    if v.checkpoint_activation_key is not None and v.emulation_note is not None:
+        out.append(Downgrade(DowngradeKind.ACTIVATION, str(v.checkpoint_activation_key), str(v.activation_key),
+                             v.emulation_reason or "", v.emulation_note))
+    kernel_activation = None
+    if report.chosen is not None and report.chosen in registry.kernels:
+        kernel = registry.kernel(report.chosen)
+        runtime = report.situation.runtime
+        pattern = matching_pattern(kernel, v.weight_key, v.activation_key, runtime.platform)
+        if pattern is not None and pattern.emulation is not None:
+            kernel_activation = parse_quant_key(pattern.emulation.activation)
+            if kernel_activation != v.activation_key:
+                asked = v.checkpoint_activation_key or v.activation_key
+                out.append(Downgrade(
+                    DowngradeKind.ACTIVATION, str(asked), str(kernel_activation), pattern.emulation.reason,
+                    f"the checkpoint's activations are {asked}; {kernel.kernel} runs them "
+                    f"{_runs_as(kernel_activation)} on {runtime.platform}: {pattern.emulation.reason}"))
+            else:
+                kernel_activation = None
+        if pattern is not None and pattern.compute is not None and runtime.dtype in pattern.compute.dtypes:
+            runs = pattern.compute.dtypes[runtime.dtype]
+            out.append(Downgrade(
+                DowngradeKind.COMPUTE_DTYPE, runtime.dtype, runs, pattern.compute.reason,
+                f"{runtime.dtype} asked; {kernel.kernel} computes these weights' GEMMs in {runs}: "
+                f"{pattern.compute.reason}"))
+        if kernel.slow_path and report.selected_by in (SelectedBy.PREFERENCE, SelectedBy.FALLBACK):
+            why = _slow_path_why(report, registry)
+            out.append(Downgrade(
+                DowngradeKind.SLOW_PATH, f"a fast kernel for {v.scheme} on {runtime.platform}", kernel.kernel, why,
+                f"{kernel.kernel} is the slow path: it {kernel.slow_path}. No faster kernel takes this layer: {why}"))
+    return replace(report, downgrades=tuple(out), kernel_activation_key=kernel_activation)
