@@ -12,8 +12,9 @@ takes the static per-tensor path.
 The extension is compiled on first use by ``torch.utils.cpp_extension.load`` (ninja and a C++ compiler;
 the kernel spec's ``requires_commands`` lets the oracle fall back where there is none) with ``-O3``,
 ``-fopenmp`` and the vector ISA torch reports for this CPU (``torch.backends.cpu.get_cpu_capability``), which
-is part of the build's name; the build lives under ``$MOE_REGISTRY_CACHE_DIR`` (default ``~/.cache/moe-registry``)
-``/torch_extensions``, and torch's file baton in that directory lets one process build while the others
+is part of the build's name; ``cpu_build`` keeps the library under ``$MOE_REGISTRY_CACHE_DIR`` (default
+``~/.cache/moe-registry``) ``/extensions``, named by a digest of the source, flags, torch and Python, loads it
+without a lock once built, and lets one process build it (an flock its death releases) while the others
 wait. ``-fopenmp`` matters: ``at::parallel_for`` is inlined from ATen's headers and runs on one thread in a
 build without it (the first builds did: their "the second vCPU adds little" was that); the extension's
 ``libgomp.so.1`` is the one torch has loaded. ``-ffast-math`` is never used: it flushes the fp8 subnormals
@@ -71,7 +72,6 @@ of the Qwen3 shape, four in the small one).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -79,6 +79,7 @@ from pathlib import Path
 
 import torch
 from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, load_extension
 from moe_registry_kernels.cpu_packed import PACKED_FIELDS, CpuPackedExperts
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
 from moe_registry_kernels.quant_ref import (
@@ -114,33 +115,27 @@ def _cache_root() -> Path:
 
 
 def native_ops():
-    """``torch.ops.moe_registry_cpu``: the compiled ops, built once per cache dir, ISA, torch and Python version
-    and loaded once per process (a library registers its op namespace once)."""
-    with _LOCK:  # threads of this process; other processes wait on torch's baton in the build directory
+    """``torch.ops.moe_registry_cpu``: the compiled ops, built once per source, ISA, flags, torch and Python version
+    (``cpu_build``: found without a lock, built by one process at a time, renamed into place) and loaded once per
+    process (a library registers its op namespace once)."""
+    with _LOCK:  # threads of this process; other processes share cpu_build's file lock
         if not _OPS:
-            from torch.utils.cpp_extension import load
-
             isa, flags = ISA.get(torch.backends.cpu.get_cpu_capability(), ("scalar", []))
             name = f"moe_registry_cpu_moe_{isa}"
-            torch_ver = torch.__version__.split("+")[0].replace(".", "_")
-            ver = f"torch{torch_ver}_py{sys.version_info[0]}{sys.version_info[1]}"
-            build = _cache_root() / "torch_extensions" / f"{name}_{ver}"
-            build.mkdir(parents=True, exist_ok=True)
             # OpenMP where torch has it (at::parallel_for's threads); a compiler that refuses -fopenmp (Apple's
             # clang) gets a second, single-threaded build rather than no kernel
-            tries = [["-fopenmp"], []] if torch.backends.openmp.is_available() else [[]]
-            for n, omp in enumerate(tries, 1):
-                try:
-                    load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", *omp, *flags], extra_ldflags=omp,
-                         build_directory=str(build), verbose=False, is_python_module=False)
-                    break
-                except (RuntimeError, OSError) as err:  # no compiler, a failed build: one line, not a build log
-                    if n < len(tries):
-                        continue
-                    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                    raise ConfigError(f"kernel torch-cpu-native: building {SOURCE.name} in {build} failed ({first}); "
-                                      "wanted a C++ compiler (c++) and ninja on PATH, or pick another kernel "
-                                      "(--kernel torch-cpu-packed)") from None
+            omp = [("-fopenmp",), ()] if torch.backends.openmp.is_available() else [()]
+            variants = [Flags(("-O3", *o, *flags), o) for o in omp]
+            cache = _cache_root() / "extensions"
+            try:
+                load_extension(name, [SOURCE], variants, cache, what="the torch-cpu-native kernel",
+                               why=", the kernel chosen for this layer (--kernel torch-cpu-packed needs no compiler)")
+            except BuildError as err:  # no compiler, a failed build: one line, not a build log
+                raise ConfigError(f"kernel torch-cpu-native: building {SOURCE.name} in {cache} failed ({err}); "
+                                  "wanted a C++ compiler (c++) and ninja on PATH, or pick another kernel "
+                                  "(--kernel torch-cpu-packed)") from None
+            except ExtensionError as err:  # another process's build held too long, a bad wait bound
+                raise ConfigError(f"kernel torch-cpu-native: {err}") from None
             _OPS.append(torch.ops.moe_registry_cpu)
         return _OPS[0]
 
@@ -189,7 +184,8 @@ def _pack_int4(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 
 # weight code kinds of the compiled dq_gemm / dq_rows (their `kind` argument)
-KIND_INT8, KIND_FP8, KIND_FP4 = 0, 1, 2
+KIND_INT8, KIND_FP8, KIND_FP4, KIND_INT4 = 0, 1, 2, 3
+INT4_ZERO_OFFSET = 120  # int4 zero points kept as zero - 8 + 128: the kernel subtracts 128 (as uint8's) and decodes nibble - 8
 
 
 @dataclass(frozen=True)
@@ -211,10 +207,21 @@ class _Dequant:
     def build(proj: ProjectionWeights, key: QuantKey) -> _Dequant:
         e, n, kw = (int(d) for d in proj.weight.shape)
         fp4 = key.dtype.name == "e2m1"
-        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 else kw, keep_bytes=True)
+        int4 = key.dtype.bits == 4 and not key.dtype.is_float
+        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 or int4 else kw, keep_bytes=True)
         zero = scale2 = None
         if fp4:
             kind, codes = KIND_FP4, proj.weight.view(torch.uint8)
+        elif int4:  # the nk layout's bytes as they are (low nibble: the even column)
+            if key.dtype.name not in ("uint4", "uint4b8"):
+                raise ValueError(f"torch-cpu-native decodes uint4 and uint4b8 nibbles, got weight key {key}")
+            kind, codes = KIND_INT4, proj.weight.view(torch.uint8)
+            if key.zero_point == "group":
+                zshape = None if proj.zero is None else tuple(proj.zero.shape)
+                if zshape != tuple(scale.shape):
+                    raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
+                                     f"got {zshape}")
+                zero = (proj.zero.to(torch.int16) + INT4_ZERO_OFFSET).to(torch.uint8).contiguous()
         elif key.dtype.is_float:
             kind, codes = KIND_FP8, proj.weight.view(torch.int8)
         else:
@@ -300,8 +307,8 @@ def _build_proj(proj: ProjectionWeights, key: QuantKey, activation: QuantKey) ->
         if key.zero_point != "none" or key.scale2 is not None or key.dtype.name == "e2m1":
             raise ValueError(f"torch-cpu-native does not run weight key {key} with int8 activations")
         return _IntCodes.build(proj, key)
-    if key.dtype.bits != 8 and key.dtype.name != "e2m1":
-        raise ValueError(f"torch-cpu-native runs 4-bit weights only with int8 activations, got {key}")
+    if key.dtype.bits not in (4, 8):
+        raise ValueError(f"torch-cpu-native does not run weight key {key}")
     return _Dequant.build(proj, key)
 
 

@@ -350,10 +350,13 @@ def test_a_compiler_that_refuses_openmp_gets_a_single_threaded_build(monkeypatch
 
     calls = []
 
-    def picky(**kwargs: object) -> None:
+    def picky(**kwargs: object) -> str:
         calls.append(list(kwargs["extra_cflags"]))  # type: ignore[arg-type]
         if "-fopenmp" in kwargs["extra_cflags"]:  # type: ignore[operator]
             raise RuntimeError("clang: error: unsupported option '-fopenmp'")
+        built = tmp_path / "built.so"  # what torch's load returns: the library it built (and loaded)
+        built.write_bytes(b"")
+        return str(built)
 
     monkeypatch.setattr(ext, "load", picky)
     monkeypatch.setattr(torch.backends.openmp, "is_available", lambda: True)
