@@ -39,8 +39,9 @@ def add_generate_parser(parser: Any, sub: Any, add: Callable[..., Any], add_json
     p.set_defaults(func=cmd_generate)
 
 
-class _Clock:
-    """A transformers streamer that only notes when each put (prompt, then every new token) arrives."""
+class TokenClock:
+    """A transformers streamer that only notes when each put arrives: the first is the prompt, the second the
+    first new token (prefill done), then one per decoded token."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -102,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = _tokenizer(target)
     ids = _prompt_ids(args, tokenizer, int(model.config.get_text_config().vocab_size))
     prompt = torch.tensor([ids], device=model.device)
-    clock = _Clock()
+    clock = TokenClock()
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=args.max_new_tokens,
