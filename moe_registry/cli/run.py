@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
@@ -50,6 +50,7 @@ def read_inputs(path: Path, hidden: int, num_experts: int) -> tuple[torch.Tensor
             names = set(f.keys())
             if "hidden_states" not in names:
                 raise ConfigError(f"{path}: no tensor named hidden_states (found {', '.join(sorted(names)) or 'none'})")
+            guards.check_run_input_names(path, names)
             x = f.get_tensor("hidden_states")
             ids = f.get_tensor("topk_ids") if "topk_ids" in names else None
             w = f.get_tensor("topk_weights") if "topk_weights" in names else None
@@ -110,9 +111,8 @@ def check_common_flags(args: argparse.Namespace) -> None:
                               ("--threads", args.threads, 4096)):
         if value is not None:  # e.g. --tokens 1000000000 would die allocating
             guards.check_int(value, flag, lo=1, hi=most)
-    if args.save_output and not Path(args.save_output).resolve().parent.is_dir():
-        raise ConfigError(f"--save-output: {Path(args.save_output).parent} is not a directory; "
-                          "create it first (nothing was run)")
+    if args.save_output:
+        guards.check_output_path(Path(args.save_output), "--save-output")
     if args.inputs:  # a regular file: a FIFO would block the read
         guards.check_file(Path(args.inputs), "--inputs file")
 
@@ -188,7 +188,8 @@ def run_layer_command(args: argparse.Namespace) -> int:
     ``cli.run_ep`` runs instead)."""
     report, result, out = run_layer(args)
     if args.save_output:
-        save_file({"output": out.detach().cpu().contiguous()}, args.save_output, metadata={"format": "pt"})
+        guards.write_bytes(Path(args.save_output), save({"output": out.detach().cpu().contiguous()},
+                                                        metadata={"format": "pt"}), "--save-output")
     code = 0 if result.ok else 1
     if args.json:
         body = {"report": report.to_dict(args.verbose), "result": {**result.__dict__, "ok": result.ok},

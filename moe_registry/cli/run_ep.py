@@ -16,13 +16,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from moe_registry.cli.run import _sync, check_common_flags, default_threads, layer_inputs
+from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.layer.all2all import (
     ALL_GATHER,
@@ -166,7 +168,8 @@ def _run_ep_command(args: argparse.Namespace, env: TorchrunEnv) -> int:
     code = 0 if result.ok else 1
     if env.rank == 0:
         if args.save_output:
-            save_file({"output": out.detach().cpu().contiguous()}, args.save_output, metadata={"format": "pt"})
+            guards.write_bytes(Path(args.save_output), save({"output": out.detach().cpu().contiguous()},
+                                                            metadata={"format": "pt"}), "--save-output")
         _print(args, report, result, code)
     return code
 

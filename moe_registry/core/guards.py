@@ -152,11 +152,28 @@ def load_json_text(text: str, where: str, what: str, error: Err = ConfigError,
 
     check_json_depth(text, where, error, max_depth)
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys(where, error))
     except json.JSONDecodeError as err:
         raise error(f"{where}:{err.lineno}: {what} is not valid JSON: {err.msg}") from None
     except (ValueError, RecursionError) as err:
         raise error(f"{where}: {what}: {_one_line(err)}") from None
+
+
+def _unique_keys(where: str, error: Err) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json.loads`` object hook refusing a key given twice with different values: which one wins
+    differs between JSON readers (Python keeps the last, others the first or refuse), so the file means
+    two things. The same value given twice means one thing to every reader and is kept."""
+    import json
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out and json.dumps(out[key], sort_keys=True) != json.dumps(value, sort_keys=True):
+                raise error(f"{where}: key {short_repr(key)} is given twice with different values "
+                            f"({short_repr(out[key], 40)}, then {short_repr(value, 40)}); wanted it once")
+            out[key] = value
+        return out
+    return build
 
 
 def _no_constant(name: str) -> Any:
@@ -505,12 +522,56 @@ def check_impl(impl: str, owner: str, spec_path: str | Path, builtin: bool, pack
 # ---------------------------------------------------------------- run inputs
 
 
+RUN_INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+RUN_INPUT_TENSORS = ("hidden_states", "topk_ids", "topk_weights")
+
+
+def check_run_input_names(path: Path, names: set[str]) -> None:
+    """``--inputs`` holds hidden_states and, optionally, the routing; any other name is a mistake (a
+    misspelt ``topk_ids`` would otherwise leave the router to choose, silently)."""
+    import difflib
+
+    unknown = sorted(names - set(RUN_INPUT_TENSORS))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], RUN_INPUT_TENSORS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{path}: unknown tensor {short_repr(unknown[0])}{hint}"
+                          + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else "")
+                          + "; wanted hidden_states, optionally with both topk_ids and topk_weights")
+
+
+def check_output_path(path: Path, flag: str) -> None:
+    """An output file path: its dir must exist and the path must not be a directory, FIFO or socket
+    (checked before the run, so a long run is not lost at the end)."""
+    if not path.resolve().parent.is_dir():
+        raise ConfigError(f"{flag}: {path.parent} is not a directory; create it first (nothing was run)")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return  # not there yet: it is created
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        kind = next(k for test, k in _KINDS if test(st.st_mode))
+        raise ConfigError(f"{flag}: {path} is {kind}; wanted a file path (nothing was run)")
+
+
+def write_bytes(path: Path, data: bytes, flag: str) -> None:
+    """Write ``data`` to ``path``, every error (a full disk, a read-only file) one line naming it."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # a full disk may say so only here
+                os.fsync(f.fileno())
+    except OSError as err:
+        raise ConfigError(f"{flag}: cannot write {path}: {err.strerror or err}") from None
+
+
 def check_run_inputs(path: Path, hidden: Any, topk_ids: Any, top_k: int) -> None:
     """``--inputs`` hidden states must be floating point with at least one token and finite; given
     routing must pick the config's top-k experts per token (another k is another model)."""
     import torch
 
-    if not hidden.is_floating_point():
+    if str(hidden.dtype).removeprefix("torch.") not in RUN_INPUT_DTYPES:  # float8: no arithmetic to check it with
         raise ConfigError(f"{path}: hidden_states dtype {str(hidden.dtype).removeprefix('torch.')}; "
                           "wanted float16, bfloat16 or float32")
     if hidden.shape[0] < 1:

@@ -1,0 +1,154 @@
+"""The long tail of real inputs: values read but never checked (duplicate JSON keys, run's inputs and
+output file, zero fp8 scales), and the scale of what producers write (ignore lists of 100,000 names).
+
+Each case runs the CLI (``moe_registry.cli.main.main``) on a committed producer fixture, changed the one way
+the case names, and asserts the exit code and the one-line message."""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from moe_registry.cli.main import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FP8_BLOCK = FIXTURES / "fp8" / "transformers-fp8-block"  # Qwen3-MoE, hidden 128, 4 experts, top-2
+HIDDEN = 128
+RUN = ("--layer", "0", "--kernel", "torch-reference", "--tokens", "2", "--repeat", "1", "--threads", "1")
+
+
+def cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    code = main(list(argv))
+    cap = capsys.readouterr()
+    return code, cap.out.splitlines(), cap.err.splitlines()
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------- duplicate JSON keys
+
+
+def test_duplicate_key_with_different_values_is_refused(capsys, tmp_path: Path) -> None:
+    d = copy_model(FP8_BLOCK, tmp_path / "m")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace('"num_experts_per_tok": 2,', '"num_experts_per_tok": 2, '
+                                                '"num_experts_per_tok": 3,'))
+    code, _, err = cli(capsys, "explain", str(d), "--platform", "cpu")
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: {d}/config.json: key 'num_experts_per_tok' is given twice with different "
+                      "values (2, then 3); wanted it once")
+
+
+def test_duplicate_key_nested_and_typed(capsys, tmp_path: Path) -> None:
+    """``true`` and ``1`` compare equal in Python but are different JSON values."""
+    d = copy_model(FP8_BLOCK, tmp_path / "m")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace('"dequantize": false,', '"dequantize": false, "dequantize": 0,'))
+    code, _, err = cli(capsys, "explain", str(d), "--platform", "cpu")
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(r"error: .*/config\.json: key 'dequantize' is given twice with different values "
+                        r"\(False, then 0\); wanted it once", err[0]), err
+
+
+def test_duplicate_key_with_the_same_value_is_kept(capsys, tmp_path: Path) -> None:
+    """The same value twice means one thing to every JSON reader: explained as if given once."""
+    d = copy_model(FP8_BLOCK, tmp_path / "m")
+    text = (d / "config.json").read_text()
+    (d / "config.json").write_text(text.replace('"num_experts_per_tok": 2,', '"num_experts_per_tok": 2, '
+                                                '"num_experts_per_tok": 2,'))
+    code, once, _ = cli(capsys, "explain", str(FP8_BLOCK), "--platform", "cpu", "--json")
+    code_twice, twice, err = cli(capsys, "explain", str(d), "--platform", "cpu", "--json")
+    assert code == code_twice == 0, err
+    assert "num_experts_per_tok" in once[0]
+    assert twice[0].replace(str(d), "M") == once[0].replace(str(FP8_BLOCK), "M")
+
+
+# ---------------------------------------------------------------- run: inputs and output file
+
+
+def _inputs(d: Path, **tensors: torch.Tensor) -> str:
+    save_file(tensors, str(d / "in.safetensors"))
+    return str(d / "in.safetensors")
+
+
+def test_inputs_with_a_misspelt_routing_tensor_is_refused(capsys, tmp_path: Path) -> None:
+    path = _inputs(tmp_path, hidden_states=torch.randn(2, HIDDEN), topk_idx=torch.tensor([[0, 1], [2, 3]]))
+    code, _, err = cli(capsys, "run", str(FP8_BLOCK), *RUN, "--inputs", path)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == (f"error: {path}: unknown tensor 'topk_idx' (did you mean topk_ids?); wanted hidden_states, "
+                      "optionally with both topk_ids and topk_weights")
+
+
+def test_inputs_float8_hidden_states_is_refused(capsys, tmp_path: Path) -> None:
+    path = _inputs(tmp_path, hidden_states=torch.randn(2, HIDDEN).to(torch.float8_e4m3fn))
+    code, _, err = cli(capsys, "run", str(FP8_BLOCK), *RUN, "--inputs", path)
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == f"error: {path}: hidden_states dtype float8_e4m3fn; wanted float16, bfloat16 or float32"
+
+
+def test_save_output_to_a_directory_is_refused_before_running(capsys, tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    code, out, err = cli(capsys, "run", str(FP8_BLOCK), *RUN, "--save-output", str(tmp_path / "out"))
+    assert code == 2 and len(err) == 1 and not out, err
+    assert err[0] == f"error: --save-output: {tmp_path}/out is a directory; wanted a file path (nothing was run)"
+
+
+def _small_file_limit() -> None:
+    """In the child: files may not grow past 4 KiB (the output is larger), and the signal that limit sends is
+    ignored, so the write fails with EFBIG as on a full disk it fails with ENOSPC."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_save_output_write_error_is_one_line(tmp_path: Path) -> None:
+    target = tmp_path / "out.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "moe_registry.cli.main", "run", str(FP8_BLOCK), *RUN, "--tokens",
+                           "64", "--save-output", str(target)], capture_output=True, text=True,
+                          preexec_fn=_small_file_limit, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"error: --save-output: cannot write {target}: File too large"]
+    assert proc.stdout == ""  # nothing reported as run when the result was lost
+
+
+def test_save_output_round_trips(capsys, tmp_path: Path) -> None:
+    target = tmp_path / "out.safetensors"
+    code, _, err = cli(capsys, "run", str(FP8_BLOCK), *RUN, "--save-output", str(target))
+    assert code == 0, err
+    with safe_open(str(target), framework="pt") as f:
+        assert list(f.keys()) == ["output"] and list(f.get_tensor("output").shape) == [2, HIDDEN]
+
+
+# ---------------------------------------------------------------- zero fp8 scales
+
+
+def test_all_zero_fp8_weight_scale_inv_is_refused(capsys, tmp_path: Path) -> None:
+    """A zero block scale multiplies its block to zero: an expert that contributes nothing, never what an
+    fp8 quantizer writes (DeepSeek's and transformers' clamp the block maximum above zero), so a zero scale
+    is a damaged file. Refused at load, naming the tensor."""
+    d = copy_model(FP8_BLOCK, tmp_path / "m")
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    name = next(k for k in sorted(tensors) if k.endswith("scale_inv"))
+    tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, str(d / "model.safetensors"))
+    code, _, err = cli(capsys, "run", str(d), *RUN)
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(rf"error: {re.escape(name)}.*: \d+ of \d+ values are zero \(first at \[0, 0\] = 0\.0\); "
+                        r"expected finite scales > 0", err[0]), err
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
