@@ -108,6 +108,8 @@ def test_logits_and_greedy_tokens_match_transformers(name: str, whole) -> None: 
     _assert_same_greedy(ours, ref, prompt[:1], FP32_TOL)
 
 
+# gpt_oss is not among them: in bfloat16 its second layer's router picks another expert for one token than the
+# float32 model does (a near tie), which costs ~0.1 of the logits, 4x transformers' own bfloat16 error
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_cpu_default_kernel_in_bfloat16_matches_transformers(name: str, whole) -> None:  # type: ignore[no-untyped-def]
     """Nothing pinned, the checkpoint's dtype (bfloat16): each layer runs the kernel the oracle picks for it. Against
