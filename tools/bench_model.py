@@ -1,7 +1,8 @@
 """Whole-model benchmark: one checkpoint loaded by ``moe_registry.load_model`` and by transformers' own
 ``from_pretrained``, side by side: prefill and decode tokens/s (greedy ``generate``, batch 1), the experts'
-resident bytes against the checkpoint's expert bytes, and the peak RSS a load adds (each load in its own
-process, so one side's memory never counts for the other).
+resident bytes against the checkpoint's expert bytes, and the peak RSS the load (and the load with the run) adds
+over the process after its imports (each side in its own process, so one side's memory never counts for the
+other).
 
 Models: ``tiny`` (a tiny fixture family made whole, tools/make_transformers_whole.py) or ``qwen3-30b-a3b``
 (Qwen3-30B-A3B's real layer shapes with random weights; ``--layers N`` decoder layers, ``--vocab`` to keep the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,10 @@ def _gptq(src: Path, dst: Path) -> Path:
 
 
 def _rss_peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    """This process's peak resident bytes (Linux VmHWM: reset at exec, unlike ru_maxrss, which a child started by
+    fork and exec inherits from its parent's peak)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024  # type: ignore[union-attr]
 
 
 def measure(path: Path, side: str, device: str, prompt_len: int, new_tokens: int) -> dict[str, Any]:
@@ -105,7 +109,9 @@ def measure(path: Path, side: str, device: str, prompt_len: int, new_tokens: int
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
     prefill_s, decode_s = clock.times[1] - start, clock.times[-1] - clock.times[1]
-    return {"side": side, "load_s": load_s, "load_peak_rss_bytes": load_rss,
+    # safetensors maps the file: pages a load leaves untouched count only once a forward reads them
+    run_rss = _rss_peak() - before
+    return {"side": side, "load_s": load_s, "load_peak_rss_bytes": load_rss, "run_peak_rss_bytes": run_rss,
             "prefill_tokens_per_s": prompt_len / prefill_s, "decode_tokens_per_s": (new_tokens - 1) / decode_s,
             "threads": torch.get_num_threads(), **experts}
 
@@ -128,7 +134,8 @@ def _row(fmt: str, r: dict[str, Any]) -> str:
     experts = (f"{r['experts_resident_bytes'] / 2**20:.1f} / {r['experts_checkpoint_bytes'] / 2**20:.1f} MiB "
                f"({', '.join(r['kernels'])})" if "kernels" in r else f"({r['experts_implementation']})")
     return (f"| {fmt} | {r['side']} | {r['prefill_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f} | {experts} | "
-            f"{r['load_peak_rss_bytes'] / 2**20:.0f} MiB | {r['load_s']:.1f} s |")
+            f"{r['load_peak_rss_bytes'] / 2**20:.0f} / {r.get('run_peak_rss_bytes', 0) / 2**20:.0f} MiB | "
+            f"{r['load_s']:.1f} s |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"model {args.model}, {args.layers} layers, device {args.device}, threads {args.threads or 'torch default'}, "
           f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens (batch 1, greedy)\n")
-    print("| format | loaded by | prefill tok/s | decode tok/s | experts resident / checkpoint | load peak RSS "
-          "| load |")
+    print("| format | loaded by | prefill tok/s | decode tok/s | experts resident / checkpoint | peak RSS added "
+          "(load / load+run) | load |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for fmt in args.format:
