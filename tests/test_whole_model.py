@@ -393,3 +393,41 @@ def _gptq_reference(src: Path, meant: dict[str, torch.Tensor]) -> torch.nn.Modul
                 experts.gate_up_proj[e].copy_(torch.cat([meant[p + "gate_proj.weight"], meant[p + "up_proj.weight"]]))
                 experts.down_proj[e].copy_(meant[p + "down_proj.weight"])
     return ref
+
+
+# --- on the GPU (the device machine: pytest -m gpu tests/test_whole_model.py) ---------------------------------------
+
+
+@pytest.mark.gpu
+def test_gptq_whole_model_on_cuda(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The oracle's GPU kernel runs the GPTQ experts (packed, at most 1.25x the checkpoint's expert bytes) in
+    float16; logits within the scheme's float16 tolerance (1e-2) of the float32 dequantised reference, greedy
+    tokens equal up to near ties."""
+    src = whole("qwen3_moe", moe_intermediate_size=32)
+    meant = _gptq_whole(src, tmp_path / "gptq")
+    ours = load_model(tmp_path / "gptq", device="cuda", dtype="float16")
+    report = ours.moe_registry_report
+    assert report.device.startswith("cuda") and "torch-reference" not in {p.kernel for p in report.layers}
+    assert 0 < report.experts_resident_bytes <= 1.25 * report.experts_checkpoint_bytes, report.to_text()
+    ref = _gptq_reference(src, meant)
+    prompt = _prompt()
+    with torch.no_grad():
+        assert _rel(ours(prompt.cuda()).logits.float().cpu(), ref(prompt).logits) < 1e-2
+    _assert_same_greedy(ours, ref.cuda(), prompt[:1].cuda(), 1e-2)
+
+
+@pytest.mark.gpu
+def test_experts_implementation_on_cuda(whole) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 model loaded by transformers on the GPU, its experts switched to the registry's kernel: the
+    logits of load_model's model on the same weights and device within 1e-3 (the same kernel from the same
+    weights; a split-K tile may sum in another order from call to call)."""
+    from moe_registry.whole.interface import NAME, register_experts_implementation
+
+    register_experts_implementation()
+    path = whole("qwen3_moe", moe_intermediate_size=32)
+    model = _reference(path, torch.bfloat16).cuda()
+    model.set_experts_implementation(NAME)
+    loaded = load_model(path, device="cuda")
+    prompt = _prompt().cuda()
+    with torch.no_grad():
+        assert _rel(model(prompt).logits, loaded(prompt).logits) < 1e-3
