@@ -20,11 +20,13 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
 from moe_registry.cli.generate import add_generate_parser
-from moe_registry.core.errors import MoERegistryError, SelectionError
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for
@@ -210,6 +212,13 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """One process, or, started by torchrun with several ranks (or with --ep above 1), this rank's part."""
+    from moe_registry.cli.run_checks import check_common_flags, check_run_flags, layer_situation, started_by_torchrun
+
+    if started_by_torchrun():  # what needs no torch is refused before torch is imported (a second or more)
+        check_common_flags(args)
+    else:
+        check_run_flags(args)
+        layer_situation(args)
     from moe_registry.cli.run import run_layer_command
     from moe_registry.cli.run_ep import run_ep_command, torchrun_env
 
@@ -250,15 +259,36 @@ def _add_spec_dir(p: argparse.ArgumentParser) -> None:
                         "MOE_REGISTRY_SPEC_PATH variable), e.g. --spec-dir my-specs/")
 
 
+SIZE_MOST = 1 << 40  # --tp, --ep, --dp, --max-tokens: the upper bound only stops absurd sizes
+POSITIVE = "a positive integer"
+
+
+def _count(flag: str, most: int, below: str = "at least 1") -> Callable[[str], int]:
+    """An argparse type for a count flag: an integer from 1 to ``most``, refused (one line, exit 2) while the
+    command line is parsed, before torch is imported or a file is read; ``below`` words a value under 1. A value
+    that is no integer at all is argparse's own usage error."""
+    def parse(text: str) -> int:
+        value = int(text)  # ValueError: argparse's "invalid int value"
+        if value < 1:
+            raise ConfigError(f"{flag}: got {value}; wanted {below}")
+        return guards.check_int(value, flag, lo=1, hi=most)  # e.g. --tokens 1000000000 would die allocating
+
+    parse.__name__ = "int"  # the name argparse gives the type in its own error
+    return parse
+
+
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--platform", metavar="PLATFORM",
                    help="cpu, cuda:<major>.<minor>, rocm:<major>.<minor> or auto (this machine; the default), "
                         "e.g. --platform cuda:9.0")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                    help="activation dtype (default: the model's torch_dtype, else bfloat16), e.g. --dtype float16")
-    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (default 1), e.g. --tp 2")
-    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel size (default 1), e.g. --ep 8")
-    p.add_argument("--dp", type=int, metavar="N", help="data-parallel size (default 1), e.g. --dp 2")
+    p.add_argument("--tp", type=_count("--tp", SIZE_MOST, POSITIVE), metavar="N",
+                   help="tensor-parallel size (default 1), e.g. --tp 2")
+    p.add_argument("--ep", type=_count("--ep", SIZE_MOST, POSITIVE), metavar="N",
+                   help="expert-parallel size (default 1), e.g. --ep 8")
+    p.add_argument("--dp", type=_count("--dp", SIZE_MOST, POSITIVE), metavar="N",
+                   help="data-parallel size (default 1), e.g. --dp 2")
     p.add_argument("--all2all", metavar="BACKEND",
                    help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; run under "
                         "torchrun: allgather_reducescatter, the one implemented; explain shows which kernels claim "
@@ -268,7 +298,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "rank r holds the r-th block; round_robin: expert e on rank e mod ep)")
     p.add_argument("--layer", type=int, metavar="N",
                    help="decoder layer (default: the first MoE layer), e.g. --layer 3")
-    p.add_argument("--max-tokens", type=int, dest="max_tokens", metavar="N",
+    p.add_argument("--max-tokens", type=_count("--max-tokens", SIZE_MOST), dest="max_tokens", metavar="N",
                    help="token budget per forward, tested against kernels' token limits (default 8192), "
                         "e.g. --max-tokens 4096")
     _add_spec_dir(p)
@@ -325,7 +355,7 @@ def build_parser() -> Parser:
               f"torchrun --nproc-per-node 2 -m moe_registry run {EXAMPLE_MODEL} --ep 2 --json   # expert parallel"))
     p.add_argument("target", help="a model dir (config.json and its safetensors)")
     _add_runtime_flags(p)
-    p.add_argument("--tokens", type=int, default=16, metavar="M",
+    p.add_argument("--tokens", type=_count("--tokens", guards.MAX_RUN_TOKENS), default=16, metavar="M",
                    help="random hidden states to run (default 16), e.g. --tokens 1 for decode")
     p.add_argument("--inputs", metavar="FILE",
                    help="safetensors file with hidden_states [M, hidden] (and optionally topk_ids and "
@@ -333,9 +363,9 @@ def build_parser() -> Parser:
     p.add_argument("--save-output", dest="save_output", metavar="FILE",
                    help="write the layer output to this safetensors file (its dir must exist), "
                         "e.g. --save-output out.safetensors")
-    p.add_argument("--repeat", type=int, default=5, metavar="N",
+    p.add_argument("--repeat", type=_count("--repeat", 100_000), default=5, metavar="N",
                    help="timed calls, >= 1 (default 5); the median, min and max are reported, e.g. --repeat 20")
-    p.add_argument("--threads", type=int, metavar="N",
+    p.add_argument("--threads", type=_count("--threads", 4096), metavar="N",
                    help="CPU threads for torch (default: the CPUs this process may use); on a busy "
                         "machine --threads 1 gives steadier timings")
     p.add_argument("--seed", type=int, default=0, metavar="N",
@@ -395,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _json_errors = "--json" in argv
     try:
-        args = build_parser().parse_args(argv)
         try:
+            args = build_parser().parse_args(argv)  # a bad flag value is refused here (_count), before any import
             return int(args.func(args))
         except SelectionError as err:
             return _refused(err, args)

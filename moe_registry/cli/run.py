@@ -16,9 +16,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from moe_registry.cli.run_checks import check_run_flags, layer_situation
 from moe_registry.core import guards
-from moe_registry.core.errors import ConfigError
+from moe_registry.core.errors import CheckpointError, ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
+from moe_registry.model.checkpoint import layer_names, open_checkpoint
 from moe_registry.model.routing import Routing, from_given
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.runtime import MoEShape
@@ -81,42 +83,6 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def check_run_flags(args: argparse.Namespace) -> None:
-    """Refuse, before loading anything, the flags one process cannot honour and bad values."""
-    check_one_process_flags(args)
-    check_common_flags(args)
-
-
-def check_one_process_flags(args: argparse.Namespace) -> None:
-    """Outside torchrun, run is one process: no expert or data parallelism, no all2all."""
-    for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
-        if value is not None and value > 1:
-            how = ("that each call moe_registry.build(..., ep={v}, all2all='allgather_reducescatter')"
-                   if flag == "--ep" else "that each run their own tokens").format(v=value)
-            raise ConfigError(f"{flag} {value}: run is one process and joins no process group; start {value} ranks "
-                              f"(e.g. `torchrun --nproc-per-node {value} ...`) {how} "
-                              f"(use `moe-registry explain {flag} {value}` to see the kernel choice)")
-    if args.all2all not in (None, "none"):
-        raise ConfigError(f"--all2all {args.all2all}: an all2all dispatches between expert-parallel ranks; "
-                          "run is one process (ep=1), so only 'none' applies")
-
-
-def check_common_flags(args: argparse.Namespace) -> None:
-    """Values every run must have right, one process or many."""
-    for flag, value in (("--repeat", args.repeat), ("--tokens", args.tokens), ("--threads", args.threads),
-                        ("--max-tokens", args.max_tokens)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag}: got {value}; wanted at least 1")
-    for flag, value, most in (("--tokens", args.tokens, guards.MAX_RUN_TOKENS), ("--repeat", args.repeat, 100_000),
-                              ("--threads", args.threads, 4096)):
-        if value is not None:  # e.g. --tokens 1000000000 would die allocating
-            guards.check_int(value, flag, lo=1, hi=most)
-    if args.save_output:
-        guards.check_output_path(Path(args.save_output), "--save-output")
-    if args.inputs:  # a regular file: a FIFO would block the read
-        guards.check_file(Path(args.inputs), "--inputs file")
-
-
 def run_layer(args: argparse.Namespace) -> tuple[Report, RunResult, torch.Tensor]:
     """Build the layer and measure it; returns the oracle's report, the result and the output.
     Torch uses ``--threads`` CPU threads (default: every CPU this process may use) while it runs."""
@@ -140,9 +106,34 @@ def layer_inputs(args: argparse.Namespace, shape: MoEShape, tokens: int) -> tupl
     return x, routing
 
 
+def inputs_before_build(args: argparse.Namespace) -> tuple[torch.Tensor, Routing | None]:
+    """The hidden states and given routing (``layer_inputs``), after every check that needs no built layer: building
+    converts the experts and may compile the kernel (minutes, the first time), so the config and the flags'
+    situation, ``--inputs`` against the layer's shape and the token budget, and the layer's router when no routing
+    is given are refused before it."""
+    registry, model, situation = layer_situation(args)
+    x, routing = layer_inputs(args, model.shape, args.tokens)
+    budget = situation.runtime.max_tokens
+    if x.shape[0] > budget:
+        raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {budget}")
+    if routing is None:
+        assert situation.layer is not None
+        target = Path(args.target)
+        index = open_checkpoint(target if target.is_dir() else target.parent)
+        router = layer_names(registry.families[model.family].spec, situation.layer, index).router
+        if router not in index.tensors:
+            shape = model.shape
+            raise CheckpointError(f"{router}: missing; run routes the tokens with the layer's router. Give the routing "
+                                  f"instead: --inputs FILE, a safetensors file with hidden_states [tokens, "
+                                  f"{shape.hidden}], topk_ids and topk_weights [tokens, {shape.top_k}] (in Python: "
+                                  "layer.kernel(hidden_states, topk_weights, topk_ids))")
+    return x, routing
+
+
 def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResult, torch.Tensor]:
     from moe_registry_kernels.reference import reference_moe
 
+    x, routing = inputs_before_build(args)
     layer = build(args.target, layer=args.layer, platform=args.platform, dtype=args.dtype, kernel=args.kernel,
                   prefer=args.prefer, spec_dirs=args.spec_dir, tp=args.tp, ep=args.ep, max_tokens=args.max_tokens,
                   keep_weights=True)
@@ -150,10 +141,6 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     runtime = built.report.situation.runtime
     dtype = DTYPES[runtime.dtype]
     device = built.kernel.experts.weights.device
-    shape = layer.model.shape
-    x, routing = layer_inputs(args, shape, args.tokens)
-    if x.shape[0] > runtime.max_tokens:
-        raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {runtime.max_tokens}")
     x = x.to(device, dtype)
     if routing is None:
         routing = MoELayer(layer).route(x)

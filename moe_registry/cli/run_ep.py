@@ -23,7 +23,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from moe_registry.cli.run import _sync, check_common_flags, default_threads, layer_inputs
+from moe_registry.cli.run import _sync, default_threads, layer_inputs
+from moe_registry.cli.run_checks import TORCHRUN_VARS, check_common_flags
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.layer.all2all import (
@@ -35,8 +36,6 @@ from moe_registry.layer.all2all import (
 )
 from moe_registry.layer.build import DTYPES, MoELayer, build
 from moe_registry.oracle.contract import Report
-
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 
 
 @dataclass(frozen=True)

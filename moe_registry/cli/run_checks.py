@@ -1,0 +1,65 @@
+"""``run``'s checks that need no torch: flags, files, and the config with the situation the flags make, so the
+command line refuses them before importing torch (a second or more) and building the layer (which may compile its
+kernel). Value ranges are checked earlier still, by the parser's types (``cli.main._count``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from moe_registry.core import guards
+from moe_registry.core.errors import ConfigError
+from moe_registry.model.config import ModelConfig, read_model_config
+from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
+from moe_registry.oracle.contract import Situation
+from moe_registry.spec.loader import Registry, load_registry
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+def started_by_torchrun() -> bool:
+    """Whether torchrun started this process (it sets every one of TORCHRUN_VARS)."""
+    return all(os.environ.get(v) for v in TORCHRUN_VARS)
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Refuse, before loading anything, the flags one process cannot honour and bad files."""
+    check_one_process_flags(args)
+    check_common_flags(args)
+
+
+def check_one_process_flags(args: argparse.Namespace) -> None:
+    """Outside torchrun, run is one process: no expert or data parallelism, no all2all."""
+    for flag, value in (("--ep", args.ep), ("--dp", args.dp)):
+        if value is not None and value > 1:
+            how = ("that each call moe_registry.build(..., ep={v}, all2all='allgather_reducescatter')"
+                   if flag == "--ep" else "that each run their own tokens").format(v=value)
+            raise ConfigError(f"{flag} {value}: run is one process and joins no process group; start {value} ranks "
+                              f"(e.g. `torchrun --nproc-per-node {value} ...`) {how} "
+                              f"(use `moe-registry explain {flag} {value}` to see the kernel choice)")
+    if args.all2all not in (None, "none"):
+        raise ConfigError(f"--all2all {args.all2all}: an all2all dispatches between expert-parallel ranks; "
+                          "run is one process (ep=1), so only 'none' applies")
+
+
+def check_common_flags(args: argparse.Namespace) -> None:
+    """Files every run must have right, one process or many: the model, the output path (so a long run is not
+    lost at its end) and the inputs file (a regular file: a FIFO would block the read)."""
+    if not Path(args.target).exists():
+        raise ConfigError(f"{args.target}: no such file or directory")
+    if args.save_output:
+        guards.check_output_path(Path(args.save_output), "--save-output")
+    if args.inputs:
+        guards.check_file(Path(args.inputs), "--inputs file")
+
+
+def layer_situation(args: argparse.Namespace) -> tuple[Registry, ModelConfig, Situation]:
+    """The registry, the model's config and the situation of one process's run (the layer, the runtime the flags
+    ask for), each checked: what ``build`` reads first, here without torch."""
+    registry = load_registry(args.spec_dir)
+    check_kernel_names(registry, kernel=args.kernel, prefer=args.prefer)
+    model = read_model_config(Path(args.target), registry)
+    flags = Flags(platform=args.platform, dtype=args.dtype, layer=args.layer, tp=args.tp, ep=args.ep,
+                  max_tokens=args.max_tokens)
+    return registry, model, situation_for_model(model, registry, flags)
