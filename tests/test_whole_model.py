@@ -41,12 +41,12 @@ from moe_registry.whole.load import load_model  # noqa: E402
 FP32_TOL = 1e-5
 BF16_TOL = 1.5e-2  # the unquantized scheme's bfloat16 tolerance
 NEW_TOKENS = 16
-# Families of the tiny fixtures run whole. Not here: dbrx, jetmoe, llama4_text (transformers' experts classes do
-# not take the experts contract: load_model refuses them, tested below); kimi_linear (transformers merges its
+# Families of the tiny fixtures run whole. Not here: jetmoe, llama4_text (transformers' experts classes do not take
+# the experts contract: load_model refuses them, tested below); kimi_linear (transformers merges its
 # attention's conv tensors at load); deepseek_v32 (transformers' own attention fails on the tiny config);
 # qwen3_5_moe (the family spec names the multimodal checkpoint's language_model.layers); glm4v_moe, mistral4,
 # qwen3_vl_moe, step3p7 (no AutoModelForCausalLM class).
-FAMILIES = ["deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
+FAMILIES = ["dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
             "glm4_moe_lite", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "lfm2_moe", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"]
 

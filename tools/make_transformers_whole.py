@@ -22,8 +22,11 @@ TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "transfor
 SEED = 1234
 
 
-# Config fields that bound the MoE layers to the tiny fixture's one (set for the whole model's layers).
-OVERRIDES: dict[str, dict[str, Any]] = {"ernie4_5_moe": {"moe_layer_end_index": -1}}
+# Config fields set for the whole model: ernie's MoE layers end at the tiny fixture's one otherwise.
+# DBRX's attention clamps q/k/v by clip_qkv, which its tiny config leaves unset (transformers' attention then fails).
+OVERRIDES: dict[str, dict[str, Any]] = {"ernie4_5_moe": {"moe_layer_end_index": -1},
+                                        "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0,
+                                                                 "clip_qkv": 8.0}}}
 LAYER_COUNTS = ("num_hidden_layers", "n_layers")  # DBRX names its layer count n_layers
 
 

@@ -11,6 +11,7 @@ experts. Cheap checks (family, layers, every tensor present, memory) run before 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -56,12 +57,26 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+CONTRACT = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def takes_experts_contract(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a transformers experts module taking :data:`CONTRACT`: wrapped by transformers'
+    ``use_experts_implementation``, or with exactly those forward arguments."""
+    if hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
+        return True
+    try:
+        params = tuple(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return params == CONTRACT
+
+
 def experts_modules(model: torch.nn.Module) -> dict[int, str]:
-    """Decoder layer -> path of the experts module transformers' ``use_experts_implementation`` wraps in it (the
-    module that takes ``(hidden_states, top_k_index, top_k_weights)``)."""
+    """Decoder layer -> path of the experts module in it that takes transformers' experts contract."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
-        if hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
+        if takes_experts_contract(module):
             m = _LAYER_RE.search(f".{name}.")
             if m:
                 found[int(m.group(1))] = name
@@ -71,7 +86,7 @@ def experts_modules(model: torch.nn.Module) -> dict[int, str]:
 def _other_experts(model: torch.nn.Module) -> list[str]:
     """Experts modules transformers does not wrap with its experts contract (named ``experts``)."""
     return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
-            if name.endswith(".experts") and not hasattr(m, "is_concatenated")]
+            if name.endswith(".experts") and not takes_experts_contract(m)]
 
 
 @dataclass(frozen=True)
