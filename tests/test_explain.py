@@ -716,3 +716,70 @@ def test_modelopt_mixed_precision_unlisted_layer_is_unquantized(tmp_path) -> Non
     assert listed.scheme is not None and listed.scheme.scheme == "modelopt-mxfp8"
     assert unlisted.scheme is not None and unlisted.scheme.scheme == "unquantized"
     assert "not listed in quantization.quantized_layers" in (unlisted.excluded_note or "")
+
+
+# ---------------------------------------------------------------- routing, each value with its source
+
+
+def _kimi_k2_style(tmp_path: Path) -> Path:
+    """A Kimi-K2 config as published (model_type kimi_k2, DeepseekV3ForCausalLM) without routed_scaling_factor."""
+    cfg = json.loads((CONFIGS / "deepseek/deepseek-v3/config.json").read_text())
+    cfg.update(model_type="kimi_k2", n_routed_experts=384, n_group=1, topk_group=1)
+    del cfg["routed_scaling_factor"], cfg["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_explain_shows_routing_with_sources(registry):
+    report = select(registry, situation_for(CONFIGS / "deepseek/deepseek-v3", registry, Flags(platform="cpu")))
+    text = report.to_text(width=200)
+    first, *rest = text.split("\nrouting     ", 1)[1].split("\nconfig ", 1)[0].splitlines()
+    assert all(line.startswith(" " * 12) for line in rest)
+    rows = [first, *(line[12:] for line in rest)]
+    assert rows == [
+        "scoring sigmoid [fixed by the modeling code: family deepseek spec]",
+        "top-k 8 [config num_experts_per_tok]",
+        "expert groups 8 [config n_group]",
+        "group top-k 4 [config topk_group]",
+        "group score top2_sum (the sum of a group's best two scores, biased) [fixed by the modeling code: "
+        "family deepseek spec]",
+        "correction bias yes (added to the scores for selection only) [fixed by the modeling code: family "
+        "deepseek spec]",
+        "renormalise yes (the kept weights sum to 1) [config norm_topk_prob]",
+        "routed scaling factor 2.5 [config routed_scaling_factor]",
+        "router weight on the output [none in the modeling code: family deepseek spec]",
+        "shared experts 1 [config n_shared_experts]",
+        "shared expert size 2048 [config moe_intermediate_size]",
+        "shared expert gate no [none in the modeling code: family deepseek spec]"]
+
+
+def test_explain_routing_absent_field_names_the_transformers_class(registry, tmp_path, capsys):
+    path = _kimi_k2_style(tmp_path)
+    report = select(registry, situation_for(path, registry, Flags(platform="cpu")))
+    assert ("\n            routed scaling factor 2.5 [routed_scaling_factor absent: transformers' DeepseekV3Config "
+            "default]\n" in report.to_text(width=200))
+    assert cli.main(["explain", str(path), "--platform", "cpu", "--json"]) == 0
+    routing = json.loads(capsys.readouterr().out)["routing"]
+    assert routing["routed_scaling_factor"] == {
+        "value": 2.5, "origin": "class-default", "field": "routed_scaling_factor", "config_class": "DeepseekV3Config",
+        "source": "routed_scaling_factor absent: transformers' DeepseekV3Config default"}
+    assert routing["num_expert_group"]["origin"] == "config" and routing["num_expert_group"]["value"] == 1
+    assert routing["scoring"] == {"value": "sigmoid", "origin": "fixed", "field": None, "config_class": None,
+                                  "source": "fixed by the modeling code: family deepseek spec"}
+    assert cli.main(["explain", str(path), "--platform", "cpu", "--markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "| routing | scoring sigmoid [fixed by the modeling code: family deepseek spec] |" in md
+    assert "|  | routed scaling factor 2.5 [routed_scaling_factor absent: transformers' DeepseekV3Config default] |" \
+        in md
+
+
+def test_explain_routing_shows_a_shared_expert_gate_and_hides_what_is_not_there(registry):
+    from moe_registry.oracle.render import routing_rows
+
+    s = situation_for(ROOT / "tests/fixtures/transformers/configs/qwen2_moe", registry, Flags(platform="cpu"))
+    rows = [value for _, value in routing_rows(s.routing)]
+    assert "shared expert gate yes (sigmoid, per token) [fixed by the modeling code: family qwen-moe spec]" in rows
+    assert "shared expert size 5632 [config shared_expert_intermediate_size]" in rows
+    assert not any(r.startswith(("expert groups", "group top-k", "group score")) for r in rows)  # no groups
+    s = situation_for(ROOT / "tests/fixtures/transformers/configs/qwen3_moe", registry, Flags(platform="cpu"))
+    assert not any(value.startswith("shared") for _, value in routing_rows(s.routing))  # no shared experts

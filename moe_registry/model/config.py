@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from typing import Any
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.vocab import ACTIVATION_FNS
+from moe_registry.oracle.contract import RoutingValue
 from moe_registry.oracle.detect import _MISSING, check_field, get_path
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.loader import Registry
-from moe_registry.spec.view import FieldRef, ModelFamilySpec
+from moe_registry.spec.view import ConfigClass, FieldRef, ModelFamilySpec
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 _TORCH_DTYPES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16",
@@ -40,6 +42,7 @@ class ModelConfig:
     dtype: str | None
     raw: Mapping[str, Any]
     not_runnable: tuple[str, ...] = ()  # why no kernel here runs these experts (explain shows it, run refuses)
+    routing_values: tuple[RoutingValue, ...] = ()  # every routing value with where it came from (explain)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -82,21 +85,62 @@ def _lookup(root: Mapping[str, Any], name: str) -> Any:
     return value
 
 
-def resolve_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path: str) -> Any:
-    """The first present name of ``ref`` in any root, else its default; ConfigError if neither."""
-    for root in roots:
+def resolve_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path: str,
+                  config_class: tuple[str, ConfigClass] | None = None) -> Any:
+    """The first present name of ``ref`` in any root, else the config class's default, else the entry's
+    default; ConfigError if none."""
+    return locate_field(roots, ref, what, path, config_class)[0]
+
+
+def locate_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path: str,
+                 config_class: tuple[str, ConfigClass] | None = None,
+                 root_names: tuple[str, ...] = ()) -> tuple[Any, str, str | None]:
+    """(value, origin, field): as ``resolve_field``, with where the value came from (``RoutingValue`` origins).
+    A field written as null takes the entry's default, not the class's (transformers is handed None then,
+    which the entry's default stands for: DBRX's moe_normalize_expert_weights null, no normalisation)."""
+    written_null = None
+    for i, root in enumerate(roots):
         for name in ref.from_:
             value = _lookup(root, name)
+            where = f"{root_names[i]}.{name}" if i < len(root_names) and root_names[i] else name
             if value is not None and ref.length:
                 if not isinstance(value, list | str):
                     raise ConfigError(f"{path}: {name}: got {value!r}; wanted a per-layer list or string")
-                return len(value)
+                return len(value), "config", where
             if value is not None:
-                return value
+                return value, "config", where
+            if written_null is None and _written(root, name):
+                written_null = where
+    if config_class is not None and written_null is None:
+        cls_name, cls = config_class
+        for name in ref.from_:
+            if name in cls.defaults and cls.defaults[name] is not None:
+                return cls.defaults[name], "class-default", name
     if ref.default is not None:
-        return ref.default
+        return ref.default, ("spec-default" if ref.from_ else "fixed"), written_null or (ref.from_ or [None])[0]
     names = " or ".join(ref.from_) or "(none)"
     raise ConfigError(f"{path}: {what}: field {names} is missing")
+
+
+def _written(root: Mapping[str, Any], name: str) -> bool:
+    """``name`` (dotted) is a key of ``root``, whatever its value."""
+    *parents, last = name.split(".")
+    value: Any = root
+    for part in parents:
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return isinstance(value, Mapping) and last in value
+
+
+def config_class_of(cfg: Mapping[str, Any], family: ModelFamilySpec) -> tuple[str, ConfigClass] | None:
+    """The transformers config class this config is read with: by its model_type, a sub-config's, then its
+    architectures; None when the family names none for it."""
+    sub_types = [str(sub["model_type"]) for sub in cfg.values() if isinstance(sub, Mapping) and "model_type" in sub]
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    for name in [str(cfg.get("model_type", "")), *sub_types, *map(str, archs)]:
+        for cls_name, cls in family.config_classes.items():
+            if name in cls.model_types:
+                return cls_name, cls
+    return None
 
 
 def match_family(cfg: Mapping[str, Any], registry: Registry, path: str) -> ModelFamilySpec:
@@ -178,11 +222,13 @@ def _moe_layers(roots: list[Mapping[str, Any]], family: ModelFamilySpec, num_lay
                  if (i + 1 - spec.offset) % step == 0 and i not in skip)
 
 
-def _shared(roots: list[Mapping[str, Any]], family: ModelFamilySpec, name: str) -> tuple[int, int]:
+def _shared(roots: list[Mapping[str, Any]], family: ModelFamilySpec, name: str,
+            config_class: tuple[str, ConfigClass] | None) -> tuple[int, int]:
     """(count, one shared expert's intermediate size); (0, 0) when the family has none."""
     f = family.fields
-    count = resolve_field(roots, f["shared_experts"], "shared_experts", name) if "shared_experts" in f else 0
-    size = resolve_field(roots, f["shared_intermediate"], "shared_intermediate", name) \
+    count = resolve_field(roots, f["shared_experts"], "shared_experts", name, config_class) \
+        if "shared_experts" in f else 0
+    size = resolve_field(roots, f["shared_intermediate"], "shared_intermediate", name, config_class) \
         if "shared_intermediate" in f and count else 0
     if not count or not size:
         return 0, 0
@@ -198,26 +244,109 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     roots = _roots(cfg, family)
     f = family.fields
     name = str(path)
+    cls = config_class_of(cfg, family)
     num_layers = _int(resolve_field(roots, f["num_layers"], "num_layers", name), "num_hidden_layers", name)
     shape = MoEShape(
         num_experts=_int(resolve_field(roots, f["num_experts"], "num_experts", name), "num_experts", name),
-        top_k=_int(resolve_field(roots, f["top_k"], "top_k", name), "top_k", name),
+        top_k=_int(resolve_field(roots, f["top_k"], "top_k", name, cls), "top_k", name),
         hidden=_int(resolve_field(roots, f["hidden"], "hidden", name), "hidden_size", name),
         intermediate=_int(resolve_field(roots, f["intermediate"], "intermediate", name),
                           "intermediate_size", name),
         activation=_activation(resolve_field(roots, f["activation"], "activation", name)
                                if "activation" in f else "silu", name),
         has_bias=bool(resolve_field(roots, f["has_bias"], "has_bias", name)) if "has_bias" in f else False,
-        **dict(zip(("shared_experts", "shared_intermediate"), _shared(roots, family, name), strict=True)),
+        **dict(zip(("shared_experts", "shared_intermediate"), _shared(roots, family, name, cls), strict=True)),
     )
     if shape.top_k > shape.num_experts:
         raise ConfigError(f"{name}: num_experts_per_tok: {shape.top_k} is more than the {shape.num_experts} experts")
-    routing = {k: resolve_field(roots, ref, k, name) for k, ref in family.routing.items()}
+    values = _routing_values(roots, family, cls, name)
+    _check_routing(values, shape, name)
+    routing = {word: v.value for word, v in values.items() if word != "top_k"}
+    shown = (*values.values(), *_implied_routing(values, roots, family, cls, shape, name))
     quant, source = _quant_config(cfg, roots, path)
     dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
     return ModelConfig(name, family.family, shape, num_layers,
                        _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg,
-                       _not_runnable(roots, family, shape, routing, name))
+                       _not_runnable(roots, family, shape, routing, name), tuple(shown))
+
+
+# What a routing word means when the family's spec does not name it: its modeling code has no such thing.
+_ABSENT_WORDS: dict[str, Any] = {"num_expert_group": 1, "topk_group": 1, "correction_bias": False,
+                                 "routed_scaling_factor": 1.0, "router_weight_on_input": False,
+                                 "shared_expert_gate": False}
+
+
+def _routing_values(roots: list[Mapping[str, Any]], family: ModelFamilySpec, cls: tuple[str, ConfigClass] | None,
+                    name: str) -> dict[str, RoutingValue]:
+    """top_k and the family's routing words, each with where it came from."""
+    names = ("", *family.config_root)
+    out: dict[str, RoutingValue] = {}
+    refs = [("top_k", family.fields["top_k"]), *family.routing.items()]
+    for word, ref in refs:
+        value, origin, field = locate_field(roots, ref, word, name, cls, names)
+        out[word] = RoutingValue(word, value, origin, field, cls[0] if origin == "class-default" and cls else None,
+                                 family.family)
+    return out
+
+
+def _implied_routing(values: Mapping[str, RoutingValue], roots: list[Mapping[str, Any]], family: ModelFamilySpec,
+                     cls: tuple[str, ConfigClass] | None, shape: MoEShape, name: str) -> list[RoutingValue]:
+    """The routing words the family's spec leaves out, with the value that means (none of it in the modeling
+    code), the group score grouped top-k uses when unnamed, and the shared experts beside the routed ones
+    (their values as the shape holds them, their sources as the fields were found)."""
+    out = [RoutingValue(w, v, "none", family=family.family) for w, v in _ABSENT_WORDS.items() if w not in values]
+    groups = values["num_expert_group"].value if "num_expert_group" in values else 1
+    if "group_score" not in values and groups > 1:
+        bias = bool(values["correction_bias"].value) if "correction_bias" in values else False
+        out.append(RoutingValue("group_score", "top2_sum" if bias else "max", "fixed", family=family.family))
+    for word, value in (("shared_experts", shape.shared_experts), ("shared_intermediate", shape.shared_intermediate)):
+        ref = family.fields.get(word)
+        if ref is None or not value:
+            out.append(RoutingValue(word, value, "none" if ref is None else "fixed", family=family.family))
+            continue
+        _, origin, field = locate_field(roots, ref, word, name, cls, ("", *family.config_root))
+        out.append(RoutingValue(word, value, origin, field, cls[0] if origin == "class-default" and cls else None,
+                                family.family))
+    return out
+
+
+def _check_routing(values: Mapping[str, RoutingValue], shape: MoEShape, name: str) -> None:
+    """Routing values the modeling code would take on trust, checked before anything runs: one line naming
+    the config field, the value seen and the value wanted."""
+    def bad(word: str, wanted: str) -> ConfigError:
+        v = values[word]
+        return ConfigError(f"{name}: {v.field or 'routing.' + word}: got {guards.short_repr(v.value)}; wanted {wanted}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for word in ("correction_bias", "router_weight_on_input", "shared_expert_gate"):
+        if word in values and not isinstance(values[word].value, bool):
+            raise bad(word, "true or false")
+    if "scoring" in values and not isinstance(values["scoring"].value, str):
+        raise bad("scoring", "a scoring function's name, e.g. softmax or sigmoid")
+    if "renormalize" in values:
+        p = values["renormalize"].value
+        if not (isinstance(p, bool) or (isinstance(p, int | float) and math.isfinite(p) and p > 0)):
+            raise bad("renormalize", "true or false (or a positive number p: divide by the p-norm)")
+    if "routed_scaling_factor" in values:
+        scale = values["routed_scaling_factor"].value
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or scale <= 0:
+            raise bad("routed_scaling_factor", "a positive number (the routed experts' output is multiplied by it)")
+    if "num_expert_group" not in values:
+        return
+    groups = values["num_expert_group"].value
+    if not is_int(groups) or groups < 1:
+        raise bad("num_expert_group", "a positive integer (the number of expert groups)")
+    if shape.num_experts % groups:
+        raise bad("num_expert_group", f"a divisor of the {shape.num_experts} experts (groups of equal size)")
+    top_groups = values["topk_group"].value if "topk_group" in values else 1
+    if "topk_group" in values and (not is_int(top_groups) or not 1 <= top_groups <= groups):
+        raise bad("topk_group", f"an integer in [1, {groups}] (the groups kept, of {groups})")
+    held = top_groups * (shape.num_experts // groups)
+    if shape.top_k > held:
+        raise ConfigError(f"{name}: {values['top_k'].field or 'top_k'}: got {shape.top_k}; wanted at most {held}, "
+                          f"the experts in the {top_groups} chosen group(s) of {shape.num_experts // groups}")
 
 
 def _not_runnable(roots: list[Mapping[str, Any]], family: ModelFamilySpec, shape: MoEShape,

@@ -131,7 +131,7 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
                             or bool(model.routing.get("router_weight_on_input", False)), environment)
     family = registry.families[model.family].spec
     return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
-                     model.quant_source, model.path, model.family, layer, model.not_runnable)
+                     model.quant_source, model.path, model.family, layer, model.not_runnable, model.routing_values)
 
 
 def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:

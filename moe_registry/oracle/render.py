@@ -13,7 +13,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # types only: the contract calls these functions
-    from moe_registry.oracle.contract import Check, KernelVerdict, Report, SchemeVerdict
+    from moe_registry.oracle.contract import Check, KernelVerdict, Report, RoutingValue, SchemeVerdict
 
 TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
 DOWNGRADE_LABELS = {"compute-dtype": "compute", "slow-path": "slow path"}  # text rows; activation: "emulation"
@@ -61,6 +61,7 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
                               + (", expert bias" if sh.has_bias else "")))
         if sh.shared_experts:
             rows.append(("shared", f"{sh.shared_experts} x {sh.shared_intermediate} (dense MLP, not run here)"))
+    rows += routing_rows(s.routing)
     rows += [("not run", why) for why in s.not_runnable]
     rows.append(("config", s.quant_source))
     if report.scheme is not None:
@@ -81,6 +82,45 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
     rows += [("note", n) for n in report.notes]
     rows += [("override", o) for o in report.overrides]
     return rows
+
+def _routing_text(v: RoutingValue, values: dict[str, Any]) -> str:
+    """One routing value in words (without its source)."""
+    w, x = v.word, v.value
+    yes = "yes" if x else "no"
+    if w == "group_score":
+        how = {"max": "a group's best score", "top2_sum": "the sum of a group's best two scores"}.get(str(x), str(x))
+        return f"group score {x} ({how}{', biased' if values.get('correction_bias') else ''})"
+    if w == "renormalize" and not isinstance(x, bool):
+        return f"renormalise by the {x}-norm of the kept weights"
+    if w == "router_weight_on_input":
+        return f"router weight on the {'input' if x else 'output'}"
+    words = {"scoring": f"scoring {x}", "top_k": f"top-k {x}", "num_expert_group": f"expert groups {x}",
+             "topk_group": f"group top-k {x}",
+             "correction_bias": f"correction bias {yes}" + (" (added to the scores for selection only)" if x else ""),
+             "renormalize": f"renormalise {yes}" + (" (the kept weights sum to 1)" if x else ""),
+             "routed_scaling_factor": f"routed scaling factor {x}", "shared_experts": f"shared experts {x}",
+             "shared_intermediate": f"shared expert size {x}",
+             "shared_expert_gate": f"shared expert gate {yes}" + (" (sigmoid, per token)" if x else "")}
+    return words.get(w, f"{w} {x}")
+
+
+_ROUTING_ORDER = ("scoring", "top_k", "num_expert_group", "topk_group", "group_score", "correction_bias",
+                  "renormalize", "routed_scaling_factor", "router_weight_on_input", "shared_experts",
+                  "shared_intermediate", "shared_expert_gate")
+
+
+def routing_rows(routing: tuple[RoutingValue, ...]) -> list[tuple[str, str]]:
+    """The model's routing, one value a row with its source; grouped top-k only when there are groups,
+    the shared experts' size and gate only when there are some."""
+    values = {v.word: v.value for v in routing}
+    hidden = set()
+    if values.get("num_expert_group", 1) == 1:
+        hidden |= {"num_expert_group", "topk_group", "group_score"}
+    if not values.get("shared_experts"):  # the shape row says so already (no "shared" row)
+        hidden |= {"shared_experts", "shared_intermediate", "shared_expert_gate"}
+    rank = {w: i for i, w in enumerate(_ROUTING_ORDER)}
+    shown = sorted((v for v in routing if v.word not in hidden), key=lambda v: rank.get(v.word, len(rank)))
+    return [("routing" if i == 0 else "", f"{_routing_text(v, values)} [{v.source}]") for i, v in enumerate(shown)]
 
 # ------------------------------------------------------------ JSON
 
@@ -128,6 +168,7 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
         "notes": list(report.notes), "downgrades": [d.to_dict() for d in report.downgrades],
         "spec_overrides": list(report.overrides),
         "not_runnable": list(s.not_runnable),
+        "routing": {v.word: v.to_dict() for v in s.routing},
     }
 
 def to_json(report: Report, verbose: bool = False, indent: int | None = None) -> str:

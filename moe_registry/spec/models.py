@@ -726,10 +726,23 @@ class Naming(Strict):
                      for e in experts for p in ("gate", "up", "down"))
 
 
+class ConfigClass(Strict):
+    """The transformers config class a family's model types are read with, and the defaults it gives the
+    fields a config.json leaves out: an absent field takes the value transformers would run with, and
+    explain names the class it came from."""
+
+    model_types: list[str] = Field(min_length=1, description=(
+        "the family's model_type values (or architectures) transformers reads with this class; for a model "
+        "whose MoE fields sit in a sub-config (text_config), the sub-config's class"))
+    defaults: dict[str, Any] = Field(default_factory=dict, description=(
+        "config.json field (a name a fields or routing entry reads, dotted into sub-objects) → the class's "
+        "default, as transformers' own class sets it; tests build the class and compare"))
+
+
 FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
                     "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts"]
 RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
-                      "correction_bias", "group_score", "router_weight_on_input"]
+                      "correction_bias", "group_score", "router_weight_on_input", "shared_expert_gate"]
 
 
 class ModelFamilySpec(Strict):
@@ -752,6 +765,11 @@ class ModelFamilySpec(Strict):
         "experts the router scores beside the routed ones, LongCat's zero_expert_num)"))
     moe_layers: MoELayers = Field(default_factory=MoELayers, description=(
         "which decoder layers are MoE; default every layer"))
+    config_classes: dict[str, ConfigClass] = Field(default_factory=dict, description=(
+        "transformers config class name (e.g. DeepseekV3Config) → the model types it reads and its defaults. "
+        "A field the config leaves out takes the class's default before the entry's own default, so that "
+        "family members whose classes default differently (DeepseekV3Config's routed_scaling_factor 2.5, "
+        "Glm4MoeConfig's 1.0) each run as transformers runs them; empty: only the entries' defaults"))
     routing: dict[RoutingWord, FieldRef] = Field(default_factory=dict, description=(
         "how the router picks and weighs experts, as the family's modeling code fixes it: scoring "
         "(softmax, sigmoid; other words name routings no kernel here reproduces, e.g. sparsemixer, "
@@ -761,7 +779,10 @@ class ModelFamilySpec(Strict):
         "best scores, biased ones when there is a correction bias; default top2_sum with a correction bias, "
         "else max). renormalize may be a number p: the kept weights are divided by their p-norm (DBRX's "
         "moe_normalize_expert_weights); 1 is renormalising to sum 1, other p are not run here. "
-        "router_weight_on_input: the router weight scales the expert's input, not its output (Llama 4; top-1)"))
+        "router_weight_on_input: the router weight scales the expert's input, not its output (Llama 4; top-1). "
+        "shared_expert_gate: a sigmoid of one learnt logit per token scales the shared experts' output "
+        "(Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE); absent: false. explain shows each value with where it came from: "
+        "the config field, the config class's default (config_classes), or the entry's default"))
     requires: dict[str, FieldRule] = Field(default_factory=dict, description=(
         "config.json fields (a dotted path, looked up in each config_root) whose value the modeling code "
         "uses but the kernels here fix, each a detect-style test: e.g. gpt-oss's swiglu_limit: {equals: 7.0, "
@@ -776,6 +797,27 @@ class ModelFamilySpec(Strict):
         if missing:
             raise ValueError(f"fields is missing {', '.join(sorted(missing))}")
         return fields
+
+    @model_validator(mode="after")
+    def _config_classes(self) -> ModelFamilySpec:
+        names = set(self.match.model_type) | set(self.match.architectures)
+        read = {n for ref in (*self.fields.values(), *self.routing.values()) for n in ref.from_}
+        seen: dict[str, str] = {}
+        for cls_name, cls in self.config_classes.items():
+            if re.fullmatch(r"[A-Za-z_]\w*", cls_name) is None:
+                raise ValueError(f"config_classes: {cls_name!r} is not a class name")
+            for mt in cls.model_types:
+                if mt not in names:
+                    raise ValueError(f"config_classes.{cls_name}: {mt!r} is not in match (model_type or "
+                                     "architectures)")
+                if mt in seen:
+                    raise ValueError(f"config_classes: {mt!r} is read by both {seen[mt]} and {cls_name}")
+                seen[mt] = cls_name
+            unread = sorted(set(cls.defaults) - read)
+            if unread:
+                raise ValueError(f"config_classes.{cls_name}.defaults: {', '.join(unread)} is read by no fields "
+                                 "or routing entry")
+        return self
 
 
 # ---------------------------------------------------------------- format specs

@@ -334,11 +334,19 @@ class Naming(SpecRecord):
                      for e in experts for p in ("gate", "up", "down"))
 
 
+class ConfigClass(SpecRecord):
+    """The transformers config class a family's model types are read with, and the defaults it gives the
+    fields a config.json leaves out: an absent field takes the value transformers would run with, and
+    explain names the class it came from."""
+    model_types: list[str]
+    defaults: dict[str, Any]
+
+
 FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
                     "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts"]
 
 RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
-                      "correction_bias", "group_score", "router_weight_on_input"]
+                      "correction_bias", "group_score", "router_weight_on_input", "shared_expert_gate"]
 
 class ModelFamilySpec(SpecRecord):
     """How a model family's config.json names MoE fields and how its checkpoints name tensors."""
@@ -348,6 +356,7 @@ class ModelFamilySpec(SpecRecord):
     config_root: list[str]
     fields: dict[FieldName, FieldRef]
     moe_layers: MoELayers
+    config_classes: dict[str, ConfigClass]
     routing: dict[RoutingWord, FieldRef]
     requires: dict[str, FieldRule]
     naming: Naming
@@ -375,6 +384,7 @@ RECORDS: dict[str, type[SpecRecord]] = {
     'BindRule': BindRule,
     'CheckpointSpec': CheckpointSpec,
     'ComputeSpec': ComputeSpec,
+    'ConfigClass': ConfigClass,
     'ConverterSpec': ConverterSpec,
     'DetectSpec': DetectSpec,
     'EmulationSpec': EmulationSpec,
