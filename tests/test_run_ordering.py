@@ -1,7 +1,8 @@
-"""``run`` refuses bad input before expensive work: flag values, files, the config and the flags' situation before
-torch is imported (shown in a fresh process: torch is not in ``sys.modules`` after the error); ``--inputs`` and a
-missing router before the layer is built, which may compile its kernel for minutes (shown with ``build`` and the
-extension loader replaced by spies that fail the test if called). Each error by its message."""
+"""``run`` refuses bad input before expensive work: flag values, files, the config and the flags' situation, and
+the ``--inputs`` file's names and shape (its header) before torch is imported (shown in a fresh process: torch is
+not in ``sys.modules`` after the error); the token budget and a missing router before the layer is built, which
+may compile its kernel for minutes (shown with ``build`` and the extension loader replaced by spies that fail the
+test if called). Each error by its message."""
 
 from __future__ import annotations
 
@@ -61,8 +62,32 @@ def _flag_cases(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+def _inputs_cases(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
+    """--inputs files whose header is wrong for the layer (hidden 256): refused from the header alone."""
+    files = {"wrong-hidden": {"hidden_states": torch.zeros(3, 255)},
+             "misspelt": {"hidden_states": torch.zeros(3, 256), "topk_idz": torch.zeros(3, 4, dtype=torch.int32),
+                          "topk_weights": torch.zeros(3, 4)},
+             "ids-only": {"hidden_states": torch.zeros(3, 256), "topk_ids": torch.zeros(3, 4, dtype=torch.int32)},
+             "no-hidden": {"x": torch.zeros(3, 256)}}
+    for name, tensors in files.items():
+        save_file(tensors, str(tmp / f"{name}.safetensors"))
+    m, f = str(model), f"{tmp}/{{}}.safetensors"
+    return [
+        ([m, "--inputs", f.format("wrong-hidden")],
+         f"error: {f.format('wrong-hidden')}: hidden_states shape [3, 255]; expected [tokens, 256]"),
+        ([m, "--inputs", f.format("misspelt")],
+         f"error: {f.format('misspelt')}: unknown tensor 'topk_idz' (did you mean topk_ids?); wanted hidden_states, "
+         "optionally with both topk_ids and topk_weights"),
+        ([m, "--inputs", f.format("ids-only")],
+         f"error: {f.format('ids-only')}: give both topk_ids and topk_weights, or neither"),
+        ([m, "--inputs", f.format("no-hidden")], f"error: {f.format('no-hidden')}: no tensor named hidden_states "
+                                                 "(found x)"),
+    ]
+
+
 def test_flag_file_and_config_errors_come_before_torch_is_imported(example, tmp_path: Path) -> None:
-    cases = _flag_cases(example("deepseek-fp8-block"), tmp_path)
+    model = example("deepseek-fp8-block")
+    cases = _flag_cases(model, tmp_path) + _inputs_cases(model, tmp_path)
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([["run", *argv] for argv, _ in cases])],
                           capture_output=True, text=True, timeout=120, check=True)
     for (_, message), got in zip(cases, json.loads(done.stdout), strict=True):

@@ -212,13 +212,12 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """One process, or, started by torchrun with several ranks (or with --ep above 1), this rank's part."""
-    from moe_registry.cli.run_checks import check_common_flags, check_run_flags, layer_situation, started_by_torchrun
+    from moe_registry.cli.run_checks import check_before_torch, check_common_flags, started_by_torchrun
 
     if started_by_torchrun():  # what needs no torch is refused before torch is imported (a second or more)
         check_common_flags(args)
     else:
-        check_run_flags(args)
-        layer_situation(args)
+        check_before_torch(args)
     from moe_registry.cli.run import run_layer_command
     from moe_registry.cli.run_ep import run_ep_command, torchrun_env
 

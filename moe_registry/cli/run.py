@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from moe_registry.cli.run_checks import check_run_flags, layer_situation
+from moe_registry.cli.run_checks import check_inputs_header, check_run_flags, layer_situation
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError, ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
@@ -50,18 +50,12 @@ def read_inputs(path: Path, hidden: int, num_experts: int) -> tuple[torch.Tensor
     try:
         with safe_open(str(path), framework="pt") as f:
             names = set(f.keys())
-            if "hidden_states" not in names:
-                raise ConfigError(f"{path}: no tensor named hidden_states (found {', '.join(sorted(names)) or 'none'})")
-            guards.check_run_input_names(path, names)
+            check_inputs_header(path, {n: f.get_slice(n).get_shape() for n in names}, hidden)
             x = f.get_tensor("hidden_states")
             ids = f.get_tensor("topk_ids") if "topk_ids" in names else None
             w = f.get_tensor("topk_weights") if "topk_weights" in names else None
     except (OSError, RuntimeError, SafetensorError) as err:
         raise ConfigError(f"{path}: cannot read safetensors: {err}") from None
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ConfigError(f"{path}: hidden_states shape {list(x.shape)}; expected [tokens, {hidden}]")
-    if (ids is None) != (w is None):
-        raise ConfigError(f"{path}: give both topk_ids and topk_weights, or neither")
     if ids is None or w is None:
         return x, None
     try:

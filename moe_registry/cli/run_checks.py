@@ -5,7 +5,9 @@ kernel). Value ranges are checked earlier still, by the parser's types (``cli.ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moe_registry.core import guards
@@ -63,3 +65,42 @@ def layer_situation(args: argparse.Namespace) -> tuple[Registry, ModelConfig, Si
     flags = Flags(platform=args.platform, dtype=args.dtype, layer=args.layer, tp=args.tp, ep=args.ep,
                   max_tokens=args.max_tokens)
     return registry, model, situation_for_model(model, registry, flags)
+
+
+def check_before_torch(args: argparse.Namespace) -> None:
+    """Everything one process's run can refuse without torch: flags, files, the config and the situation, and the
+    ``--inputs`` file's names and hidden_states shape (from its header)."""
+    check_run_flags(args)
+    _, model, _ = layer_situation(args)
+    if args.inputs:
+        header = inputs_header(Path(args.inputs))
+        if header is not None:
+            check_inputs_header(Path(args.inputs), header, model.shape.hidden)
+
+
+def inputs_header(path: Path) -> dict[str, list[int]] | None:
+    """The shapes of an ``--inputs`` file's tensors, from its safetensors header (8 bytes of length, then JSON)
+    without torch; None when the header does not read (safetensors then says why, when the file is read)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= guards.MAX_JSON_BYTES:
+                return None
+            header = json.loads(f.read(size))
+        return {n: [int(d) for d in v["shape"]] for n, v in header.items() if n != "__metadata__"}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
+def check_inputs_header(path: Path, shapes: Mapping[str, Sequence[int]], hidden: int) -> None:
+    """An ``--inputs`` file's tensor names and hidden_states shape (``shapes``: name -> shape, as its header says):
+    hidden_states [tokens, ``hidden``], optionally both topk_ids and topk_weights, nothing else."""
+    names = set(shapes)
+    if "hidden_states" not in names:
+        raise ConfigError(f"{path}: no tensor named hidden_states (found {', '.join(sorted(names)) or 'none'})")
+    guards.check_run_input_names(path, names)
+    shape = list(shapes["hidden_states"])
+    if len(shape) != 2 or shape[1] != hidden:
+        raise ConfigError(f"{path}: hidden_states shape {shape}; expected [tokens, {hidden}]")
+    if ("topk_ids" in names) != ("topk_weights" in names):
+        raise ConfigError(f"{path}: give both topk_ids and topk_weights, or neither")
