@@ -120,8 +120,6 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
     """Standard-format layer [M, H] -> [M, H] in ``dtype``; pairs with id FOREIGN_EXPERT add zero."""
     m, top_k = topk_ids.shape
     num_experts = dense.num_experts
-    if config.apply_router_weight_on_input and top_k != 1:
-        raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {top_k}")
     out = torch.zeros(m, hidden.shape[1], dtype=dtype, device=hidden.device)
     if m == 0:
         return out
@@ -151,8 +149,8 @@ def _moe(dense: DenseExperts, hidden: torch.Tensor, topk_weights: torch.Tensor, 
     whole = None
     if per_tensor_dynamic(dense.activation_key):
         whole = hidden.to(dtype)
-        if config.apply_router_weight_on_input:
-            whole = whole * topk_weights.reshape(m, 1).to(dtype)
+        if config.apply_router_weight_on_input:  # every (token, expert) pair's scaled row
+            whole = (whole[:, None, :] * topk_weights.to(dtype)[:, :, None]).reshape(m * top_k, -1)
     for (tok, w), y in zip(placed, _run_experts(dense, jobs, config.activation, dtype, whole), strict=True):
         out.index_add_(0, tok, y if config.apply_router_weight_on_input else y * w)
     return out

@@ -11,7 +11,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["__version__", "build", "load_layer", "load_model", "load_registry", "select"]
+__all__ = ["MoELayer", "__version__", "build", "load_layer", "load_model", "load_registry", "select"]
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so ``dir()`` and tab completion find them before first use."""
+    return sorted({*globals(), *__all__})
 
 
 def _version() -> str:
@@ -30,7 +35,7 @@ def __getattr__(name: str) -> Any:
         value = _version()
         globals()["__version__"] = value
         return value
-    if name in ("build", "load_layer"):
+    if name in ("build", "load_layer", "MoELayer"):
         import importlib
 
         return getattr(importlib.import_module("moe_registry.layer.build"), name)

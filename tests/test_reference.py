@@ -375,9 +375,11 @@ def test_router_weight_on_input():
     tw = tw * 0.6  # not all ones, or applying it anywhere would look the same
     out = ReferenceExperts(weights, config).apply(hidden, tw, ti)
     assert rel(out, naive_moe(hidden, tw, ti, weights, INT8_TOK, config)) < 2e-3
-    tw2, ti2 = routing(M, 2, 22)
-    with pytest.raises(ValueError, match="apply_router_weight_on_input needs top_k == 1, got top_k = 2"):
-        ReferenceExperts(weights, config).apply(hidden, tw2, ti2)
+    tw2, ti2 = routing(M, 2, 22)  # top-2 (Llama 4 at num_experts_per_tok 2): each pair's scaled input, summed
+    tw2 = tw2 * torch.tensor([0.7, 0.4])
+    out2 = ReferenceExperts(weights, config).apply(hidden, tw2, ti2)
+    pairs = sum(naive_moe(hidden, tw2[:, k:k + 1], ti2[:, k:k + 1], weights, INT8_TOK, config) for k in range(2))
+    assert rel(out2, pairs) < 2e-3
 
 
 def test_reference_rejects_ids_out_of_range():

@@ -53,9 +53,13 @@ def test_run_every_example_within_tolerance(example, name: str, capsys) -> None:
 def test_run_text_shows_report_error_and_time(example, capsys) -> None:
     assert main(["run", str(example("mixtral-awq")), "--platform", "cpu", "--repeat", "1"]) == 0
     text = capsys.readouterr().out
-    for needle in ("scheme      awq-w4a16", f"kernel      {first_cpu_kernel('awq-w4a16')}", "rel. error",
+    for needle in (f"ran         awq-w4a16 on {first_cpu_kernel('awq-w4a16')} (cpu, float16)", "rel. error",
                    "vs float64 reference", "ms per call"):
         assert needle in text
+    assert "scheme      awq-w4a16" not in text  # the whole report only with --verbose
+    assert main(["run", str(example("mixtral-awq")), "--platform", "cpu", "--repeat", "1", "--verbose"]) == 0
+    text = capsys.readouterr().out
+    assert "scheme      awq-w4a16" in text and f"kernel      {first_cpu_kernel('awq-w4a16')}" in text
 
 
 def test_inputs_with_routing_and_saved_output_match_reference(example, tmp_path: Path, capsys) -> None:

@@ -68,6 +68,7 @@ _SIGMOID_BIAS = {"scoring": "sigmoid", "renormalize": "norm_topk_prob", "correct
                  "routed_scaling_factor": "routed_scaling_factor"}
 ROUTING: dict[str, dict] = {
     "qwen2_moe": _SOFTMAX_NORM_ATTR, "qwen3_moe": _SOFTMAX_NORM_ATTR, "qwen3_next": _SOFTMAX_NORM_ATTR,
+    "qwen3_omni_moe_thinker": _SOFTMAX_NORM_ATTR,
     "olmoe": _SOFTMAX_NORM_ATTR, "flex_olmo": _SOFTMAX_NORM_ATTR,
     "qwen3_vl_moe": _SOFTMAX_RENORM, "qwen3_5_moe": _SOFTMAX_RENORM, "mixtral": _SOFTMAX_RENORM,
     "minimax": _SOFTMAX_RENORM,

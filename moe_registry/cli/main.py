@@ -28,7 +28,7 @@ from moe_registry.cli.generate import add_generate_parser
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
-from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
+from moe_registry.core.vocab import ALL2ALL_BACKENDS, ALL2ALL_IMPLEMENTED, EXPERT_PLACEMENTS
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for
 from moe_registry.spec.loader import load_registry
 
@@ -92,12 +92,12 @@ def _flags(args: argparse.Namespace) -> Flags:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from moe_registry.oracle.select import select
+    from moe_registry.oracle.select import select_model
 
     registry = load_registry(args.spec_dir)
     check_kernel_names(registry, kernel=args.kernel, prefer=args.prefer)
     situation = situation_for(Path(args.target), registry, _flags(args))
-    report = select(registry, situation, prefer=args.prefer, pin=args.kernel)
+    report = select_model(registry, situation, prefer=args.prefer, pin=args.kernel)
     print_report(report, args)
     return EXIT_OK
 
@@ -288,10 +288,12 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel size (default 1), e.g. --ep 8")
     p.add_argument("--dp", type=_count("--dp", SIZE_MOST, POSITIVE), metavar="N",
                    help="data-parallel size (default 1), e.g. --dp 2")
+    runs = [b for b in ALL2ALL_BACKENDS if b in ALL2ALL_IMPLEMENTED]
     p.add_argument("--all2all", metavar="BACKEND",
-                   help=f"all2all backend for EP dispatch: {', '.join(ALL2ALL_BACKENDS)} (default none; run under "
-                        "torchrun: allgather_reducescatter, the one implemented; explain shows which kernels claim "
-                        "it), e.g. --ep 8 --all2all allgather_reducescatter")
+                   help=f"all2all backend for EP dispatch: {', '.join(runs)} (default none: no dispatch; "
+                        "allgather_reducescatter runs under torchrun); known, not implemented here: "
+                        f"{', '.join(b for b in ALL2ALL_BACKENDS if b not in runs)}, "
+                        "e.g. --ep 8 --all2all allgather_reducescatter")
     p.add_argument("--expert-placement", dest="expert_placement", metavar="HOW",
                    help=f"which rank owns which expert under --ep: {', '.join(EXPERT_PLACEMENTS)} (default contiguous: "
                         "rank r holds the r-th block; round_robin: expert e on rank e mod ep)")
@@ -362,8 +364,10 @@ def build_parser() -> Parser:
     p.add_argument("--save-output", dest="save_output", metavar="FILE",
                    help="write the layer output to this safetensors file (its dir must exist), "
                         "e.g. --save-output out.safetensors")
-    p.add_argument("--repeat", type=_count("--repeat", 100_000), default=5, metavar="N",
-                   help="timed calls, >= 1 (default 5); the median, min and max are reported, e.g. --repeat 20")
+    p.add_argument("--repeat", type=_count("--repeat", 100_000), metavar="N",
+                   help="timed calls after a warm-up, >= 1 (default: as many as fit in about a second, 10 to 1000; "
+                        "5 per rank under torchrun); the median, the middle half, min and max are reported, "
+                        "e.g. --repeat 20")
     p.add_argument("--threads", type=_count("--threads", 4096), metavar="N",
                    help="CPU threads for torch (default: the CPUs this process may use); on a busy "
                         "machine --threads 1 gives steadier timings")

@@ -4,11 +4,13 @@ dequantised reference, and time it."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from moe_registry.layer.build import DTYPES, MoELayer, build
 from moe_registry.model.checkpoint import layer_names, open_checkpoint
 from moe_registry.model.routing import Routing, from_given
 from moe_registry.oracle.contract import Report
+from moe_registry.oracle.render import TEXT_WIDTH, wrap
 from moe_registry.oracle.runtime import MoEShape
 
 
@@ -39,6 +42,8 @@ class RunResult:
     max_ms: float = 0.0
     repeat: int = 1
     threads: int = 1
+    p25_ms: float = 0.0  # the middle half of the timed calls lies between p25 and p75: the spread
+    p75_ms: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -62,6 +67,28 @@ def read_inputs(path: Path, hidden: int, num_experts: int) -> tuple[torch.Tensor
         return x, from_given(ids.to(torch.int32), w.to(torch.float32), num_experts)
     except ValueError as err:
         raise ConfigError(f"{path}: {err}") from None
+
+
+WARMUP_S, WARMUP_CALLS = 0.2, 3  # first calls pay for allocation, caches, lazy compilation: not timed
+TIMED_S, TIMED_CALLS = 1.0, (10, 1000)  # without --repeat: calls for about a second, at least 10, at most 1000
+
+
+def time_calls(call: Callable[[], object], repeat: int | None) -> list[float]:
+    """Milliseconds of each timed call, after a warm-up (``WARMUP_CALLS`` calls and ``WARMUP_S`` seconds).
+    ``repeat`` calls when given, else as many as fit in ``TIMED_S`` (within ``TIMED_CALLS``), so a fast layer is
+    timed often enough for a stable median and a slow one does not take minutes."""
+    start = time.perf_counter()
+    for i in itertools.count():
+        if i >= WARMUP_CALLS and time.perf_counter() - start >= WARMUP_S:
+            break
+        call()
+    times: list[float] = []
+    lo, hi = (repeat, repeat) if repeat is not None else TIMED_CALLS
+    while len(times) < hi and (len(times) < lo or sum(times) < TIMED_S * 1e3):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def _sync(device: torch.device) -> None:
@@ -150,17 +177,13 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
         source = args.inputs or f"--tokens {args.tokens} (random)"
         raise ConfigError(f"{source}: {bad} of {out.numel()} output values are NaN or infinite in {runtime.dtype} "
                           "(the hidden states overflow it); nothing was written")
-    times = []
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        call()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = time_calls(lambda: (call(), _sync(device)), args.repeat)
     config = built.kernel.experts.config  # the layer's own (activation, router weight on the input)
     ref = reference_moe(x.cpu(), w.cpu(), ids.cpu(), built.weights.to("cpu"), config, torch.float64)
     err = float((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
     result = RunResult(int(x.shape[0]), err, built.tolerance, statistics.median(times), str(device),
-                       min(times), max(times), len(times), threads)
+                       min(times), max(times), len(times), threads, q1, q3)
     return built.report, result, out
 
 
@@ -180,17 +203,21 @@ def run_layer_command(args: argparse.Namespace) -> int:
                              f"{result.tolerance:.1e}")
         print(json.dumps(body))
     else:
-        print(report.to_text(args.verbose))
-        print()
-        rows = [("tokens", str(result.tokens)), ("device", f"{result.device} ({result.threads} CPU threads)"),
+        if args.verbose:
+            print(report.to_text(args.verbose))
+            print()
+        rows = [("ran", report.summary()), *report.notice_rows(),
+                ("tokens", str(result.tokens)), ("device", f"{result.device} ({result.threads} CPU threads)"),
                 ("rel. error", f"{result.relative_error:.3e} vs float64 reference "
                                f"(tolerance {result.tolerance:.1e}: {'ok' if result.ok else 'TOO LARGE'})"),
-                ("time", f"{result.median_ms:.3f} ms per call (median of {result.repeat}; "
-                         f"min {result.min_ms:.3f}, max {result.max_ms:.3f})")]
+                ("time", f"{result.median_ms:.3f} ms per call (median of {result.repeat} after warm-up; middle "
+                         f"half {result.p25_ms:.3f}-{result.p75_ms:.3f}, min {result.min_ms:.3f}, "
+                         f"max {result.max_ms:.3f})")]
         if args.save_output:
             rows.append(("output", args.save_output))
         width = max(len(k) for k, _ in rows)
-        print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows))
+        print("\n".join(f"{(k if i == 0 else '').ljust(width)}  {part}" for k, v in rows
+                        for i, part in enumerate(wrap(v, TEXT_WIDTH, width + 2))))
         if not result.ok:
             print(f"error: relative error {result.relative_error:.3e} is above the scheme's tolerance "
                   f"{result.tolerance:.1e}", file=sys.stderr)

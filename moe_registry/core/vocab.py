@@ -51,6 +51,7 @@ ACTIVATION_FORMATS: tuple[str, ...] = get_args(ActivationFormat)
 FEATURES: tuple[str, ...] = get_args(Feature)
 DEVICES: tuple[str, ...] = get_args(Device)
 ALL2ALL_BACKENDS: tuple[str, ...] = get_args(All2All)
+ALL2ALL_IMPLEMENTED: tuple[str, ...] = get_args(KernelAll2All)  # the rest are known names, not implemented here
 EXPERT_PLACEMENTS: tuple[str, ...] = get_args(ExpertPlacement)
 ROLES: tuple[str, ...] = get_args(Role)
 

@@ -323,8 +323,13 @@ class MoELayer(torch.nn.Module):
         self.register_buffer("router_bias", None if rb is None else rb.to(dev, torch.float32))
         self.top_k = layer.model.shape.top_k
         self.routing_params = dict(layer.model.routing)
+        self.dtype = DTYPES[layer.built.report.situation.runtime.dtype]  # what the kernel computes in
 
     def route(self, hidden: torch.Tensor) -> Routing:
+        """Which experts each token goes to, with what weight, as the family's router computes it (scores in
+        float32): ``hidden`` [tokens, hidden] or [batch, seq, hidden] of any float dtype; a Routing whose
+        ``topk_ids``/``topk_weights`` are [tokens, top_k] (batch and seq flattened)."""
+        hidden = self._tokens(hidden)
         logits = hidden.float() @ self.router_weight.t()
         if self.router_bias is not None:
             logits = logits + self.router_bias
@@ -338,9 +343,25 @@ class MoELayer(torch.nn.Module):
                                 self.correction_bias, renormalize, scale, p.get("group_score"))
         return softmax_topk(logits, self.top_k, renormalize)
 
+    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` as [tokens, hidden]; refused in one line unless floating point with the layer's hidden size."""
+        size = self.router_weight.shape[1]
+        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+            raise ValueError(f"hidden states must be a floating-point tensor [tokens, {size}] or [batch, seq, "
+                             f"{size}], got {getattr(hidden, 'dtype', type(hidden).__name__)}")
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != size:
+            raise ValueError(f"hidden states must be [tokens, {size}] or [batch, seq, {size}], got shape "
+                             f"{list(hidden.shape)}")
+        return hidden.reshape(-1, size)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        r = self.route(hidden)
-        return self.kernel(hidden, r.topk_weights, r.topk_ids)
+        """The routed experts' output for ``hidden`` [tokens, hidden] or [batch, seq, hidden] (as transformers'
+        MoE blocks take it), in ``hidden``'s shape and dtype; computed in the layer's dtype (the report's
+        runtime dtype), so a float32 input to a float16 layer is rounded to float16 first."""
+        x = self._tokens(hidden)
+        r = self.route(x)
+        out = self.kernel(x.to(self.dtype), r.topk_weights, r.topk_ids)
+        return out.to(hidden.dtype).reshape(hidden.shape)
 
 
 def load_layer(model_dir: str | Path, layer: int | None = None, device: str | torch.device | None = None,

@@ -224,13 +224,12 @@ class FusedMoEKernel(torch.nn.Module):
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
         if topk_weights.dtype != torch.float32:
-            raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+            raise ValueError(f"topk_weights must be floating point (any float dtype; used as float32), "
+                             f"got {topk_weights.dtype}")
         for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
             if t.device != hidden.device:
                 raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
         top_k = topk_ids.shape[1]
-        if self.experts.config.apply_router_weight_on_input and top_k != 1:
-            raise ValueError(f"apply_router_weight_on_input needs top_k == 1, got top_k = {top_k}")
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
             if lo < 0 or hi >= num_experts:
@@ -241,8 +240,20 @@ class FusedMoEKernel(torch.nn.Module):
                     raise ValueError("topk_ids repeats an expert within a token's row")
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(topk_weights, torch.Tensor) and topk_weights.is_floating_point():
+            topk_weights = topk_weights.float()  # a router's weights in any float dtype (transformers': the model's)
         if self.validate:
             self._check(hidden, topk_weights, topk_ids)
+        m, top_k = topk_ids.shape
+        if self.experts.config.apply_router_weight_on_input and top_k > 1:
+            # transformers' Llama4TextMoe at any top-k: each expert runs on the input scaled by its weight and
+            # the k outputs add up; as k rows of top-1 the prepare/experts path below needs no other form
+            rows = self._forward(hidden.repeat_interleave(top_k, dim=0), topk_weights.reshape(-1, 1),
+                                 topk_ids.reshape(-1, 1))
+            return rows.view(m, top_k, -1).float().sum(dim=1).to(hidden.dtype)
+        return self._forward(hidden, topk_weights, topk_ids)
+
+    def _forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         pf = self.prepare_finalize
         prepared = pf.prepare(hidden, topk_weights, topk_ids,
                               apply_router_weight_on_input=self.experts.config.apply_router_weight_on_input)

@@ -171,13 +171,24 @@ class LayerNames:
         return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
 
 
+def layer_prefix(template: str, alternatives: Sequence[str], layer: int, index: CheckpointIndex) -> str:
+    """``layer``'s tensor prefix: ``template``'s, or the first of ``alternatives`` under which ``index`` holds a
+    tensor when it holds none under ``template``'s (a text-only checkpoint of a multimodal family)."""
+    prefixes = [t.format(layer=layer) for t in (template, *alternatives)]
+    if len(prefixes) > 1:
+        for prefix in prefixes:
+            if any(name.startswith(prefix + ".") for name in index.tensors):
+                return prefix
+    return prefixes[0]
+
+
 def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex) -> LayerNames:
     """The names of ``layer``'s pieces as ``index`` holds them: the fused tensors when it has them (or
     the family names no others), else the first per-expert naming (the primary one, then
     ``naming.alternatives``) whose first expert or router it holds. A layer held under none of them
     is a CheckpointError naming what was looked for under each."""
     n = family.naming
-    prefix = n.layer.format(layer=layer)
+    prefix = layer_prefix(n.layer, n.layer_alternatives, layer, index)
     fused = None
     if n.fused is not None:
         f = n.fused

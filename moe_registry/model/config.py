@@ -154,9 +154,19 @@ def match_family(cfg: Mapping[str, Any], registry: Registry, path: str) -> Model
             fam = loaded.spec
             if types & set(fam.match.model_type) or archs & set(fam.match.architectures):
                 return fam
+    seen = f"model_type: {cfg.get('model_type') or '(none)'!r} (architectures {sorted(archs) or 'none'})"
+    counts = expert_count_names(registry)
+    if not any(_lookup(root, name) for root in (cfg, *(s for s in cfg.values() if isinstance(s, Mapping)))
+               for name in counts):
+        raise ConfigError(f"{path}: {seen}: this model has no MoE layers (its config gives no expert count: none of "
+                          f"{', '.join(counts)}); moe-registry runs the MoE layers of MoE models")
     near = closest_families(model_types | sub_types, archs, registry)
-    raise ConfigError(f"{path}: model_type: {cfg.get('model_type') or '(none)'!r} is not a known MoE family "
-                      f"(architectures {sorted(archs) or 'none'}); closest known: {near}")
+    raise ConfigError(f"{path}: {seen.replace(' (', ' is not a known MoE family (', 1)}; closest known: {near}")
+
+
+def expert_count_names(registry: Registry) -> list[str]:
+    """Every config field a family reads its expert count from (a config with none of them is not a MoE model)."""
+    return sorted({n for loaded in registry.families.values() for n in loaded.spec.fields["num_experts"].from_})
 
 
 def closest_families(model_types: set[str], archs: set[str], registry: Registry) -> str:
@@ -165,13 +175,11 @@ def closest_families(model_types: set[str], archs: set[str], registry: Registry)
     for loaded in registry.families.values():
         for name in [*loaded.spec.match.model_type, *loaded.spec.match.architectures]:
             by_name.setdefault(name, loaded.spec.family)
-    near: list[str] = []
+    near: dict[str, str] = {}  # family -> its nearest name: a family is named once
     for seen in sorted(t for t in model_types | archs if t):
         for name in difflib.get_close_matches(seen, list(by_name), n=3, cutoff=0.5):
-            label = f"{by_name[name]} ({name})"
-            if label not in near:
-                near.append(label)
-    return ", ".join(near[:4]) or "none (moe-registry list families shows them all)"
+            near.setdefault(by_name[name], f"{by_name[name]} ({name})")
+    return ", ".join(list(near.values())[:4]) or "none (moe-registry list families shows them all)"
 
 
 def _int(value: Any, what: str, path: str) -> int:

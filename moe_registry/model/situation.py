@@ -131,7 +131,8 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
                             or bool(model.routing.get("router_weight_on_input", False)), environment)
     family = registry.families[model.family].spec
     return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
-                     model.quant_source, model.path, model.family, layer, model.not_runnable, model.routing_values)
+                     model.quant_source, model.path, model.family, layer, model.not_runnable, model.routing_values,
+                     model.moe_layers, flags.layer is not None)
 
 
 def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
@@ -156,7 +157,8 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
     from moe_registry.spec.yamlio import load_yaml_file
 
     data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
-    rf = parse_runtime_file(json.loads(json.dumps(data)), str(path))
+    bare = _is_quantization_config(data)
+    rf = parse_runtime_file(json.loads(json.dumps({"quantization_config": data} if bare else data)), str(path))
     platform, environment = target_platform(flags.platform or rf.platform, registry)
     base = RuntimeConfig(platform, rf.dtype or "bfloat16", None, ParallelConfig(rf.tp, rf.ep, rf.dp, rf.all2all,
                                                                                   rf.expert_placement),
@@ -179,5 +181,11 @@ def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situat
     _check_parallel(parallel, shape)
     runtime = RuntimeConfig(platform, check_dtype(flags.dtype or rf.dtype or "bfloat16"), shape, parallel,
                             _pick(flags.max_tokens, rf.max_tokens), rf.router_weight_on_input, environment)
-    return Situation(rf.quantization_config, runtime, quant_source=f"{path.name}:quantization_config",
-                     model=str(path))
+    return Situation(rf.quantization_config, runtime, model=str(path),
+                     quant_source=path.name if bare else f"{path.name}:quantization_config")
+
+
+def _is_quantization_config(data: Any) -> bool:
+    """A quantization config on its own (``quantization_config.json``, ``hf_quant_config.json``): explained
+    as a runtime file holding only it (its scheme and kernels; no shape)."""
+    return isinstance(data, dict) and ("quant_method" in data or {"producer", "quantization"} <= set(data))

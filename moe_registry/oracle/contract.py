@@ -180,6 +180,29 @@ class Situation:
     layer: int | None = None
     not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
     routing: tuple[RoutingValue, ...] = ()  # the model's routing with sources (explain shows it)
+    moe_layers: tuple[int, ...] = ()  # every MoE layer of the model (explain reports them all, grouped)
+    layer_asked: bool = False  # --layer / layer= named the layer: the report is that layer's alone
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Consecutive MoE layers the oracle decides alike: the same scheme (with the same bindings) on the same
+    kernel, excluded from quantization by the same rule or not at all."""
+
+    first: int
+    last: int
+    scheme: str | None
+    kernel: str | None
+    excluded: str | None = None  # the scope rule that left these layers unquantized
+    count: int = 1
+
+    @property
+    def span(self) -> str:
+        return f"layer {self.first}" if self.count == 1 else f"layers {self.first}-{self.last}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last, "count": self.count, "scheme": self.scheme,
+                "kernel": self.kernel, "excluded": self.excluded}
 
 
 class DowngradeKind(str, Enum):
@@ -228,6 +251,8 @@ class Report:
     selected_by: SelectedBy | None = None  # None when no scheme matched
     requested: str | None = None  # the kernel named by pin or prefer
     overrides: tuple[str, ...] = field(default=())
+    unclaimed: str | None = None  # no scheme matched: the config's quant_method is one no scheme spec claims
+    layers: tuple[LayerRun, ...] = ()  # the model's MoE layers grouped, when they are not all decided alike
     downgrades: tuple[Downgrade, ...] = ()  # where what runs differs from what was asked (explain says each)
     # the activation key the chosen kernel runs, where its key pattern's emulation differs from the scheme's
     kernel_activation_key: QuantKey | None = None
@@ -271,10 +296,18 @@ class Report:
 
     def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]:
         rest = self.turned_down()
-        return rest if verbose else rest[:NEAREST_SHOWN]
+        if verbose:
+            return rest
+        return [] if self.unclaimed else rest[:NEAREST_SHOWN]  # unclaimed: none of them is near
 
     # rendering lives in render.py; these keep the report's one public face
     def rows(self) -> list[tuple[str, str]]:
+    def summary(self) -> str:
+        return render.summary_line(self)
+
+    def notice_rows(self) -> list[tuple[str, str]]:
+        return render.notice_rows(self)
+
         return render.head_rows(self)
 
     def to_dict(self, verbose: bool = False) -> dict[str, Any]:

@@ -47,8 +47,11 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
     rows = []
     if s.model:
         layer = f", layer {s.layer}" if s.layer is not None else ""
+        if report.layers:
+            layer += f" of {len(s.moe_layers)} MoE layers, which differ: see layers"
         rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
-    plat = str(rt.platform) + (f" ({rt.platform.name})" if rt.platform.name else "")
+        rows += layer_rows(report)
+    plat = platform_text(rt.platform)
     placement = f" placement={p.expert_placement}" if p.ep > 1 else ""
     rows.append(("runtime", f"{plat}, {rt.dtype}, tp={p.tp} ep={p.ep} dp={p.dp} all2all={p.all2all}{placement}"))
     if rt.shape is not None:
@@ -73,7 +76,7 @@ def head_rows(report: Report) -> list[tuple[str, str]]:
         if v.scope_note:
             rows.append(("scope", v.scope_note))
     else:
-        rows.append(("scheme", "none matched"))
+        rows.append(("scheme", "none matched" + (f": {report.unclaimed}" if report.unclaimed else "")))
     if report.excluded_note:
         rows.append(("excluded", report.excluded_note))
     if report.scheme is not None:
@@ -122,6 +125,48 @@ def routing_rows(routing: tuple[RoutingValue, ...]) -> list[tuple[str, str]]:
     shown = sorted((v for v in routing if v.word not in hidden), key=lambda v: rank.get(v.word, len(rank)))
     return [("routing" if i == 0 else "", f"{_routing_text(v, values)} [{v.source}]") for i, v in enumerate(shown)]
 
+# the head's rows that describe the situation and the decision; every other row (not run, excluded, emulation,
+# note, override, downgrades) says something differs from what was asked, and run prints it beside its summary
+SITUATION_LABELS = frozenset({"model", "layers", "runtime", "shape", "shared", "routing", "config", "scheme", "weight",
+                              "activation", "bindings", "scope", "kernel", ""})
+
+
+def layer_rows(report: Report) -> list[tuple[str, str]]:
+    """One row per run of alike MoE layers: ``layers 1-47  awq-w4a16  triton-fused-moe`` (and the rule that
+    excluded a run); none when every layer is decided alike."""
+    runs = report.layers
+    if not runs:
+        return []
+    sw = max(len(r.span) for r in runs)
+    cw = max(len(r.scheme or "no scheme") for r in runs)
+    return [("layers" if i == 0 else "",
+             f"{r.span.ljust(sw)}  {(r.scheme or 'no scheme').ljust(cw)}  {r.kernel or 'no kernel'}"
+             + (f" (excluded: {r.excluded})" if r.excluded else ""))
+            for i, r in enumerate(runs)]
+
+
+def platform_text(platform: Any) -> str:
+    """``cuda:9.0 (NVIDIA H100 80GB HBM3)``; the device name only where it adds something (not ``cpu (cpu)``)."""
+    name = platform.name
+    return str(platform) + (f" ({name})" if name and name != str(platform) else "")
+
+
+def summary_line(report: Report) -> str:
+    """One line: scheme, kernel, platform and dtype, the layer and model (run prints it instead of the report)."""
+    s = report.situation
+    rt = s.runtime
+    scheme = report.scheme.scheme if report.scheme is not None else "no scheme"
+    where = f"layer {s.layer} of {s.model} ({s.family})" if s.layer is not None else str(s.model)
+    p = rt.parallel
+    parallel = "".join(f", {k}={v}" for k, v in (("tp", p.tp), ("ep", p.ep)) if v > 1)
+    return (f"{scheme} on {report.chosen or 'no kernel'} ({platform_text(rt.platform)}, {rt.dtype}{parallel}), "
+            f"{where}; --verbose prints the whole report")
+
+
+def notice_rows(report: Report) -> list[tuple[str, str]]:
+    """The head's rows that say what differs from what was asked (run prints them under its summary)."""
+    return [(label, value) for label, value in head_rows(report) if label not in SITUATION_LABELS]
+
 # ------------------------------------------------------------ JSON
 
 def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
@@ -137,6 +182,7 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
     shown = ([report.scheme] if report.scheme is not None else []) + report.shown_turned_down(verbose)
     return {
         "model": s.model, "family": s.family, "layer": s.layer, "quant_source": s.quant_source,
+        "layers": [r.to_dict() for r in report.layers],
         "runtime": {
             "platform": str(rt.platform), "device_name": rt.platform.name, "dtype": rt.dtype,
             "tp": rt.parallel.tp, "ep": rt.parallel.ep, "dp": rt.parallel.dp,
@@ -164,7 +210,7 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
         "schemes": [{"scheme": v.scheme, "matched": v.matched, "excluded": v.excluded,
                      "checks": checks(v.checks) if not v.matched else [c.to_dict() for c in v.checks]}
                     for v in shown],
-        "schemes_turned_down": len(report.turned_down()),
+        "schemes_turned_down": len(report.turned_down()), "unclaimed": report.unclaimed,
         "notes": list(report.notes), "downgrades": [d.to_dict() for d in report.downgrades],
         "spec_overrides": list(report.overrides),
         "not_runnable": list(s.not_runnable),
@@ -203,8 +249,10 @@ def to_text(report: Report, verbose: bool = False, width: int = TEXT_WIDTH) -> s
     if rest:
         shown = report.shown_turned_down(verbose)
         more = "" if len(shown) == len(rest) else f"; the {len(shown)} nearest shown, --verbose lists all"
-        lines += ["", f"schemes turned down ({len(rest)}{more}):"]
-        sw = max(len(v.scheme) for v in shown)
+        if not shown:
+            more = "; none claims this quant_method, --verbose lists all"
+        lines += ["", f"schemes turned down ({len(rest)}{more}){':' if shown else ''}"]
+        sw = max((len(v.scheme) for v in shown), default=0)
         indent = 4 + sw + 2
         for v in shown:
             for i, part in enumerate(wrap(_turned_down_reason(v), width, indent)):

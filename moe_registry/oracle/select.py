@@ -7,8 +7,20 @@ It imports no kernel code and needs no GPU; building the chosen kernel is in bui
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 from moe_registry.core.errors import SelectionError
-from moe_registry.oracle.contract import KernelVerdict, Reason, Report, SchemeVerdict, SelectedBy, Situation, failed
+from moe_registry.oracle.contract import (
+    KernelVerdict,
+    LayerRun,
+    Reason,
+    Report,
+    SchemeVerdict,
+    SelectedBy,
+    Situation,
+    failed,
+)
 from moe_registry.oracle.detect import detect_scheme
 from moe_registry.oracle.downgrades import derive
 from moe_registry.oracle.predicates import kernel_checks
@@ -16,6 +28,7 @@ from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
+METHOD_FIELD = "quant_method"  # transformers' name for a quantization config's method (QuantizationConfigMixin)
 
 
 
@@ -46,9 +59,58 @@ def detect(registry: Registry, situation: Situation) -> tuple[SchemeVerdict | No
     return None, verdicts, None
 
 
+def select_model(registry: Registry, situation: Situation, *, prefer: str | None = None,
+                 pin: str | None = None, raise_on_failure: bool = True) -> Report:
+    """``select`` for a whole model (explain). A model whose MoE
+    layers are not all decided alike (an excluded layer, GPTQ ``dynamic``, mixed precision) is reported on
+    the first layer of its largest run of alike layers, with every run in ``Report.layers``; a layer the
+    situation names (``--layer``) is reported alone."""
+    if len(situation.moe_layers) > 1 and not situation.layer_asked and situation.family in registry.families:
+        runs = layer_runs(registry, situation, prefer=prefer, pin=pin)
+        if len(runs) > 1:
+            shown = max(runs, key=lambda r: r.count).first  # max keeps the first of equal runs
+            one = _for_layer(registry, situation, shown)
+            try:
+                report = select(registry, one, prefer=prefer, pin=pin, raise_on_failure=raise_on_failure)
+            except SelectionError as err:  # the refusal's report tells of every layer too
+                if err.report is not None:  # type: ignore[attr-defined]
+                    err.report = replace(err.report, layers=runs)  # type: ignore[attr-defined]
+                raise
+            return replace(report, layers=runs)
+    return select(registry, situation, prefer=prefer, pin=pin, raise_on_failure=raise_on_failure)
+
+
+def _for_layer(registry: Registry, situation: Situation, layer: int) -> Situation:
+    family = registry.families[situation.family or ""].spec
+    assert situation.runtime.shape is not None
+    return replace(situation, layer=layer, modules=expert_modules(family, layer, situation.runtime.shape.num_experts))
+
+
+def layer_runs(registry: Registry, situation: Situation, *, prefer: str | None = None,
+               pin: str | None = None) -> tuple[LayerRun, ...]:
+    """Every MoE layer's decision, consecutive alike layers as one run (same scheme and bindings, kernel, and
+    exclusion rule)."""
+    runs: list[tuple[Any, LayerRun]] = []
+    for layer in situation.moe_layers:
+        one = _for_layer(registry, situation, layer)
+        report = select(registry, one, prefer=prefer, pin=pin, raise_on_failure=False)
+        scheme = report.scheme.scheme if report.scheme is not None else None
+        excluded = report.excluded_note
+        for module in one.modules:  # the rule, not this layer's module names
+            excluded = excluded.replace(module, "its experts") if excluded else excluded
+        key = (scheme, tuple(sorted((report.scheme.bindings if report.scheme else {}).items())), report.chosen,
+               excluded)
+        if runs and runs[-1][0] == key:
+            last = runs[-1][1]
+            runs[-1] = (key, replace(last, last=layer, count=last.count + 1))
+        else:
+            runs.append((key, LayerRun(layer, layer, scheme, report.chosen, excluded)))
+    return tuple(run for _, run in runs)
+
+
 def select(registry: Registry, situation: Situation, *, prefer: str | None = None,
            pin: str | None = None, raise_on_failure: bool = True) -> Report:
-    """Decide scheme and kernel for ``situation``; the report explains every decision.
+    """Decide scheme and kernel for the one layer ``situation`` names; the report explains every decision.
 
     Raises SelectionError (carrying the report) when no scheme or no kernel fits, or when the
     pinned kernel does not fit, unless ``raise_on_failure`` is false.
@@ -57,8 +119,11 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
     base = Report(situation=situation, schemes=verdicts, scheme=scheme_v, excluded_note=excluded_note,
                   overrides=_overrides(registry))
     if scheme_v is None:
+        unclaimed = unclaimed_method(registry, situation)
+        if unclaimed is not None:
+            base = replace(base, unclaimed=unclaimed)
         if raise_on_failure:
-            raise SelectionError(f"{situation.quant_source}: no scheme matches this config", base)
+            raise SelectionError(f"{situation.quant_source}: {unclaimed or 'no scheme matches this config'}", base)
         return base
     scheme = registry.scheme(scheme_v.scheme)
     assert scheme_v.weight_key is not None and scheme_v.activation_key is not None
@@ -105,6 +170,31 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
         raise SelectionError(f"no kernel of scheme {scheme.scheme} can run on {situation.runtime.platform}: "
                              + "; ".join(f"{v.kernel}: {v.failures[0].message}" for v in verdicts_k), report)
     return report
+
+
+def claimed_methods(registry: Registry) -> set[str]:
+    """Every ``quant_method`` some scheme's detect rules accept (lower case)."""
+    out: set[str] = set()
+    for loaded in registry.schemes.values():
+        detect = loaded.spec.detect
+        for rules in (detect.fields, *detect.any_of):
+            rule = rules.get(METHOD_FIELD)
+            if rule is not None:
+                values = [rule.equals] if rule.has_equals else list(rule.one_of or [])
+                out |= {str(v).lower() for v in values}
+    return out
+
+
+def unclaimed_method(registry: Registry, situation: Situation) -> str | None:
+    """The refusal for a config whose ``quant_method`` no scheme spec claims (HQQ, bitsandbytes, ...): then the
+    other schemes' near misses are not near at all, and the method is what to name."""
+    config = situation.quant_config
+    method = config.get(METHOD_FIELD) if config is not None else None
+    claimed = claimed_methods(registry)
+    if not isinstance(method, str) or method.lower() in claimed:
+        return None
+    return (f"quant_method {method!r}: no scheme spec claims it, so nothing here runs it (the specs claim "
+            f"{', '.join(sorted(claimed))}; a scheme spec for it, with --spec-dir, would)")
 
 
 def _overrides(registry: Registry) -> tuple[str, ...]:

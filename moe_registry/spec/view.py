@@ -315,6 +315,7 @@ class Naming(SpecRecord):
     when producers differ (the checkpoint decides: fused when its ``gate_up`` tensor is there).
     The router's weight is ``<router>.weight``; a ``<router>.bias`` beside it is added to the logits."""
     layer: str
+    layer_alternatives: list[str]
     router: str
     correction_bias: str | None
     expert: str | None
