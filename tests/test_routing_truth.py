@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import inspect
 import json
 import sys
@@ -21,8 +22,9 @@ from typing import Any
 import pytest
 import torch
 import transformers  # the dev extra installs it: the ground truth, so this file fails without it
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from moe_registry.cli import main as cli
 from moe_registry.core.errors import ConfigError
@@ -106,28 +108,42 @@ def _config_dict(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def _model_class(model_type: str) -> type:
+    name = (maker.MODEL_CLASS.get(model_type) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+            or MODEL_MAPPING_NAMES[model_type])
+    return getattr(transformers, name)
+
+
 @functools.cache
-def _built(text: str, path: Path) -> tuple[Any, list[torch.nn.Module]]:
-    """transformers' model of the config at ``path`` (its JSON ``text`` without the quantization config: the
-    cache key), on the meta device: (its text config, decoder layers)."""
+def _decoder_layer(text: str, path: Path, index: int) -> tuple[Any, torch.nn.Module]:
+    """transformers' decoder layer ``index`` of the config at ``path`` (``text``, its JSON without the
+    quantization config, is the cache key: quantized copies of a model build once), on the meta device, built
+    as the model builds it: its decoder-layer class (the first of the model's ``_no_split_modules`` that takes
+    (config, layer_idx) and holds routed experts), else the whole model (multimodal models). With the text
+    config."""
     config = AutoConfig.from_pretrained(path)
-    model_type = config.model_type
+    text_config = config.get_text_config(decoder=True)
+    model_cls = _model_class(config.model_type)
+    module = importlib.import_module(model_cls.__module__)
     with torch.device("meta"):
-        if model_type in maker.MODEL_CLASS:
-            model = getattr(transformers, maker.MODEL_CLASS[model_type])(config)
-        else:
+        for name in model_cls._no_split_modules or []:
+            layer_cls = getattr(module, name, None)
             try:
-                model = AutoModelForCausalLM.from_config(config)
-            except ValueError:  # vision-language and omni models are not causal LMs
-                model = AutoModel.from_config(config)
-    return config.get_text_config(decoder=True), maker._layers(model)
+                layer = layer_cls(text_config, index) if layer_cls is not None else None
+            except (TypeError, AttributeError):  # a vision or audio layer class: (config) alone
+                continue
+            if layer is not None and maker._experts(layer) is not None:
+                return text_config, layer
+        try:
+            model = model_cls(config)
+        except ValueError:  # a text model class handed the composite config
+            model = AutoModel.from_config(config)
+    return text_config, maker._layers(model)[index]
 
 
 def _truth(path: Path, layer: int) -> dict[str, Any]:
     """What transformers' MoE layer ``layer`` runs with, read from its modules and its router's code."""
-    cfg = _config_dict(path)
-    text_config, layers = _built(json.dumps(cfg, sort_keys=True), path)  # quantized copies of a model: one build
-    block = layers[layer]
+    text_config, block = _decoder_layer(json.dumps(_config_dict(path), sort_keys=True), path, layer)
     attrs: dict[str, Any] = {}
     for _, mod in block.named_modules():
         for name in ("top_k", "num_experts_per_tok", "moe_topk", "norm_topk_prob", "num_group", "n_group",
