@@ -302,13 +302,13 @@ class Report:
 
     # rendering lives in render.py; these keep the report's one public face
     def rows(self) -> list[tuple[str, str]]:
+        return render.head_rows(self)
+
     def summary(self) -> str:
         return render.summary_line(self)
 
     def notice_rows(self) -> list[tuple[str, str]]:
         return render.notice_rows(self)
-
-        return render.head_rows(self)
 
     def to_dict(self, verbose: bool = False) -> dict[str, Any]:
         return render.to_dict(self, verbose)
