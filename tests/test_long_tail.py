@@ -6,6 +6,7 @@ the case names, and asserts the exit code and the one-line message."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import resource
@@ -15,11 +16,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe_registry.cli.main import main
+from moe_registry.oracle.scope_index import pattern_index, pattern_matches
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FP8_BLOCK = FIXTURES / "fp8" / "transformers-fp8-block"  # Qwen3-MoE, hidden 128, 4 experts, top-2
@@ -152,3 +155,59 @@ def test_all_zero_fp8_weight_scale_inv_is_refused(capsys, tmp_path: Path) -> Non
 
 def _json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- ignore lists of 100,000 names
+
+CT_W4A16 = FIXTURES / "compressed_tensors" / "qwen3-w4a16"
+KINDS_AND_ENTRIES = [
+    ("exact", ["model.layers.0.mlp", "model.layers.0.mlp.experts.0.gate_proj", "lm_head", "model.layers.1"]),
+    ("component", ["experts", "mlp.experts", ".gate_proj.", "layers.0", "self_attn"]),
+    ("substring", ["experts.0", "mlp.e", "proj", "zzz", ""]),
+    ("glob", ["*experts.0.*", "model.layers.0.mlp.experts.1.up_proj", "*.gate_pro[j]", "lm_head"]),
+    ("ct-target", ["re:.*experts\\.[01]\\..*", "model.layers.0.mlp.experts.2.down_proj", "Linear", "Embedding"]),
+    ("regex", ["experts\\.3", "^lm_head$", "gate"]),
+    ("type", ["Linear", "Conv1d"]),
+    ("gptq-dynamic", ["-:.*experts\\.1\\..*", "+:.*down_proj", ".*experts\\.0\\.up_proj"]),
+]
+NAMES = [f"model.layers.{layer}.mlp.experts.{e}.{p}" for layer in (0, 1) for e in range(4)
+         for p in ("gate_proj", "up_proj", "down_proj")] + ["lm_head", "model.layers.0.self_attn.q_proj"]
+
+
+@pytest.mark.parametrize(("kind", "entries"), KINDS_AND_ENTRIES, ids=[k for k, _ in KINDS_AND_ENTRIES])
+def test_pattern_index_agrees_with_the_one_entry_matcher(kind: str, entries: list[str]) -> None:
+    """The index finds exactly the entries :func:`pattern_matches` says match, in the config's order."""
+    index = pattern_index(list(entries), kind, ("Linear",))
+    for name in NAMES:
+        want = [i for i, p in enumerate(entries) if pattern_matches(kind, p, name, ("Linear",))]
+        assert index.matching(name) == want, (kind, name)
+        assert index.first(name) == (entries[want[0]] if want else None), (kind, name)
+
+
+def test_ignore_list_of_100000_names_is_indexed_not_scanned(monkeypatch, tmp_path: Path) -> None:
+    """llm-compressor writes every ignored module by name. Explaining a config whose ignore list holds 100,000
+    names compiles each true pattern once (not once per scheme and projection) and never tests a plain name
+    against a module one by one: the plain names are dict lookups."""
+    from moe_registry.oracle import scope_index
+
+    names = [f"model.layers.{i // 5}.{p}" for i, p in zip(range(100_000), itertools.cycle(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate")), strict=False)]
+    ignore = ["lm_head", "re:.*shared_expert_gate$", "re:.*mlp\\.gate$", *names]
+    d = copy_model(CT_W4A16, tmp_path / "m")
+    cfg = _json(d / "config.json")
+    cfg["quantization_config"]["ignore"] = ignore
+    (d / "config.json").write_text(json.dumps(cfg))
+    compiled: list[str] = []
+    one_by_one: list[str] = []
+    real_compiled = scope_index._compiled
+    monkeypatch.setattr(scope_index, "_compiled", lambda kind, p: compiled.append(p) or real_compiled(kind, p))
+    monkeypatch.setattr(scope_index, "pattern_matches", lambda *a: one_by_one.append(a[1]) or False)
+    code = main(["explain", str(d / "config.json"), "--platform", "cpu", "--json"])
+    assert code == 0
+    # once per (list, matcher) the schemes use, not once per scheme and projection (33 x 3)
+    assert set(compiled) == {"re:.*mlp\\.gate$", "re:.*shared_expert_gate$"} and len(compiled) <= 8
+    assert one_by_one == []
+    index = scope_index.pattern_index(ignore, "ct-target", ("Linear",))
+    assert len(index.literal) == len(ignore) - 2 and len(index.patterns) == 2
+    assert index.first("model.layers.7.self_attn.k_proj") == "model.layers.7.self_attn.k_proj"
+    assert index.first("model.layers.7.mlp.experts.0.up_proj") is None

@@ -23,7 +23,7 @@ import moe_registry
 from moe_registry.cli.main import main
 from moe_registry.core.errors import CheckpointError
 from moe_registry.layer.experts import ExpertsConfig
-from moe_registry.oracle.detect import pattern_matches
+from moe_registry.oracle.scope_index import pattern_matches
 
 FIXTURES = Path(__file__).parent / "fixtures" / "compressed_tensors_presets"
 LAYER = "model.layers.0.mlp.experts"

@@ -6,14 +6,14 @@ generic: every scheme is handled by the same code reading its spec.
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_registry.core.guards import bounded_match, bounded_search, same_value
+from moe_registry.core.guards import same_value
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.oracle.contract import Check, Reason, SchemeVerdict, failed, passed
+from moe_registry.oracle.scope_index import gptq_dynamic_sign, pattern_index
 from moe_registry.spec.loader import fill_template
 from moe_registry.spec.view import BindRule, FieldRule, SchemeSpec, ScopeRule
 
@@ -99,40 +99,6 @@ def _wanted_text(rule: FieldRule) -> str:
 # ---------------------------------------------------------------- per-layer scope
 
 
-def _components_match(pattern: str, name: str) -> bool:
-    pat, parts = pattern.strip(".").split("."), name.split(".")
-    return any(parts[i:i + len(pat)] == pat for i in range(len(parts) - len(pat) + 1))
-
-
-def _gptq_dynamic(key: str, name: str) -> str | None:
-    """GPTQ ``dynamic``: ``-:regex`` excludes, ``+:regex`` (or a bare regex) overrides."""
-    sign, body = ("-", key[2:]) if key.startswith("-:") else ("+", key[2:] if key.startswith("+:") else key)
-    return sign if bounded_match(body, name, "quantization_config gptq-dynamic pattern") else None
-
-
-def pattern_matches(kind: str, pattern: str, name: str, types: Sequence[str]) -> bool:
-    """Whether a module ``name`` matches ``pattern`` under a scope rule's matcher."""
-    if kind == "substring":
-        return pattern in name
-    if kind == "component":
-        return _components_match(pattern, name)
-    if kind == "glob":
-        return fnmatch.fnmatchcase(name, pattern)
-    if kind == "regex":
-        return bounded_search(pattern, name, "quantization_config regex pattern")
-    if kind == "exact":
-        return name == pattern or name.startswith(pattern + ".")
-    if kind == "type":
-        return pattern in types
-    if kind == "ct-target":  # compressed-tensors: the module's name or class name, or re: over the name
-        if pattern.startswith("re:"):
-            return bounded_match(pattern[3:], name, "quantization_config ct-target pattern")
-        return name == pattern or pattern in types
-    if kind == "gptq-dynamic":
-        return _gptq_dynamic(pattern, name) is not None
-    raise ValueError(f"unknown matcher {kind!r}")
-
-
 @dataclass(frozen=True)
 class ScopeOutcome:
     """The layer's effective config; ``excluded`` when a rule said the layer is not quantized."""
@@ -163,23 +129,20 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
         source = get_path(config, rule.from_)
         if source is _MISSING or source is None:
             continue
-        if rule.kind == "only":
-            patterns = list(source) if isinstance(source, list | Mapping) else [source]
-            if not any(isinstance(p, str) and pattern_matches(rule.match, p, module, rule.types) for p in patterns):
+        if rule.kind in ("only", "exclude"):
+            hit = pattern_index(source, rule.match, rule.types).first(module)
+            if rule.kind == "only" and hit is None:
                 return ScopeOutcome(None, True, f"{module} is not listed in {rule.from_}", claimed=rule.claims)
-            continue
-        if rule.kind == "exclude":
-            patterns = list(source) if isinstance(source, list | Mapping) else [source]
-            for p in patterns:
-                if isinstance(p, str) and pattern_matches(rule.match, p, module, rule.types):
-                    return ScopeOutcome(None, True, f"{rule.from_} entry {p!r} matches {module}")
+            if rule.kind == "exclude" and hit is not None:
+                return ScopeOutcome(None, True, f"{rule.from_} entry {hit!r} matches {module}")
             continue
         if not isinstance(source, Mapping):
             continue
-        for p, value in source.items():
-            if not pattern_matches(rule.match, str(p), module, rule.types):
-                continue
-            if rule.match == "gptq-dynamic" and _gptq_dynamic(str(p), module) == "-":
+        index = pattern_index(source, rule.match, rule.types)
+        values = list(source.values())
+        for i in index.matching(module):
+            p, value = index.entries[i], values[i]
+            if rule.match == "gptq-dynamic" and gptq_dynamic_sign(p, module) == "-":
                 return ScopeOutcome(None, True, f"{rule.from_} entry {p!r} excludes {module}")
             if not isinstance(value, Mapping):
                 continue
