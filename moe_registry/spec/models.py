@@ -680,11 +680,11 @@ class Naming(Strict):
     The router's weight is ``<router>.weight``; a ``<router>.bias`` beside it is added to the logits."""
 
     layer: str = Field(default="model.layers.{layer}", description=(
+        "prefix of one decoder layer's tensors, with {layer}; default model.layers.{layer}"))
     layer_alternatives: list[str] = Field(default_factory=list, description=(
         "other prefixes of one decoder layer, with {layer}, tried in order when the checkpoint holds no tensor "
         "under naming.layer (a text-only checkpoint of a multimodal family: model.layers.{layer}). Scope rules in "
         "a quantization config are matched against naming.layer's module names only"))
-        "prefix of one decoder layer's tensors, with {layer}; default model.layers.{layer}"))
     router: str = Field(description="the router module, relative to naming.layer (its weight is <router>.weight)")
     correction_bias: str | None = Field(default=None, description=(
         "the router's per-expert selection bias tensor, relative to naming.layer; absent: none"))
@@ -706,11 +706,11 @@ class Naming(Strict):
         if self.expert is not None:
             check_template(self.expert, ("expert",), "naming.expert")
         if "{layer}" not in self.layer:
+            raise ValueError("naming.layer must contain {layer}")
         for alt in self.layer_alternatives:
             check_template(alt, ("layer",), "naming.layer_alternatives[]")
             if "{layer}" not in alt:
                 raise ValueError("naming.layer_alternatives[] must contain {layer}")
-            raise ValueError("naming.layer must contain {layer}")
         if self.fused is not None and self.expert is None and self.projections is None:
             return self
         if self.expert is None or self.projections is None:
