@@ -184,8 +184,7 @@ def _pack_int4(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 
 # weight code kinds of the compiled dq_gemm / dq_rows (their `kind` argument)
-KIND_INT8, KIND_FP8, KIND_FP4, KIND_INT4 = 0, 1, 2, 3
-INT4_ZERO_OFFSET = 120  # int4 zero points kept as zero - 8 + 128: the kernel subtracts 128 (as uint8's) and decodes nibble - 8
+KIND_INT8, KIND_FP8, KIND_FP4 = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -207,21 +206,10 @@ class _Dequant:
     def build(proj: ProjectionWeights, key: QuantKey) -> _Dequant:
         e, n, kw = (int(d) for d in proj.weight.shape)
         fp4 = key.dtype.name == "e2m1"
-        int4 = key.dtype.bits == 4 and not key.dtype.is_float
-        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 or int4 else kw, keep_bytes=True)
+        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 else kw, keep_bytes=True)
         zero = scale2 = None
         if fp4:
             kind, codes = KIND_FP4, proj.weight.view(torch.uint8)
-        elif int4:  # the nk layout's bytes as they are (low nibble: the even column)
-            if key.dtype.name not in ("uint4", "uint4b8"):
-                raise ValueError(f"torch-cpu-native decodes uint4 and uint4b8 nibbles, got weight key {key}")
-            kind, codes = KIND_INT4, proj.weight.view(torch.uint8)
-            if key.zero_point == "group":
-                zshape = None if proj.zero is None else tuple(proj.zero.shape)
-                if zshape != tuple(scale.shape):
-                    raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
-                                     f"got {zshape}")
-                zero = (proj.zero.to(torch.int16) + INT4_ZERO_OFFSET).to(torch.uint8).contiguous()
         elif key.dtype.is_float:
             kind, codes = KIND_FP8, proj.weight.view(torch.int8)
         else:
@@ -307,8 +295,8 @@ def _build_proj(proj: ProjectionWeights, key: QuantKey, activation: QuantKey) ->
         if key.zero_point != "none" or key.scale2 is not None or key.dtype.name == "e2m1":
             raise ValueError(f"torch-cpu-native does not run weight key {key} with int8 activations")
         return _IntCodes.build(proj, key)
-    if key.dtype.bits not in (4, 8):
-        raise ValueError(f"torch-cpu-native does not run weight key {key}")
+    if key.dtype.bits != 8 and key.dtype.name != "e2m1":
+        raise ValueError(f"torch-cpu-native runs 4-bit weights only with int8 activations, got {key}")
     return _Dequant.build(proj, key)
 
 
