@@ -211,3 +211,61 @@ def test_ignore_list_of_100000_names_is_indexed_not_scanned(monkeypatch, tmp_pat
     assert len(index.literal) == len(ignore) - 2 and len(index.patterns) == 2
     assert index.first("model.layers.7.self_attn.k_proj") == "model.layers.7.self_attn.k_proj"
     assert index.first("model.layers.7.mlp.experts.0.up_proj") is None
+
+
+# ---------------------------------------------------------------- real configs once refused
+
+REAL = FIXTURES / "real_configs"  # SOURCES.md names where each comes from
+
+
+def _explain_json(capsys, target: Path, *flags: str) -> dict:
+    code = main(["explain", str(target), "--platform", "cpu", "--json", *flags])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_minimax_m2_fp8_spells_the_format_as_its_torch_dtype(capsys) -> None:
+    """MiniMax-M2's official FP8 config writes fmt: float8_e4m3fn (DeepSeek-V3 writes e4m3): the same
+    128x128 block FP8, run by the fp8-block128 kernels."""
+    report = _explain_json(capsys, REAL / "minimax-m2-fp8")
+    assert report["family"] == "minimax-m2"
+    assert report["scheme"]["name"] == "fp8-block128" and report["chosen_kernel"] == "torch-cpu-native"
+    fmt = [c for c in report["schemes"][0]["checks"] if c["field"] == "fmt"]
+    assert fmt[0]["passed"] and fmt[0]["seen"] == "float8_e4m3fn"
+
+
+def _hunyuan(d: Path, **change: object) -> Path:
+    cfg = _json(REAL / "hunyuan-a13b" / "config.json")
+    cfg.update(change)
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_hunyuan_per_layer_top_k_is_read_per_layer(capsys, tmp_path: Path) -> None:
+    """Hunyuan-A13B writes moe_topk as one entry per layer; transformers' gate reads moe_topk[layer_idx]."""
+    report = _explain_json(capsys, REAL / "hunyuan-a13b")
+    assert report["family"] == "hunyuan-moe" and report["scheme"]["name"] == "unquantized"
+    assert report["runtime"]["shape"]["top_k"] == 8 and report["runtime"]["shape"]["num_experts"] == 64
+    assert report["chosen_kernel"]
+    d = _hunyuan(tmp_path / "m", moe_topk=[8] * 5 + [4] + [8] * 26)
+    assert _explain_json(capsys, d, "--layer", "5")["runtime"]["shape"]["top_k"] == 4
+    assert _explain_json(capsys, d, "--layer", "6")["runtime"]["shape"]["top_k"] == 8
+
+
+@pytest.mark.parametrize(("name", "change", "expected"), [
+    ("short-list", {"moe_topk": [8] * 31}, r"error: .*/config\.json: moe_topk or num_experts_per_tok: a list of 31 "
+     r"entries; wanted one per layer \(32\) or one integer"),
+    ("zero-entry", {"moe_topk": [8] * 3 + [0] + [8] * 28}, r"error: .*/config\.json: moe_topk or num_experts_per_tok"
+     r"\[3\]: got 0; wanted a positive integer"),
+    ("above-experts", {"moe_topk": [8] * 3 + [65] + [8] * 28}, r"error: .*/config\.json: layer 3: top-k 65 is more "
+     r"than its 64 experts"),
+])
+def test_hunyuan_per_layer_list_errors(capsys, tmp_path: Path, name: str, change: dict, expected: str) -> None:
+    d = _hunyuan(tmp_path / "m", **change)
+    if name == "above-experts":
+        (d / "config.json").write_text(json.dumps({**_json(d / "config.json"), "num_experts": [64] * 32}))
+    code, _, err = cli(capsys, "explain", str(d), "--platform", "cpu")
+    assert code == 2 and len(err) == 1, err
+    assert re.fullmatch(expected, err[0]), err

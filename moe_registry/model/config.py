@@ -9,7 +9,8 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,12 @@ class ModelConfig:
     dtype: str | None
     raw: Mapping[str, Any]
     not_runnable: tuple[str, ...] = ()  # why no kernel here runs these experts (explain shows it, run refuses)
+
+    def shape_at(self, layer: int) -> MoEShape:
+        """The MoE shape of ``layer``: ``shape`` with the layer's own entry of each per-layer field."""
+        return replace(self.shape, **{k: v[layer] for k, v in self.per_layer.items()}) if self.per_layer else self.shape
     routing_values: tuple[RoutingValue, ...] = ()  # every routing value with where it came from (explain)
+    per_layer: Mapping[str, tuple[int, ...]] = dataclass_field(default_factory=dict)  # shape fields given one per layer
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -103,6 +109,8 @@ def locate_field(roots: list[Mapping[str, Any]], ref: FieldRef, what: str, path:
         for name in ref.from_:
             value = _lookup(root, name)
             where = f"{root_names[i]}.{name}" if i < len(root_names) and root_names[i] else name
+            if isinstance(value, list) and ref.per_layer:  # read per layer by read_model_config
+                return tuple(value), "config", where
             if value is not None and ref.length:
                 if not isinstance(value, list | str):
                     raise ConfigError(f"{path}: {name}: got {value!r}; wanted a per-layer list or string")
@@ -254,9 +262,20 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     name = str(path)
     cls = config_class_of(cfg, family)
     num_layers = _int(resolve_field(roots, f["num_layers"], "num_layers", name), "num_hidden_layers", name)
+    per_layer = {what: _per_layer_ints(value, f[what], name, num_layers)
+                 for what, value in (("num_experts", resolve_field(roots, f["num_experts"], "num_experts", name)),
+                                     ("top_k", resolve_field(roots, f["top_k"], "top_k", name, cls)))
+                 if isinstance(value, tuple)}
+    for layer in range(num_layers):
+        experts = per_layer["num_experts"][layer] if "num_experts" in per_layer else None
+        if "top_k" in per_layer and experts is not None and per_layer["top_k"][layer] > experts:
+            raise ConfigError(f"{name}: layer {layer}: top-k {per_layer['top_k'][layer]} is more than its "
+                              f"{experts} experts")
     shape = MoEShape(
-        num_experts=_int(resolve_field(roots, f["num_experts"], "num_experts", name), "num_experts", name),
-        top_k=_int(resolve_field(roots, f["top_k"], "top_k", name, cls), "top_k", name),
+        num_experts=_int(per_layer["num_experts"][0] if "num_experts" in per_layer else
+                         resolve_field(roots, f["num_experts"], "num_experts", name), "num_experts", name),
+        top_k=_int(per_layer["top_k"][0] if "top_k" in per_layer else
+                   resolve_field(roots, f["top_k"], "top_k", name, cls), "top_k", name),
         hidden=_int(resolve_field(roots, f["hidden"], "hidden", name), "hidden_size", name),
         intermediate=_int(resolve_field(roots, f["intermediate"], "intermediate", name),
                           "intermediate_size", name),
@@ -275,7 +294,16 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
     return ModelConfig(name, family.family, shape, num_layers,
                        _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg,
-                       _not_runnable(roots, family, shape, routing, name), tuple(shown))
+                       _not_runnable(roots, family, shape, routing, name), tuple(shown), per_layer=per_layer)
+
+
+def _per_layer_ints(values: tuple[Any, ...], ref: FieldRef, path: str, num_layers: int) -> tuple[int, ...]:
+    """A per-layer list (a family field marked ``per_layer``): one positive integer for each layer."""
+    names = " or ".join(ref.from_)
+    if len(values) != num_layers:
+        raise ConfigError(f"{path}: {names}: a list of {len(values)} entries; wanted one per layer "
+                          f"({num_layers}) or one integer")
+    return tuple(_int(v, f"{names}[{i}]", path) for i, v in enumerate(values))
 
 
 # What a routing word means when the family's spec does not name it: its modeling code has no such thing.

@@ -124,13 +124,14 @@ def _from_model(model: ModelConfig, registry: Registry, flags: Flags, base: Runt
         dp=_pick(flags.dp, base.parallel.dp if base else 1),
         all2all=_pick(flags.all2all, base.parallel.all2all if base else "none"),
         expert_placement=_pick(flags.expert_placement, base.parallel.expert_placement if base else "contiguous"))
-    _check_parallel(parallel, model.shape)
-    runtime = RuntimeConfig(platform, dtype, model.shape, parallel,
+    shape = model.shape_at(layer)  # a per-layer top-k or expert count: this layer's own
+    _check_parallel(parallel, shape)
+    runtime = RuntimeConfig(platform, dtype, shape, parallel,
                             _pick(flags.max_tokens, base.max_tokens if base else 8192),
                             (base.router_weight_on_input if base else False)
                             or bool(model.routing.get("router_weight_on_input", False)), environment)
     family = registry.families[model.family].spec
-    return Situation(model.quant_config, runtime, expert_modules(family, layer, model.shape.num_experts),
+    return Situation(model.quant_config, runtime, expert_modules(family, layer, shape.num_experts),
                      model.quant_source, model.path, model.family, layer, model.not_runnable, model.routing_values,
                      model.moe_layers, flags.layer is not None)
 

@@ -517,6 +517,9 @@ class FieldRef(Strict):
     length: bool = Field(default=False, description=(
         "the value is the length of the named per-layer list or string (Nemotron-H's layers_block_type or "
         "hybrid_override_pattern, where transformers writes no num_hidden_layers)"))
+    per_layer: bool = Field(default=False, description=(
+        "the value may also be a list with one entry per layer, each layer reading its own (HunYuan-MoE's "
+        "moe_topk and num_experts, which transformers indexes by layer); absent: one value for every layer"))
 
     @model_validator(mode="before")
     @classmethod

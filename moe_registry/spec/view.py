@@ -238,6 +238,7 @@ class FieldRef(SpecRecord):
     from_: list[str]
     default: Any
     length: bool
+    per_layer: bool
 
 
 class FamilyMatch(SpecRecord):
