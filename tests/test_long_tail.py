@@ -269,3 +269,18 @@ def test_hunyuan_per_layer_list_errors(capsys, tmp_path: Path, name: str, change
     code, _, err = cli(capsys, "explain", str(d), "--platform", "cpu")
     assert code == 2 and len(err) == 1, err
     assert re.fullmatch(expected, err[0]), err
+
+
+def test_compressed_tensors_in_text_config_without_input_activations(capsys, tmp_path: Path) -> None:
+    """Kimi-K2.6-style: the quantization_config inside text_config, and input_activations left out (compressed-
+    tensors' QuantizationScheme defaults it to None, the same as the null other releases write)."""
+    report = _explain_json(capsys, REAL / "kimi-k2.6-int4")
+    assert report["family"] == "deepseek" and report["scheme"]["name"] == "compressed-tensors-w4a16"
+    assert report["chosen_kernel"] == "torch-cpu-packed"
+    checks = {c["field"]: c for c in report["schemes"][0]["checks"]}
+    assert checks["config_groups.group_0.input_activations"]["message"].endswith("(default)")
+    cfg = _json(REAL / "kimi-k2.6-int4" / "config.json")  # quantized activations stay another scheme
+    cfg["text_config"]["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {
+        "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert _explain_json(capsys, tmp_path)["scheme"]["name"] != "compressed-tensors-w4a16"

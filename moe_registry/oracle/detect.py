@@ -58,7 +58,7 @@ def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) ->
                       seen=value)
     defaulted = value is _MISSING
     if defaulted:
-        if rule.default is None:
+        if not rule.has_default:
             wanted = rule.equals if rule.has_equals else rule.one_of
             return failed(Reason.FIELD_MISSING, path, f"{path} is missing; wanted {_wanted_text(rule)}",
                           wanted=wanted)

@@ -65,7 +65,8 @@ class FieldRule(Strict):
     present: bool | None = Field(default=None, description=(
         "true: the field (or an alias) must be there, whatever its value; false: it must be absent"))
     default: Any = Field(default=None, description=(
-        "the value tested when the field and all aliases are absent; absent: a missing field fails the test"))
+        "the value tested when the field and all aliases are absent (`default: null` written: absent means null, "
+        "as the producer's own config model defaults it); absent: a missing field fails the test"))
     aliases: list[str] = Field(default_factory=list, description=(
         "other names of the same field, tried in order after the mapping key (e.g. AWQ's w_bit for bits)"))
     case: Literal["sensitive", "insensitive"] = Field(default="sensitive", description=(
@@ -75,6 +76,12 @@ class FieldRule(Strict):
     def has_equals(self) -> bool:
         """``equals`` was written, ``equals: null`` included (compressed-tensors' ``input_activations: null``)."""
         return "equals" in self.fields_set
+
+    @property
+    def has_default(self) -> bool:
+        """``default`` was written, ``default: null`` included: an absent field stands for null, as
+        compressed-tensors' pydantic models default an absent ``input_activations`` to None."""
+        return "default" in self.fields_set
 
     @model_validator(mode="after")
     def _one_test(self) -> FieldRule:

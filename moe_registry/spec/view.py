@@ -50,6 +50,12 @@ class FieldRule(SpecRecord):
         """``equals`` was written, ``equals: null`` included (compressed-tensors' ``input_activations: null``)."""
         return "equals" in self.fields_set
 
+    @property
+    def has_default(self) -> bool:
+        """``default`` was written, ``default: null`` included: an absent field stands for null, as
+        compressed-tensors' pydantic models default an absent ``input_activations`` to None."""
+        return "default" in self.fields_set
+
 
 class DetectSpec(SpecRecord):
     """All ``fields`` must pass, and (when given) at least one of the ``any_of`` alternatives.
