@@ -62,8 +62,8 @@ def _start(source: Path, cache: Path, wait: str = "60", env: dict[str, str] | No
 def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
     out, err = proc.communicate(timeout=DEADLINE_S)
     lines = out.strip().splitlines()
-    assert lines, f"no result (exit {proc.returncode}); stderr: {err[-2000:]}"
-    return json.loads(lines[-1]), err
+    assert len(lines) == 1, f"stdout is not one result line (exit {proc.returncode}): {out!r}; stderr: {err[-2000:]}"
+    return json.loads(lines[0]), err
 
 
 def _run(source: Path, cache: Path, wait: str = "60") -> tuple[dict, str]:
