@@ -135,6 +135,21 @@ def test_layer_alternatives_must_name_the_layer():
         Naming(**per_expert, layer_alternatives=["model.layers.0"])
 
 
+def test_llama4_top2_on_the_triton_kernel_matches_the_reference(tmp_path):
+    """The Triton kernel (interpreter, float16) takes the top-2 weight-on-input layer as k rows of top-1."""
+    from moe_registry.layer.build import build
+
+    path = _llama4_top2(tmp_path)
+    triton = build(path, platform="cuda:9.0", dtype="float16", kernel="triton-fused-moe", device="cpu")
+    assert type(triton.kernel.experts).__name__ == "TritonExperts"
+    ref = load_layer(path, platform="cpu", dtype="float32", kernel="torch-reference")
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    r = ref.route(x)
+    want = ref.kernel(x, r.topk_weights, r.topk_ids)
+    got = triton.kernel(x.half(), r.topk_weights, r.topk_ids).float()
+    assert float((got - want).norm() / want.norm()) < 5e-3  # the unquantized scheme's float16 tolerance
+
+
 # ---------------------------------------------------------------- explain's refusals name the case
 
 
