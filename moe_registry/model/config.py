@@ -287,6 +287,7 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     if shape.top_k > shape.num_experts:
         raise ConfigError(f"{name}: num_experts_per_tok: {shape.top_k} is more than the {shape.num_experts} experts")
     values = _routing_values(roots, family, cls, name)
+    values["top_k"] = replace(values["top_k"], value=shape.top_k)  # a per-layer list's value as the shape holds it
     _check_routing(values, shape, name)
     routing = {word: v.value for word, v in values.items() if word != "top_k"}
     shown = (*values.values(), *_implied_routing(values, roots, family, cls, shape, name))
