@@ -284,3 +284,24 @@ def test_compressed_tensors_in_text_config_without_input_activations(capsys, tmp
         "num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert _explain_json(capsys, tmp_path)["scheme"]["name"] != "compressed-tensors-w4a16"
+
+
+AUTOROUND = FIXTURES / "autoround" / "qwen3-autoround-w4-sym" / "checkpoint"  # written by auto-round itself
+
+
+def test_autoround_gptq_packing_runs_on_the_gptq_kernels(capsys) -> None:
+    report = _explain_json(capsys, AUTOROUND)
+    assert report["scheme"]["name"] == "autoround-w4a16"
+    assert report["scheme"]["weight_key"] == "uint4b8 scale:float16:group(32):static"
+    assert report["chosen_kernel"] in report["eligible_kernels"]
+
+
+@pytest.mark.parametrize("packing", ["auto_round:auto_awq", "auto_round:gptqmodel", "auto_round:fp8"])
+def test_autoround_packing_no_kernel_runs_is_refused_naming_it(capsys, tmp_path: Path, packing: str) -> None:
+    cfg = _json(AUTOROUND / "config.json")
+    cfg["quantization_config"]["packing_format"] = packing
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, err = cli(capsys, "explain", str(tmp_path / "config.json"), "--platform", "cpu")
+    assert code == 1, err
+    assert err == ["error: config.json:quantization_config: no scheme matches this config"]
+    assert f"  - autoround-w4a16   packing_format = {packing!r}; wanted one of 'auto_round:auto_gptq'" in out

@@ -44,6 +44,8 @@ CASES = {
     "mixtral-gptq-w4-sym": ("gptqmodel", "gptq-w4a16", "uint4b8 scale:float16:group(32):static"),
     "qwen3-gptq-w8-asym": ("gptqmodel", "gptq-w8a16-asym", "uint8 scale:float16:group(32):static zp:group"),
     "qwen3-gptq-w8-asym-v2": ("gptqmodel", "gptq-v2-w8a16-asym", "uint8 scale:float16:group(32):static zp:group"),
+    # Intel AutoRound's int4 export, packing auto_round:auto_gptq (tools/make_fixtures_autoround.py)
+    "qwen3-autoround-w4-sym": ("autoround", "autoround-w4a16", "uint4b8 scale:float16:group(32):static"),
 }
 TRITON_CASES = ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w4-sym-v2", "qwen3-gptq-w4-asym-actorder-v2",
                 "qwen3-awq-w4-gemm", "mixtral-gptq-w4-sym"]

@@ -59,19 +59,22 @@ def check_e8m0_codes(t: torch.Tensor, full_name: str) -> None:
                               "expected exponents 0..254")
 
 
-def check_scales(t: torch.Tensor, full_name: str) -> None:
+def check_scales(t: torch.Tensor, full_name: str, *, signed: bool = False) -> None:
     """Scales must be finite and strictly positive: NaN/inf poison every output, zero silences a
-    group, a negative scale flips its sign — none occurs in a well-formed checkpoint."""
+    group, a negative scale flips its sign — none occurs in a well-formed checkpoint, except where the
+    scheme binds ``signed_scales`` (AutoRound's symmetric int4 maps each group's largest-magnitude value to
+    -8, so the scale carries that value's sign): then only zero, NaN and infinity are refused."""
     v = t.float()
     for mask, what in (
         (torch.isnan(v), "NaN"),
         (torch.isinf(v), "infinite"),
         (v == 0, "zero"),
-        (v < 0, "negative"),
+        (v < 0 if not signed else torch.zeros_like(v, dtype=torch.bool), "negative"),
     ):
         if bool(mask.any()):
             raise CheckpointError(
-                f"{full_name}: {describe_bad(v, mask, what)}; expected finite scales > 0"
+                f"{full_name}: {describe_bad(v, mask, what)}; expected finite scales "
+                + ("other than 0" if signed else "> 0")
             )
 
 

@@ -107,7 +107,7 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     qweight = require(tensors, "qweight", name("qweight"))
     qzeros = require(tensors, "qzeros", name("qzeros"))
     scales = require(tensors, "scales", name("scales"))
-    check_scales(scales, name("scales"))
+    check_scales(scales, name("scales"), signed=ctx.bindings.get("signed_scales") is True)
     zero = None
     if key.zero_point == "group":
         zero = _zero_points(qzeros, bits, zero_offset).t().to(torch.uint8).contiguous()  # [N, G]
