@@ -2,8 +2,11 @@
 for: 8-bit integer weights with group or channel scales (uint8 with a zero point per group too), fp8e4m3
 weights (per tensor, per channel, block 128x128, MX 1x32), FP4 (e2m1) weights with e8m0 scales per 32 (MXFP4)
 or e4m3 scales per 16 and a float32 second-level scale (NVFP4), and int8 activation codes times int8 or int4
-weight codes (W8A8, W4A8) with exact int32 accumulation. Weights stay in checkpoint bytes (uint8 codes and
-zero points as ``value - 128``, one byte each; MX and NVFP4 scales as their e8m0 / e4m3 bytes); routing, bias
+weight codes (W8A8, W4A8) with exact int32 accumulation; and 4-bit integer weights on 16- or 32-bit activations
+(AWQ, GPTQ), whose one torch CPU op is fast only on bfloat16 inputs and rounds its output to bfloat16: here the
+nibbles are decoded by a byte shuffle and summed in float32, the reference's numbers in float16 and float32
+too. Weights stay in checkpoint bytes (uint8 codes and zero points as ``value - 128``, one byte each; int4
+zero points as ``zero - 8 + 128``; MX and NVFP4 scales as their e8m0 / e4m3 bytes); routing, bias
 and activations are the torch-cpu-packed experts' (this class inherits its ``apply``), except that a
 dynamic per-tensor activation scale (fp8-w8a8-dynamic) spans the layer: one amax over the whole GEMM1 input,
 one over all routed intermediates (every GEMM1 first), as the reference and vLLM compute it; each GEMM then
@@ -184,7 +187,8 @@ def _pack_int4(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 
 # weight code kinds of the compiled dq_gemm / dq_rows (their `kind` argument)
-KIND_INT8, KIND_FP8, KIND_FP4 = 0, 1, 2
+KIND_INT8, KIND_FP8, KIND_FP4, KIND_INT4 = 0, 1, 2, 3
+INT4_ZERO_OFFSET = 120  # int4 zero points kept as zero - 8 + 128: the kernel subtracts 128 (as uint8's) and decodes nibble - 8
 
 
 @dataclass(frozen=True)
@@ -206,10 +210,21 @@ class _Dequant:
     def build(proj: ProjectionWeights, key: QuantKey) -> _Dequant:
         e, n, kw = (int(d) for d in proj.weight.shape)
         fp4 = key.dtype.name == "e2m1"
-        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 else kw, keep_bytes=True)
+        int4 = key.dtype.bits == 4 and not key.dtype.is_float
+        scale, srows, scols = _scale_grid(proj, key, n, kw * 2 if fp4 or int4 else kw, keep_bytes=True)
         zero = scale2 = None
         if fp4:
             kind, codes = KIND_FP4, proj.weight.view(torch.uint8)
+        elif int4:  # the nk layout's bytes as they are (low nibble: the even column)
+            if key.dtype.name not in ("uint4", "uint4b8"):
+                raise ValueError(f"torch-cpu-native decodes uint4 and uint4b8 nibbles, got weight key {key}")
+            kind, codes = KIND_INT4, proj.weight.view(torch.uint8)
+            if key.zero_point == "group":
+                zshape = None if proj.zero is None else tuple(proj.zero.shape)
+                if zshape != tuple(scale.shape):
+                    raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
+                                     f"got {zshape}")
+                zero = (proj.zero.to(torch.int16) + INT4_ZERO_OFFSET).to(torch.uint8).contiguous()
         elif key.dtype.is_float:
             kind, codes = KIND_FP8, proj.weight.view(torch.int8)
         else:
@@ -295,8 +310,8 @@ def _build_proj(proj: ProjectionWeights, key: QuantKey, activation: QuantKey) ->
         if key.zero_point != "none" or key.scale2 is not None or key.dtype.name == "e2m1":
             raise ValueError(f"torch-cpu-native does not run weight key {key} with int8 activations")
         return _IntCodes.build(proj, key)
-    if key.dtype.bits != 8 and key.dtype.name != "e2m1":
-        raise ValueError(f"torch-cpu-native runs 4-bit weights only with int8 activations, got {key}")
+    if key.dtype.bits not in (4, 8):
+        raise ValueError(f"torch-cpu-native does not run weight key {key}")
     return _Dequant.build(proj, key)
 
 

@@ -105,16 +105,21 @@ def test_declared_activation_quantisation_that_does_not_run_is_said_alike(capsys
            "(weight-only emulation)" in text
 
 
-def test_float16_on_the_cpu_int4_path_says_what_it_computes_in(capsys) -> None:
+def test_float16_on_the_cpu_int4_path_runs_as_asked_and_the_packed_op_says_what_it_computes_in(capsys) -> None:
+    """float16 and float32 4-bit layers go to the kernel that computes them as asked (the packed kernel, first in
+    the scheme's order, computes them in bfloat16: passed over, and said); bfloat16 stays on the packed op;
+    --prefer torch-cpu-packed runs it, with the compute-dtype note."""
     for dtype in ("float16", "float32"):
         data, text = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", dtype)
-        assert data["chosen_kernel"] == "torch-cpu-packed"
-        notes = kinds(data)
-        if "compute-dtype" in notes:  # the packed ops' bfloat16 inputs
-            assert (notes["compute-dtype"]["asked"], notes["compute-dtype"]["runs"]) == (dtype, "bfloat16")
-            assert f"compute {dtype} asked; torch-cpu-packed computes these weights' GEMMs in bfloat16" in text
+        assert (data["chosen_kernel"], data["downgrades"]) == ("torch-cpu-native", [])
+        assert data["notes"] == [f"torch-cpu-packed passed over: it computes {dtype} in a narrower dtype; "
+                                 "torch-cpu-native computes it as asked (--prefer torch-cpu-packed runs it)"]
+        data, text = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", dtype, "--prefer", "torch-cpu-packed")
+        note = kinds(data)["compute-dtype"]
+        assert (data["chosen_kernel"], note["asked"], note["runs"]) == ("torch-cpu-packed", dtype, "bfloat16")
+        assert f"compute {dtype} asked; torch-cpu-packed computes these weights' GEMMs in bfloat16" in text
     data, _ = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", "bfloat16")
-    assert data["downgrades"] == []
+    assert (data["chosen_kernel"], data["downgrades"], data["notes"]) == ("torch-cpu-packed", [], [])
 
 
 def test_run_prints_the_notes_in_text_and_json(capsys, example) -> None:
@@ -169,3 +174,40 @@ def test_bad_downgrade_words_are_refused_naming_the_field(tmp_path, extra: str, 
     with pytest.raises(SpecErrors):
         from moe_registry.spec.loader import load_registry
         load_registry([user])
+
+
+@pytest.mark.parametrize("weight_key", ["uint4 scale:float16:group(32):static zp:group",
+                                        "uint4b8 scale:float16:channel:static"])
+def test_int4_on_the_cpu_computes_float16_as_the_reference_does(weight_key: str) -> None:
+    """The compiled kernel's 4-bit path sums in float32: in float16 its error against the float64 MoE is the
+    float32 reference's (rounded to float16), where torch's bfloat16 int4 op is many times that. One and
+    many rows per expert (the register kernel and the dequantised tiles)."""
+    import torch
+    from moe_registry_kernels.cpu_native import NativeExperts
+    from moe_registry_kernels.cpu_packed import CpuPackedExperts
+    from moe_registry_kernels.quant_ref import make_random_expert_weights
+    from moe_registry_kernels.reference import reference_moe
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.layer.experts import ExpertsConfig
+    from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
+
+    weights = make_random_expert_weights(parse_quant_key(weight_key), parse_quant_key("unquantized"), num_experts=4,
+                                         hidden=128, intermediate=64, dtype=torch.float16, bias=False,
+                                         act_order=True, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for tokens in (1, 40):
+        x = torch.randn(tokens, 128, generator=gen).half()
+        ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)]).int()
+        w = torch.rand(tokens, 2, generator=gen) + 0.1
+        w = w / w.sum(-1, keepdim=True)
+        exact = reference_moe(x, w, ids, weights, ExpertsConfig(), torch.float64)
+
+        def err(out: torch.Tensor) -> float:
+            return float((out.double() - exact).norm() / exact.norm())
+
+        reference = err(reference_moe(x, w, ids, weights, ExpertsConfig(), torch.float32).half())
+        native, packed = (err(FusedMoEKernel(LocalPrepareFinalize(), cls(weights, ExpertsConfig()))(x, w, ids))
+                          for cls in (NativeExperts, CpuPackedExperts))
+        assert native <= 1.2 * reference, (tokens, native, reference)
+        assert packed > 5 * reference, (tokens, packed, reference)  # what the compute-dtype note says

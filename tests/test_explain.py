@@ -330,8 +330,8 @@ def test_unknown_quant_method_lists_every_scheme(registry, tmp_path, capsys):
     with pytest.raises(SelectionError) as info:
         select(registry, situation)
     unclaimed = ("config.json:quantization_config: quant_method 'bitsandbytes': no scheme spec claims it, so nothing "
-                 "here runs it (the specs claim awq, awq_marlin, compressed-tensors, fp8, gptq, gptq_marlin, "
-                 "modelopt, mxfp4, quark; a scheme spec for it, with --spec-dir, would)")
+                 "here runs it (the specs claim auto-round, awq, awq_marlin, compressed-tensors, fp8, gptq, "
+                 "gptq_marlin, modelopt, mxfp4, quark; a scheme spec for it, with --spec-dir, would)")
     assert str(info.value) == unclaimed
     report = info.value.report
     assert {v.scheme for v in report.schemes} == set(registry.schemes)

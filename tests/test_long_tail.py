@@ -305,3 +305,26 @@ def test_autoround_packing_no_kernel_runs_is_refused_naming_it(capsys, tmp_path:
     assert code == 1, err
     assert err == ["error: config.json:quantization_config: no scheme matches this config"]
     assert f"  - autoround-w4a16   packing_format = {packing!r}; wanted one of 'auto_round:auto_gptq'" in out
+
+
+def test_compressed_tensors_group_named_freely_without_strategy(capsys, tmp_path: Path) -> None:
+    """llm-compressor names config groups after recipes, and compressed-tensors' QuantizationArgs infers
+    strategy (group_size given: group), so a writer may leave it out: the group whose targets name the expert
+    projections is read, whatever its name; another group's targets (attention only) leave it unquantized."""
+    d = copy_model(CT_W4A16, tmp_path / "m")
+    cfg = _json(d / "config.json")
+    groups = cfg["quantization_config"]["config_groups"]
+    experts = groups.pop("group_0")
+    del experts["weights"]["strategy"]
+    groups["attention"] = {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "int"}}
+    groups["experts_int4"] = experts
+    (d / "config.json").write_text(json.dumps(cfg))
+    report = _explain_json(capsys, d)
+    assert report["scheme"]["name"] == "compressed-tensors-w4a16" and report["scheme"]["bindings"]["group"] == 32
+    checks = report["schemes"][0]["checks"]
+    assert checks[0]["message"] == ("config_groups entry 'experts_int4' targets model.layers.0.mlp.experts.0.gate_proj "
+                                    "(read as config_groups.group_0)")
+    assert any(c["message"] == "config_groups.group_0.weights.strategy = 'group' (default)" for c in checks)
+    code, _, err = cli(capsys, "run", str(d), *RUN[:2], "--tokens", "2", "--repeat", "1", "--threads", "1",
+                       "--kernel", "torch-reference")
+    assert code == 0, err

@@ -46,7 +46,8 @@ constexpr int64_t ROWS_PER_TASK = 64;  // weight rows per task handed to a threa
 constexpr float TWO_120 = 0x1p120f;
 constexpr int64_t PREFETCH = 1024;  // bytes of weight codes fetched ahead of the FMAs (past a row's end: the next row's)
 
-enum WKind : int64_t { W_INT8 = 0, W_FP8 = 1, W_FP4 = 2 };  // weight code kinds (the op's `kind` argument)
+enum WKind : int64_t { W_INT8 = 0, W_FP8 = 1, W_FP4 = 2, W_INT4 = 3 };  // weight code kinds (the op's `kind` argument)
+constexpr bool packed4(int64_t w) { return w == W_FP4 || w == W_INT4; }  // two codes a byte, low nibble first
 enum SKind : int { S_F32 = 0, S_E8M0 = 1, S_E4M3 = 2 };       // scale kinds (from the scale tensor's dtype)
 
 // twice the e2m1 value of each 4-bit code (sign bit 3, exponent bits 2-1, mantissa bit 0)
@@ -90,12 +91,13 @@ inline Factor factor(bool fp8, float s) {
 }
 
 // Weight code c of a row as float32 without its scale: int8 -> the integer, fp8 -> the bits of fp8 * 2^-120,
-// fp4 -> twice the e2m1 value.
+// fp4 -> twice the e2m1 value, int4 -> the nibble - 8 (uint4b8's real code; uint4's zero point is kept - 8 too).
 template <int W>
 inline float raw_at(const uint8_t* wr, int64_t c) {
-  if (W == W_FP4) {
+  if (packed4(W)) {
     const uint8_t b = wr[c >> 1];
-    return FP4_2X[(c & 1) ? (b >> 4) : (b & 0xF)];
+    const int nib = (c & 1) ? (b >> 4) : (b & 0xF);
+    return W == W_FP4 ? FP4_2X[nib] : static_cast<float>(nib - 8);
   }
   const int8_t b = static_cast<int8_t>(wr[c]);
   return W == W_FP8 ? fp8_bits_value(b) : static_cast<float>(b);
@@ -110,11 +112,12 @@ inline __m256 raw8(const uint8_t* p) {  // int8 / fp8: 8 codes from p
   return _mm256_cvtepi32_ps(i);
 }
 
-// Codes c .. c + 15 of a row (c even; fp4: 8 bytes, low nibble first) as two vectors of 8.
+// Codes c .. c + 15 of a row (c even; fp4 and int4: 8 bytes, low nibble first) as two vectors of 8.
 template <int W>
 inline void raw16(const uint8_t* wr, int64_t c, __m256& a, __m256& b) {
-  if (W == W_FP4) {
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  if (packed4(W)) {
+    const __m128i lut = W == W_FP4 ? _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+                                   : _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m128i low = _mm_set1_epi8(0x0F);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr + (c >> 1)));
     const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
@@ -186,8 +189,8 @@ void dq_row(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const 
     for (int64_t t = 0; t < T; ++t)
       for (int j = 0; j < NA; ++j) g[t][j] = _mm256_setzero_ps();
     for (; c + 8 * NA <= c1; c += 8 * NA) {
-      const int64_t cb = W == W_FP4 ? c >> 1 : c;  // byte offset
-      if ((cb & 63) < (W == W_FP4 ? 4 * NA : 8 * NA))
+      const int64_t cb = packed4(W) ? c >> 1 : c;  // byte offset
+      if ((cb & 63) < (packed4(W) ? 4 * NA : 8 * NA))
         _mm_prefetch(reinterpret_cast<const char*>(r.w + cb + PREFETCH), _MM_HINT_T0);
       __m256 wv[NA];
       for (int j = 0; j < NA; j += 2) raw16<W>(r.w, c + 8 * j, wv[j], wv[j + 1]);
@@ -281,22 +284,25 @@ int scale_kind(const at::Tensor& scale) {
 // Checks the operands and returns the grid; K is the weights' logical K (fp4: twice the bytes).
 Grid make_grid(const at::Tensor& w, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
                const c10::optional<at::Tensor>& scale2, int64_t srows, int64_t scols, int64_t kind) {
-  TORCH_CHECK(kind == W_INT8 || kind == W_FP8 || kind == W_FP4, "kind: 0 (int8), 1 (fp8e4m3) or 2 (e2m1)");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1, "w: contiguous bytes [N, K] (fp4: [N, K/2])");
-  TORCH_CHECK(w.scalar_type() == (kind == W_FP4 ? at::kByte : at::kChar),
-              "w: int8 bytes for int8 and fp8 codes, uint8 for packed fp4; got ", w.scalar_type(), " for kind ", kind);
+  TORCH_CHECK(kind == W_INT8 || kind == W_FP8 || kind == W_FP4 || kind == W_INT4,
+              "kind: 0 (int8), 1 (fp8e4m3), 2 (e2m1) or 3 (int4)");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.element_size() == 1,
+              "w: contiguous bytes [N, K] (fp4, int4: [N, K/2])");
+  TORCH_CHECK(w.scalar_type() == (packed4(kind) ? at::kByte : at::kChar),
+              "w: int8 bytes for int8 and fp8 codes, uint8 for packed fp4 and int4; got ", w.scalar_type(),
+              " for kind ", kind);
   TORCH_CHECK(scale.dim() == 2 && scale.is_contiguous(), "scale: contiguous [R, C]");
   scale_kind(scale);
   TORCH_CHECK(srows > 0 && scols > 0, "scale block must be positive");
-  const int64_t n = w.size(0), k = kind == W_FP4 ? 2 * w.size(1) : w.size(1);
+  const int64_t n = w.size(0), k = packed4(kind) ? 2 * w.size(1) : w.size(1);
   TORCH_CHECK(scale.size(0) == (n + srows - 1) / srows && scale.size(1) == (k + scols - 1) / scols,
               "scale grid ", scale.sizes(), " does not cover w [", n, ", ", k, "] in blocks ", srows, "x", scols);
-  TORCH_CHECK(kind != W_FP4 || (scols % 2 == 0 || scols == k), "fp4 scale groups must cover whole bytes");
+  TORCH_CHECK(!packed4(kind) || (scols % 2 == 0 || scols == k), "4-bit scale groups must cover whole bytes");
   Grid g{static_cast<const uint8_t*>(w.data_ptr()), w.size(1), static_cast<const uint8_t*>(scale.data_ptr()),
          scale.size(1) * static_cast<int64_t>(scale.element_size()), nullptr, 0, nullptr, srows, scols, k, n,
          kind == W_FP4 ? 0.5f : 1.0f};
   if (zero.has_value() && zero->defined()) {
-    TORCH_CHECK(kind == W_INT8, "zero points go with int8 codes");
+    TORCH_CHECK(kind == W_INT8 || kind == W_INT4, "zero points go with int8 or int4 codes");
     TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->sizes() == scale.sizes(),
                 "zero: contiguous uint8 on the scale grid ", scale.sizes());
     g.z = zero->data_ptr<uint8_t>();
@@ -336,10 +342,15 @@ void dq_rows_range(const Grid& gd, int64_t r0, int64_t a, int64_t b, float* op) 
           const __m256i i8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wr.w + c)));
           _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(i8, zv)), fa));
         }
-      } else if (W == W_FP4) {
+      } else if (packed4(W)) {
+        const __m256 zf = _mm256_set1_ps(static_cast<float>(z));  // int4: (code - 8) - (zero - 8), exact
         for (; c + 16 <= c1; c += 16) {
           __m256 v0, v1;
           raw16<W>(wr.w, c, v0, v1);
+          if (W == W_INT4) {
+            v0 = _mm256_sub_ps(v0, zf);
+            v1 = _mm256_sub_ps(v1, zf);
+          }
           _mm256_storeu_ps(o + c, _mm256_mul_ps(v0, fa));
           _mm256_storeu_ps(o + c + 8, _mm256_mul_ps(v1, fa));
         }
@@ -355,7 +366,7 @@ void dq_rows_range(const Grid& gd, int64_t r0, int64_t a, int64_t b, float* op) 
         if (W == W_INT8 && wr.z) {
           v = static_cast<float>(static_cast<int32_t>(static_cast<int8_t>(wr.w[c])) - z) * f.a;
         } else {
-          v = raw_at<W>(wr.w, c) * f.a;
+          v = (W == W_INT4 ? raw_at<W>(wr.w, c) - static_cast<float>(z) : raw_at<W>(wr.w, c)) * f.a;
           if (f.b != 1.0f) v = v * f.b;
         }
         o[c] = v;
@@ -375,6 +386,7 @@ void dq_rows_dispatch(const Grid& gd, int64_t kind, int skind, int64_t r0, int64
   if (kind == W_FP8 && skind == S_E8M0) return dq_rows_all<W_FP8, S_E8M0>(gd, r0, rows, op);
   if (kind == W_FP4 && skind == S_E8M0) return dq_rows_all<W_FP4, S_E8M0>(gd, r0, rows, op);
   if (kind == W_FP4 && skind == S_E4M3) return dq_rows_all<W_FP4, S_E4M3>(gd, r0, rows, op);
+  if (kind == W_INT4 && skind == S_F32) return dq_rows_all<W_INT4, S_F32>(gd, r0, rows, op);
   TORCH_CHECK(false, "no dequantisation for weight kind ", kind, " with scale kind ", skind);
 }
 
@@ -420,15 +432,18 @@ at::Tensor dq_gemm(at::Tensor x, at::Tensor w, at::Tensor scale, c10::optional<a
     else TORCH_CHECK(false, "fp4 weights take e8m0 or e4m3 scales");
     return y;
   }
-  TORCH_CHECK(skind == S_F32, "int8 weights take float32 scales");
+  TORCH_CHECK(skind == S_F32, "int8 and int4 weights take float32 scales");
+  const bool int4 = kind == W_INT4;
   if (gd.z) {  // sum of x over each scale group (torch's reduction; a partial last group padded with 0)
     const int64_t groups = scale.size(1);
     const at::Tensor xsum = at::constant_pad_nd(x, {0, groups * scols - gd.k}).view({m, groups, scols}).sum(2)
                                 .contiguous();
-    dq_rows_of<W_INT8, S_F32, true>(xp, m, xsum.data_ptr<float>(), groups, gd, yp);
+    if (int4) dq_rows_of<W_INT4, S_F32, true>(xp, m, xsum.data_ptr<float>(), groups, gd, yp);
+    else dq_rows_of<W_INT8, S_F32, true>(xp, m, xsum.data_ptr<float>(), groups, gd, yp);
     return y;
   }
-  dq_rows_of<W_INT8, S_F32, false>(xp, m, nullptr, 0, gd, yp);
+  if (int4) dq_rows_of<W_INT4, S_F32, false>(xp, m, nullptr, 0, gd, yp);
+  else dq_rows_of<W_INT8, S_F32, false>(xp, m, nullptr, 0, gd, yp);
   return y;
 }
 

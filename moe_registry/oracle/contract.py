@@ -281,6 +281,12 @@ class Report:
             return (f"pinned to {asked}",) if self.chosen == asked else (f"pinned kernel {asked} is not eligible",)
         if self.selected_by is SelectedBy.PREFER:
             return (f"preferred {asked}",)
+        if self.selected_by is SelectedBy.PREFERENCE:
+            first = next((k for k in self.kernels if k.eligible), None)
+            if first is not None and first.kernel != self.chosen:  # downgrades.faithful_first
+                return (f"{first.kernel} passed over: it computes {self.situation.runtime.dtype} in a narrower dtype; "
+                        f"{self.chosen} computes it as asked (--prefer {first.kernel} runs it)",)
+            return ()
         if self.selected_by is SelectedBy.FALLBACK:
             v = self.verdict(asked or "")
             why = "; ".join(c.message for c in v.failures) if v else "unknown kernel"

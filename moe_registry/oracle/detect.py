@@ -109,15 +109,26 @@ class ScopeOutcome:
     claimed: bool = False  # an `only` rule that claims excluded it: the config is this scheme's dialect
 
 
-def _merge(base: Mapping[str, Any], into: str | None, value: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
+def _merge(base: Mapping[str, Any], into: str | None, value: Mapping[str, Any], *,
+           replace: bool = False) -> dict[str, Any]:
+    """``base`` with ``value`` merged over (``replace``: put in place of) the subtree at ``into``."""
     if into is None:
-        out.update(value)
-        return out
+        return dict(value) if replace else {**base, **value}
+    out = dict(base)
     head, _, rest = into.partition(".")
     sub = base.get(head)
-    out[head] = _merge(sub if isinstance(sub, Mapping) else {}, rest or None, value)
+    out[head] = _merge(sub if isinstance(sub, Mapping) else {}, rest or None, value, replace=replace)
     return out
+
+
+def _ct_group(groups: Mapping[str, Any], module: str, types: Sequence[str]) -> str | None:
+    """The compressed-tensors config group whose ``targets`` match ``module`` (its name is free: llm-compressor
+    names groups after recipes as well as group_0, group_1 ...)."""
+    for name, body in groups.items():
+        targets = body.get("targets") if isinstance(body, Mapping) else None
+        if isinstance(targets, list | str) and pattern_index(targets, "ct-target", types).first(module) is not None:
+            return str(name)
+    return None
 
 
 def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
@@ -138,6 +149,12 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
             continue
         if not isinstance(source, Mapping):
             continue
+        if rule.match == "ct-group":
+            group = _ct_group(source, module, rule.types)
+            if group is None or rule.into is None or get_path(config, rule.into) is source.get(group):
+                continue  # no group targets it, or it is already the one the detect rules read
+            return ScopeOutcome(_merge(config, rule.into, source[group], replace=True), False,
+                                f"{rule.from_} entry {group!r} targets {module} (read as {rule.into})")
         index = pattern_index(source, rule.match, rule.types)
         values = list(source.values())
         for i in index.matching(module):

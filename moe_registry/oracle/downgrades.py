@@ -6,6 +6,9 @@
 - the chosen kernel's ``slow_path`` (the scheme's order fell to a yardstick), with why each faster kernel
   the scheme lists did not take the layer.
 
+The one selection rule that reads them (``faithful_first``): a kernel that would compute in a narrower dtype
+than asked gives way to a later eligible one that computes the asked dtype and is no slow path.
+
 Nothing here knows a scheme or kernel by name: a new scheme or kernel gets its notes by writing the words.
 """
 
@@ -16,7 +19,30 @@ from dataclasses import replace
 from moe_registry.core.keys import QuantKey, parse_quant_key
 from moe_registry.oracle.contract import Downgrade, DowngradeKind, KernelVerdict, Report, SelectedBy
 from moe_registry.oracle.predicates import matching_pattern
+from moe_registry.oracle.runtime import RuntimeConfig
 from moe_registry.spec.loader import Registry
+
+
+def narrowed(registry: Registry, kernel: str, weight: QuantKey, activation: QuantKey,
+             runtime: RuntimeConfig) -> str | None:
+    """The dtype ``kernel`` would compute this pair in where its key pattern's ``compute`` narrows the one asked."""
+    if kernel not in registry.kernels:
+        return None
+    pattern = matching_pattern(registry.kernel(kernel), weight, activation, runtime.platform)
+    return None if pattern is None or pattern.compute is None else pattern.compute.dtypes.get(runtime.dtype)
+
+
+def faithful_first(registry: Registry, eligible: list[str], weight: QuantKey, activation: QuantKey,
+                   runtime: RuntimeConfig) -> str | None:
+    """The scheme's first eligible kernel, unless it computes in a narrower dtype than asked and a later eligible
+    one that is no slow path computes the asked dtype: correct numbers before speed (--prefer restores it)."""
+    if not eligible:
+        return None
+    first = eligible[0]
+    if narrowed(registry, first, weight, activation, runtime) is None:
+        return first
+    return next((k for k in eligible if narrowed(registry, k, weight, activation, runtime) is None
+                 and not registry.kernel(k).slow_path), first)
 
 
 def _runs_as(key: QuantKey) -> str:

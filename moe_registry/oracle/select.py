@@ -22,7 +22,7 @@ from moe_registry.oracle.contract import (
     failed,
 )
 from moe_registry.oracle.detect import detect_scheme
-from moe_registry.oracle.downgrades import derive
+from moe_registry.oracle.downgrades import derive, faithful_first
 from moe_registry.oracle.predicates import kernel_checks
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ModelFamilySpec
@@ -146,7 +146,7 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
                              f"{name} (it lists {', '.join(scheme.kernels)})"),) + checks
         verdicts_k.append(KernelVerdict(name, all(c.passed for c in checks), checks))
     eligible = [v.kernel for v in verdicts_k if v.eligible]
-    by_order = eligible[0] if eligible else None
+    by_order = faithful_first(registry, eligible, scheme_v.weight_key, scheme_v.activation_key, situation.runtime)
     if pin is not None:
         report = derive(base.with_kernels(tuple(verdicts_k), pin if pin in eligible else None, SelectedBy.PIN, pin),
                         registry)

@@ -156,11 +156,12 @@ class ScopeRule(Strict):
     from_: str = Field(alias="from", description=(
         "the quantization_config section holding the patterns, a dotted path (e.g. ignore, dynamic)"))
     match: Literal["substring", "component", "glob", "regex", "exact", "type", "gptq-dynamic",
-                   "ct-target"] = Field(description=(
+                   "ct-target", "ct-group"] = Field(description=(
         "how a pattern is matched against a module name: substring, component (whole dotted parts), glob, "
         "regex, exact (the name or a parent module), type (the pattern is a module type listed in types), "
         "gptq-dynamic (GPTQ's +:/-: regexes), ct-target (compressed-tensors' targets: a module name, a class "
-        "name listed in types, or re: regexes over the name)"))
+        "name listed in types, or re: regexes over the name), ct-group (for override: the compressed-tensors "
+        "config group, whatever its name, whose targets match as ct-target; it replaces the subtree at into)"))
     into: str | None = Field(default=None, description=(
         "for override: the dotted path of the subtree the matched config is merged over; absent: the top level"))
     types: list[str] = Field(default_factory=list, description=(

@@ -88,7 +88,7 @@ class ScopeRule(SpecRecord):
     kind: Literal["exclude", "override", "only"]
     from_: str
     match: Literal["substring", "component", "glob", "regex", "exact", "type", "gptq-dynamic",
-                   "ct-target"]
+                   "ct-target", "ct-group"]
     into: str | None
     types: list[str]
     claims: bool
