@@ -188,7 +188,8 @@ def _pack_int4(w: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 # weight code kinds of the compiled dq_gemm / dq_rows (their `kind` argument)
 KIND_INT8, KIND_FP8, KIND_FP4, KIND_INT4 = 0, 1, 2, 3
-INT4_ZERO_OFFSET = 120  # int4 zero points kept as zero - 8 + 128: the kernel subtracts 128 (as uint8's) and decodes nibble - 8
+# int4 zero points kept as zero - 8 + 128: the kernel subtracts 128 (as from uint8's) and decodes nibble - 8
+INT4_ZERO_OFFSET = 120
 
 
 @dataclass(frozen=True)

@@ -380,7 +380,7 @@ def test_build_returns_what_the_readme_says(example, caplog):
     assert isinstance(b.report, Report) and isinstance(b.weights, ExpertWeights)
     assert isinstance(b.kernel, FusedMoEKernel) and b.tolerance == b.built.tolerance
     logged = [r.message for r in caplog.records if "runs on kernel" in r.message]
-    assert logged == ["moe-registry: scheme awq-w4a16 runs on kernel torch-cpu-packed (cpu, float16)"]
+    assert logged == ["moe-registry: scheme awq-w4a16 runs on kernel torch-cpu-native (cpu, float16)"]
     assert f"`{logged[0]}`" in readme()
     with pytest.raises(ConfigError, match="--kernel: unknown kernel 'nope'"):
         moe_registry.build(example("mixtral-awq"), platform="cpu", kernel="nope")

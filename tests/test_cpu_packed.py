@@ -107,7 +107,7 @@ def test_explain_cpu_falls_back_to_reference_when_packed_cannot_run(tmp_path, ca
     assert cli_main(["explain", str(rt)]) == 0
     out = capsys.readouterr().out
     assert "kernel      torch-reference" in out
-    packed = next(ln for ln in out.splitlines() if "torch-cpu-packed" in ln)
+    packed = next(ln for ln in out.splitlines() if ln.startswith("  - torch-cpu-packed"))
     assert "rejected" in packed and "multiple of 16" in out
 
 

@@ -203,7 +203,7 @@ def test_int4_on_the_cpu_computes_float16_as_the_reference_does(weight_key: str)
         w = w / w.sum(-1, keepdim=True)
         exact = reference_moe(x, w, ids, weights, ExpertsConfig(), torch.float64)
 
-        def err(out: torch.Tensor) -> float:
+        def err(out: torch.Tensor, exact: torch.Tensor = exact) -> float:
             return float((out.double() - exact).norm() / exact.norm())
 
         reference = err(reference_moe(x, w, ids, weights, ExpertsConfig(), torch.float32).half())
