@@ -257,7 +257,6 @@ class Report:
     # the activation key the chosen kernel runs, where its key pattern's emulation differs from the scheme's
     kernel_activation_key: QuantKey | None = None
 
-
     def with_kernels(self, kernels: tuple[KernelVerdict, ...], chosen: str | None, selected_by: SelectedBy,
                      requested: str | None) -> Report:
         return replace(self, kernels=kernels, chosen=chosen, selected_by=selected_by, requested=requested)
@@ -268,7 +267,6 @@ class Report:
         if self.kernel_activation_key is not None:
             return self.kernel_activation_key
         return self.scheme.activation_key if self.scheme is not None else None
-
 
     def verdict(self, kernel: str) -> KernelVerdict | None:
         return next((k for k in self.kernels if k.kernel == kernel), None)

@@ -491,7 +491,6 @@ class KernelSpec(Strict):
         "optional layer parts it handles (bias, zero_point, act_order, router_weight_on_input); empty: none"))
     layout: str = Field(default="nk", description=(
         "the weight layout it reads, produced by a format spec's converter; default nk"))
-
     slow_path: str | None = Field(default=None, min_length=1, description=(
         "present: the kernel is a yardstick, not a fast path, and this line says what makes it slow; explain "
         "and run say so when the scheme's order falls to it, with why each faster kernel did not take the layer"))
