@@ -19,13 +19,14 @@ from safetensors.torch import save_file
 LAYER = "model.layers.0.mlp."  # the first (only) decoder layer's MoE block: what a fixture keeps
 
 
-def tiny_qwen3_moe(seed: int, shape: Mapping[str, int], *, intermediate_size: int, head_dim: int) -> torch.nn.Module:
-    """A random one-layer Qwen3-MoE in bfloat16 from transformers' own config class; ``shape`` gives
-    hidden_size, moe_intermediate_size, num_experts and num_experts_per_tok."""
+def tiny_qwen3_moe(seed: int, shape: Mapping[str, int], *, intermediate_size: int, head_dim: int,
+                   layers: int = 1) -> torch.nn.Module:
+    """A random Qwen3-MoE (one layer unless ``layers``) in bfloat16 from transformers' own config class; ``shape``
+    gives hidden_size, moe_intermediate_size, num_experts and num_experts_per_tok."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=256, intermediate_size=intermediate_size, num_hidden_layers=1,
+    cfg = Qwen3MoeConfig(vocab_size=256, intermediate_size=intermediate_size, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=128,
                          norm_topk_prob=True, dtype="bfloat16", **shape)
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()

@@ -109,24 +109,31 @@ def _block_output(block: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Te
             "layer.topk_weights": weights.contiguous()}
 
 
+def as_openai_mxfp4(saved: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Any]]:
+    """Rewrite a gpt-oss dir saved by transformers in place as OpenAI's checkpoints are: every experts'
+    ``gate_up_proj`` / ``down_proj`` ([E, in, out]) as ``*_blocks`` / ``*_scales`` ([E, out, in/32, 16] / [E, out,
+    in/32]), config.json's quantization_config as gpt-oss-20b has it; returns the tensors, metadata and config."""
+    path = saved / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        metadata = f.metadata()
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = openai_mxfp4(tensors.pop(key).transpose(1, 2))
+        tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+    save_file(tensors, str(path), metadata=metadata)
+    cfg = json.loads((saved / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERT}
+    (saved / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return tensors, metadata, cfg
+
+
 def make_mxfp4() -> None:
     from transformers import GptOssForCausalLM, Mxfp4Config
 
     model = tiny_gpt_oss()
-    prefix = "model.layers.0.mlp.experts."
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        path = Path(tmp) / "model.safetensors"
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-            metadata = f.metadata()
-        for proj in ("gate_up_proj", "down_proj"):  # transformers' [E, in, out] -> OpenAI's [E, out, in/32, 16]
-            blocks, scales = openai_mxfp4(tensors.pop(prefix + proj).transpose(1, 2))
-            tensors[f"{prefix}{proj}_blocks"], tensors[f"{prefix}{proj}_scales"] = blocks, scales
-        save_file(tensors, str(path), metadata=metadata)
-        cfg = json.loads((Path(tmp) / "config.json").read_text())
-        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERT}
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        tensors, metadata, cfg = as_openai_mxfp4(Path(tmp))
 
         loaded = GptOssForCausalLM.from_pretrained(tmp, quantization_config=Mxfp4Config(dequantize=True),
                                                    dtype=torch.bfloat16, device_map="cpu").eval()

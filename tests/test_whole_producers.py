@@ -1,0 +1,102 @@
+"""Whole models quantized by their producers (tests/fixtures/whole/<name>/checkpoint/, written by
+tools/make_whole_fixtures.py: llm-compressor's presets, transformers' FineGrainedFP8, gpt-oss MXFP4) through
+``load_model`` on the CPU, against ``ref.safetensors`` beside each: transformers' own model class in float32 holding
+the PRODUCER'S OWN dequantised weights, its logits along its greedy 16-token continuation.
+
+Tolerances (relative error of the logits, ‖ours − reference‖ / ‖reference‖), one per fixture in CASES:
+
+- weight-only schemes: both sides run the same dequantised weights in float32 and differ in summation order and in
+  how the kernel holds the weights; a misread scale, group or code is O(1e-2) or more through two layers.
+- schemes that quantize activations (W8A8 int8, FP8, NVFP4, MXFP4 with A): the reference holds the producer's
+  dequantised weights only (its forward with activation quantisation needs a GPU for FP8, and is bfloat16 for
+  llm-compressor), while our experts quantize their inputs as the scheme says; the bound is that quantisation's
+  error, measured, with headroom; far under the error of losing the weights' quantisation or of a wrong scale.
+
+Greedy generation of 16 tokens gives the reference's tokens; where one differs, the reference's two best logits at
+that step must be within the tolerance of each other (a near tie, not a wrong model).
+
+Where transformers reads the format itself on the CPU, its own model is compared with the same reference; where it
+cannot, or reads it wrongly, the test asserts what it does, with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")  # the dev extra installs it; the core does not need it
+
+from moe_registry.whole.load import load_model  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "whole"
+PROMPT_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One producer fixture: its dir under tests/fixtures/whole and the logits tolerance of its scheme."""
+
+    name: str
+    tol: float
+    scheme: str  # the scheme the oracle must pick for every MoE layer
+
+
+CASES = [  # tol: the measured relative error (comment) with headroom (the why: the module docstring)
+    Case("ct-w4a16", 1e-2, "compressed-tensors-w4a16"),  # 3.1e-3: the reference's code x scale rounded to bf16
+    Case("ct-w8a8-int8", 3e-2, "compressed-tensors-w8a8-int8"),  # 1.2e-2: per-token int8 inputs of the experts
+    Case("ct-fp8-dynamic", 6e-2, "compressed-tensors-w8a8-fp8-dynamic"),  # 3.3e-2: per-token fp8 inputs
+    Case("ct-nvfp4", 1.5e-2, "compressed-tensors-nvfp4"),  # 4.4e-3: code x scale x global scale rounded to bf16
+    Case("ct-mxfp4", 1.5e-3, "compressed-tensors-mxfp4"),  # 3.5e-4
+    Case("transformers-fp8-block", 1e-1, "fp8-block128"),  # 6.3e-2: fp8 inputs in groups of 128
+    Case("gpt-oss-mxfp4", 3e-3, "mxfp4"),  # 7.5e-4
+]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _ref(case: Case) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / case.name / "ref.safetensors"))
+
+
+def _assert_matches_reference(model: torch.nn.Module, ref: dict[str, torch.Tensor], tol: float) -> None:
+    """Logits along the reference's greedy sequence within ``tol``; greedy tokens equal, or a differing token at
+    a near tie of the reference's two best logits."""
+    with torch.no_grad():
+        logits = model(ref["greedy"]).logits.float()
+    assert _rel(logits, ref["logits"]) <= tol, _rel(logits, ref["logits"])
+    got = model.generate(ref["input_ids"], max_new_tokens=ref["greedy"].shape[1] - PROMPT_TOKENS, do_sample=False,
+                         pad_token_id=0)
+    want = ref["greedy"]
+    if torch.equal(got, want):
+        return
+    first = int((got[0, :want.shape[1]] != want[0, :got.shape[1]]).nonzero()[0])
+    step = ref["logits"][0, first - 1]
+    top2 = step.topk(2).values
+    assert float(top2[0] - top2[1]) <= tol * float(step.norm()), (first, got.tolist(), want.tolist())
+
+
+@pytest.fixture(scope="module")
+def ours():  # type: ignore[no-untyped-def]
+    """Each fixture loaded once (float32, the oracle's CPU kernel per layer)."""
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def get(case: Case) -> torch.nn.Module:
+        if case.name not in loaded:
+            loaded[case.name] = load_model(FIXTURES / case.name / "checkpoint", dtype="float32")
+        return loaded[case.name]
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_load_model_matches_the_producers_dequantised_model(case: Case, ours) -> None:  # type: ignore[no-untyped-def]
+    model = ours(case)
+    report = model.moe_registry_report
+    assert [p.scheme for p in report.layers] == [case.scheme] * len(report.layers), report.layers
+    assert len(report.layers) >= 2
+    _assert_matches_reference(model, _ref(case), case.tol)
