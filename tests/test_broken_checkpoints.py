@@ -119,7 +119,7 @@ CASES = [
     Case("intermediate-disagrees", "qwen3-gptq-int4", (f"{QWEN}.0.gate_proj.qweight: shape", "expected [32, 192]"),
          config=_cfg(moe_intermediate_size=192)),
     Case("layer-without-moe", "deepseek-fp8-block", ("--layer: layer 7 has no MoE",), layer=7),
-    Case("unknown-scheme", "mixtral-awq", ("no scheme matches",),
+    Case("unknown-scheme", "mixtral-awq", ("quant_method 'bitsandbytes': no scheme spec claims it",),
          config=lambda c: c["quantization_config"].update(quant_method="bitsandbytes")),
     Case("pickle-only", "mixtral-awq", ("no .safetensors files", "pytorch_model.bin"),
          files=lambda d: [p.unlink() for p in d.glob("*.safetensors")] and (d / "pytorch_model.bin").write_bytes(b"x")

@@ -415,7 +415,7 @@ def override_dir(tmp_path: Path) -> Path:
     d = tmp_path / "override" / "schemes"
     d.mkdir(parents=True)
     awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
-    line = "kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-packed, torch-reference]"
+    line = "kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-packed, torch-cpu-native, torch-reference]"
     assert line in awq
     (d / "awq-w4a16.yaml").write_text(awq.replace(line, "kernels: [torch-reference]"))
     return d.parent

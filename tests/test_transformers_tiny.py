@@ -141,15 +141,21 @@ def test_gpt_oss_reads_interleaved_gate_up_and_biases() -> None:
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
-def test_run_command_on_tiny_model(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """``moe-registry run <dir> --layer L --inputs io.safetensors`` loads the layer as transformers saved it."""
+def test_run_command_on_tiny_model(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``moe-registry run <dir> --layer L --inputs FILE`` loads the layer as transformers saved it and, on
+    transformers' hidden states and routing, writes transformers' routed-experts output."""
+    from safetensors.torch import save_file
+
     from moe_registry.cli.main import main
 
-    d = TINY / name
-    code = main(["run", str(d), "--layer", "0", "--inputs", str(d / "io.safetensors"), "--platform", "cpu",
-                 "--dtype", "float32", "--json"])
+    io = _io(name)
+    inputs, out = tmp_path / "inputs.safetensors", tmp_path / "out.safetensors"
+    save_file({k: io[k].contiguous() for k in ("hidden_states", "topk_ids", "topk_weights")}, str(inputs))
+    code = main(["run", str(TINY / name), "--layer", "0", "--inputs", str(inputs), "--platform", "cpu",
+                 "--dtype", "float32", "--kernel", "torch-reference", "--save-output", str(out), "--json"])
     body = json.loads(capsys.readouterr().out)
     assert code == 0 and body["result"]["ok"] and body["result"]["tokens"] == 16
+    assert _rel(load_file(str(out))["output"], io["output"]) < FP32_TOL
 
 
 def test_fused_layout_alternatives_read_both_producers(tmp_path: Path) -> None:
