@@ -102,8 +102,11 @@ def measure(path: Path, side: str, device: str, prompt_len: int, new_tokens: int
     load_rss = _rss_peak() - before
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0)).to(model.device)
-    with torch.no_grad():  # one warm-up token, so first-call costs are not timed
-        model.generate(prompt[:, :4], max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        # a warm-up generate of the timed shapes: a GPU kernel compiles once per tile config, and the prefill's
+        # and each decode step's token counts pick their own; a shorter warm-up leaves compiles in the timing
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         clock = TokenClock()
         start = time.perf_counter()
         model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
