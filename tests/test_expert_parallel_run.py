@@ -20,9 +20,10 @@ from torchrun_launch import torchrun
 import moe_registry
 from moe_registry.cli import main as cli
 from moe_registry.model import checkpoint
-from moe_registry.model.checkpoint import LAYER_WIDE, open_checkpoint, read_layer
+from moe_registry.model.checkpoint import LAYER_WIDE, read_layer
 from moe_registry.model.config import read_model_config
 from moe_registry.model.situation import Flags, situation_for_model
+from moe_registry.model.tensor_index import open_checkpoint
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import load_registry
 

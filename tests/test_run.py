@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import moe_registry
 from moe_registry.cli.main import main
-from moe_registry.model.checkpoint import CheckpointIndex
+from moe_registry.model.tensor_index import CheckpointIndex
 from moe_registry.spec.loader import load_registry
 
 EXPECTED_SCHEME = {

@@ -1,8 +1,8 @@
-"""``run`` refuses bad input before expensive work: flag values, files, the config and the flags' situation, and
-the ``--inputs`` file's names and shape (its header) before torch is imported (shown in a fresh process: torch is
-not in ``sys.modules`` after the error); the token budget and a missing router before the layer is built, which
-may compile its kernel for minutes (shown with ``build`` and the extension loader replaced by spies that fail the
-test if called). Each error by its message."""
+"""``run`` refuses bad input before expensive work: flag values, files, the config and the flags' situation, the
+``--inputs`` file's names and shape (its header) and a missing router (the checkpoint's headers) before torch is
+imported (shown in a fresh process: torch is not in ``sys.modules`` after the error); the token budget before the
+layer is built, which may compile its kernel for minutes (shown with ``build`` and the extension loader replaced by
+spies that fail the test if called). Each error by its message."""
 
 from __future__ import annotations
 
@@ -87,7 +87,12 @@ def _inputs_cases(model: Path, tmp: Path) -> list[tuple[list[str], str]]:
 
 def test_flag_file_and_config_errors_come_before_torch_is_imported(example, tmp_path: Path) -> None:
     model = example("deepseek-fp8-block")
-    cases = _flag_cases(model, tmp_path) + _inputs_cases(model, tmp_path)
+    no_router, routers = _without_router(example, "deepseek-fp8-block", tmp_path)
+    hidden_only = tmp_path / "hidden-only.safetensors"
+    save_file({"hidden_states": torch.zeros(3, 256)}, str(hidden_only))
+    missing = f"error: {routers[0]}: missing; run routes the tokens with the layer's router"
+    cases = _flag_cases(model, tmp_path) + _inputs_cases(model, tmp_path) + [
+        ([str(no_router)], missing), ([str(no_router), "--inputs", str(hidden_only)], missing)]
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps([["run", *argv] for argv, _ in cases])],
                           capture_output=True, text=True, timeout=120, check=True)
     for (_, message), got in zip(cases, json.loads(done.stdout), strict=True):
@@ -161,3 +166,46 @@ def test_a_checkpoint_without_a_router_runs_with_the_routing_in_inputs(example, 
     assert code == 0, err
     result = json.loads(out)["result"]
     assert result["tokens"] == 3 and result["ok"] is True
+
+
+HEADER_CASES = {
+    "offsets-past-the-data": ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}}, 8,
+                              r"tensor 't': entry .* is not \{dtype, shape, data_offsets \[begin, end\] within "
+                              r"the data\}"),
+    "bytes-disagree-with-shape": ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, 8,
+                                  r"tensor 't': 8 bytes for F32 shape \[3\]"),
+    "negative-dim": ({"t": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 0]}}, 0, r"tensor 't': entry"),
+    "not-a-table": ([1, 2], 0, r"the header is a JSON list, not a table of tensors"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CASES))
+def test_a_header_safetensors_would_refuse_is_refused_without_torch(tmp_path: Path, case: str) -> None:
+    """The index reads headers without torch, so it must refuse what safetensors' own reader refuses: a header
+    whose entries do not describe the data after it."""
+    from safetensors import safe_open
+
+    from moe_registry.core.errors import CheckpointError
+    from moe_registry.model.tensor_index import open_checkpoint
+
+    table, data, message = HEADER_CASES[case]
+    text = json.dumps(table).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + bytes(data))
+    with pytest.raises(Exception):  # noqa: B017, PT011  (safetensors' own error types vary by version)
+        safe_open(str(tmp_path / "model.safetensors"), framework="pt")
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: cannot read safetensors header: {message}"):
+        open_checkpoint(tmp_path)
+
+
+def test_the_index_matches_safetensors_on_a_real_checkpoint(example) -> None:
+    """Names, dtypes and shapes from the torch-free header read equal safetensors' own."""
+    from safetensors import safe_open
+
+    from moe_registry.model.tensor_index import open_checkpoint
+
+    model = example("deepseek-fp8-block")
+    index = open_checkpoint(model)
+    with safe_open(str(model / "model.safetensors"), framework="pt") as f:
+        want = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    assert {n: i.shape for n, i in index.tensors.items()} == want
+    assert index.load(next(iter(want))).shape == next(iter(want.values()))

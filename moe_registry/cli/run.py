@@ -18,11 +18,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from moe_registry.cli.run_checks import check_inputs_header, check_run_flags, layer_situation
+from moe_registry.cli.run_checks import check_inputs_header, check_router, check_run_flags, layer_situation
 from moe_registry.core import guards
-from moe_registry.core.errors import CheckpointError, ConfigError
+from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
-from moe_registry.model.checkpoint import layer_names, open_checkpoint
 from moe_registry.model.routing import Routing, from_given
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.render import TEXT_WIDTH, wrap
@@ -138,16 +137,7 @@ def inputs_before_build(args: argparse.Namespace) -> tuple[torch.Tensor, Routing
     if x.shape[0] > budget:
         raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {budget}")
     if routing is None:
-        assert situation.layer is not None
-        target = Path(args.target)
-        index = open_checkpoint(target if target.is_dir() else target.parent)
-        router = layer_names(registry.families[model.family].spec, situation.layer, index).router
-        if router not in index.tensors:
-            shape = model.shape
-            raise CheckpointError(f"{router}: missing; run routes the tokens with the layer's router. Give the routing "
-                                  f"instead: --inputs FILE, a safetensors file with hidden_states [tokens, "
-                                  f"{shape.hidden}], topk_ids and topk_weights [tokens, {shape.top_k}] (in Python: "
-                                  "layer.kernel(hidden_states, topk_weights, topk_ids))")
+        check_router(args, registry, model, situation)
     return x, routing
 
 

@@ -11,9 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from moe_registry.core import guards
-from moe_registry.core.errors import ConfigError
+from moe_registry.core.errors import CheckpointError, ConfigError
 from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
+from moe_registry.model.tensor_index import layer_names, open_checkpoint
 from moe_registry.oracle.contract import Situation
 from moe_registry.spec.loader import Registry, load_registry
 
@@ -71,11 +72,29 @@ def check_before_torch(args: argparse.Namespace) -> None:
     """Everything one process's run can refuse without torch: flags, files, the config and the situation, and the
     ``--inputs`` file's names and hidden_states shape (from its header)."""
     check_run_flags(args)
-    _, model, _ = layer_situation(args)
+    registry, model, situation = layer_situation(args)
+    header = None
     if args.inputs:
         header = inputs_header(Path(args.inputs))
         if header is not None:
             check_inputs_header(Path(args.inputs), header, model.shape.hidden)
+    if not args.inputs or (header is not None and "topk_ids" not in header):
+        check_router(args, registry, model, situation)
+
+
+def check_router(args: argparse.Namespace, registry: Registry, model: ModelConfig, situation: Situation) -> None:
+    """The layer's router is in the checkpoint (from the safetensors headers), for a run that routes the tokens
+    itself: without it the run could only fail after building the layer (which may compile its kernel)."""
+    assert situation.layer is not None
+    target = Path(args.target)
+    index = open_checkpoint(target if target.is_dir() else target.parent)
+    router = layer_names(registry.families[model.family].spec, situation.layer, index).router
+    if router not in index.tensors:
+        shape = model.shape
+        raise CheckpointError(f"{router}: missing; run routes the tokens with the layer's router. Give the routing "
+                              f"instead: --inputs FILE, a safetensors file with hidden_states [tokens, "
+                              f"{shape.hidden}], topk_ids and topk_weights [tokens, {shape.top_k}] (in Python: "
+                              "layer.kernel(hidden_states, topk_weights, topk_ids))")
 
 
 def inputs_header(path: Path) -> dict[str, list[int]] | None:

@@ -21,10 +21,11 @@ from moe_registry.formats.registry import ConvertContext, Converter
 from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
-from moe_registry.model.checkpoint import LAYER_WIDE, LayerTensors, open_checkpoint, read_layer
+from moe_registry.model.checkpoint import LAYER_WIDE, LayerTensors, read_layer
 from moe_registry.model.config import ModelConfig, read_model_config
 from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
+from moe_registry.model.tensor_index import open_checkpoint
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.predicates import delivered_format
 from moe_registry.oracle.runtime import Platform, RuntimeConfig

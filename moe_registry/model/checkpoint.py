@@ -12,24 +12,19 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError
 from moe_registry.core.vocab import ROLES
 from moe_registry.formats.checks import check_all_equal
+from moe_registry.model.tensor_index import CheckpointIndex, LayerNames, TensorInfo, layer_names
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.expr import ExprError, parse_expr
 from moe_registry.spec.view import ModelFamilySpec, SchemeSpec, TensorSpec
 
-INDEX_FILE = "model.safetensors.index.json"
-_ST_DTYPES = {"I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8", "F16": "float16",
-              "BF16": "bfloat16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu",
-              "I16": "int16", "F64": "float64", "BOOL": "bool"}
 # A projection may carry a bias (gpt-oss style); it is optional for every scheme.
 BIAS_SPEC = TensorSpec(dtype=["bfloat16", "float16", "float32"], shape=["out"], optional=True, all_equal=None,
                        stacked=None)
@@ -38,188 +33,6 @@ LAYER_WIDE = frozenset({"input_scale"})
 (``ProjectionWeights.input_scale``: the largest static activation scale, as vLLM does). A rank that reads only
 its own experts still reads these (one scalar per projection) for every expert, so that its layer-wide value
 is the single-process layer's, not the largest over its own experts."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """A tensor's header entry: the file holding it, its dtype name and shape."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CheckpointIndex:
-    """Every tensor name in the checkpoint with its header entry (nothing loaded)."""
-
-    root: Path
-    tensors: Mapping[str, TensorInfo]
-
-    def load(self, name: str) -> torch.Tensor:
-        info = self.tensors[name]
-        with safe_open(str(info.file), framework="pt") as f:
-            tensor = f.get_tensor(name)
-        guards.check_tensor_values(name, tensor)  # NaN/inf, fp8/e8m0 NaN codes: refused at load
-        return tensor
-
-    def load_experts(self, name: str, experts: Sequence[int] | None, rows: int = 1) -> torch.Tensor:
-        """A tensor stacked over experts along dim 0 (``rows`` rows per expert), only ``experts``' slices in
-        that order (``None``: the whole tensor). Runs of consecutive experts are read as one slice
-        (``get_slice``), so no other expert's bytes are read."""
-        if experts is None:
-            return self.load(name)
-        runs: list[list[int]] = []
-        for e in experts:
-            if runs and e == runs[-1][1]:
-                runs[-1][1] = e + 1
-            else:
-                runs.append([e, e + 1])
-        info = self.tensors[name]
-        with safe_open(str(info.file), framework="pt") as f:
-            sl = f.get_slice(name)
-            parts = [sl[lo * rows:hi * rows] for lo, hi in runs]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
-        guards.check_tensor_values(name, tensor)
-        return tensor
-
-
-def open_checkpoint(model_dir: Path) -> CheckpointIndex:
-    """Index a model dir's safetensors files by reading their headers only."""
-    if not model_dir.is_dir():
-        raise CheckpointError(f"{model_dir}: not a model dir")
-    files = guards.checkpoint_files(model_dir, INDEX_FILE)  # inside the model dir, regular files only
-    if not files:
-        pickles = [p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
-        hint = f" (found {', '.join(pickles)}: pickle checkpoints are not read, convert them)" if pickles else ""
-        raise CheckpointError(f"{model_dir}: no .safetensors files{hint}")
-    tensors: dict[str, TensorInfo] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open is not iterable)
-                    sl = f.get_slice(name)
-                    guards.no_duplicate_tensor(tensors, name, path)
-                    tensors[name] = TensorInfo(path, _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()),
-                                               tuple(sl.get_shape()))
-        except (OSError, ValueError, RuntimeError, SafetensorError) as err:
-            raise CheckpointError(f"{path}: cannot read safetensors header: {err}") from None
-    return CheckpointIndex(model_dir, tensors)
-
-
-@dataclass(frozen=True)
-class FusedNames:
-    """Full names of a fused family's stacked expert tensors in one layer, with how to read them.
-    Gate and up are one ``gate_up`` tensor or two, ``gate`` and ``up``."""
-
-    gate_up: str | None
-    down: str
-    gate_up_bias: str | None
-    down_bias: str | None
-    layouts: tuple[tuple[str, ...], ...]
-    gate_up_order: str
-    gate: str | None = None
-    up: str | None = None
-    down_layout: tuple[str, ...] | None = None
-    tensor_names: str | None = None  # the scheme's checkpoint.fused_names ('_{tensor}'), once read with it
-
-    def of(self, what: str) -> str | None:
-        """'gate_up', 'gate', 'up', 'down', 'gate_up_bias' or 'down_bias' -> full name (None: not named)."""
-        return getattr(self, what)
-
-    @property
-    def parts(self) -> tuple[str, ...]:
-        """Which weight tensors this layer has: ('gate_up', 'down') or ('gate', 'up', 'down')."""
-        return ("gate_up", "down") if self.gate_up is not None else ("gate", "up", "down")
-
-    def holder(self, role: str) -> str:
-        """The part holding ``role`` ('gate', 'up' or 'down')."""
-        return role if role in self.parts else "gate_up"
-
-
-@dataclass(frozen=True)
-class LayerNames:
-    """Full checkpoint names of one MoE layer's pieces, as this checkpoint holds them: ``fused``, the
-    3-D tensors of a fused family, or ``expert_prefix`` (with {expert}) and ``projections`` (role ->
-    module name) for per-expert tensors."""
-
-    router: str
-    correction_bias: str | None
-    expert_prefix: str | None  # with {expert}
-    fused: FusedNames | None = None
-    router_bias: str | None = None
-    projections: Mapping[str, str] | None = None
-    stacked: Mapping[str, str] | None = None  # per-expert naming: tensor -> full name ({part}) held stacked
-
-    def projection(self, expert: int, role: str) -> str:
-        if self.fused is not None:
-            return f"{self.fused.of(self.fused.holder(role))}[{expert}]"
-        assert self.expert_prefix is not None and self.projections is not None
-        return f"{self.expert_prefix.format(expert=expert)}.{self.projections[role]}"
-
-    def tensor(self, expert: int, role: str, tensor: str) -> str:
-        """The checkpoint name of one expert's one tensor, for messages (fused: which slice of which tensor)."""
-        if self.fused is None and self.stacked is not None and tensor in self.stacked:
-            part = "down" if role == "down" else "gate_up"
-            return f"{self.stacked[tensor].format(part=part)}[{expert}]" + (f" ({role} part)" if part != role else "")
-        if self.fused is None:
-            return f"{self.projection(expert, role)}.{tensor}"
-        fused = self.fused.holder(role)
-        name = self.fused.of(f"{fused}_bias" if tensor == "bias" else fused)
-        if tensor != "bias" and self.fused.tensor_names is not None:
-            name = f"{name}{self.fused.tensor_names.format(tensor=tensor)}"
-        return f"{name}[{expert}]" + (f" ({role} part)" if fused == "gate_up" else "")
-
-
-def layer_prefix(template: str, alternatives: Sequence[str], layer: int, index: CheckpointIndex) -> str:
-    """``layer``'s tensor prefix: ``template``'s, or the first of ``alternatives`` under which ``index`` holds a
-    tensor when it holds none under ``template``'s (a text-only checkpoint of a multimodal family)."""
-    prefixes = [t.format(layer=layer) for t in (template, *alternatives)]
-    if len(prefixes) > 1:
-        for prefix in prefixes:
-            if any(name.startswith(prefix + ".") for name in index.tensors):
-                return prefix
-    return prefixes[0]
-
-
-def layer_names(family: ModelFamilySpec, layer: int, index: CheckpointIndex) -> LayerNames:
-    """The names of ``layer``'s pieces as ``index`` holds them: the fused tensors when it has them (or
-    the family names no others), else the first per-expert naming (the primary one, then
-    ``naming.alternatives``) whose first expert or router it holds. A layer held under none of them
-    is a CheckpointError naming what was looked for under each."""
-    n = family.naming
-    prefix = layer_prefix(n.layer, n.layer_alternatives, layer, index)
-    fused = None
-    if n.fused is not None:
-        f = n.fused
-        def full(name: str | None) -> str | None:
-            return f"{prefix}.{name}" if name else None
-
-        fused = FusedNames(full(f.gate_up), f"{prefix}.{f.down}", full(f.gate_up_bias), full(f.down_bias),
-                           f.layouts, f.gate_up_order, full(f.gate), full(f.up), f.down_layout)
-    primary = LayerNames(f"{prefix}.{n.router}.weight",
-                         f"{prefix}.{n.correction_bias}" if n.correction_bias else None,
-                         f"{prefix}.{n.expert}" if n.expert else None, fused, f"{prefix}.{n.router}.bias",
-                         dict(n.projections) if n.projections else None)
-    if fused is not None and (n.expert is None or fused.of(fused.parts[0]) in index.tensors):
-        return primary
-    primary = replace(primary, fused=None)  # per expert (a family naming both: this checkpoint's way)
-    if not n.alternatives:
-        return primary
-    candidates: list[tuple[str, LayerNames]] = [("naming", primary)]
-    for i, alt in enumerate(n.alternatives):
-        candidates.append((f"naming.alternatives[{i}]", LayerNames(
-            f"{prefix}.{alt.router}.weight", primary.correction_bias, f"{prefix}.{alt.expert}", None,
-            f"{prefix}.{alt.router}.bias", dict(alt.projections))))
-    for _, names in candidates:
-        assert names.expert_prefix is not None and names.projections is not None
-        first = tuple(f"{names.expert_prefix.format(expert=0)}.{p}." for p in names.projections.values())
-        if names.router in index.tensors or any(t.startswith(first) for t in index.tensors):
-            return names
-    looked = "; ".join(f"{where}: {c.expert_prefix.format(expert='N')}.{{{','.join(c.projections.values())}}}.* "  # type: ignore[union-attr]
-                       f"or {c.router}" for where, c in candidates)
-    raise CheckpointError(f"layer {layer}: no expert tensors or router under any naming of family {family.family} "
-                          f"in {index.root} ({looked}; is layer {layer} a MoE layer?)")
 
 
 @dataclass(frozen=True)

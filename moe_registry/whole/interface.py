@@ -14,7 +14,8 @@ import torch
 
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, build_from_tensors
-from moe_registry.model.checkpoint import LayerNames, LayerTensors
+from moe_registry.model.checkpoint import LayerTensors
+from moe_registry.model.tensor_index import LayerNames
 from moe_registry.oracle.contract import Situation
 from moe_registry.oracle.runtime import MoEShape, Platform, RuntimeConfig
 from moe_registry.oracle.select import select
