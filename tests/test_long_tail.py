@@ -153,6 +153,35 @@ def test_all_zero_fp8_weight_scale_inv_is_refused(capsys, tmp_path: Path) -> Non
                         r"expected finite scales > 0", err[0]), err
 
 
+@pytest.mark.parametrize("scale", [1.0, 1e8])
+def test_a_correction_bias_that_ties_every_expert_is_a_note(capsys, tmp_path: Path, example, scale: float) -> None:
+    """A correction bias of 1e8 swallows the sigmoid scores when added in float32 (transformers adds it so too):
+    every expert ties and the bias alone picks them. Legal, so the run goes on, with a note naming the tensor;
+    a bias of ordinary size gets none."""
+    d = copy_model(example("deepseek-fp8-block"), tmp_path / "m")
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    name = next(k for k in sorted(tensors) if k.endswith("e_score_correction_bias"))
+    layer = name.split(".")[2]
+    tensors[name] = scale * (1 + torch.rand(tensors[name].shape, generator=torch.Generator().manual_seed(0)))
+    save_file(tensors, str(d / "model.safetensors"))
+    run = ("run", str(d), "--layer", layer, "--kernel", "torch-reference", "--tokens", "2", "--repeat", "1",
+           "--threads", "1")
+    code, out, _ = cli(capsys, *run, "--json")
+    notes = json.loads(out[0])["result"]["notes"]
+    if scale == 1.0:
+        assert code == 0 and notes == []
+        return
+    assert code == 0 and len(notes) == 1
+    largest = f"{float(tensors[name].abs().max()):.3g}"
+    assert re.fullmatch(rf"{re.escape(name)}: values up to {re.escape(largest)}; in float32 the router's "
+                        r"scores \(0\.\.1\) added to it round to steps of 16, so every expert's score is lost "
+                        r"to it: the experts tie and the bias alone chooses them, the same for every token",
+                        notes[0]), notes
+    code, out, _ = cli(capsys, *run)
+    assert code == 0 and any(line.startswith("note") and name in line for line in out), out
+
+
 def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 

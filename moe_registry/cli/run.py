@@ -22,7 +22,7 @@ from moe_registry.cli.run_checks import check_inputs_header, check_router, check
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
-from moe_registry.model.routing import Routing, from_given
+from moe_registry.model.routing import Routing, correction_bias_note, from_given
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.render import TEXT_WIDTH, wrap
 from moe_registry.oracle.runtime import MoEShape
@@ -43,6 +43,7 @@ class RunResult:
     threads: int = 1
     p25_ms: float = 0.0  # the middle half of the timed calls lies between p25 and p75: the spread
     p75_ms: float = 0.0
+    notes: tuple[str, ...] = ()  # what the user should know about this run's inputs (e.g. a degenerate router)
 
     @property
     def ok(self) -> bool:
@@ -153,8 +154,12 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     dtype = DTYPES[runtime.dtype]
     device = built.kernel.experts.weights.device
     x = x.to(device, dtype)
+    notes: tuple[str, ...] = ()
     if routing is None:
         routing = MoELayer(layer).route(x)
+        bias, name = layer.router_tensors.correction_bias, layer.router_tensors.names.correction_bias
+        note = None if bias is None else correction_bias_note(bias, name or "correction bias")
+        notes = () if note is None else (note,)
     ids, w = routing.topk_ids.to(device), routing.topk_weights.to(device)
 
     def call() -> torch.Tensor:
@@ -173,7 +178,7 @@ def _run_layer(args: argparse.Namespace, threads: int) -> tuple[Report, RunResul
     err = float((out.cpu().double() - ref).norm() / ref.norm().clamp_min(1e-30))
     q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else (times[0],) * 3
     result = RunResult(int(x.shape[0]), err, built.tolerance, statistics.median(times), str(device),
-                       min(times), max(times), len(times), threads, q1, q3)
+                       min(times), max(times), len(times), threads, q1, q3, notes)
     return built.report, result, out
 
 
@@ -196,7 +201,7 @@ def run_layer_command(args: argparse.Namespace) -> int:
         if args.verbose:
             print(report.to_text(args.verbose))
             print()
-        rows = [("ran", report.summary()), *report.notice_rows(),
+        rows = [("ran", report.summary()), *report.notice_rows(), *(("note", n) for n in result.notes),
                 ("tokens", str(result.tokens)), ("device", f"{result.device} ({result.threads} CPU threads)"),
                 ("rel. error", f"{result.relative_error:.3e} vs float64 reference "
                                f"(tolerance {result.tolerance:.1e}: {'ok' if result.ok else 'TOO LARGE'})"),

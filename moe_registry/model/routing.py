@@ -3,12 +3,13 @@ FusedMoEKernel call takes. Scores are computed in float32 whatever the logits' d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-__all__ = ["Routing", "softmax_topk", "grouped_topk", "from_given"]
+__all__ = ["Routing", "softmax_topk", "grouped_topk", "from_given", "correction_bias_note"]
 
 
 @dataclass(frozen=True)
@@ -126,3 +127,25 @@ def from_given(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: 
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"topk_ids must be in [0, {num_experts}), got values in [{lo}, {hi}]")
     return Routing(topk_weights.to(torch.float32), topk_ids.to(torch.int32))
+
+
+# the finest step of the scores (in [0, 1]) that selection may lose to the bias's float32 rounding and still be
+# said to follow the router: coarser, and the note below says the scores are rounded away
+_SCORE_STEP = 2.0 ** -10
+
+
+def correction_bias_note(bias: torch.Tensor, name: str) -> str | None:
+    """A note when a correction bias is so large that adding it to the scores in float32 (as transformers and the
+    reference do) rounds the scores (in [0, 1]) to steps coarser than 2^-10: selection then follows the bias,
+    and at steps of 1 or more every expert's score is lost, so the experts tie and the bias alone picks them.
+    Legal (the checkpoint says so), so a note rather than an error; None for a bias of ordinary size."""
+    largest = float(bias.detach().float().abs().max()) if bias.numel() else 0.0
+    if not math.isfinite(largest) or largest == 0.0:
+        return None
+    step = 2.0 ** (math.floor(math.log2(largest)) - 23)  # float32 spacing at the bias's magnitude
+    if step < _SCORE_STEP:
+        return None
+    lost = ("every expert's score is lost to it: the experts tie and the bias alone chooses them, the same for "
+            "every token") if step >= 1.0 else "selection follows the bias more than the router"
+    return (f"{name}: values up to {largest:.3g}; in float32 the router's scores (0..1) added to it round to "
+            f"steps of {step:g}, so {lost}")
