@@ -332,8 +332,37 @@ def test_autoround_packing_no_kernel_runs_is_refused_naming_it(capsys, tmp_path:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     code, out, err = cli(capsys, "explain", str(tmp_path / "config.json"), "--platform", "cpu")
     assert code == 1, err
-    assert err == ["error: config.json:quantization_config: no scheme matches this config"]
+    assert err == ["error: config.json:quantization_config: quant_method 'auto-round': no scheme matches this config; "
+                   "the nearest scheme claiming it, autoround-w4a16, turns it down: packing_format = "
+                   f"{packing!r}; wanted one of 'auto_round:auto_gptq'"]
     assert f"  - autoround-w4a16   packing_format = {packing!r}; wanted one of 'auto_round:auto_gptq'" in out
+
+
+def test_autoround_asymmetric_is_refused_naming_what_the_claimant_wants(capsys, tmp_path: Path) -> None:
+    """Asymmetric int4 has no AutoRound-written reference here, so no scheme claims it: the error line says so
+    in the claimant's words (packing and symmetry), not with an unrelated method's near miss."""
+    cfg = _json(AUTOROUND / "config.json")
+    cfg["quantization_config"].update(sym=False, packing_format="auto_round:auto_awq")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, out, err = cli(capsys, "explain", str(tmp_path / "config.json"), "--platform", "cpu")
+    assert code == 1 and err == [
+        "error: config.json:quantization_config: quant_method 'auto-round': no scheme matches this config; the "
+        "nearest scheme claiming it, autoround-w4a16, turns it down: packing_format = 'auto_round:auto_awq'; wanted "
+        "one of 'auto_round:auto_gptq' / sym = False; wanted True"], err
+    assert out[out.index("schemes turned down (34; the 3 nearest shown, --verbose lists all):") + 1].startswith(
+        "  - autoround-w4a16 ")
+
+
+def test_a_method_claimed_by_many_schemes_names_the_nearest_and_counts_the_rest(capsys, tmp_path: Path) -> None:
+    cfg = _json(AUTOROUND / "config.json")
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 32, "sym": True,
+                                  "desc_act": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, _, err = cli(capsys, "explain", str(tmp_path / "config.json"), "--platform", "cpu")
+    assert code == 1 and len(err) == 1, err
+    assert re.fullmatch(r"error: config\.json:quantization_config: quant_method 'gptq': no scheme matches this "
+                        r"config; the nearest scheme claiming it, gptq-\S+, turns it down: bits = 3; wanted .*"
+                        r" \(\d+ other schemes claim it too, --verbose lists them\)", err[0]), err
 
 
 def test_compressed_tensors_group_named_freely_without_strategy(capsys, tmp_path: Path) -> None:

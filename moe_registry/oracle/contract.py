@@ -18,6 +18,7 @@ from moe_registry.oracle import render
 from moe_registry.oracle.runtime import RuntimeConfig
 
 NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose
+METHOD_FIELD = "quant_method"  # transformers' name for a quantization config's method (QuantizationConfigMixin)
 
 
 class Reason(str, Enum):
@@ -118,6 +119,11 @@ class SchemeVerdict:
     @property
     def failures(self) -> tuple[Check, ...]:
         return tuple(c for c in self.checks if not c.passed)
+
+    @property
+    def claims_method(self) -> bool:
+        """Whether this scheme's detect rules accept the config's quant_method (it failed on other fields)."""
+        return any(c.field == METHOD_FIELD and c.passed for c in self.checks)
 
 
 @dataclass(frozen=True)
@@ -292,11 +298,12 @@ class Report:
         return ()
 
     def turned_down(self) -> list[SchemeVerdict]:
-        """Schemes that did not match, nearest first: excluded-by-scope ones, then by fewest failed
-        and most passed checks, then by name."""
+        """Schemes that did not match, nearest first: excluded-by-scope ones, then those claiming the config's
+        quant_method, then by fewest failed and most passed checks, then by name."""
         chosen = self.scheme.scheme if self.scheme is not None else None
         rest = [v for v in self.schemes if v.scheme != chosen]
-        return sorted(rest, key=lambda v: (not v.excluded, len(v.failures), -len(v.checks), v.scheme))
+        return sorted(rest, key=lambda v: (not v.excluded, not v.claims_method, len(v.failures), -len(v.checks),
+                                           v.scheme))
 
     def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]:
         rest = self.turned_down()

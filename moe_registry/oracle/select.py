@@ -7,11 +7,13 @@ It imports no kernel code and needs no GPU; building the chosen kernel is in bui
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from moe_registry.core.errors import SelectionError
 from moe_registry.oracle.contract import (
+    METHOD_FIELD,
     KernelVerdict,
     LayerRun,
     Reason,
@@ -28,7 +30,6 @@ from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
-METHOD_FIELD = "quant_method"  # transformers' name for a quantization config's method (QuantizationConfigMixin)
 
 
 
@@ -123,7 +124,8 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
         if unclaimed is not None:
             base = replace(base, unclaimed=unclaimed)
         if raise_on_failure:
-            raise SelectionError(f"{situation.quant_source}: {unclaimed or 'no scheme matches this config'}", base)
+            why = unclaimed or claimants_refusal(situation, verdicts) or "no scheme matches this config"
+            raise SelectionError(f"{situation.quant_source}: {why}", base)
         return base
     scheme = registry.scheme(scheme_v.scheme)
     assert scheme_v.weight_key is not None and scheme_v.activation_key is not None
@@ -195,6 +197,22 @@ def unclaimed_method(registry: Registry, situation: Situation) -> str | None:
         return None
     return (f"quant_method {method!r}: no scheme spec claims it, so nothing here runs it (the specs claim "
             f"{', '.join(sorted(claimed))}; a scheme spec for it, with --spec-dir, would)")
+
+
+def claimants_refusal(situation: Situation, verdicts: Sequence[SchemeVerdict]) -> str | None:
+    """The refusal for a config whose quant_method some scheme claims although none matches (another packing,
+    bit width or symmetry of a known method): it names the method and what its nearest claimant wanted, which
+    is the line a user can act on, rather than the nearest miss of an unrelated method."""
+    config = situation.quant_config
+    method = config.get(METHOD_FIELD) if config is not None else None
+    claimants = sorted((v for v in verdicts if v.claims_method and not v.excluded),
+                       key=lambda v: (len(v.failures), -len(v.checks), v.scheme))
+    if not isinstance(method, str) or not claimants:
+        return None
+    nearest = claimants[0]
+    others = f" ({len(claimants) - 1} other schemes claim it too, --verbose lists them)" if len(claimants) > 1 else ""
+    return (f"quant_method {method!r}: no scheme matches this config; the nearest scheme claiming it, "
+            f"{nearest.scheme}, turns it down: {' / '.join(c.message for c in nearest.failures)}{others}")
 
 
 def _overrides(registry: Registry) -> tuple[str, ...]:
