@@ -162,9 +162,11 @@ def test_foreign_expert_ids_add_nothing() -> None:
 
 
 def test_foreign_ids_through_the_model_module(whole) -> None:  # type: ignore[no-untyped-def]
-    """A layer's experts with one slot per token sent to another rank equal the same layer without that slot."""
+    """A layer's experts with one slot per token sent to another rank equal the same layer without that slot
+    (the module under transformers' expert parallelism, which marks it ``_is_expert_parallel``)."""
     model = load_model(whole("qwen3_moe"), dtype="float32", kernel="torch-reference")
     experts = next(m for m in model.modules() if isinstance(m, RegistryExperts))
+    experts._is_expert_parallel = True
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 0], [2, 5]])
     w = torch.rand(5, 2, generator=torch.Generator().manual_seed(2))

@@ -179,8 +179,11 @@ class BatchedLocalPrepareFinalize(PrepareFinalize):
 
 
 class FusedMoEKernel(torch.nn.Module):
-    """prepare -> experts -> finalize. ``validate`` checks inputs first with clear messages; the
-    id range and duplicate checks read values on the host, so turn it off under CUDA graphs."""
+    """prepare -> experts -> finalize. ``validate`` checks inputs first with clear messages: their layout
+    (:meth:`check_layout`, from shapes, dtypes and devices only) and their ids (:meth:`check_ids`, range and
+    repeats, which read values on the host). A caller whose ids are right by construction turns ``validate``
+    off and checks the layout itself: a host read stalls the GPU's queue and cannot be captured in a CUDA
+    graph."""
 
     def __init__(self, prepare_finalize: PrepareFinalize, experts: Experts, *, validate: bool = True) -> None:
         super().__init__()
@@ -204,8 +207,12 @@ class FusedMoEKernel(torch.nn.Module):
         self.num_experts = prepare_finalize.num_global_experts(experts.weights.num_experts)
 
     def _check(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.check_layout(hidden, topk_weights, topk_ids)
+        self.check_ids(topk_ids)
+
+    def check_layout(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """ValueError unless the inputs' shapes, dtypes and devices are what the experts take; reads no values."""
         w = self.experts.weights
-        num_experts = self.num_experts
         if hidden.dim() != 2:
             raise ValueError(f"hidden must be 2-D [M, H], got shape {tuple(hidden.shape)}")
         if hidden.dtype not in _HIDDEN_DTYPES:
@@ -229,6 +236,10 @@ class FusedMoEKernel(torch.nn.Module):
         for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
             if t.device != hidden.device:
                 raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+    def check_ids(self, topk_ids: torch.Tensor) -> None:
+        """ValueError unless every id is in [0, num_experts) and no row repeats one (reads ids on the host)."""
+        num_experts = self.num_experts
         top_k = topk_ids.shape[1]
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())

@@ -3,25 +3,37 @@ packed weights (converted once, in the chosen kernel's layout) and calls its Fus
 transformers' experts contract ``(hidden_states, top_k_index, top_k_weights)``.
 
 The router stays transformers' own, so routing (top-k, scoring, correction bias, scaling) is exactly
-transformers'. Ids ``>= num_experts`` are transformers' expert-parallel sentinel (another rank's expert):
-such a pair adds nothing."""
+transformers'. Its ids are distinct experts in ``[0, num_experts)`` by construction (a top-k over the experts'
+scores), so the call reads nothing on the host: the kernel's id checks (range, repeats), which read ids back,
+are off, and the inputs' layout is checked from shapes alone on each new input signature. Under transformers'
+expert parallelism (``_is_expert_parallel``, which transformers sets on the module) ids ``>= num_experts`` name
+another rank's expert: such a pair adds nothing (:func:`drop_foreign`, on the device).
+
+With ``graph_tokens`` > 0, a call of at most that many tokens on a CUDA device replays a CUDA graph of this
+layer's experts captured on the first call of its token count (static input and output buffers, a graph memory
+pool shared by every layer): decode's per-step launches and Python glue then cost one replay. A call under
+``torch.compile`` or inside another capture runs the kernel directly, so an outer CUDA graph (transformers'
+static cache with its compiled forward) holds the kernel's launches itself."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from moe_registry.layer.modular import FusedMoEKernel
-from moe_registry.layer.resident import reachable_tensor_bytes
+from moe_registry.layer.resident import reachable_tensor_bytes, reachable_tensors
 from moe_registry.oracle.contract import Report
+
+_GRAPH_POOLS: dict[torch.device, tuple[int, int]] = {}
 
 
 def drop_foreign(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids and weights where every id ``>= num_experts`` has weight 0 and stands on an expert its row does not
-    use yet, so the kernel's one-expert-once-per-row contract holds and the pair adds nothing."""
+    use yet, so the kernel's one-expert-once-per-row contract holds and the pair adds nothing. Computed on the
+    device whether or not a row holds such an id (reading that back would stall the GPU's queue)."""
     foreign = top_k_index >= num_experts
-    if not bool(foreign.any()):
-        return top_k_index, top_k_weights
     rows = top_k_index.shape[0]
     used = torch.zeros(rows, num_experts + 1, dtype=torch.bool, device=top_k_index.device)
     used.scatter_(1, top_k_index.clamp(max=num_experts).long(), True)
@@ -36,32 +48,106 @@ def drop_foreign(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     return ids, torch.where(foreign, torch.zeros_like(top_k_weights), top_k_weights)
 
 
-class RegistryExperts(torch.nn.Module):
-    """One MoE layer's routed experts on the registry's kernel (``report`` says which scheme and kernel)."""
+def graph_pool(device: torch.device) -> tuple[int, int]:
+    """One CUDA graph memory pool per device for every layer's captured experts: the graphs replay one after
+    another on one stream, so one layer's scratch may reuse another's."""
+    if device not in _GRAPH_POOLS:
+        _GRAPH_POOLS[device] = torch.cuda.graph_pool_handle()
+    return _GRAPH_POOLS[device]
 
-    def __init__(self, kernel: FusedMoEKernel, report: Report, layer: int) -> None:
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One captured experts call: the graph and the static tensors it reads and writes."""
+
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    out: torch.Tensor
+
+
+class RegistryExperts(torch.nn.Module):
+    """One MoE layer's routed experts on the registry's kernel (``report`` says which scheme and kernel);
+    ``graph_tokens``: calls of at most this many tokens on CUDA replay a captured graph (0: never)."""
+
+    def __init__(self, kernel: FusedMoEKernel, report: Report, layer: int, graph_tokens: int = 0) -> None:
         super().__init__()
+        kernel.validate = False  # the router's ids are right by construction: forward checks the layout only
         self.kernel = kernel
         self.report = report
         self.layer = layer
         self.num_experts = kernel.num_experts
         self.hidden_dim = kernel.experts.weights.hidden_size
+        self.graph_tokens = graph_tokens
         self._is_expert_parallel = False
+        self._checked: set[tuple] = set()
+        self._graphs: dict[tuple, CapturedCall] = {}
+        for tensor in reachable_tensors(kernel):
+            # the kernel's tensors are attributes of plain objects, not the module's parameters: marked, a compiled
+            # forward's CUDA graph reads them where they are instead of copying them in at every replay
+            torch._dynamo.mark_static_address(tensor)
 
     @property
     def resident_bytes(self) -> int:
         """Bytes of every tensor storage the kernel holds (its packed weights, scales and any copies)."""
         return reachable_tensor_bytes(self.kernel)
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        """The token counts whose calls replay a captured CUDA graph."""
+        return tuple(sorted(key[0] for key in self._graphs))
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, shape[-1])
-        ids, weights = drop_foreign(top_k_index.reshape(hidden.shape[0], -1),
-                                    top_k_weights.reshape(hidden.shape[0], -1), self.num_experts)
-        out = self.kernel(hidden, weights.to(torch.float32), ids)
+        ids = top_k_index.reshape(hidden.shape[0], -1)
+        weights = top_k_weights.reshape(hidden.shape[0], -1).float()
+        if torch.compiler.is_compiling():  # checked once, as the graph is traced; the kernel's launches join it
+            self.kernel.check_layout(hidden, weights, ids)
+            return self._call(hidden, ids, weights).to(hidden_states.dtype).reshape(shape)
+        key = (hidden.shape[0], ids.shape[1], hidden.dtype, ids.dtype, hidden.device)
+        if key not in self._checked:
+            self.kernel.check_layout(hidden, weights, ids)
+            self._checked.add(key)
+        out = self._replay(key, hidden, ids, weights) if self._replays(hidden) else self._call(hidden, ids, weights)
         return out.to(hidden_states.dtype).reshape(shape)
+
+    def _call(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self._is_expert_parallel:
+            ids, weights = drop_foreign(ids, weights, self.num_experts)
+        return self.kernel(hidden, weights, ids)
+
+    def _replays(self, hidden: torch.Tensor) -> bool:
+        """Whether this call replays a captured graph: few enough tokens on CUDA, not inside another capture
+        (whose graph holds the kernel's launches), not recording autograd."""
+        return (0 < hidden.shape[0] <= self.graph_tokens and hidden.is_cuda and not torch.is_grad_enabled()
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _replay(self, key: tuple, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        call = self._graphs.get(key)
+        if call is None:
+            call = self._graphs[key] = self._capture(hidden, ids, weights)
+        call.hidden.copy_(hidden)
+        call.ids.copy_(ids)
+        call.weights.copy_(weights)
+        call.graph.replay()
+        return call.out.clone()  # the static output is overwritten by the next replay
+
+    def _capture(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> CapturedCall:
+        static = hidden.clone(), ids.clone(), weights.clone()
+        side = torch.cuda.Stream(hidden.device)
+        side.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(side):  # a first call outside the capture: Triton compiles, the allocator warms
+            self._call(*static)
+        torch.cuda.current_stream(hidden.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool(hidden.device)):
+            out = self._call(*static)
+        return CapturedCall(graph, *static, out)
 
     def extra_repr(self) -> str:
         scheme = self.report.scheme.scheme if self.report.scheme else "?"
-        return f"layer={self.layer}, experts={self.num_experts}, scheme={scheme}, kernel={self.report.chosen}"
+        return (f"layer={self.layer}, experts={self.num_experts}, scheme={scheme}, kernel={self.report.chosen}"
+                + (f", cuda graphs up to {self.graph_tokens} tokens" if self.graph_tokens else ""))

@@ -34,6 +34,9 @@ from moe_registry.whole.memory import check_fits
 from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
 from moe_registry.whole.requirement import require_transformers
 
+# decode's token counts (batch sizes) up to this replay captured CUDA graphs of each MoE layer's experts; a
+# longer call (a prefill) is launched as it comes, its launches' host time small beside its GPU time
+GRAPH_TOKENS = 256
 _LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int8": 1, "uint8": 1,
                   "float8_e4m3fn": 1, "float8_e8m0fnu": 1, "int16": 2, "float64": 8, "bool": 1}
@@ -263,10 +266,13 @@ def _skeleton(transformers: Any, path: Path, dtype: torch.dtype) -> Any:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
-               platform: str | None = None, kernel: str | None = None, prefer: str | None = None) -> Any:
+               platform: str | None = None, kernel: str | None = None, prefer: str | None = None,
+               cuda_graphs: bool | None = None) -> Any:
     """A transformers ``PreTrainedModel`` (eval mode) for the checkpoint dir ``path``, its MoE layers' routed
     experts on the registry's kernels (the oracle decides per layer; ``kernel`` pins one, ``prefer`` prefers
-    one). ``model.moe_registry_report`` (a :class:`LoadReport`) says what runs and how each tensor was loaded.
+    one). ``cuda_graphs`` (default: on for a CUDA device): each MoE layer's experts call of at most
+    :data:`GRAPH_TOKENS` tokens replays a CUDA graph captured on its token count's first call.
+    ``model.moe_registry_report`` (a :class:`LoadReport`) says what runs and how each tensor was loaded.
     Raises ConfigError/CheckpointError (one line) on bad input, SelectionError when no kernel runs a layer."""
     transformers = require_transformers()
     target = Path(path)
@@ -279,6 +285,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     torch_dtype = DTYPES[dtype_name]
     platform_text = platform or ("cpu" if str(device).startswith("cpu") else "auto")
     dev = device_for(parse_platform("cpu"), device)  # the device is given: the platform is not read
+    if cuda_graphs and dev.type != "cuda":
+        raise ConfigError(f"cuda_graphs=True: the model is loaded to {dev}; CUDA graphs need a CUDA device")
+    graph_tokens = GRAPH_TOKENS if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs) else 0
     model = _skeleton(transformers, target, torch_dtype)
     experts = experts_modules(model)
     if not experts:
@@ -306,7 +315,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
                       device=dev).built
-        module = RegistryExperts(built.kernel, built.report, layer)
+        module = RegistryExperts(built.kernel, built.report, layer, graph_tokens)
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
         assert built.report.scheme is not None and built.report.chosen is not None
@@ -326,5 +335,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     model.eval()
     model.moe_registry_report = LoadReport(str(target), model_config.family, model.config.model_type,
                                            type(model).__name__, str(dev), dtype_name, tuple(plans), loads,
-                                           plan.ignored)
+                                           plan.ignored, graph_tokens)
     return model

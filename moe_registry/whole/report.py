@@ -42,6 +42,7 @@ class LoadReport:
     layers: tuple[LayerPlan, ...]
     non_expert: tuple[TensorLoad, ...]
     ignored: tuple[str, ...] = ()  # checkpoint tensors the model has no place for
+    graph_tokens: int = 0  # experts calls of at most this many tokens replay captured CUDA graphs (0: none)
 
     @property
     def experts_resident_bytes(self) -> int:
@@ -70,6 +71,11 @@ class LoadReport:
         resident, stored = self.experts_resident_bytes, self.experts_checkpoint_bytes
         ratio = f" ({resident / stored:.2f}x)" if stored else ""
         lines.append(f"  experts hold {_bytes(resident)} (checkpoint's expert tensors: {_bytes(stored)}){ratio}")
+        if self.graph_tokens:
+            lines.append(f"  experts calls of 1-{self.graph_tokens} tokens replay a CUDA graph per layer and token "
+                         "count, captured on its first call")
+        elif self.device.startswith("cuda"):
+            lines.append("  experts calls launch their kernels directly (cuda_graphs off)")
         for load in self.non_expert:
             lines.append(f"  {len(load.names)} other tensors {load.how}")
         if self.ignored:
