@@ -1,8 +1,8 @@
 """moe-registry: declarative quantized-MoE kernel registry.
 
-``build``, ``load_layer`` and ``load_model`` are imported lazily so that the spec/oracle/explain path never
-imports torch (nor transformers). ``__version__`` is the installed distribution's version (the checkout's
-pyproject.toml when the package runs uninstalled).
+``build``, ``load_layer``, ``load_model`` and ``register_experts_implementation`` are imported lazily so that the
+spec/oracle/explain path never imports torch (nor transformers). ``__version__`` is the installed distribution's
+version (the checkout's pyproject.toml when the package runs uninstalled).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MoELayer", "__version__", "build", "load_layer", "load_model", "load_registry", "select"]
+__all__ = ["MoELayer", "__version__", "build", "load_layer", "load_model", "load_registry",
+           "register_experts_implementation", "select"]
 
 
 def __dir__() -> list[str]:
@@ -43,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from moe_registry.whole.load import load_model
 
         return load_model
+    if name == "register_experts_implementation":
+        from moe_registry.whole.interface import register_experts_implementation
+
+        return register_experts_implementation
     if name == "load_registry":
         from moe_registry.spec.loader import load_registry
 

@@ -4,7 +4,8 @@ the main job is the block .ci/readme_main_job.sh runs verbatim in CI. A block th
 so in an HTML comment on the line before it (``<!-- readme-test: skip (why) -->``), and few do.
 
 The blocks run in a scratch directory laid out as the checkout is after the main job: ``examples/``
-(the committed configs) with ``examples/checkpoints/`` made by tools/make_examples.py.
+(the committed configs) with ``examples/checkpoints/`` made by tools/make_examples.py, and ``tests/`` (the
+committed fixtures).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for entry in (ROOT / "examples").iterdir():
         if entry.name != "checkpoints":
             (examples / entry.name).symlink_to(entry)
+    (work / "tests").symlink_to(ROOT / "tests")  # the committed fixtures the whole-model blocks load
     for name in sorted(set(re.findall(r"examples/checkpoints/([\w.-]+)", README.read_text()))):
         make_example(name, examples / "checkpoints")
     return work
