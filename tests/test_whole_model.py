@@ -36,19 +36,20 @@ from moe_registry.core.errors import CheckpointError, ConfigError  # noqa: E402
 from moe_registry.layer.build import build  # noqa: E402
 from moe_registry.layer.resident import reachable_tensor_bytes  # noqa: E402
 from moe_registry.whole.experts_module import RegistryExperts, drop_foreign  # noqa: E402
-from moe_registry.whole.load import load_model  # noqa: E402
+from moe_registry.whole.load import generating_class, load_model  # noqa: E402
 
 FP32_TOL = 1e-5
 BF16_TOL = 1.5e-2  # the unquantized scheme's bfloat16 tolerance
 NEW_TOKENS = 16
-# Families of the tiny fixtures run whole. Not here: jetmoe, llama4_text (transformers' experts classes do not take
-# the experts contract: load_model refuses them, tested below); kimi_linear (transformers merges its
-# attention's conv tensors at load); deepseek_v32 (transformers' own attention fails on the tiny config);
-# qwen3_5_moe (the family spec names the multimodal checkpoint's language_model.layers); glm4v_moe, mistral4,
-# qwen3_vl_moe, step3p7 (no AutoModelForCausalLM class).
-FAMILIES = ["dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm4_moe",
-            "glm4_moe_lite", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "lfm2_moe", "mimo_v2_flash", "minimax_m2",
-            "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open"]
+# Families of the tiny fixtures run whole (glm4v_moe and qwen3_vl_moe as transformers' image-text-to-text models,
+# from token ids). Not here: jetmoe, llama4_text (transformers' experts classes do not take the experts contract:
+# load_model refuses them, tested below); kimi_linear and step3p7 (transformers converts some of their non-expert
+# tensors at load, attention convs and the vision tower's fused projections: load_model refuses them, naming the
+# tensor, tested below).
+FAMILIES = ["dbrx", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+            "glm4_moe", "glm4_moe_lite", "glm4v_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "lfm2_moe",
+            "mimo_v2_flash", "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe",
+            "qwen3_next", "qwen3_vl_moe", "solar_open"]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def _prompt() -> torch.Tensor:
 
 
 def _reference(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    auto = generating_class(transformers, transformers.AutoConfig.from_pretrained(str(path)))
+    return auto.from_pretrained(str(path), dtype=dtype).eval()
 
 
 def _assert_same_greedy(ours: torch.nn.Module, ref: torch.nn.Module, prompt: torch.Tensor, tol: float) -> None:
@@ -225,6 +227,21 @@ def test_experts_without_the_contract_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"transformers' Llama4ForCausalLM has no experts module taking the experts "
                                           r"contract .*Llama4TextExperts"):
         load_model(d)
+
+
+@pytest.mark.parametrize(("name", "tensor", "into"), [
+    ("kimi_linear", r"model\.layers\.0\.self_attn\.k_conv1d\.weight", r"model\.layers\.0\.self_attn\.conv1d\.weight"),
+    ("step3p7", r"vision_model\.transformer\.resblocks\.0\.attn\.in_proj_bias",
+     r"model\.vision_model\.layers\.0\.self_attn\.q_proj\.bias"),
+])
+def test_non_expert_tensors_transformers_converts_are_refused_naming_them(name: str, tensor: str, into: str,
+                                                                          tmp_path: Path) -> None:
+    """transformers rewrites some non-expert tensors at load (merged convs, a vision tower's fused projections);
+    load_model loads those as stored only, so it refuses the model naming the first such tensor."""
+    d = make_whole_model(name, tmp_path / name, layers=2)
+    with pytest.raises(CheckpointError, match=rf"{tensor}: transformers converts it into {into} .*only experts' "
+                                              r"tensors are converted by the registry"):
+        load_model(d, dtype="float32", kernel="torch-reference")
 
 
 def test_missing_transformers_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

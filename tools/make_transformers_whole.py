@@ -22,11 +22,25 @@ TINY = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "transfor
 SEED = 1234
 
 
-# Config fields set for the whole model: ernie's MoE layers end at the tiny fixture's one otherwise.
-# DBRX's attention clamps q/k/v by clip_qkv, which its tiny config leaves unset (transformers' attention then fails).
-OVERRIDES: dict[str, dict[str, Any]] = {"ernie4_5_moe": {"moe_layer_end_index": -1},
-                                        "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0,
-                                                                 "clip_qkv": 8.0}}}
+# Config fields set for the whole model (merged into the fixture's, nested tables too), where the tiny fixture's
+# config builds a layer but not a model whose forward runs: ernie's MoE layers end at the fixture's one otherwise;
+# DBRX's attention clamps q/k/v by clip_qkv, which its tiny config leaves unset; DeepSeek-V3.2's indexer wants as
+# many key/value heads as query heads; Mistral 4's and GLM-4.5V's rotary sizes must fit their tiny heads.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "ernie4_5_moe": {"moe_layer_end_index": -1},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "deepseek_v32": {"num_key_value_heads": 4},
+    "mistral4": {"rope_parameters": {"partial_rotary_factor": 1.0}},
+    "glm4v_moe": {"text_config": {"rope_parameters": {"mrope_section": [2, 1, 1]}}},
+}
+
+
+def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` set over it, a nested table merged key by key."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 LAYER_COUNTS = ("num_hidden_layers", "n_layers")  # DBRX names its layer count n_layers
 
 
@@ -68,15 +82,17 @@ def make_whole_model(model_type: str, out_dir: Path, *, layers: int = 3, dtype: 
                      **fields: Any) -> Path:
     """Write a tiny whole model of ``model_type`` (a dir under the tiny fixtures) to ``out_dir`` with
     ``save_pretrained``, config ``fields`` set over the fixture's; returns ``out_dir``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+
+    from moe_registry.whole.load import generating_class
 
     raw = json.loads((TINY / model_type / "config.json").read_text())
-    cfg_dict = {**whole_config(raw, layers), **OVERRIDES.get(model_type, {}), **fields}
+    cfg_dict = merged(merged(whole_config(raw, layers), OVERRIDES.get(model_type, {})), fields)
     cfg_dict.pop("transformers_version", None)
     kind = cfg_dict.pop("model_type")
-    config = AutoConfig.for_model(kind, **cfg_dict)
+    config = transformers.AutoConfig.for_model(kind, **cfg_dict)
     torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = generating_class(transformers, config).from_config(config, dtype=dtype)
     randomise(model, SEED + zlib.crc32(model_type.encode()))
     model.save_pretrained(str(out_dir))
     return out_dir

@@ -251,18 +251,29 @@ def _dtype_name(dtype: str | torch.dtype | None, model: ModelConfig) -> str:
     return name
 
 
+# transformers' auto classes a whole model is built with, in order: a text model, else a multimodal model whose
+# language model holds the MoE layers (Qwen3-VL-MoE, GLM-4.5V, Mistral 4, Step3): it generates from token ids too
+MODEL_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")
+
+
+def generating_class(transformers: Any, config: Any) -> Any | None:
+    """The first of :data:`MODEL_CLASSES` that maps ``config``'s class to a model (None: none does)."""
+    return next((getattr(transformers, name) for name in MODEL_CLASSES
+                 if type(config) in getattr(transformers, name)._model_mapping), None)
+
+
 def _skeleton(transformers: Any, path: Path, dtype: torch.dtype) -> Any:
-    """transformers' causal-LM model for config.json, parameters on the meta device."""
+    """transformers' generating model for config.json (the first of :data:`MODEL_CLASSES` that maps its
+    config), parameters on the meta device."""
     config = transformers.AutoConfig.from_pretrained(str(path))
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # the registry runs the quantized experts; transformers must not
-    try:
-        with parameters_on_meta():
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except ValueError as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"{config_path(path)}: transformers has no causal-LM model for "
-                          f"model_type {config.model_type!r}: {first}") from None
+    auto = generating_class(transformers, config)
+    if auto is None:
+        raise ConfigError(f"{config_path(path)}: transformers has no generating model for model_type "
+                          f"{config.model_type!r} (none of {', '.join(MODEL_CLASSES)} maps {type(config).__name__})")
+    with parameters_on_meta():
+        return auto.from_config(config, dtype=dtype)
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
