@@ -1,10 +1,10 @@
-"""A probe of moe_gemm._codes_by_reciprocal for the interpreter and GPU tests: the codes it gives
+"""A probe of gemm_common._codes_by_reciprocal for the interpreter and GPU tests: the codes it gives
 for values that stress its rounding, and the codes quant_ref's division gives for them."""
 
 import torch
 import triton
 import triton.language as tl
-from moe_registry_kernels.moe_gemm import _codes_by_reciprocal
+from moe_registry_kernels.triton.gemm_common import _codes_by_reciprocal
 
 # the codes' values (non-negative; a midpoint between neighbours is a tie of the final rounding)
 GRIDS = {"fp8_outer": torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float(),

@@ -315,7 +315,7 @@ def test_ci_runs_a_tuned_pair_of_every_shipped_file() -> None:
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("tuned", _tuned_ci_or_slow(TUNED_CPU))
 def test_tuned_configs_conform_in_interpreter(tuned) -> None:
-    from moe_registry_kernels.triton_moe import config_override
+    from moe_registry_kernels.triton.tile_config import config_override
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter run is for machines without a GPU; use -m gpu")
@@ -331,7 +331,7 @@ TUNED_GPU = _tuned_config_cases([c for c in GPU_CASES if c.dtype == "bfloat16"])
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuned", sorted(TUNED_GPU, key=lambda t: WeightsOf.of(t[1]).name), ids=lambda t: t[0])
 def test_tuned_configs_conform_on_gpu(tuned, record_property) -> None:
-    from moe_registry_kernels.triton_moe import config_override
+    from moe_registry_kernels.triton.tile_config import config_override
 
     _, case, config1, config2 = tuned
     with config_override(config1, config2):

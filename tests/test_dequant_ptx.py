@@ -1,4 +1,4 @@
-"""The PTX of moe_registry_kernels.dequant_ptx and .fp4_dequant run on the CPU: a few-line
+"""The PTX of moe_registry_kernels.triton.dequant_ptx and .fp4_dequant run on the CPU: a few-line
 evaluator of the instructions they use (32-bit and, add, xor, shr, shl, mov, prmt, lop3, a funnel
 rotate, paired 16-bit multiplies, the e4m3 pair convert), so the PTX text the GPU runs is checked
 against the values it stands for on every input, here in CI; tests/test_triton_gpu.py checks the
@@ -8,7 +8,8 @@ import re
 
 import pytest
 import torch
-from moe_registry_kernels import dequant_ptx, fp4_dequant, triton_moe
+from moe_registry_kernels.triton import dequant_ptx, fp4_dequant
+from moe_registry_kernels.triton import launch as triton_launch
 
 MASK32 = 0xFFFFFFFF
 
@@ -165,7 +166,7 @@ def test_e4m3_ptx_gives_value_times_scale_for_every_byte(half, word_pairs):
     dtype = torch.bfloat16 if half == "bf16" else torch.float16
     program = dequant_ptx._e4m3_asm(half, word_pairs)
     pairs = dequant_ptx._e4m3_byte_pairs(word_pairs)
-    lowest, highest = triton_moe.E4M3_MX_FOLD_CODES[dtype]
+    lowest, highest = triton_launch.E4M3_MX_FOLD_CODES[dtype]
     unscale = 2.0 ** 120 if half == "bf16" else 1.0
 
     def pair(values: torch.Tensor) -> int:

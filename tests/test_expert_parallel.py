@@ -214,7 +214,7 @@ def test_every_claim_of_the_backend_is_run_by_a_test() -> None:
 
 
 def _rank_triton(rank: int, fmt: str, init: str, out_dir: str) -> None:
-    from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
+    from moe_registry_kernels.triton.experts import TritonBatchedExperts, TritonExperts
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:

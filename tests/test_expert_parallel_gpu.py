@@ -124,7 +124,7 @@ def _replayed(kernel: FusedMoEKernel, first: tuple[torch.Tensor, ...], other: tu
 
 
 def _ep_rank(rank: int, case: Case, init: str, out_dir: str) -> None:
-    from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
+    from moe_registry_kernels.triton.experts import TritonBatchedExperts, TritonExperts
 
     device = _init(rank, init)
     try:
@@ -155,7 +155,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_experts_over_nccl_equal_the_single_process_layer_eager_and_graphed(name: str, tmp_path: Path) -> None:
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     case = CASES[name]
     mp.spawn(_ep_rank, args=(case, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)

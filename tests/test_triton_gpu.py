@@ -16,9 +16,16 @@ import math
 import pytest
 import torch
 from launch_spy import KwargSpy, LaunchSpy
-from moe_registry_kernels import dequant_ptx, quant_ref, triton_moe, triton_ops
+from moe_registry_kernels import quant_ref
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
-from moe_registry_kernels.triton_moe import TritonBatchedExperts, TritonExperts
+from moe_registry_kernels.triton import activation_quant, chain, dequant_ptx, tile_config
+from moe_registry_kernels.triton import align as alignment
+from moe_registry_kernels.triton import gemm as triton_gemm
+from moe_registry_kernels.triton import launch as triton_launch
+from moe_registry_kernels.triton import layer as triton_layer
+from moe_registry_kernels.triton import plan as triton_plan
+from moe_registry_kernels.triton import variant as triton_variant
+from moe_registry_kernels.triton.experts import TritonBatchedExperts, TritonExperts
 
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ExpertWeights
@@ -52,7 +59,7 @@ SCHEMES = {
     "fp8-block": ("fp8e4m3 scale:float32:block(128x128):static", FP8_GROUP_ACT, "fp8"),
 }
 # activations with one scale per token or per tensor, which the GEMMs quantise themselves for
-# one token (triton_moe.SCALE_IN_GEMM); the dynamic fp8 ones from GEMM1's row-amax pieces for a few
+# one token (plan.SCALE_IN_GEMM); the dynamic fp8 ones from GEMM1's row-amax pieces for a few
 ONE_TOKEN = {
     "fp8-tensor-dynamic": ("fp8e4m3 scale:float32:tensor:static", "fp8e4m3 scale:float32:tensor:dynamic", "fp8"),
     "fp8-token-dynamic": ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic", "fp8"),
@@ -145,8 +152,8 @@ def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
                "SWAP_AB": True}
     launched = []
     for name in ("_fused_moe_kernel", "_fused_moe_swap_kernel"):
-        monkeypatch.setattr(triton_moe, name, LaunchSpy(getattr(triton_moe, name), launched))
-    with triton_moe.config_override({**swapped, "SPLIT_K": 1}, {**swapped, "SPLIT_K": split_k}):
+        monkeypatch.setattr(triton_launch, name, LaunchSpy(getattr(triton_launch, name), launched))
+    with tile_config.config_override({**swapped, "SPLIT_K": 1}, {**swapped, "SPLIT_K": split_k}):
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert [grid[2] for grid in launched] == [1, split_k], f"{scheme}: launch grids {launched}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
@@ -164,14 +171,14 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     split-K for GEMM2) on the paired PTX path (W4A8: the codes' 16-bit dot; at M = 1 each GEMM
     quantising the token itself); the launches are watched: both GEMMs took them (the decode GEMV,
     which W4A8's few-token GEMMs otherwise take, off)."""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 1)
     tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "GROUP_DOTS": True}
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
-    with triton_moe.config_override({**tile, "BLOCK_K": 256, "SPLIT_K": 1}, {**tile, "BLOCK_K": 512, "SPLIT_K": 2}):
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
+    with tile_config.config_override({**tile, "BLOCK_K": 256, "SPLIT_K": 1}, {**tile, "BLOCK_K": 512, "SPLIT_K": 2}):
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True]
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
@@ -197,12 +204,12 @@ def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 2)
     tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "SWAP_AB": False}
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
     outs = {}
     block_k = (256, 512) if grouped else (32, 32) if scheme == "awq-g32" else (64, 32)
     for zero_sums in (True, False):
         sums = ({"ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})) if zero_sums else {}
-        with triton_moe.config_override({**tile, **sums, "BLOCK_K": block_k[0], "SPLIT_K": 1},
+        with tile_config.config_override({**tile, **sums, "BLOCK_K": block_k[0], "SPLIT_K": 1},
                                         {**tile, **sums, "BLOCK_K": block_k[1], "SPLIT_K": 2}):
             outs[zero_sums] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, None, None]
@@ -223,17 +230,17 @@ def test_gemms_quantising_their_own_input_are_bit_equal(scheme, shape, m, monkey
     quantisation kernels read whole rows, a pair routed to another rank's expert included; and
     it is near the reference. (The decode GEMV, which the int8 layers' few-token GEMMs otherwise
     take, whatever these switches say, is off.)"""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m)
     topk_ids[0, 0] = -1
     experts = TritonExperts(weights, ExpertsConfig())
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, False)
+        monkeypatch.setattr(triton_plan, switch, False)
     want = experts.apply(hidden, topk_weights, topk_ids)
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, True)
+        monkeypatch.setattr(triton_plan, switch, True)
     got = experts.apply(hidden, topk_weights, topk_ids)
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
@@ -247,17 +254,17 @@ def test_gemm2_alone_quantising_one_token_is_bit_equal(scheme, shape, monkeypatc
     quantises its own input (SCALE_IN_GEMM2_MAX_BYTES; dynamic fp8 on Mixtral-sized experts) gives
     exactly the output of the layer with both quantisation launches. (The decode GEMV, which the
     int8 layers' one-token GEMMs otherwise take, is off.)"""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     hidden, topk_weights, topk_ids = _routing(1, e, h, top_k, torch.bfloat16, seed=1)
     experts = TritonExperts(weights, ExpertsConfig())
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM", False)
     want = experts.apply(hidden, topk_weights, topk_ids)
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", True)
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", 0)
-    quant = triton_moe.scheme_from_keys(*(SCHEMES | ONE_TOKEN)[scheme][:2]).act_quant
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", {quant: 1 << 62})
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM", True)
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM_MAX_BYTES", 0)
+    quant = triton_variant.variant_from_keys(*(SCHEMES | ONE_TOKEN)[scheme][:2]).act_quant
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM2_MAX_BYTES", {quant: 1 << 62})
     got = experts.apply(hidden, topk_weights, topk_ids)
     assert torch.equal(got, want), f"{scheme} {shape}: max |diff| {(got - want).abs().max().item():.3e}"
 
@@ -273,15 +280,15 @@ def test_fp4_tiles_with_the_unscale_in_their_scales_are_bit_equal(scheme, dtype,
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m)
     experts = TritonExperts(weights, ExpertsConfig())
-    real, taken = triton_moe._e2m1_fold, []
+    real, taken = triton_launch._e2m1_fold, []
 
     def spy(w, s, d):
         taken.append(real(w, s, d)["E2M1_FOLDED"])
         return real(w, s, d)
 
-    monkeypatch.setattr(triton_moe, "_e2m1_fold", spy)
+    monkeypatch.setattr(triton_launch, "_e2m1_fold", spy)
     got = experts.apply(hidden, topk_weights, topk_ids)
-    monkeypatch.setattr(triton_moe, "_e2m1_fold", lambda w, s, d: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
+    monkeypatch.setattr(triton_launch, "_e2m1_fold", lambda w, s, d: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
     want = experts.apply(hidden, topk_weights, topk_ids)
     assert taken == [True, True]
     assert torch.equal(got, want), f"{scheme} {shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
@@ -301,7 +308,7 @@ def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, mo
     weights = _weights("mxfp8-w8a16", e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m)
     experts = TritonExperts(weights, ExpertsConfig())
-    real, taken = triton_moe._e4m3_folded, []
+    real, taken = triton_launch._e4m3_folded, []
 
     def spy(w, s, d, asm):
         taken.append(real(w, s, d, asm))
@@ -310,11 +317,11 @@ def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, mo
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
             "SPLIT_K": 1, "SWAP_AB": True}
     if swap == "swapped-bytes":
-        monkeypatch.setattr(triton_moe, "_byte_pairs", lambda weight: False)
-    with triton_moe.config_override(tile, tile) if swap != "tuned" else contextlib.nullcontext():
-        monkeypatch.setattr(triton_moe, "_e4m3_folded", spy)
+        monkeypatch.setattr(triton_launch, "_byte_pairs", lambda weight: False)
+    with tile_config.config_override(tile, tile) if swap != "tuned" else contextlib.nullcontext():
+        monkeypatch.setattr(triton_launch, "_e4m3_folded", spy)
         got = experts.apply(hidden, topk_weights, topk_ids)
-        monkeypatch.setattr(triton_moe, "_e4m3_folded", lambda w, s, d, asm: False)
+        monkeypatch.setattr(triton_launch, "_e4m3_folded", lambda w, s, d, asm: False)
         want = experts.apply(hidden, topk_weights, topk_ids)
     assert taken == [True, True]
     assert torch.equal(got, want), f"{shape} M={m}: max |diff| {(got - want).abs().max().item():.3e}"
@@ -400,13 +407,13 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, rows, cols):
     static = torch.tensor([0.03], device=DEVICE) if key == INT8_STATIC else None
     ref = quant_ref.quantize_activation(x.cpu(), parse_quant_key(key), None if static is None else static.cpu())
     if key == INT8_TOKEN:
-        q, s = triton_ops.quant_int8_per_token(x)
+        q, s = activation_quant.quant_int8_per_token(x)
     elif key == INT8_STATIC:
-        q, s = triton_ops.quant_int8_per_token(x, static)
+        q, s = activation_quant.quant_int8_per_token(x, static)
     elif key == FP8_GROUP_ACT:
-        q, s = triton_ops.quant_fp8_per_group(x, 128)
+        q, s = activation_quant.quant_fp8_per_group(x, 128)
     else:
-        q, s = triton_ops.quant_mxfp8(x)
+        q, s = activation_quant.quant_mxfp8(x)
     got, want = _codes(q.cpu()), _codes(ref.q)
     bad = torch.nonzero(got != want)[:5].tolist()
     detail = [(r, c, x[r, c].item(), want[r, c].item(), got[r, c].item()) for r, c in bad]
@@ -471,7 +478,7 @@ def test_cuda_graph_replay(scheme):
 def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
     """On Hopper the layer's kernels run as one programmatic-dependent-launch chain; eagerly and
     replayed in a CUDA graph it gives bit for bit what plain launches give."""
-    assert triton_ops.pdl_supported(torch.device(DEVICE)), "this GPU should run the chain with PDL"
+    assert chain.pdl_supported(torch.device(DEVICE)), "this GPU should run the chain with PDL"
     e, h, i, top_k = SHAPES["e64"]
     weights = _weights(scheme, e, h, i, torch.bfloat16)
     experts = TritonExperts(weights, ExpertsConfig())
@@ -482,7 +489,7 @@ def test_dependent_launch_chain_matches_plain_launches(scheme, m, monkeypatch):
         captured = experts.apply(*inputs)
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.setattr(triton_ops, "pdl_supported", lambda device: False)
+    monkeypatch.setattr(triton_layer, "pdl_supported", lambda device: False)
     plain = experts.apply(*inputs)
     assert torch.equal(chained, plain) and torch.equal(captured, plain)
 
@@ -494,15 +501,15 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
     graph, bit for bit what reading each whole row gives. (One token's GEMMs would quantise their
     input themselves, with no quantisation launch: SCALE_IN_GEMM is off here; the decode GEMV, which
     quantises GEMM2's input from whole rows, is off too.)"""
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     e, h, i, top_k = SHAPES[shape]
     weights = _weights("w8a8-int8-token", e, h, i, torch.bfloat16)
     experts = TritonExperts(weights, ExpertsConfig())
     inputs = _routing(m, e, h, top_k, torch.bfloat16, seed=7)
     pieces = []
-    real = triton_ops.act_quant
-    monkeypatch.setattr(triton_ops, "act_quant",
+    real = activation_quant.act_quant
+    monkeypatch.setattr(triton_plan, "act_quant",
                         lambda *a, **k: pieces.append(k.get("amax_pieces") is not None) or real(*a, **k))
     chunked = experts.apply(*inputs)
     assert pieces[-1], "GEMM2's input was not quantised from amax pieces"
@@ -511,7 +518,7 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(shape, m, monke
         captured = experts.apply(*inputs)
     graph.replay()
     torch.cuda.synchronize()
-    monkeypatch.setattr(triton_moe, "AMAX_PIECES", False)
+    monkeypatch.setattr(triton_plan, "AMAX_PIECES", False)
     whole = experts.apply(*inputs)
     assert not pieces[-1]
     assert torch.equal(chunked, whole) and torch.equal(captured, whole)
@@ -536,8 +543,8 @@ def test_align_one_launch_equals_the_chunked_path_at_scale(pairs):
     """Both alignment paths (one launch, one program per 32 pairs; chunked, three launches) give
     the same arrays for 128 experts, top-8 (their timings: tools/bench_decode.py)."""
     ids = torch.rand(pairs // 8, 128, device=DEVICE).topk(8, dim=-1).indices.to(torch.int32)
-    one = triton_ops.align(ids, 128, 64, one_launch_max=1 << 20)
-    chunked = triton_ops.align(ids, 128, 64, one_launch_max=0)
+    one = alignment.align(ids, 128, 64, one_launch_max=1 << 20)
+    chunked = alignment.align(ids, 128, 64, one_launch_max=0)
     assert all(torch.equal(x, y) for x, y in zip(one, chunked, strict=True)), f"the two paths differ at {pairs} pairs"
 
 
@@ -556,13 +563,13 @@ def test_nibble_asm_matches_plain_dequant(dtype, signed, scaled):
     def dequant(p_ptr, z_ptr, s_ptr, lo_ptr, hi_ptr, SIGNED: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,
                 SCALED: tl.constexpr):
         offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        zero = triton_moe._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, True)
+        zero = dequant_ptx._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, True)
         scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
-        low, high = triton_moe._dequant_nibbles(tl.load(p_ptr + offs), zero, scale, DT, SIGNED, ASM, SCALED)
+        low, high = dequant_ptx._dequant_nibbles(tl.load(p_ptr + offs), zero, scale, DT, SIGNED, ASM, SCALED)
         tl.store(lo_ptr + offs, low)
         tl.store(hi_ptr + offs, high)
 
-    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+    if not dequant_ptx._paired_halves(torch.device(DEVICE), dtype):
         pytest.skip("paired 16-bit arithmetic unavailable here")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     packed = torch.randint(0, 256, (64, 32), generator=gen, device=DEVICE, dtype=torch.uint8)
@@ -587,7 +594,7 @@ def test_nibbles_to_int8_asm_matches_plain():
     the same int8 values, code - 8, for every byte in every lane position."""
     import triton
     import triton.language as tl
-    from moe_registry_kernels.dequant_ptx import _nibbles_as_int8
+    from moe_registry_kernels.triton.dequant_ptx import _nibbles_as_int8
 
     @triton.jit
     def unpack(p_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
@@ -623,7 +630,7 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
     import triton
     import triton.language as tl
     from moe_registry_kernels.fp4 import e2m1_to_float
-    from moe_registry_kernels.fp4_dequant import _dequant_e2m1, e2m1_register_order
+    from moe_registry_kernels.triton.fp4_dequant import _dequant_e2m1, e2m1_register_order
 
     @triton.jit
     def dequant(p_ptr, s_ptr, lo_ptr, hi_ptr, DT: tl.constexpr, ASM: tl.constexpr, FOLDED: tl.constexpr):
@@ -633,7 +640,7 @@ def test_e2m1_asm_matches_plain_dequant(dtype, scales, folded):
         tl.store(lo_ptr + offs, low)
         tl.store(hi_ptr + offs, high)
 
-    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+    if not dequant_ptx._paired_halves(torch.device(DEVICE), dtype):
         pytest.skip("paired 16-bit arithmetic unavailable here")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     packed = torch.arange(256, device=DEVICE, dtype=torch.uint8).repeat(8).view(64, 32)  # every byte, 8 times
@@ -667,7 +674,7 @@ def test_nvfp4_scale_codes_compiled_decode_every_positive_e4m3_value(dtype, time
     run); every positive finite e4m3 value times the fold factor, bit for bit."""
     import triton
     import triton.language as tl
-    from moe_registry_kernels.fp4_dequant import _scale_code_value, e4m3_scale_codes
+    from moe_registry_kernels.triton.fp4_dequant import _scale_code_value, e4m3_scale_codes
 
     @triton.jit
     def decode(c_ptr, out_ptr, DT: tl.constexpr, TIMES: tl.constexpr, ASM: tl.constexpr):
@@ -706,9 +713,9 @@ def test_mx_fp8_ptx_with_folded_scales_equals_value_times_scale(dtype, word_pair
             out = dequant_ptx._dequant_e4m3(tl.load(c_ptr + rows * 256 + tl.arange(0, 256)[None, :]), scale, DT)
         tl.store(out_ptr + rows * 256 + tl.arange(0, 256)[None, :], out)
 
-    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+    if not dequant_ptx._paired_halves(torch.device(DEVICE), dtype):
         pytest.skip("paired 16-bit arithmetic unavailable here")
-    lowest, highest = triton_moe.E4M3_MX_FOLD_CODES[dtype]
+    lowest, highest = triton_launch.E4M3_MX_FOLD_CODES[dtype]
     every = torch.arange(256, device=DEVICE)
     every = torch.where((every & 0x7F) == 0x7F, 0, every).to(torch.uint8)  # the NaN codes, refused on load
     for first in range(lowest, highest + 1, 64):
@@ -738,22 +745,22 @@ def test_byte_asm_matches_plain_dequant(dtype, w_type, scaled, word_pairs):
     def dequant(c_ptr, z_ptr, s_ptr, out_ptr, W_TYPE: tl.constexpr, DT: tl.constexpr, ASM: tl.constexpr,
                 SCALED: tl.constexpr, PAIRS: tl.constexpr):
         offs = tl.arange(0, 64)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        zero = triton_moe._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, False)
+        zero = dequant_ptx._offset_zero(tl.load(z_ptr + tl.arange(0, 64))[:, None], DT, False)
         scale = tl.load(s_ptr + tl.arange(0, 64))[:, None]
         if PAIRS:  # as the swapped kernel reads them: 16-bit words of an even and an odd column
             words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + tl.arange(0, 64)[:, None] * 16
                             + tl.arange(0, 16)[None, :])
             if ASM:
-                even, odd = triton_moe._dequant_byte_pairs(words, zero, scale, DT, W_TYPE == "int8", SCALED)
+                even, odd = dequant_ptx._dequant_byte_pairs(words, zero, scale, DT, W_TYPE == "int8", SCALED)
             else:
-                even = triton_moe._dequant_byte((words & 0xFF).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
-                odd = triton_moe._dequant_byte((words >> 8).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
+                even = dequant_ptx._dequant_byte((words & 0xFF).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
+                odd = dequant_ptx._dequant_byte((words >> 8).to(tl.uint8), zero, scale, DT, W_TYPE, False, SCALED)
             out = tl.reshape(tl.join(even, odd), (64, 32))
         else:
-            out = triton_moe._dequant_byte(tl.load(c_ptr + offs), zero, scale, DT, W_TYPE, ASM, SCALED)
+            out = dequant_ptx._dequant_byte(tl.load(c_ptr + offs), zero, scale, DT, W_TYPE, ASM, SCALED)
         tl.store(out_ptr + offs, out)
 
-    if not triton_moe._paired_halves(torch.device(DEVICE), dtype):
+    if not dequant_ptx._paired_halves(torch.device(DEVICE), dtype):
         pytest.skip("paired 16-bit arithmetic unavailable here")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     codes = torch.randint(0, 256, (64, 32), generator=gen, device=DEVICE, dtype=torch.uint8)

@@ -33,24 +33,20 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from launch_spy import KwargSpy, LaunchSpy  # noqa: E402
-from moe_registry_kernels import (  # noqa: E402
-    activations,
-    quant_ref,
-    tile_config,
-    triton_moe,
-    triton_ops,
-)
-from moe_registry_kernels.fp4_dequant import e2m1_register_order, e4m3_scale_codes  # noqa: E402
+from moe_registry_kernels import activations, quant_ref  # noqa: E402
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
-from moe_registry_kernels.triton_moe import (  # noqa: E402
-    TritonBatchedExperts,
-    TritonExperts,
-    config_file,
-    default_config,
-    get_config,
-    scheme_from_keys,
-    shape_key,
-)
+from moe_registry_kernels.triton import activation_quant, chain, reduce, tile_config  # noqa: E402
+from moe_registry_kernels.triton import align as alignment  # noqa: E402
+from moe_registry_kernels.triton import gemm as triton_gemm  # noqa: E402
+from moe_registry_kernels.triton import launch as triton_launch  # noqa: E402
+from moe_registry_kernels.triton import layer as triton_layer  # noqa: E402
+from moe_registry_kernels.triton import layout as triton_layout  # noqa: E402
+from moe_registry_kernels.triton import plan as triton_plan  # noqa: E402
+from moe_registry_kernels.triton import variant as triton_variant  # noqa: E402
+from moe_registry_kernels.triton.experts import TritonBatchedExperts, TritonExperts  # noqa: E402
+from moe_registry_kernels.triton.fp4_dequant import e2m1_register_order, e4m3_scale_codes  # noqa: E402
+from moe_registry_kernels.triton.tile_config import config_file, default_config, get_config, shape_key  # noqa: E402
+from moe_registry_kernels.triton.variant import variant_from_keys  # noqa: E402
 
 from moe_registry.core.keys import parse_quant_key  # noqa: E402
 from moe_registry.layer.experts import ExpertsConfig  # noqa: E402
@@ -137,9 +133,9 @@ def test_one_token_takes_no_alignment_launch(scheme, swapped, monkeypatch):
     """One token: each row block is one of its top-k pairs, read straight from the router's ids;
     more tokens go through the alignment."""
     aligned = []
-    real = triton_ops.align_quant
-    monkeypatch.setattr(triton_ops, "align_quant", lambda *a, **k: aligned.append(a[0].shape) or real(*a, **k))
-    with triton_moe.config_override(SWAPPED, SWAPPED) if swapped else contextlib.nullcontext():
+    real = alignment.align_quant
+    monkeypatch.setattr(triton_layer, "align_quant", lambda *a, **k: aligned.append(a[0].shape) or real(*a, **k))
+    with tile_config.config_override(SWAPPED, SWAPPED) if swapped else contextlib.nullcontext():
         _check_layer(scheme, 1, top_k=3, seed=4)
         assert aligned == []
         _check_layer(scheme, 2, top_k=3, seed=4)
@@ -183,8 +179,8 @@ def test_split_k(scheme, monkeypatch):
     """Bias added once, router weight and every scale applied per piece: the pieces sum to the layer.
     The launches are watched: GEMM1 runs whole, GEMM2 over a grid of two K pieces."""
     launched = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, launched))
-    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", LaunchSpy(triton_gemm._fused_moe_kernel, launched))
+    with tile_config.config_override(gemm2=SPLIT_GEMM2):
         _check_layer(scheme, 7, top_k=2, seed=11)
     assert [grid[2] for grid in launched] == [1, 2], f"{scheme}: launch grids {launched}"
 
@@ -203,7 +199,7 @@ def test_group_dots_take_each_groups_scale_on_its_result(scheme, block_k, m, mon
     dot per group with the group's scale on its result: the layer within tolerance, and not the
     per-weight-scale tile's numbers (the launches are watched: both GEMMs took it)."""
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
     if scheme == "gptq4-g32":
         weights = quant_ref.make_random_expert_weights(parse_quant_key(GPTQ4_G32), parse_quant_key(UNQ), num_experts=E,
                                                        hidden=H, intermediate=INTER, dtype=torch.float16, seed=3)
@@ -214,7 +210,7 @@ def test_group_dots_take_each_groups_scale_on_its_result(scheme, block_k, m, mon
     outs = {}
     for grouped in (True, False):
         tile = {**GROUP_DOTS_TILE, "BLOCK_K": block_k} | ({"GROUP_DOTS": True} if grouped else {})
-        with triton_moe.config_override(tile, tile):
+        with tile_config.config_override(tile, tile):
             outs[grouped] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, False, False]
     for grouped, out in outs.items():
@@ -244,12 +240,13 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     seen_grouped: list = []
     seen_pieces: list = []
     seen_buffers: list = []
-    spy = KwargSpy(KwargSpy(KwargSpy(KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS",
+    spy = KwargSpy(KwargSpy(KwargSpy(KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen_grouped), "ZERO_SUMS",
                                      seen), "SUM_PIECES", seen_pieces), "row_sums_ptr", seen_buffers)
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", spy)
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", spy)
     sum_launches: list = []
-    row_group_sums = triton_ops.row_group_sums
-    monkeypatch.setattr(triton_ops, "row_group_sums", lambda *a, **k: sum_launches.append(1) or row_group_sums(*a, **k))
+    row_group_sums = alignment.row_group_sums
+    monkeypatch.setattr(triton_plan, "row_group_sums",
+                        lambda *a, **k: sum_launches.append(1) or row_group_sums(*a, **k))
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, seed=5)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=5)
@@ -258,12 +255,12 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     grouped = {"GROUP_DOTS": True} if block_k == 64 else {}
     for name, zero_sums, split in (("sums", True, 1), ("sums split", True, 2), ("per weight", False, 1)):
         tile = ZERO_SUMS_TILE | {"BLOCK_K": block_k} | ({"ZERO_SUMS": True, **grouped} if zero_sums else {})
-        with triton_moe.config_override(tile, {**tile, "SPLIT_K": split}):
+        with tile_config.config_override(tile, {**tile, "SPLIT_K": split}):
             outs[name] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, True, True, None, None]
     assert seen_grouped == [block_k == 64] * 4 + [False, False]
     # GEMM2 sums the pieces GEMM1's epilogue left, one per 16-column tile (BLOCK_N 32 of gate and up)
-    group = scheme_from_keys(wkey, UNQ).weight_group
+    group = variant_from_keys(wkey, UNQ).weight_group
     assert seen_pieces == ([1, group // 16] if m > 1 else [1, 1]) * 2 + [None, None]
     assert [b is None for b in seen_buffers[:4]] == [m == 1] * 4 and not sum_launches
     for name, out in outs.items():
@@ -279,13 +276,13 @@ def test_zero_sums_take_each_group_once_over_misaligned_splits(m, monkeypatch):
     the groups before its own first one, another split's, add nothing (taken twice, the layer
     would be far off); for sums in GEMM1's pieces, and one token's found from its row."""
     launched: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", LaunchSpy(triton_moe._fused_moe_kernel, launched))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", LaunchSpy(triton_gemm._fused_moe_kernel, launched))
     weights = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["awq-g32"][0]), parse_quant_key(UNQ),
                                                    num_experts=E, hidden=H, intermediate=640, dtype=torch.float16,
                                                    seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
     tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
-    with triton_moe.config_override(tile, {**tile, "SPLIT_K": 4}):
+    with tile_config.config_override(tile, {**tile, "SPLIT_K": 4}):
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert [grid[2] for grid in launched] == [1, 4]
     err = _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig()))
@@ -295,14 +292,14 @@ def test_zero_sums_take_each_group_once_over_misaligned_splits(m, monkeypatch):
 def test_zero_sums_in_the_batched_format(monkeypatch):
     """Expert slabs (expert parallelism's batched format) take the same input sums, row for row."""
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
     weights = quant_ref.make_random_expert_weights(parse_quant_key(W8A16_ASYM), parse_quant_key(UNQ), num_experts=E,
                                                    hidden=H, intermediate=INTER, dtype=torch.float16, seed=6)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(E, 5, H, generator=g).to(torch.float16)
     counts = torch.tensor([5, 0, 3, 1], dtype=torch.int32)
     tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
-    with triton_moe.config_override(tile, tile):
+    with tile_config.config_override(tile, tile):
         out = TritonBatchedExperts(weights, ExpertsConfig()).apply_batched(x, counts)
     ref = reference_moe_batched(x, counts, weights, ExpertsConfig())
     assert seen == [True, True]
@@ -313,12 +310,12 @@ def test_zero_sums_in_the_batched_format(monkeypatch):
 def test_zero_sums_are_kept_only_where_a_tile_can_take_them():
     def fit(wkey, **config):
         tile = {**ZERO_SUMS_TILE, "BLOCK_K": 128, "ZERO_SUMS": True, **config}
-        return tile_config._fit_config(tile, scheme_from_keys(wkey, UNQ), can_split=True).get("ZERO_SUMS")
+        return tile_config._fit_config(tile, variant_from_keys(wkey, UNQ), can_split=True).get("ZERO_SUMS")
 
     assert fit(W8A16_ASYM) is True and fit(SCHEMES["awq-g128"][0], BLOCK_M=32) is True
     assert fit(W8A16_ASYM, BLOCK_K=256) is None  # a K tile spans two groups
     # 4-bit zero points: per-group dots with ZERO_SUMS, and only with them
-    awq = scheme_from_keys(SCHEMES["awq-g128"][0], UNQ)
+    awq = variant_from_keys(SCHEMES["awq-g128"][0], UNQ)
     grouped = {**ZERO_SUMS_TILE, "BLOCK_K": 256, "GROUP_DOTS": True}
     assert tile_config._fit_config({**grouped, "ZERO_SUMS": True}, awq, can_split=True).keys() >= {"GROUP_DOTS",
                                                                                                   "ZERO_SUMS"}
@@ -340,24 +337,24 @@ def test_zero_sums_need_weights_in_column_order():
     seen: list = []
     tile = ZERO_SUMS_TILE | {"ZERO_SUMS": True}
     hidden, topk_weights, topk_ids = _routing(7, 2, seed=2)
-    with pytest.MonkeyPatch.context() as patch, triton_moe.config_override(tile, tile):
-        patch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    with pytest.MonkeyPatch.context() as patch, tile_config.config_override(tile, tile):
+        patch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert seen == [None, None]
     assert _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())) < 1e-2
-    w = triton_moe._Proj(weight=torch.zeros(1), scale=None, zero=None, perm=None, bias=None, input_scale=None,
+    w = triton_layout._Proj(weight=torch.zeros(1), scale=None, zero=None, perm=None, bias=None, input_scale=None,
                          n=8, k=8)
-    assert triton_moe._zero_sums(tile, w) and not triton_moe._zero_sums(ZERO_SUMS_TILE, w)
+    assert triton_launch._zero_sums(tile, w) and not triton_launch._zero_sums(ZERO_SUMS_TILE, w)
     with pytest.raises(ValueError, match="input row sums go with a ZERO_SUMS tile"):
-        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
-                         triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16)
+        triton_launch._gemm(torch.zeros(1, 8), None, w, variant_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_launch._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16)
     with pytest.raises(ValueError, match="finds its input sums itself on one-pair blocks"):
-        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
-                         triton_moe._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16,
-                         row_sums=triton_moe._RowSums(None))
+        triton_launch._gemm(torch.zeros(1, 8), None, w, variant_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_launch._Rows(num_valid=1), {**tile, "SWAP_AB": False}, compute_dtype=torch.float16,
+                         row_sums=triton_launch._RowSums(None))
     with pytest.raises(ValueError, match="row-sum pieces come from the fused-activation kernel"):
-        triton_moe._gemm(torch.zeros(1, 8), None, w, scheme_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
-                         triton_moe._Rows(num_valid=1), {**ZERO_SUMS_TILE, "SWAP_AB": False},
+        triton_launch._gemm(torch.zeros(1, 8), None, w, variant_from_keys(W8A16_ASYM, UNQ), torch.zeros(1, 8),
+                         triton_launch._Rows(num_valid=1), {**ZERO_SUMS_TILE, "SWAP_AB": False},
                          compute_dtype=torch.float16, sums_out=torch.zeros(1, 1))
 
 
@@ -366,15 +363,15 @@ def test_group_row_sums_cover_a_short_last_group():
     same alignment as align's, and a short last group."""
     a = torch.arange(10, dtype=torch.float16).reshape(2, 5)
     want = [[1.0, 5.0, 4.0], [11.0, 15.0, 9.0]]
-    assert triton_ops.row_group_sums(a, 2).tolist() == want
+    assert alignment.row_group_sums(a, 2).tolist() == want
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 300, generator=g).to(torch.float16)
     ref = torch.nn.functional.pad(x.double(), (0, 84)).view(5, 3, 128).sum(-1)
-    assert torch.allclose(triton_ops.row_group_sums(x, 128).double(), ref, rtol=1e-6, atol=1e-5)
+    assert torch.allclose(alignment.row_group_sums(x, 128).double(), ref, rtol=1e-6, atol=1e-5)
     ids = torch.randint(0, E, (5, 2), generator=g, dtype=torch.int32)
     for one_launch_max in (1024, 4):  # one launch, and the two it takes with many pairs
-        *aligned, sums = triton_ops.align_row_sums(ids, E, 16, x, 128, one_launch_max=one_launch_max)
-        assert all(torch.equal(p, q) for p, q in zip(aligned, triton_ops.align(ids, E, 16), strict=True))
+        *aligned, sums = alignment.align_row_sums(ids, E, 16, x, 128, one_launch_max=one_launch_max)
+        assert all(torch.equal(p, q) for p, q in zip(aligned, alignment.align(ids, E, 16), strict=True))
         assert torch.allclose(sums.double(), ref, rtol=1e-6, atol=1e-5)
 
 
@@ -382,7 +379,7 @@ def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
     def fit(scheme, **config):
         wk, ak, _ = SCHEMES[scheme]
         tile = {**GROUP_DOTS_TILE, "BLOCK_K": 128, "GROUP_DOTS": True, **config}
-        return tile_config._fit_config(tile, scheme_from_keys(wk, ak), can_split=True).get("GROUP_DOTS")
+        return tile_config._fit_config(tile, variant_from_keys(wk, ak), can_split=True).get("GROUP_DOTS")
 
     assert fit("gptq4-g64") is True and fit("int4-g128", BLOCK_K=256) is True
     assert fit("gptq4-g64", BLOCK_K=64) is None  # one group a tile: the factored dot already
@@ -391,9 +388,9 @@ def test_group_dots_are_kept_only_where_a_tile_spans_several_groups():
     assert fit("gptq8-g128", BLOCK_K=256) is None  # 8-bit codes
     assert fit("gptq4-channel") is None
     assert fit("gptq4-g64", GROUP_DOTS=False) is None  # absent, not False: tables stay as they were
-    fp4 = scheme_from_keys("e2m1 scale:e8m0:group(32):static", UNQ)
+    fp4 = variant_from_keys("e2m1 scale:e8m0:group(32):static", UNQ)
     assert tile_config.group_dot_width(fp4, 16) == 0
-    assert tile_config.group_dot_width(scheme_from_keys(*SCHEMES["int4-g128"][:2]), 16) == 128
+    assert tile_config.group_dot_width(variant_from_keys(*SCHEMES["int4-g128"][:2]), 16) == 128
 
 
 def test_int8_activations_name_the_weights_they_take():
@@ -401,16 +398,16 @@ def test_int8_activations_name_the_weights_they_take():
     (W4A8) with group or channel scales of any float dtype (compressed-tensors writes bfloat16);
     other weights are refused by a message that says so."""
     for scale in ("float32", "bfloat16", "float16"):
-        assert scheme_from_keys(f"uint4b8 scale:{scale}:group(128):static", INT8_TOKEN).weight_type == "uint4b8"
+        assert variant_from_keys(f"uint4b8 scale:{scale}:group(128):static", INT8_TOKEN).weight_type == "uint4b8"
     with pytest.raises(ValueError, match=r"int8 activations need int8 weights with per-channel/tensor scales \(or "
                                          r"uint4b8 with group or channel scales\), got 'int8 scale:float16:group"):
-        scheme_from_keys("int8 scale:float16:group(64):static", INT8_TOKEN)
+        variant_from_keys("int8 scale:float16:group(64):static", INT8_TOKEN)
 
 
 def test_w4a8_group_dots_only_on_its_16_bit_dot_tiles():
     """W4A8 takes per-group dots on tiles of <= 32 rows (the codes' 16-bit dot), where its K tile
     may then span groups; a 64-row tile (the int8 dot) keeps one group a K tile and no GROUP_DOTS."""
-    w4a8 = scheme_from_keys("uint4b8 scale:float32:group(128):static", INT8_TOKEN)
+    w4a8 = variant_from_keys("uint4b8 scale:float32:group(128):static", INT8_TOKEN)
     assert tile_config.group_dot_width(w4a8, 32) == 128 and tile_config.group_dot_width(w4a8, 64) == 0
     tile = {**GROUP_DOTS_TILE, "BLOCK_K": 512}
     few = tile_config._fit_config({**tile, "GROUP_DOTS": True}, w4a8, can_split=True)
@@ -422,7 +419,7 @@ def test_w4a8_group_dots_only_on_its_16_bit_dot_tiles():
 
 SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
            "num_stages": 2, "SWAP_AB": True}
-SWAPPABLE = [name for name, (wk, ak, _) in SCHEMES.items() if triton_moe.swappable(scheme_from_keys(wk, ak))]
+SWAPPABLE = [name for name, (wk, ak, _) in SCHEMES.items() if triton_variant.swappable(variant_from_keys(wk, ak))]
 
 
 def test_swappable_schemes_are_the_16_bit_dot_ones():
@@ -434,9 +431,9 @@ def test_swappable_schemes_are_the_16_bit_dot_ones():
 def test_swapped_operands(scheme, monkeypatch):
     """The swapped-operand kernel (weights on the left of the dot) gives the layer, split or not."""
     launched = []
-    real = triton_moe._fused_moe_swap_kernel
-    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", LaunchSpy(real, launched))
-    with triton_moe.config_override(SWAPPED, {**SWAPPED, "SPLIT_K": 2, "BLOCK_K": 32}):
+    real = triton_gemm._fused_moe_swap_kernel
+    monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel", LaunchSpy(real, launched))
+    with tile_config.config_override(SWAPPED, {**SWAPPED, "SPLIT_K": 2, "BLOCK_K": 32}):
         _check_layer(scheme, 7, top_k=2, seed=5)
     assert len(launched) == 2
 
@@ -444,18 +441,18 @@ def test_swapped_operands(scheme, monkeypatch):
 @pytest.mark.parametrize("scheme", ["gptq8-g128", "int8-w8a16", "mxfp8-w8a16"])
 def test_swapped_operands_byte_at_a_time(scheme, monkeypatch):
     """8-bit weights whose rows cannot be read as 16-bit words take the byte-wide load."""
-    monkeypatch.setattr(triton_moe, "_byte_pairs", lambda weight: False)
-    with triton_moe.config_override(SWAPPED, SWAPPED):
+    monkeypatch.setattr(triton_launch, "_byte_pairs", lambda weight: False)
+    with tile_config.config_override(SWAPPED, SWAPPED):
         _check_layer(scheme, 7, top_k=2, seed=3)
 
 
 def test_byte_pairs_need_even_rows_and_alignment():
     w = torch.zeros(2, 8, 64, dtype=torch.int8)
-    assert triton_moe._byte_pairs(w)
-    assert not triton_moe._byte_pairs(w[:, :, :63])  # odd K
-    assert not triton_moe._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 63].view(2, 8, 63))  # odd rows
-    assert not triton_moe._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 62].view(2, 8, 62))  # odd address
-    assert not triton_moe._byte_pairs(torch.zeros(2, 8, 64, dtype=torch.float16))  # not 8-bit
+    assert triton_launch._byte_pairs(w)
+    assert not triton_launch._byte_pairs(w[:, :, :63])  # odd K
+    assert not triton_launch._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 63].view(2, 8, 63))  # odd rows
+    assert not triton_launch._byte_pairs(w.reshape(-1)[1:1 + 2 * 8 * 62].view(2, 8, 62))  # odd address
+    assert not triton_launch._byte_pairs(torch.zeros(2, 8, 64, dtype=torch.float16))  # not 8-bit
 
 
 @pytest.mark.parametrize("dtype, codes, asm, folded", [
@@ -466,13 +463,13 @@ def test_byte_pairs_need_even_rows_and_alignment():
 def test_mx_fp8_folds_only_on_the_ptx_path_with_every_scale_code_in_range(dtype, codes, asm, folded):
     """MX fp8 tiles fold their scales (dequant_ptx._e4m3_asm) only on the PTX path and where the layer
     knows every scale code lies in range for its dtype; never for other weight types."""
-    proj = triton_moe._Proj(torch.zeros(1, 2, 32, dtype=torch.uint8), None, None, None, None, None, 2, 32,
+    proj = triton_layout._Proj(torch.zeros(1, 2, 32, dtype=torch.uint8), None, None, None, None, None, 2, 32,
                             scale_codes=codes)
-    mxfp8 = scheme_from_keys("fp8e4m3 scale:e8m0:group(32):static", "unquantized")
-    mxfp4 = scheme_from_keys("e2m1 scale:e8m0:group(32):static", "unquantized")
+    mxfp8 = variant_from_keys("fp8e4m3 scale:e8m0:group(32):static", "unquantized")
+    mxfp4 = variant_from_keys("e2m1 scale:e8m0:group(32):static", "unquantized")
     assert mxfp8.paired_dequant
-    assert triton_moe._e4m3_folded(proj, mxfp8, dtype, asm) is folded
-    assert triton_moe._e4m3_folded(proj, mxfp4, dtype, asm) is False
+    assert triton_launch._e4m3_folded(proj, mxfp8, dtype, asm) is folded
+    assert triton_launch._e4m3_folded(proj, mxfp4, dtype, asm) is False
 
 
 def test_mx_fp8_experts_carry_their_scale_codes_range():
@@ -491,21 +488,22 @@ def test_mx_fp8_experts_carry_their_scale_codes_range():
     ("fp16", {"on_input": True, "top_k": 1}), ("awq-channel", {"bias": False, "skip_expert": 2}),
 ])
 def test_swapped_operands_with_options(scheme, options):
-    with triton_moe.config_override(SWAPPED, SWAPPED):
+    with tile_config.config_override(SWAPPED, SWAPPED):
         _check_layer(scheme, 7, **{"top_k": 2, **options})
 
 
 def test_swap_is_dropped_where_it_cannot_run(monkeypatch):
     launched = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_swap_kernel", LaunchSpy(triton_moe._fused_moe_swap_kernel, launched))
-    with triton_moe.config_override(SWAPPED, SWAPPED):
+    monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel",
+                        LaunchSpy(triton_gemm._fused_moe_swap_kernel, launched))
+    with tile_config.config_override(SWAPPED, SWAPPED):
         _check_layer("w8a8-int8-token", 7, top_k=2)
     assert launched == []
 
 
 
 def test_split_k_with_top_1_and_router_weight_on_input():
-    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+    with tile_config.config_override(gemm2=SPLIT_GEMM2):
         _check_layer("w8a8-int8-token", 7, top_k=1, on_input=True)
         _check_layer("awq-g128", 7, top_k=1)
 
@@ -529,7 +527,7 @@ def test_foreign_experts_add_nothing(scheme, m, top_k, split, nan_filled_empty):
     local = (topk_ids >= 0).any(1)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     nan_filled_empty()
-    with triton_moe.config_override(gemm2=SPLIT_GEMM2) if split else contextlib.nullcontext():
+    with tile_config.config_override(gemm2=SPLIT_GEMM2) if split else contextlib.nullcontext():
         out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     assert not out.isnan().any()
     assert torch.equal(out[~local], torch.zeros_like(out[~local]))
@@ -540,14 +538,14 @@ def test_foreign_experts_add_nothing(scheme, m, top_k, split, nan_filled_empty):
 def test_split_k_partial_sums_are_summed(monkeypatch):
     """The override reaches the launch: GEMM2 runs with SPLIT_K 2 and writes float32 partials."""
     seen = []
-    real_gemm = triton_moe._gemm
+    real_gemm = triton_launch._gemm
 
     def spy(a, a_scale, w, scheme, c, rows, config, **kwargs):
         seen.append((config["SPLIT_K"], c.dtype, tuple(c.shape)))
         return real_gemm(a, a_scale, w, scheme, c, rows, config, **kwargs)
 
-    monkeypatch.setattr(triton_moe, "_gemm", spy)
-    with triton_moe.config_override(gemm2=SPLIT_GEMM2):
+    monkeypatch.setattr(triton_layer, "_gemm", spy)
+    with tile_config.config_override(gemm2=SPLIT_GEMM2):
         _check_layer("fp16", 3, top_k=2)
     assert seen[0][0] == 1 and seen[0][2] == (6, INTER)  # GEMM1 + activation: [pairs, I]
     assert seen[1] == (2, torch.float32, (2, 6, H))
@@ -558,12 +556,12 @@ def test_gemm1_applies_the_activation():
     weights = _weights("gptq4-g64")
     hidden, topk_weights, topk_ids = _routing(5, 2)
     calls = []
-    real = triton_ops.act_quant
+    real = activation_quant.act_quant
     try:
-        triton_ops.act_quant = lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
+        activation_quant.act_quant = lambda *a, **k: calls.append(a[1:3]) or real(*a, **k)
         TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
     finally:
-        triton_ops.act_quant = real
+        activation_quant.act_quant = real
     assert calls == []
 
 
@@ -580,33 +578,33 @@ def test_amax_pieces_give_the_whole_row_quantisation_bit_for_bit(m, tiles, monke
     layer output to the bit."""
     weights = _weights("w8a8-int8-token", seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=8)
-    monkeypatch.setattr(triton_ops, "PIECES_STEP", 2)  # the four pieces in two steps
+    monkeypatch.setattr(activation_quant, "PIECES_STEP", 2)  # the four pieces in two steps
     # one token's GEMM2 would quantise its input itself (test_one_token_gemms_quantise_their_own_input),
     # or the decode GEMV would run both GEMMs (tests/test_decode_gemv.py)
-    monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM", False)
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
-    monkeypatch.setattr(triton_ops, "ROW_CHUNK", 16)  # four chunks per 64-column row
+    monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
+    monkeypatch.setattr(activation_quant, "ROW_CHUNK", 16)  # four chunks per 64-column row
     if tiles:  # 14 rows: four a program
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_ELEMS", 64)
     pieces = []
-    real = triton_ops.act_quant
+    real = activation_quant.act_quant
 
     def spy(*args, **kwargs):
         amax = kwargs.get("amax_pieces")
         pieces.append(None if amax is None else tuple(amax.shape))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_ops, "act_quant", spy)
+    monkeypatch.setattr(triton_plan, "act_quant", spy)  # the layer's quantisations
 
     def run() -> torch.Tensor:
         pieces.clear()
-        with triton_moe.config_override(NARROW_GEMM1, NARROW_GEMM1):
+        with tile_config.config_override(NARROW_GEMM1, NARROW_GEMM1):
             return TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
 
     chunked = run()
     assert pieces[-1] == (2 * m, 4)  # GEMM2's input: 2m pairs, 4 column tiles of GEMM1
-    monkeypatch.setattr(triton_moe, "AMAX_PIECES", False)
+    monkeypatch.setattr(triton_plan, "AMAX_PIECES", False)
     whole = run()
     assert pieces[-1] is None
     assert torch.equal(chunked, whole)
@@ -718,12 +716,12 @@ def test_four_bit_zero_point_words_hold_the_scale_low_and_the_zero_point_high():
     (signed: a negative one comes back by the arithmetic shift the kernel reads it with)."""
     scale = torch.tensor([[[0.5, -3.0e-6, 65504.0]]], dtype=torch.float16)  # a subnormal, the largest
     zero = torch.tensor([[[0, 15, -7]]], dtype=torch.int8)
-    words, again = triton_moe._scale_zero_words(scale, zero)
+    words, again = triton_layout._scale_zero_words(scale, zero)
     assert again is words and words.dtype == torch.int32
     assert torch.equal((words & 0xFFFF).to(torch.int16).view(torch.float16), scale)
     assert torch.equal(words >> 16, zero.to(torch.int32))
     bf16 = scale.to(torch.bfloat16)
-    assert triton_moe._scale_zero_words(bf16, zero) == (bf16, zero)
+    assert triton_layout._scale_zero_words(bf16, zero) == (bf16, zero)
 
 
 def test_large_non_swapped_tiles_read_the_words_as_their_two_halves():
@@ -732,17 +730,17 @@ def test_large_non_swapped_tiles_read_the_words_as_their_two_halves():
     signed zero points; smaller tiles and swapped ones read the words themselves."""
     scale = torch.tensor([[[0.5, -3.0e-6], [65504.0, 2.0]]], dtype=torch.float16)
     zero = torch.tensor([[[0, 15], [-7, 3]]], dtype=torch.int8)
-    words, _ = triton_moe._scale_zero_words(scale, zero)
+    words, _ = triton_layout._scale_zero_words(scale, zero)
     codes = torch.zeros(1, 2, 4, dtype=torch.uint8)
-    proj = triton_moe._Proj(codes, words, words, None, None, None, 2, 8)
-    tile = {"BLOCK_M": triton_moe.WORD_HALVES_MIN_ROWS, "SWAP_AB": False}
-    halves = triton_moe._word_halves_for(proj, tile)
+    proj = triton_layout._Proj(codes, words, words, None, None, None, 2, 8)
+    tile = {"BLOCK_M": triton_layout.WORD_HALVES_MIN_ROWS, "SWAP_AB": False}
+    halves = triton_layout._word_halves_for(proj, tile)
     assert halves.scale.dtype == halves.zero.dtype == torch.int16
     assert halves.scale.untyped_storage().data_ptr() == words.untyped_storage().data_ptr()
     assert halves.scale.stride() == tuple(2 * s for s in words.stride())
     assert torch.equal(halves.scale.view(torch.float16), scale) and torch.equal(halves.zero, zero.to(torch.int16))
     for smaller in ({**tile, "BLOCK_M": 64}, {**tile, "SWAP_AB": True}):
-        assert triton_moe._word_halves_for(proj, smaller) is proj
+        assert triton_layout._word_halves_for(proj, smaller) is proj
 
 
 @pytest.mark.parametrize("m", [1, 9])
@@ -757,12 +755,12 @@ def test_a_tile_reading_the_words_halves_gives_the_words_numbers(m, monkeypatch)
     from launch_spy import ArgSpy
 
     dtypes: list = []  # of the kernel's group scales (its fourth argument)
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a, _: a[3].dtype,
-                                                                dtypes))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
+                        ArgSpy(triton_gemm._fused_moe_kernel, lambda a, _: a[3].dtype, dtypes))
     outs = []
     for least_rows in (128, 256):
-        monkeypatch.setattr(triton_moe, "WORD_HALVES_MIN_ROWS", least_rows)
-        with triton_moe.config_override(tile, {**tile, "SPLIT_K": 2}):
+        monkeypatch.setattr(triton_layout, "WORD_HALVES_MIN_ROWS", least_rows)
+        with tile_config.config_override(tile, {**tile, "SPLIT_K": 2}):
             outs.append(TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids))
     assert dtypes == [torch.int16] * 2 + [torch.int32] * 2
     assert torch.equal(outs[0], outs[1])
@@ -810,10 +808,10 @@ def test_a_built_triton_layer_reads_copied_weights_again_rather_than_hold_them(e
 def test_padded_groups_leave_whole_vectors_and_their_input_alone():
     scale = torch.rand(2, 3, 5)
     before = scale.clone()
-    padded = triton_moe._padded_groups(scale)
+    padded = triton_layout._padded_groups(scale)
     assert padded.shape == (2, 3, 16) and torch.equal(scale, before)
     aligned = torch.rand(2, 3, 32)
-    assert triton_moe._padded_groups(aligned) is aligned and triton_moe._padded_groups(None) is None
+    assert triton_layout._padded_groups(aligned) is aligned and triton_layout._padded_groups(None) is None
 
 
 def test_no_tokens():
@@ -835,7 +833,7 @@ def test_compiles_without_graph_break():
 
 def test_unsupported_keys_are_refused():
     with pytest.raises(ValueError, match="int8 activations"):  # W4A8 takes symmetric codes only
-        scheme_from_keys("uint4 scale:float16:group(128):static zp:group", INT8_TOKEN)
+        variant_from_keys("uint4 scale:float16:group(128):static zp:group", INT8_TOKEN)
 
 
 AWQ = "uint4 scale:float16:group(128):static zp:group"
@@ -859,7 +857,7 @@ def test_default_config_splits_k_when_tiles_leave_sms_idle():
 
 def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, monkeypatch):
     monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     table = {shape_key(8, 2, 2 * INTER, H): {"1": {"BLOCK_N": 32, "SPLIT_K": 1},
                                                "64": {"BLOCK_N": 128, "num_stages": 2}}}
     config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
@@ -875,7 +873,7 @@ def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, mo
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")["BLOCK_N"] == 64
         assert get_config(2, 2, 16, 2 * INTER, H, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 64
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
 
 
 def test_untuned_shape_warns_once_per_device_keys_and_shape(tmp_path, monkeypatch, caplog):
@@ -884,7 +882,7 @@ def test_untuned_shape_warns_once_per_device_keys_and_shape(tmp_path, monkeypatc
     entry near the token count; a tuned one says nothing."""
     monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
     monkeypatch.setattr(tile_config, "_WARNED_DEFAULT", set())
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     tuned = shape_key(8, 2, 2 * INTER, H)
     config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps({tuned: {"1": {"BLOCK_N": 32}}}))
     caplog.set_level("WARNING", logger="moe_registry")
@@ -909,7 +907,7 @@ def test_untuned_shape_warns_once_per_device_keys_and_shape(tmp_path, monkeypatc
         assert INT8_TOKEN in message
         assert warned(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU") == []
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -922,7 +920,7 @@ def _check_alignment(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num
     valid = (flat >= 0) & (flat < num_experts)
     total = int(num_post.item())
     assert total % block_m == 0
-    max_padded, num_blocks = triton_ops.align_sizes(numel, num_experts, block_m)
+    max_padded, num_blocks = alignment.align_sizes(numel, num_experts, block_m)
     assert sorted_ids.shape == (max_padded,) and expert_ids.shape == (num_blocks,)
     head = sorted_ids[:total].long()
     real = head[head < numel]
@@ -953,7 +951,7 @@ def test_align(m, top_k, num_experts, block_m, one_launch_max):
     g = torch.Generator().manual_seed(m)
     ids = torch.randint(0, num_experts, (m, top_k), generator=g)
     ids[0, 0] = -1  # expert parallelism: a foreign expert is dropped
-    out = triton_ops.align(ids, num_experts, block_m, one_launch_max=one_launch_max)
+    out = alignment.align(ids, num_experts, block_m, one_launch_max=one_launch_max)
     _check_alignment(ids, num_experts, block_m, *out)
 
 
@@ -964,8 +962,8 @@ def test_align_one_launch_equals_the_chunked_path():
     real_empty = torch.empty
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-77))
-        one = triton_ops.align(ids, 9, 16, one_launch_max=1024)
-        chunked = triton_ops.align(ids, 9, 16, one_launch_max=0)
+        one = alignment.align(ids, 9, 16, one_launch_max=1024)
+        chunked = alignment.align(ids, 9, 16, one_launch_max=0)
     assert all(torch.equal(a, b) for a, b in zip(one, chunked, strict=True))
 
 
@@ -977,8 +975,8 @@ def test_align_of_no_pairs_writes_an_empty_total():
     real_empty = torch.empty
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(-77))
-        aligned = triton_ops.align(ids, 4, 16)
-        with_quant = triton_ops.align_quant(ids, 4, 16, x, "int8_token")
+        aligned = alignment.align(ids, 4, 16)
+        with_quant = alignment.align_quant(ids, 4, 16, x, "int8_token")
     for sorted_ids, expert_ids, num_post in (aligned, with_quant[:3]):
         assert num_post.tolist() == [0] and sorted_ids.numel() == 0 and expert_ids.numel() == 0
 
@@ -986,25 +984,25 @@ def test_align_of_no_pairs_writes_an_empty_total():
 def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     """Programmatic dependent launch needs a Hopper-class CUDA GPU: never on the CPU (interpreter),
     and MOE_REGISTRY_PDL=0 turns it off."""
-    assert not triton_ops.pdl_supported(torch.device("cpu"))
-    assert triton_ops.pdl_launch(False) == {} and triton_ops.pdl_launch(True) == {"launch_pdl": True}
-    triton_ops._pdl_capable.cache_clear()
+    assert not chain.pdl_supported(torch.device("cpu"))
+    assert chain.pdl_launch(False) == {} and chain.pdl_launch(True) == {"launch_pdl": True}
+    chain._pdl_capable.cache_clear()
     monkeypatch.setenv("MOE_REGISTRY_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     try:
-        assert not triton_ops.pdl_supported(torch.device("cuda", 0))
+        assert not chain.pdl_supported(torch.device("cuda", 0))
     finally:
-        triton_ops._pdl_capable.cache_clear()
+        chain._pdl_capable.cache_clear()
 
 
 def test_plain_launches_turn_dependent_launch_off(monkeypatch):
     """Profiles (tools/bench.py) run the layer with plain launches even where PDL is available."""
-    monkeypatch.setattr(triton_ops, "_pdl_capable", lambda device: True)
+    monkeypatch.setattr(chain, "_pdl_capable", lambda device: True)
     gpu = torch.device("cuda", 0)
-    assert triton_ops.pdl_supported(gpu)
-    with triton_ops.plain_launches():
-        assert not triton_ops.pdl_supported(gpu)
-    assert triton_ops.pdl_supported(gpu)
+    assert chain.pdl_supported(gpu)
+    with chain.plain_launches():
+        assert not chain.pdl_supported(gpu)
+    assert chain.pdl_supported(gpu)
 
 
 def test_align_custom_op():
@@ -1024,12 +1022,12 @@ def test_align_quant_one_launch_matches_the_two_ops(quant, top_k):
     ids[2, 1] = -1
     row_scale = torch.rand(x.shape[0], generator=g) + 0.5 if quant == "int8_static" else None
     static = torch.tensor([0.07]) if quant == "int8_static" else None
-    sorted_ids, expert_ids, num_post, q, s = triton_ops.align_quant(
+    sorted_ids, expert_ids, num_post, q, s = alignment.align_quant(
         ids, 9, 16, x, quant, static_scale=static, row_scale=row_scale, group=32)
     _check_alignment(ids, 9, 16, sorted_ids, expert_ids, num_post)
-    want_q, want_s = triton_ops.act_quant(x, "none", quant, static_scale=static, row_scale=row_scale, group=32)
+    want_q, want_s = activation_quant.act_quant(x, "none", quant, static_scale=static, row_scale=row_scale, group=32)
     assert _same_codes(q, want_q) and torch.equal(s, want_s)
-    assert torch.equal(sorted_ids, triton_ops.align(ids, 9, 16)[0])
+    assert torch.equal(sorted_ids, alignment.align(ids, 9, 16)[0])
 
 
 def _quant_inputs(dtype):
@@ -1056,27 +1054,27 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, layout, monkeypatch):
     prefill form) four rows per program, the second program half past the last row, or
     (tile_chunks) rows of such programs cut into chunks (int8_token: read twice)."""
     if layout == "narrow":
-        monkeypatch.setattr(triton_ops, "ROW_CHUNK", 64)
-        monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 64)
+        monkeypatch.setattr(activation_quant, "ROW_CHUNK", 64)
+        monkeypatch.setattr(activation_quant, "ROW_BLOCK_MAX", 64)
     if layout == "tiles":
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 4 * 256)  # 200 columns: 256-column blocks
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_ELEMS", 4 * 256)  # 200 columns: 256-column blocks
     if layout == "tile_chunks":  # 200 = 8 * 25: 16-column chunks (128 for fp8 groups of 128), 4 rows
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 8)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_CHUNK", 8)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_ELEMS", 64)
     x = _quant_inputs(dtype)
     qkey = parse_quant_key(key)
     static = torch.tensor([0.05]) if key == INT8_STATIC else None
     ref = quant_ref.quantize_activation(x, qkey, static)
     if key == INT8_TOKEN:
-        q, s = triton_ops.quant_int8_per_token(x)
+        q, s = activation_quant.quant_int8_per_token(x)
     elif key == INT8_STATIC:
-        q, s = triton_ops.quant_int8_per_token(x, static)
+        q, s = activation_quant.quant_int8_per_token(x, static)
     elif key == FP8_GROUP_ACT:
-        q, s = triton_ops.quant_fp8_per_group(x, 128)
+        q, s = activation_quant.quant_fp8_per_group(x, 128)
     else:
-        q, s = triton_ops.quant_mxfp8(x)
+        q, s = activation_quant.quant_mxfp8(x)
     assert q.dtype == ref.q.dtype and s.dtype == ref.scale.dtype and s.shape == ref.scale.shape
     assert _same_codes(q, ref.q)
     assert _same_codes(s, ref.scale)
@@ -1086,7 +1084,7 @@ def test_quant_ops_bit_match_quant_ref(key, dtype, layout, monkeypatch):
 def test_prefill_rows_are_cut_into_chunks_that_tile_them(width, chunks):
     """The largest power-of-two factor (at most ROW_CHUNK) tiles the row; a power of two is one
     block, and a factor under ROW_TILE_MIN_CHUNK (200 = 8 * 25) is not worth the programs."""
-    assert triton_ops.prefill_row_chunks(width) == chunks
+    assert activation_quant.prefill_row_chunks(width) == chunks
 
 
 @pytest.mark.parametrize("activation", ["none", "silu"])
@@ -1103,16 +1101,16 @@ def test_act_quant_row_tiles_match_one_row_programs(quant, activation, monkeypat
     static = torch.tensor([0.05]) if quant.endswith("static") else None
 
     def run():
-        return triton_ops.act_quant(x, activation, quant, static_scale=static, row_scale=row_scale, group=32,
+        return activation_quant.act_quant(x, activation, quant, static_scale=static, row_scale=row_scale, group=32,
                                     expert_num_tokens=counts, capacity=11)
 
     want_q, want_s = run()
-    monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
-    monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 512)
-    monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 16)
+    monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_ROWS", 1)
+    monkeypatch.setattr(activation_quant, "ROW_TILE_ELEMS", 512)
+    monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_CHUNK", 16)
     shapes = []
-    tile_shape = triton_ops._act_quant_tile_shape
-    monkeypatch.setattr(triton_ops, "_act_quant_tile_shape",
+    tile_shape = activation_quant._act_quant_tile_shape
+    monkeypatch.setattr(activation_quant, "_act_quant_tile_shape",
                         lambda rows, width, meta: shapes.append((meta["BLOCK"], tile_shape(rows, width, meta)[0]))
                         or tile_shape(rows, width, meta))
     got_q, got_s = run()
@@ -1134,26 +1132,26 @@ def test_int8_token_rows_in_chunks_from_amax_pieces(dtype, tiles, monkeypatch):
     """With each row's amax given in pieces (a GEMM epilogue's), rows are cut into chunks, each
     scaled by the largest piece (tiles: four rows a program, in 16-column chunks that tile the
     200 columns but the last): quant_ref's codes and scales, zero row and outlier included."""
-    monkeypatch.setattr(triton_ops, "ROW_CHUNK", 32)
-    monkeypatch.setattr(triton_ops, "PIECES_STEP", 4)  # the 8 pieces in two steps
+    monkeypatch.setattr(activation_quant, "ROW_CHUNK", 32)
+    monkeypatch.setattr(activation_quant, "PIECES_STEP", 4)  # the 8 pieces in two steps
     if tiles:
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_ROWS", 1)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_MIN_CHUNK", 8)
-        monkeypatch.setattr(triton_ops, "ROW_TILE_ELEMS", 64)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_ROWS", 1)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_MIN_CHUNK", 8)
+        monkeypatch.setattr(activation_quant, "ROW_TILE_ELEMS", 64)
     x = _quant_inputs(dtype)
     x[4, 190] = -30.0  # a row whose amax is in its last piece
     pieces = x.float().abs().reshape(x.shape[0], 8, 25).amax(-1)  # 8 pieces of 25 columns
-    q, s = triton_ops.act_quant(x, "none", "int8_token", amax_pieces=pieces)
+    q, s = activation_quant.act_quant(x, "none", "int8_token", amax_pieces=pieces)
     ref = quant_ref.quantize_activation(x, parse_quant_key(INT8_TOKEN))
     assert _same_codes(q, ref.q) and _same_codes(s, ref.scale)
     with pytest.raises(ValueError, match=r"amax pieces are a contiguous \[rows, P\] amax"):
-        triton_ops.act_quant(x, "none", "fp8_group", amax_pieces=pieces)
+        activation_quant.act_quant(x, "none", "fp8_group", amax_pieces=pieces)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu", "swigluoai"])
 def test_act_and_mul(activation):
     h = (torch.randn(5, 2 * 96, generator=torch.Generator().manual_seed(2)) * 4).to(torch.float16)
-    out = triton_ops.act_and_mul(h, activation)
+    out = activation_quant.act_and_mul(h, activation)
     ref = activations.act_and_mul(h.double(), activation)
     assert out.dtype == torch.float16 and out.shape == (5, 96)
     assert _rel_err(out, ref) < 1e-3
@@ -1166,11 +1164,11 @@ def test_act_and_mul_quant_fused(activation, key, narrow, monkeypatch):
     """The fused op quantises the float32 activation exactly as quant_ref does, whole rows or
     (narrow) rows cut into programs."""
     if narrow:
-        monkeypatch.setattr(triton_ops, "ROW_CHUNK", 32)
-        monkeypatch.setattr(triton_ops, "ROW_BLOCK_MAX", 64)
+        monkeypatch.setattr(activation_quant, "ROW_CHUNK", 32)
+        monkeypatch.setattr(activation_quant, "ROW_BLOCK_MAX", 64)
     h = (torch.randn(5, 2 * 160, generator=torch.Generator().manual_seed(3)) * 4).to(torch.float16)
     mode = {INT8_TOKEN: "int8_token", MXFP8_ACT: "mxfp8", FP8_GROUP_ACT: "fp8_group"}[key]
-    q, s = triton_ops.act_and_mul_quant(h, activation, mode)
+    q, s = activation_quant.act_and_mul_quant(h, activation, mode)
     a = activations.act_and_mul(h.float(), activation)
     ref = quant_ref.quantize_activation(a, parse_quant_key(key))
     # float32 exp/erf differ from torch's in the last ulp, which can move a rare code by one
@@ -1181,7 +1179,7 @@ def test_act_and_mul_quant_fused(activation, key, narrow, monkeypatch):
 def test_moe_sum_adds_split_k_pieces():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 5, 2, 40, generator=g)
-    out = triton_ops.sum_topk(x, out=torch.empty(5, 40, dtype=torch.float16))
+    out = reduce.sum_topk(x, out=torch.empty(5, 40, dtype=torch.float16))
     torch.testing.assert_close(out.float(), x.sum((0, 2)), rtol=1e-3, atol=1e-3)
 
 
@@ -1190,7 +1188,7 @@ def test_moe_sum(weighted):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5, 3, 40, generator=g).to(torch.float16)
     w = torch.rand(5, 3, generator=g) if weighted else None
-    out = triton_ops.moe_sum(x, w)
+    out = reduce.moe_sum(x, w)
     ref = (x.float() * (w[..., None] if weighted else 1)).sum(1)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float(), ref, rtol=1e-3, atol=1e-3)
@@ -1231,8 +1229,8 @@ def _quantisation_calls(monkeypatch) -> list[str]:
     """The names of the layer's activation-quantisation calls (triton_moe's), in order, as they happen."""
     calls: list[str] = []
     for name in ("_quantize", "quant_fp8_from_pieces"):
-        real = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, _real=real, _name=name, **k: calls.append(_name)
+        real = getattr(triton_layer, name)
+        monkeypatch.setattr(triton_layer, name, lambda *a, _real=real, _name=name, **k: calls.append(_name)
                             or _real(*a, **k))
     return calls
 
@@ -1244,18 +1242,18 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     pieces), so no quantisation kernel runs; bit-equal to the layer whose quantisation kernels
     do it, with a pair routed to another rank's expert; and near the reference. (The tile kernels:
     int8 activations on int4 or int8 weights otherwise take the decode GEMV.)"""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     topk_ids[0, 1] = -1
     experts = TritonExperts(weights, ExpertsConfig())
     quantised = _quantisation_calls(monkeypatch)
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, False)
+        monkeypatch.setattr(triton_plan, switch, False)
     want = experts.apply(hidden, topk_weights, topk_ids)
     assert quantised == ["_quantize", "_quantize"]
     quantised.clear()
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, True)
+        monkeypatch.setattr(triton_plan, switch, True)
     got = experts.apply(hidden, topk_weights, topk_ids)
     assert quantised == []
     assert torch.equal(got, want)
@@ -1271,11 +1269,11 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(scheme, monkeypatch
     saves); past GEMM1's the hidden state takes a quantisation launch, past GEMM2's its input one
     from GEMM1's pieces. The numbers never move. (Tile kernels: int8 activations on int8 weights
     otherwise take the decode GEMV, which has no budget: tests/test_decode_gemv.py.)"""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     weights, hidden, topk_weights, topk_ids = _one_token(scheme)
     token_bytes = 3 * (weights.w13.weight.numel() + weights.w2.weight.numel()) // E  # a byte a weight
     experts = TritonExperts(weights, ExpertsConfig())
-    quant = triton_moe.scheme_from_keys(*ONE_TOKEN_SCHEMES[scheme]).act_quant
+    quant = triton_variant.variant_from_keys(*ONE_TOKEN_SCHEMES[scheme]).act_quant
     from_pieces = "quant_fp8_from_pieces" if quant.startswith("fp8") else "_quantize"
     quantised = _quantisation_calls(monkeypatch)
     outputs = []
@@ -1283,8 +1281,8 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(scheme, monkeypatch
     cases = [(token_bytes, {}, []), (over, {}, ["_quantize", from_pieces]),
              (token_bytes, {quant: over}, [from_pieces]), (over, {quant: token_bytes}, ["_quantize"])]
     for budget1, budgets2, launches in cases:
-        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM_MAX_BYTES", budget1)
-        monkeypatch.setattr(triton_moe, "SCALE_IN_GEMM2_MAX_BYTES", budgets2)
+        monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM_MAX_BYTES", budget1)
+        monkeypatch.setattr(triton_plan, "SCALE_IN_GEMM2_MAX_BYTES", budgets2)
         quantised.clear()
         outputs.append(experts.apply(hidden, topk_weights, topk_ids))
         assert quantised == launches
@@ -1294,9 +1292,9 @@ def test_one_token_gemms_quantise_only_up_to_a_weight_budget(scheme, monkeypatch
 def test_dynamic_fp8_gemm2_quantises_one_token_past_gemm1s_budget():
     """H100-measured: past SCALE_IN_GEMM_MAX_BYTES (Mixtral's experts), one token's GEMM2 still
     quantises its own input for dynamic fp8 (faster than the launch), not for int8 or static scales."""
-    budget = triton_moe.SCALE_IN_GEMM_MAX_BYTES
-    assert all(triton_moe.SCALE_IN_GEMM2_MAX_BYTES[q] > 4 * budget for q in ("fp8_token", "fp8_tensor"))
-    assert not {"int8_token", "int8_static", "fp8_static"} & set(triton_moe.SCALE_IN_GEMM2_MAX_BYTES)
+    budget = triton_plan.SCALE_IN_GEMM_MAX_BYTES
+    assert all(triton_plan.SCALE_IN_GEMM2_MAX_BYTES[q] > 4 * budget for q in ("fp8_token", "fp8_tensor"))
+    assert not {"int8_token", "int8_static", "fp8_static"} & set(triton_plan.SCALE_IN_GEMM2_MAX_BYTES)
 
 
 @pytest.mark.parametrize("quant", ["int8_token", "int8_static"])
@@ -1307,17 +1305,17 @@ def test_int8_codes_stored_as_16_bit_floats_hold_the_codes(quant):
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(6, H, generator=g) * 3).to(torch.float16)
     static = torch.tensor([0.03]) if quant == "int8_static" else None
-    want, want_scale = triton_ops.act_quant(x, "none", quant, static_scale=static)
+    want, want_scale = activation_quant.act_quant(x, "none", quant, static_scale=static)
     assert want.dtype == torch.int8 and (want != 0).float().mean() > 0.5
     for dtype in (torch.float16, torch.bfloat16):
-        got, scale = triton_ops.act_quant(x, "none", quant, static_scale=static, out_dtype=dtype)
+        got, scale = activation_quant.act_quant(x, "none", quant, static_scale=static, out_dtype=dtype)
         assert got.dtype == dtype and torch.equal(got.float(), want.float()) and torch.equal(scale, want_scale)
-    _, _, _, codes, scale = triton_ops.align_quant(_routing(6, 2)[2], E, 16, x, quant, static_scale=static,
+    _, _, _, codes, scale = alignment.align_quant(_routing(6, 2)[2], E, 16, x, quant, static_scale=static,
                                                   out_dtype=torch.bfloat16)
     assert codes.dtype == torch.bfloat16 and torch.equal(codes.float(), want.float())
     assert torch.equal(scale, want_scale)
     with pytest.raises(ValueError, match=r"int8 codes are stored as one of .* got torch.float32"):
-        triton_ops.act_quant(x, "none", quant, static_scale=static, out_dtype=torch.float32)
+        activation_quant.act_quant(x, "none", quant, static_scale=static, out_dtype=torch.float32)
 
 
 def _w4a8_weights(seed: int):
@@ -1328,16 +1326,17 @@ def _w4a8_weights(seed: int):
 
 
 def _gemm_input_dtypes(monkeypatch) -> list[torch.dtype]:
-    """The dtype of each GEMM launch's activations (triton_moe._gemm's first argument), in order."""
+    """The dtype of each GEMM launch's activations (launch._gemm's first argument), in order."""
     dtypes: list[torch.dtype] = []
-    real_gemm = triton_moe._gemm
-    monkeypatch.setattr(triton_moe, "_gemm", lambda a, *args, **kw: dtypes.append(a.dtype) or real_gemm(a, *args, **kw))
+    real_gemm = triton_launch._gemm
+    monkeypatch.setattr(triton_layer, "_gemm",
+                        lambda a, *args, **kw: dtypes.append(a.dtype) or real_gemm(a, *args, **kw))
     return dtypes
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypatch):
-    """GEMMs whose W4A8 tiles run the 16-bit dot of the codes (scheme.float_w4a8: BLOCK_M <= 32)
+    """GEMMs whose W4A8 tiles run the 16-bit dot of the codes (variant.float_w4a8: BLOCK_M <= 32)
     get them from the quantisation kernels as 16-bit floats, larger tiles as int8; the layer's
     output is the same as when the GEMM converts int8 codes itself, and near the reference."""
     weights = _w4a8_weights(seed=3)
@@ -1346,11 +1345,11 @@ def test_w4a8_few_row_tiles_take_their_codes_as_16_bit_floats(block_m, monkeypat
     inputs = _gemm_input_dtypes(monkeypatch)
     config = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "SWAP_AB": False,
               "num_warps": 4, "num_stages": 2}
-    with triton_moe.config_override(config, config):
+    with tile_config.config_override(config, config):
         got = experts.apply(hidden, topk_weights, topk_ids)
         codes = torch.float16 if block_m <= 32 else torch.int8
         assert inputs == [codes, codes]
-        monkeypatch.setattr(triton_moe, "_codes_dtype", lambda *args: {})  # int8 codes, converted in the GEMM
+        monkeypatch.setattr(triton_layer, "_codes_dtype", lambda *args: {})  # int8 codes, converted in the GEMM
         inputs.clear()
         want = experts.apply(hidden, topk_weights, topk_ids)
         assert inputs == [torch.int8, torch.int8]
@@ -1365,16 +1364,16 @@ def test_w4a8_group_dots_equal_one_group_a_tile(m, monkeypatch):
     at M = 1 the GEMM quantises the token a group at a time) give the same numbers as one group a K
     tile -- each group's dot of exact codes is exact -- and both GEMMs took them (the decode GEMV,
     which one token's W4A8 GEMMs otherwise take, off)."""
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     weights = _w4a8_weights(seed=8)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=9)
     experts = TritonExperts(weights, ExpertsConfig())
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
     outs = {}
     for block_k, grouped in ((64, True), (32, False)):
         tile = {**GROUP_DOTS_TILE, "BLOCK_K": block_k} | ({"GROUP_DOTS": True} if grouped else {})
-        with triton_moe.config_override(tile, tile):
+        with tile_config.config_override(tile, tile):
             outs[grouped] = experts.apply(hidden, topk_weights, topk_ids)
     assert seen == [True, True, False, False]
     assert torch.equal(outs[True], outs[False])

@@ -20,9 +20,9 @@ def _config_module():
     """The module whose CONFIG_DIR the kernel's config_file reads (triton_moe, or where it moved)."""
     import sys
 
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
-    return sys.modules[triton_moe.config_file.__module__]
+    return sys.modules[tile_config.config_file.__module__]
 
 
 def _tune(out: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -61,15 +61,15 @@ def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
     assert f"{'tiny':<10}{'awq-w4a16':<26}{1:>6}" in out
 
     # the kernel reads the file for that device name
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     try:
-        got = triton_moe.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "dry-run")
+        got = tile_config.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "dry-run")
         assert {k: got[k] for k in table["E8_top2_N128_K128"]["1"]} == table["E8_top2_N128_K128"]["1"]
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
     monkeypatch.undo()  # the tool writes to --out again, not to CONFIG_DIR
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     monkeypatch.setattr(bench, "_median_time", one_call)
@@ -128,18 +128,18 @@ class _SlowCandidates:
 def test_tuner_keeps_todays_configs_unless_beaten(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     today = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 8,
              "num_stages": 2}
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     table = {"E8_top2_N256_K128": {"1": today}, "E8_top2_N128_K128": {"1": today}}
-    (tmp_path / triton_moe.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
+    (tmp_path / tile_config.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
     try:
         c1, c2, t, base = tune.tune_target(_SlowCandidates(tune), 1, 1e-2, [], limit=2, splits=(1,))
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
     assert (t, base) == (1.0, 1.0)
     assert {k: c1[k] for k in today} == today and {k: c2[k] for k in today} == today
 
@@ -165,15 +165,15 @@ def test_tuner_confirms_a_winner_side_by_side(side_by_side_s, keeps_today, tmp_p
     two are timed alternately, and today's stay; a real winner is kept, with its confirmed time."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     layer = _LuckyCandidates(tune, search_s=0.5, side_by_side_s=side_by_side_s)
     log: list[str] = []
     c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, log, limit=2, splits=(1,))
     assert layer.today_timings == 1 + tune.CONFIRM_ROUNDS
-    today = triton_moe.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
+    today = tile_config.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
     if keeps_today:
         assert (c1, t, base) == (today, 1.0, 1.0)
         assert "kept today's configs: 1000000.0 us against 990000.0 us" in log[-1]
@@ -214,14 +214,14 @@ def test_tuner_caps_registers_of_the_winner(registers_only, tmp_path, monkeypatc
     faster; --registers-only tries nothing else (today's tiles stay as they are)."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     layer = _RegisterBound(tune)
     c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), registers_only=registers_only)
-    today1 = triton_moe.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
-    today2 = triton_moe.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "cpu")
+    today1 = tile_config.get_config(1, 2, 8, 256, 128, AWQ, "unquantized", "cpu")
+    today2 = tile_config.get_config(1, 2, 8, 128, 128, AWQ, "unquantized", "cpu")
     assert (c1["maxnreg"], c2["maxnreg"]) == (80, 96) and (t, base) == (0.5, 1.0)
     tiles = [({k: v for k, v in a.items() if k != "maxnreg"}, {k: v for k, v in b.items() if k != "maxnreg"})
              for a, b in layer.timed]
@@ -261,12 +261,13 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
     scheme's own table. --seeds-only times nothing else but the register caps on the winner."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
+    from moe_registry_kernels.triton import variant as triton_variant
 
     from moe_registry.core.keys import parse_quant_key
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     keys = ("uint4b8 scale:float32:group(128):static", "int8 scale:float32:token:dynamic")  # W4A8
     tile = {"BLOCK_M": 16, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
     seed1 = {**tile, "BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True, "maxnreg": 96}
@@ -280,10 +281,10 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
         ("int8 scale:float32:channel:static", "unquantized"): {gemms[0]: {"8": seed2}, gemms[1]: {"8": seed2}},
     }
     for pair, table in tables.items():
-        (tmp_path / triton_moe.config_file(*pair, "cpu").name).write_text(json.dumps(table))
+        (tmp_path / tile_config.config_file(*pair, "cpu").name).write_text(json.dumps(table))
     layer = _SeedWins(tune, {"BLOCK_N": 32, "BLOCK_K": 512, "GROUP_DOTS": True})
     layer.wkey, layer.akey = parse_quant_key(keys[0]), parse_quant_key(keys[1])
-    kscheme = triton_moe.scheme_from_keys(*keys)
+    kscheme = triton_variant.variant_from_keys(*keys)
 
     def seeds() -> list[tuple]:
         today = tune.todays_configs(layer.shape, keys, 1, "cpu", 132)
@@ -299,15 +300,15 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
                    (32, 512, True, None, today[1]["BLOCK_N"], today[1]["BLOCK_K"]),
                    (today[0]["BLOCK_N"], today[0]["BLOCK_K"], None, None, 128, 64)]
     # the scheme's own table is no seed (and is today's configs)
-    (tmp_path / triton_moe.config_file(*keys, "cpu").name).write_text(
+    (tmp_path / tile_config.config_file(*keys, "cpu").name).write_text(
         json.dumps({gemms[0]: {"1": seed2}, gemms[1]: {"1": seed2}}))
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     got, today = seeds()
     assert got == [(32, 512, True, 96, 128, 64), (32, 512, True, None, 128, 64)]  # halves: today's or the whole
     try:
         c1, c2, t, base = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), seeds_only=seeds_only)
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
     # the uncapped seed wins (_SeedWins: a capped tile is no faster)
     assert (c1["BLOCK_N"], c1["BLOCK_K"], c1["GROUP_DOTS"], c1.get("maxnreg"), t, base) == (32, 512, True, None,
                                                                                           0.5, 1.0)
@@ -344,10 +345,10 @@ def test_a_search_killed_midway_goes_on_from_its_last_measurement(tmp_path, monk
     times only what the first run had not, and ends where an uninterrupted search ends."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     search = {"limit": 2, "splits": (1, 2)}
     whole = _KilledAt(tune)
     expected = tune.tune_target(whole, 1, 1e-2, [], **search)
@@ -374,10 +375,10 @@ def test_a_search_killed_midway_goes_on_from_its_last_measurement(tmp_path, monk
 def test_a_search_past_its_deadline_stops_at_the_first_candidate_not_measured(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     path = tmp_path / "table.json.partial"
     layer = _KilledAt(tune)
     with pytest.raises(tune.SearchCutOff):
@@ -480,10 +481,10 @@ class _CompilerCrash(_SlowCandidates):
 def test_a_candidate_that_crashes_the_compiler_is_one_line(tmp_path, monkeypatch, capfd):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     log: list[str] = []
     tune.tune_target(_CompilerCrash(tune), 1, 1e-2, log, limit=2, splits=(1,))
     skipped = [line for line in log if line.lstrip().startswith("skip") and "'BLOCK_N': 32" in line.split("}")[0]]
@@ -616,9 +617,9 @@ def test_tune_skips_the_cells_the_decode_gemv_runs(tune_fake, tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "compressed-tensors-w4a8-int M=1: the decode GEMV runs both GEMMs (no tile config is read there)" in err
     assert [m for _, m, _ in search.calls] == [8]
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import launch as triton_launch
 
-    monkeypatch.setattr(triton_moe, "DECODE_GEMV", False)
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     assert tune.main([*args, "--redo"]) == 0
     assert [m for _, m, _ in search.calls] == [8, 1, 8]
 
@@ -762,10 +763,11 @@ def test_w4a8_candidates_are_the_distinct_tiles_its_layer_runs(monkeypatch):
     candidate is not timed twice."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
+    from moe_registry_kernels.triton.tile_config import _fit_config
+    from moe_registry_kernels.triton.variant import variant_from_keys
 
     w4a8 = tune.bench.registry_schemes()["compressed-tensors-w4a8-int"]
-    kscheme = scheme_from_keys(*w4a8.keys)
+    kscheme = variant_from_keys(*w4a8.keys)
     pairs = tune.all_pairs(tune.bench.SHAPES["qwen3"], w4a8, [8])
     tiles = {json.dumps(c1, sort_keys=True) for c1, _ in pairs}
     assert any(json.loads(t).get("GROUP_DOTS") for t in tiles)
@@ -796,7 +798,8 @@ def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
     prefill tiles get none."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import tile_config
+    from moe_registry_kernels.triton import variant as triton_variant
 
     schemes = tune.bench.registry_schemes()
     for name in ("awq-w4a16", "compressed-tensors-w8a16-asym"):
@@ -810,22 +813,22 @@ def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
     assert not any(c.get("ZERO_SUMS") for c in tune.tile_candidates(64, narrow=False, zero_sums=True))  # prefill
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    triton_moe._load_config_file.cache_clear()
+    tile_config._load_config_file.cache_clear()
     asym = schemes["compressed-tensors-w8a16-asym"]
     shape = tune.bench.SHAPES["qwen3"]
-    gemms = (triton_moe.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden),
-             triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate))
+    gemms = (tile_config.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden),
+             tile_config.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate))
     seed = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
             "num_stages": 3}
     gptq8 = ("uint8b128 scale:float16:group(128):static", "unquantized")
-    (tmp_path / triton_moe.config_file(*gptq8, "cpu").name).write_text(
+    (tmp_path / tile_config.config_file(*gptq8, "cpu").name).write_text(
         json.dumps({gemms[0]: {"8": seed}, gemms[1]: {"8": seed}}))
     try:
-        kscheme = triton_moe.scheme_from_keys(*asym.keys)
+        kscheme = triton_variant.variant_from_keys(*asym.keys)
         today = tune.todays_configs(shape, asym.keys, 8, "cpu", 132)
         pairs = tune.seed_pairs(shape, asym.keys, 8, "cpu", kscheme, today)
     finally:
-        triton_moe._load_config_file.cache_clear()
+        tile_config._load_config_file.cache_clear()
     whole = [(c1.get("ZERO_SUMS"), c2.get("ZERO_SUMS")) for c1, c2 in pairs
              if c1["BLOCK_N"] == c2["BLOCK_N"] == 128 and c1["BLOCK_K"] == c2["BLOCK_K"] == 128]
     assert (None, None) in whole and (True, True) in whole

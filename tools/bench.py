@@ -371,15 +371,24 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
                   gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6)
 
 
-# what the GEMM kernels are called in a profile: the Triton kernel on GPU, the reference's matmuls on CPU
-GEMM_KERNELS = {"cuda": ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel"), "cpu": ("aten::mm",)}
+# what the GEMM kernels are called in a CPU profile: the reference's matmuls (on a GPU, gemm_kernels asks the Triton package)
+CPU_GEMM_KERNELS = ("aten::mm",)
+
+
+def gemm_kernels(device_type: str) -> tuple[str, ...]:
+    """The names a profile gives the layer's GEMMs on this device: the Triton GEMM kernels' on a GPU."""
+    if device_type != "cuda":
+        return CPU_GEMM_KERNELS
+    from moe_registry_kernels.triton.api import GEMM_KERNEL_NAMES
+
+    return GEMM_KERNEL_NAMES
 
 
 def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int = 3) -> tuple[float, float]:
     """Seconds per layer call spent in GEMM kernels and in all other kernels (device time from the
     profiler, eager steps, plain launches: a kernel chained by programmatic dependent launch
     starts early and waits, so its duration would count the previous kernel's time too)."""
-    from moe_registry_kernels.triton_ops import plain_launches
+    from moe_registry_kernels.triton.api import plain_launches
     from torch.profiler import ProfilerActivity, profile
 
     # CUPTI torn down when the profile ends: left attached (Kineto's default), it slowed every layer
@@ -400,8 +409,8 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
         if device.type == "cuda":
             us = getattr(event, "self_device_time_total", 0.0)
         else:
-            us = event.self_cpu_time_total if event.key in GEMM_KERNELS["cpu"] else 0.0
-        if any(name in event.key for name in GEMM_KERNELS[device.type]):
+            us = event.self_cpu_time_total if event.key in CPU_GEMM_KERNELS else 0.0
+        if any(name in event.key for name in gemm_kernels(device.type)):
             gemm += us
         else:
             glue += us

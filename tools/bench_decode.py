@@ -90,20 +90,19 @@ def graph_time_us(fn: Callable[[], object], reps: int = 20) -> float:
 
 
 def align_rows() -> list[str]:
-    from moe_registry_kernels import triton_ops
+    from moe_registry_kernels.triton import api
 
     rows = []
     for pairs in (64, 512, 1024, 2048, 4096):
         ids = torch.rand(pairs // 8, 128, device=DEVICE).topk(8, dim=-1).indices.to(torch.int32)
-        one = graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_launch_max=1 << 20))
-        chunked = graph_time_us(lambda ids=ids: triton_ops.align(ids, 128, 64, one_launch_max=0))
+        one = graph_time_us(lambda ids=ids: api.align(ids, 128, 64, one_launch_max=1 << 20))
+        chunked = graph_time_us(lambda ids=ids: api.align(ids, 128, 64, one_launch_max=0))
         rows.append(f"align {pairs:>5} pairs  one launch {one:6.1f} us   chunked {chunked:6.1f} us")
     return rows
 
 
 def decode_rows(m: int, schemes: list[str]) -> list[str]:
-    from moe_registry_kernels import triton_ops
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton import api
 
     dtype = torch.bfloat16
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -113,7 +112,7 @@ def decode_rows(m: int, schemes: list[str]) -> list[str]:
     touched = torch.unique(inputs[2]).numel()
     rows = []
     for scheme in schemes:
-        copies = [TritonExperts(_weights(scheme, dtype, seed=s), ExpertsConfig()) for s in range(4)]
+        copies = [api.TritonExperts(_weights(scheme, dtype, seed=s), ExpertsConfig()) for s in range(4)]
         us = graph_time_us(lambda copies=copies: [c.apply(*inputs) for c in copies]) / len(copies)
         gbs = touched * _expert_bytes(copies[0].weights) / (us * 1e-6) / 1e9
         rows.append(f"{scheme:>18} M={m:<4} {us:8.1f} us  {gbs:7.0f} GB/s  ({touched} experts)")
@@ -121,12 +120,12 @@ def decode_rows(m: int, schemes: list[str]) -> list[str]:
         torch.cuda.empty_cache()
     cache1 = torch.randn(m * TOP_K, 2 * INTER, device=DEVICE, dtype=dtype)
     glue = {
-        "align": lambda: triton_ops.align(inputs[2], E, 16),
-        "align+quant int8": lambda: triton_ops.align_quant(inputs[2], E, 16, inputs[0], "int8_token"),
-        "act_and_mul": lambda: triton_ops.act_quant(cache1, "silu", "none"),
-        "act_and_mul+int8": lambda: triton_ops.act_quant(cache1, "silu", "int8_token"),
-        "quant hidden mxfp8": lambda: triton_ops.act_quant(inputs[0], "none", "mxfp8"),
-        "moe_sum": lambda: triton_ops.sum_topk(cache1[:, :H].reshape(m, TOP_K, H)),
+        "align": lambda: api.align(inputs[2], E, 16),
+        "align+quant int8": lambda: api.align_quant(inputs[2], E, 16, inputs[0], "int8_token"),
+        "act_and_mul": lambda: api.act_quant(cache1, "silu", "none"),
+        "act_and_mul+int8": lambda: api.act_quant(cache1, "silu", "int8_token"),
+        "quant hidden mxfp8": lambda: api.act_quant(inputs[0], "none", "mxfp8"),
+        "moe_sum": lambda: api.sum_topk(cache1[:, :H].reshape(m, TOP_K, H)),
     }
     rows += [f"{name:>18} M={m:<4} {graph_time_us(fn):8.1f} us" for name, fn in glue.items()]
     return rows

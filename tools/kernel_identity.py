@@ -20,6 +20,9 @@ the conformance cases' outputs (old_outputs.safetensors, new_outputs.safetensors
     git archive OLD_COMMIT kernels | tar -x -C /tmp/old     # the kernels before the change
     python3 tools/kernel_identity.py --old /tmp/old/kernels --out /tmp/identity --time
 
+The old package may be laid out differently from the current one (a module split): a class the
+current specs name is looked up in the old package's modules by its name.
+
 Needs a CUDA GPU.
 """
 
@@ -64,7 +67,7 @@ GRAPH_CALLS = 8
 MODEL_WORKERS = 3
 CHUNKS_PER_WORKER = 8
 DEVICE = "cuda"  # --device cpu: a smoke test of this tool under TRITON_INTERPRET=1
-EXPERTS = "moe_registry_kernels.triton_moe:TritonExperts"
+EXPERTS = "moe_registry_kernels.triton.experts:TritonExperts"
 
 
 def install_old(old_dir: Path) -> Path:
@@ -112,13 +115,33 @@ def _case_id(kind: str, case) -> str:
 
 
 def _classes(impl: str):
-    """(old class, new class) of a kernel spec's impl."""
+    """(old class, new class) of a kernel spec's impl (the current specs' path). The old package may
+    keep the class in another module (its layout before a split): then the first of its modules,
+    CPU kernels left out, that defines a class of that name."""
     import importlib
 
     module, name = impl.split(":")
     new = getattr(importlib.import_module(module), name)
-    old = getattr(importlib.import_module(module.replace("moe_registry_kernels", OLD_NAME)), name)
+    try:
+        old = getattr(importlib.import_module(module.replace("moe_registry_kernels", OLD_NAME)), name)
+    except (ImportError, AttributeError):
+        old = _old_class(name)
     return old, new
+
+
+def _old_class(name: str):
+    """The class ``name`` from whichever module of the old package defines it."""
+    import importlib
+    import pkgutil
+
+    package = importlib.import_module(OLD_NAME)
+    for info in pkgutil.walk_packages(package.__path__, OLD_NAME + "."):
+        if "cpu_" in info.name:
+            continue
+        cls = getattr(importlib.import_module(info.name), name, None)
+        if isinstance(cls, type):
+            return cls
+    raise SystemExit(f"the old kernels at {package.__path__} define no class {name}")
 
 
 def _model_weights(shape: str, scheme: str, seed: int = 0):

@@ -149,7 +149,7 @@ def label_kernels(kernels: list[dict]) -> list[str]:
     """gemm1, gemm2 for the layer's GEMM launches in order; glue kernels keep their names."""
     labels, gemms = [], 0
     for kernel in kernels:
-        if any(name in kernel["name"] for name in bench.GEMM_KERNELS["cuda"]):
+        if any(name in kernel["name"] for name in bench.gemm_kernels("cuda")):
             gemms += 1
             labels.append(f"gemm{gemms}")
         else:
@@ -176,7 +176,7 @@ def ncu_command(ncu: str, shape: str, scheme: str, m: int) -> list[str]:
 def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALLS) -> int:
     """The child: build the layer as bench.py does, warm it up, then one call for the profiler.
     Returns the number of layer calls made (CPU: no profiler range, a check that it runs)."""
-    from moe_registry_kernels.triton_ops import plain_launches
+    from moe_registry_kernels.triton.api import plain_launches
 
     dry = not torch.cuda.is_available()
     device = torch.device("cpu" if dry else "cuda")

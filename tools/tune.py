@@ -91,7 +91,7 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
     (the first ``limit``); ``swap``: also the swapped-operand kernel (schemes it runs);
     ``group_dots``: the scheme's group_dot_width, and decode tiles spanning several such groups
     are tried with one dot per group too (GROUP_DOTS); ``zero_sums``: zero-point schemes
-    (tile_config.takes_zero_sums), whose decode tiles are tried on the factored dot too (ZERO_SUMS)."""
+    (api.takes_zero_sums), whose decode tiles are tried on the factored dot too (ZERO_SUMS)."""
     bks = (128, 256) if narrow else (64, 128)
     if bm <= 32:  # decode: streaming weights; narrow tiles and deep pipelines
         tiles = [*itertools.product((32, 64, 128), bks, (4,), (3, 4), (False,)),
@@ -128,28 +128,28 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
     return out[:limit]
 
 
-def distinct_tiles(tiles: list[dict], kscheme) -> list[dict]:
+def distinct_tiles(tiles: list[dict], variant) -> list[dict]:
     """The candidates that stay distinct once the layer fits them to the scheme (W4A8's BLOCK_K is
     capped at its group without GROUP_DOTS, say): the first of each kind, so none is timed twice."""
-    from moe_registry_kernels.triton_moe import _fit_config
+    from moe_registry_kernels.triton.api import fit_config
 
     seen, out = set(), []
     for tile in tiles:
-        fitted = json.dumps(_fit_config(tile, kscheme, can_split=True), sort_keys=True)
+        fitted = json.dumps(fit_config(tile, variant, can_split=True), sort_keys=True)
         if fitted not in seen:
             seen.add(fitted)
             out.append(tile)
     return out
 
 
-def scheme_tiles(bm: int, narrow: bool, kscheme, limit: int | None = None) -> list[dict]:
+def scheme_tiles(bm: int, narrow: bool, variant, limit: int | None = None) -> list[dict]:
     """tile_candidates for a scheme's kernel (the swapped one and per-group dots where it takes them
     at this BLOCK_M), each tile its layer runs once."""
-    from moe_registry_kernels.triton_moe import group_dot_width, swappable, takes_zero_sums
+    from moe_registry_kernels.triton.api import group_dot_width, swappable, takes_zero_sums
 
-    zero_sums = takes_zero_sums(kscheme)  # (zero-point weights take per-group dots with ZERO_SUMS)
-    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(kscheme),
-                                          group_dot_width(kscheme, bm, zero_sums), zero_sums), kscheme)
+    zero_sums = takes_zero_sums(variant)  # (zero-point weights take per-group dots with ZERO_SUMS)
+    return distinct_tiles(tile_candidates(bm, narrow, limit, swappable(variant),
+                                          group_dot_width(variant, bm, zero_sums), zero_sums), variant)
 
 
 SPLITS = (1, 2, 4, 8)
@@ -172,7 +172,7 @@ class Layer:
     """One shape × scheme: weight copies enough to rotate out of L2, inputs per M, the reference."""
 
     def __init__(self, shape: bench.Shape, scheme: bench.Scheme, device: torch.device, dry: bool) -> None:
-        from moe_registry_kernels.triton_moe import TritonExperts
+        from moe_registry_kernels.triton.api import TritonExperts
 
         self.wkey, self.akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
         self.shape, self.scheme, self.device, self.dry = shape, scheme, device, dry
@@ -189,7 +189,7 @@ class Layer:
 
     def copies_for(self, m: int) -> list:
         """Kernels over enough weight copies that the experts one call hits are out of L2 next time."""
-        from moe_registry_kernels.triton_moe import TritonExperts
+        from moe_registry_kernels.triton.api import TritonExperts
 
         if self.dry:
             return self.kernels[:1]
@@ -207,7 +207,7 @@ class Layer:
         return ReferenceExperts(self.base, ExpertsConfig()).apply(x.float(), tw, ti).float()
 
     def error(self, configs: tuple[dict | None, dict | None], x, tw, ti, ref: torch.Tensor) -> float:
-        from moe_registry_kernels.triton_moe import config_override
+        from moe_registry_kernels.triton.api import config_override
 
         with config_override(*configs):
             out = self.kernels[0].apply(x, tw, ti).float()
@@ -215,7 +215,7 @@ class Layer:
 
     def time(self, configs: tuple[dict | None, dict | None], m: int, x, tw, ti) -> float:
         """Seconds per layer call (CUDA graph of one call per weight copy; CPU: plain calls)."""
-        from moe_registry_kernels.triton_moe import config_override
+        from moe_registry_kernels.triton.api import config_override
 
         kernels = self.copies_for(m)
         step = bench._calls(kernels, x, tw, ti)
@@ -442,18 +442,18 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     winner. ``taken``: measurements kept from a search cut off before (not taken again) and
     where new ones go; past ``deadline`` (time.monotonic()) a candidate not yet measured raises
     SearchCutOff. ``progress``: told the count of candidates measured."""
-    from moe_registry_kernels import triton_moe
-    from moe_registry_kernels.triton_moe import _fit_config, scheme_from_keys
+    from moe_registry_kernels.triton import api
+    from moe_registry_kernels.triton.api import fit_config, variant_from_keys
 
     shape = layer.shape
-    kscheme = scheme_from_keys(str(layer.wkey), str(layer.akey))
+    variant = variant_from_keys(str(layer.wkey), str(layer.akey))
     x, tw, ti = layer.inputs(m)
     ref = layer.reference(x, tw, ti)
     narrow = layer.wkey.quantized and layer.wkey.dtype.bits <= 8
     i = shape.intermediate
     # the configs the kernel picks today (an earlier tuning, or the defaults): kept unless beaten
-    d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
-                            triton_moe._num_sms(layer.device))
+    d1, d2 = todays_configs(shape, (str(layer.wkey), str(layer.akey)), m, api.device_name(layer.device),
+                            api.num_sms(layer.device))
     base_t = layer.time((None, None), m, x, tw, ti)
 
     measured: list[float] = []  # this run's measurements
@@ -488,16 +488,16 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
 
     best = (d1, d2, base_t)
     if seeds is None and not registers_only:
-        seeds = seed_pairs(shape, (str(layer.wkey), str(layer.akey)), m, triton_moe._device_name(layer.device),
-                           kscheme, (d1, d2))
+        seeds = seed_pairs(shape, (str(layer.wkey), str(layer.akey)), m, api.device_name(layer.device),
+                           variant, (d1, d2))
     for c1, c2 in () if registers_only else seeds:
         t = measure(c1, c2)
         if t < best[2]:
             best = (c1, c2, t)
     for bm in () if registers_only or seeds_only else block_ms(m, shape):
-        g2 = _fit_config({**d2, "BLOCK_M": bm}, kscheme, can_split=True)
+        g2 = fit_config({**d2, "BLOCK_M": bm}, variant, can_split=True)
         best1, t1 = None, math.inf
-        tiles = scheme_tiles(bm, narrow, kscheme, limit)
+        tiles = scheme_tiles(bm, narrow, variant, limit)
         for c1 in tiles:
             t = measure(c1, g2)
             if t < t1:
@@ -559,14 +559,14 @@ def alternated(steps: list[Callable[[], float]], rounds: int) -> list[list[float
 
 def all_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int]) -> list[tuple[dict, dict]]:
     """Every config pair tune_target may try (for compiling ahead)."""
-    from moe_registry_kernels.triton_moe import scheme_from_keys
+    from moe_registry_kernels.triton.api import variant_from_keys
 
     wkey = parse_quant_key(scheme.weight)
     narrow = wkey.quantized and wkey.dtype.bits <= 8
-    kscheme = scheme_from_keys(*scheme.keys)
+    variant = variant_from_keys(*scheme.keys)
     pairs = []
     for bm in sorted({b for m in ms for b in block_ms(m, shape)}):
-        tiles = scheme_tiles(bm, narrow, kscheme)
+        tiles = scheme_tiles(bm, narrow, variant)
         if not tiles:
             continue
         pairs += [(c, {**tiles[0], "SPLIT_K": 1}) for c in tiles]
@@ -585,7 +585,7 @@ def register_pairs(shape: bench.Shape, scheme: bench.Scheme, ms: list[int], devi
     return pairs
 
 
-def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str, kscheme,
+def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str, variant,
                today: tuple[dict, dict]) -> list[tuple[dict, dict]]:
     """The (GEMM1, GEMM2) configs the device's other tables (kernels/configs, other key pairs) hold
     for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
@@ -593,14 +593,14 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
     none. Zero-point schemes also try each on the factored dot (ZERO_SUMS, where the fit keeps it):
     there a tile of a fixed-zero scheme (GPTQ's) runs its own loop."""
-    from moe_registry_kernels.triton_moe import _fit_pair, config_file, shape_key, takes_zero_sums
+    from moe_registry_kernels.triton.api import config_file, fit_pair, shape_key, takes_zero_sums
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
     h, i = shape.hidden, shape.intermediate
     gemms = (shape_key(shape.experts, shape.top_k, 2 * i, h), shape_key(shape.experts, shape.top_k, h, i))
 
     def fitted(c1: dict, c2: dict) -> tuple[dict, dict] | None:
-        f1, f2 = _fit_pair(c1, c2, kscheme)
+        f1, f2 = fit_pair(c1, c2, variant)
         if any(c.get("SWAP_AB") and not f["SWAP_AB"] for c, f in ((c1, f1), (c2, f2))):
             return None
         return f1, f2
@@ -618,7 +618,7 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
             # each also without the seed's register caps: a cap fits the kernel it was tuned on, and
             # this scheme's may need more registers (W4A8's epilogue: GPTQ int4's cap of 128 spilled)
             halves = [(c1, c2), (_uncapped(c1, pair[0]), _uncapped(c2, pair[1]))]
-            if takes_zero_sums(kscheme):
+            if takes_zero_sums(variant):
                 halves += [({**a, "ZERO_SUMS": True}, {**b, "ZERO_SUMS": True}) for a, b in halves]
             for candidate in (fitted(a, b) for a, b in halves):
                 key = json.dumps(candidate, sort_keys=True)
@@ -636,7 +636,7 @@ def _uncapped(config: dict, seed: dict) -> dict:
 def todays_configs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: str,
                    sms: int) -> tuple[dict, dict]:
     """The (GEMM1, GEMM2) configs the kernel picks today for ``m`` tokens: tuned, or the defaults."""
-    from moe_registry_kernels.triton_moe import get_config
+    from moe_registry_kernels.triton.api import get_config
 
     h, i = shape.hidden, shape.intermediate
     return (get_config(m, shape.top_k, shape.experts, 2 * i, h, *keys, device_name, sms),
@@ -650,7 +650,7 @@ def tolerance_for_keys(schemes: dict[str, bench.Scheme], keys: tuple[str, str], 
 
 
 def runs_decode_gemv(shape: bench.Shape, scheme: bench.Scheme, m: int) -> bool:
-    """Whether the layer's GEMMs at ``m`` tokens are the decode GEMV (triton_moe.DECODE_GEMV),
+    """Whether the layer's GEMMs at ``m`` tokens are the decode GEMV (the kernels' decode GEMV),
     which reads no tile config: its launches as tools/kernel_sass.py records them."""
     import kernel_sass
 
@@ -714,10 +714,10 @@ def main(argv: list[str] | None = None) -> int:
     dry = args.dry_run or not torch.cuda.is_available()
     if dry:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import api
 
     device = torch.device("cpu" if dry else "cuda")
-    out_dir = args.out or triton_moe.CONFIG_DIR
+    out_dir = args.out or api.CONFIG_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     device_name = torch.cuda.get_device_name() if not dry else "dry-run"
     shapes = bench.DRY_SHAPES if dry else {k: bench.SHAPES[k] for k in args.shapes}
@@ -734,11 +734,11 @@ def main(argv: list[str] | None = None) -> int:
         group = list(group)
         shape, scheme = shapes[shape_name], schemes[name]
         # named by the canonical keys: the file the kernel reads
-        path = out_dir / triton_moe.config_file(scheme.weight, scheme.activation, device_name).name
+        path = out_dir / api.config_file(scheme.weight, scheme.activation, device_name).name
         table = json.loads(path.read_text()) if path.is_file() else {}
         table["meta"] = {"device": device_name, "weight_key": scheme.weight, "activation_key": scheme.activation}
-        key1 = triton_moe.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden)
-        key2 = triton_moe.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate)
+        key1 = api.shape_key(shape.experts, shape.top_k, 2 * shape.intermediate, shape.hidden)
+        key2 = api.shape_key(shape.experts, shape.top_k, shape.hidden, shape.intermediate)
         todo = [t for t in group if args.redo or str(t.m) not in table.get(key1, {})
                 or str(t.m) not in table.get(key2, {})]
         gemv = [t for t in todo if runs_decode_gemv(shape, scheme, t.m)]
@@ -763,14 +763,14 @@ def main(argv: list[str] | None = None) -> int:
             kept = Measurements(partial_path(path), device_name, f"{key1} {key2} M={target.m}")
             # each entry's candidates are compiled ahead on their own: a run cut off compiled none in vain
             _progress(done, len(targets), f"{label}: compiling", started)
-            sms = triton_moe._num_sms(device)
+            sms = api.num_sms(device)
             seeds = None  # read once here, for compiling ahead and for the search
             if args.registers_only:
                 pairs = register_pairs(shape, scheme, [target.m], device_name, sms)
             else:
                 today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
                 seeds = seed_pairs(shape, scheme.keys, target.m, device_name,
-                                   triton_moe.scheme_from_keys(*scheme.keys), today)
+                                   api.variant_from_keys(*scheme.keys), today)
                 pairs = seeds + ([] if args.seeds_only else all_pairs(shape, scheme, [target.m]))
             pairs = [pair for pair in pairs if not kept.known(*pair)]
             compile_started = time.monotonic()
@@ -794,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
                 cut_off = True
                 break
             # as the layer runs them (_fit_config): a table says what runs, not what a candidate asked
-            c1, c2 = triton_moe._fit_pair(c1, c2, triton_moe.scheme_from_keys(*scheme.keys))
+            c1, c2 = api.fit_pair(c1, c2, api.variant_from_keys(*scheme.keys))
             table.setdefault(key1, {})[str(target.m)] = c1
             table.setdefault(key2, {})[str(target.m)] = c2
             write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")

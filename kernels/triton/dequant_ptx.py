@@ -15,6 +15,8 @@ which both round once). :func:`_dequant_nibbles`, :func:`_dequant_byte` and
 dot of W4A8); :func:`_e8m0` decodes MX scales.
 """
 
+
+
 import functools
 import os
 
@@ -234,7 +236,7 @@ def _dequant_byte_pairs(words, tile_zero, scale, dtype, SIGNED: tl.constexpr, SC
 
 
 # MX fp8 weights as 16-bit values times a folded scale (_e4m3_asm): bfloat16 halves read the e4m3
-# value * 2^-120, which the scale takes back (triton_moe.E4M3_MX_FOLD_CODES: where that is exact)
+# value * 2^-120, which the scale takes back (launch.E4M3_MX_FOLD_CODES: where that is exact)
 E4M3_BF16_UNSCALE = tl.constexpr(2.0 ** 120)
 # e4m3 bits 6..0 (exponent and mantissa) moved to bfloat16 bits 10..4, the sign to bit 15
 E4M3_BF16_FIELDS_PAIR = "0x87F087F0"
@@ -280,7 +282,7 @@ def _e4m3_asm(half: str, word_pairs: bool = False) -> str:
 @triton.jit
 def _e4m3_folded_scale(scale, dtype):
     """An MX group scale (float32 power of two) times the unscale of :func:`_e4m3_asm`'s halves, in
-    ``dtype``: exact for the codes triton_moe.E4M3_MX_FOLD_CODES admits (finite for the pad code 0)."""
+    ``dtype``: exact for the codes launch.E4M3_MX_FOLD_CODES admits (finite for the pad code 0)."""
     if dtype == tl.bfloat16:
         scale = scale * E4M3_BF16_UNSCALE
     return scale.to(dtype)

@@ -1,11 +1,11 @@
 """Dynamic fp8 activation quantisation with one scale per token or per tensor, for the fp8_outer dot
-(:mod:`moe_registry_kernels.scheme`): ``fp8_token`` (compressed-tensors FP8_DYNAMIC) and
+(:mod:`moe_registry_kernels.variant`): ``fp8_token`` (compressed-tensors FP8_DYNAMIC) and
 ``fp8_tensor`` (``quant_method: fp8`` with ``activation_scheme: dynamic``: vLLM's fp8 MoE quantises
 each GEMM input with one amax over all of its rows). Static per-tensor fp8 (``fp8_static``) is
-:func:`moe_registry_kernels.triton_ops.act_quant`'s.
+:func:`moe_registry_kernels.triton.activation_quant.act_quant`'s.
 
 Numerics are :mod:`moe_registry_kernels.quant_ref`'s bit for bit: scale = max(amax, 1e-10) / 448
-(a true division), codes rounded as ``triton_ops._fp8_codes`` rounds them. Every kernel takes part
+(a true division), codes rounded as ``quant_math._fp8_codes`` rounds them. Every kernel takes part
 in the layer's programmatic-dependent-launch chain (PDL). At decode :func:`align_quant_fp8` runs
 the alignment and the quantisation in one launch, :func:`quant_fp8_from_pieces` quantises the
 intermediate from GEMM1's row-amax pieces, and one token's GEMMs quantise their own input
@@ -16,20 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_ops
-from .triton_ops import (
-    AMAX_FLOOR,
-    FP8_MAX,
-    _align_part,
-    _flat_ids,
-    _fp8_codes,
-    _holds_data,
-    _one_launch_alignment,
-    _span_amax,
-    align,
-    grid_dependency,
-    pdl_launch,
-)
+from . import align as alignment
+from .align import _align_part, _flat_ids, _one_launch_alignment, align
+from .chain import grid_dependency, pdl_launch
+from .quant_math import AMAX_FLOOR, FP8_MAX, _fp8_codes, _holds_data, _span_amax
 
 __all__ = ["FP8_DYNAMIC_MODES", "quant_fp8_dynamic", "quant_fp8_from_pieces", "align_quant_fp8"]
 
@@ -312,14 +302,15 @@ def _align_quant_fp8_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr, n
 def align_quant_fp8(topk_ids: torch.Tensor, num_experts: int, block_m: int, x: torch.Tensor, quant: str, *,
                     row_scale: torch.Tensor | None = None, pdl: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """triton_ops.align and :func:`quant_fp8_dynamic` of the layer's input together: (sorted_token_ids,
+    """align.align and :func:`quant_fp8_dynamic` of the layer's input together: (sorted_token_ids,
     expert_ids, num_tokens_post_padded, codes, scale). Decode (few pairs; fp8_tensor: a tensor one
     program quantises) takes one launch; otherwise they are their own launches."""
     _check_mode(quant)
     ids = _flat_ids(topk_ids)
     numel = ids.numel()
     t, d = x.shape
-    if numel > triton_ops.ALIGN_ONE_LAUNCH_MAX or quant == "fp8_tensor" and t * d > ONE_PROGRAM_ELEMENTS:
+    # (the switch read where it is set: alignment.ALIGN_ONE_LAUNCH_MAX picks every alignment's path)
+    if numel > alignment.ALIGN_ONE_LAUNCH_MAX or quant == "fp8_tensor" and t * d > ONE_PROGRAM_ELEMENTS:
         return (*align(ids, num_experts, block_m, pdl=pdl), *quant_fp8_dynamic(x, quant, row_scale=row_scale, pdl=pdl))
     if x.stride(-1) != 1:
         x = x.contiguous()

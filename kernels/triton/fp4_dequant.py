@@ -1,5 +1,5 @@
 """FP4 (e2m1) weight tiles dequantised in registers, for the GEMM kernels of
-:mod:`moe_registry_kernels.moe_gemm`: bit moves and multiplies, no table in memory.
+:mod:`moe_registry_kernels.triton.moe_gemm`: bit moves and multiplies, no table in memory.
 
 An e2m1 code's sign (bit 3) goes to float16's sign bit and its 3 magnitude bits (2 exponent, 1
 mantissa) to float16 bits 9..11, the top of the exponent field and of the mantissa: the half then
@@ -12,7 +12,7 @@ reference's dequantised weights bit for bit (the NVFP4 global scale is applied a
 The GEMMs read the packed codes in a kernel-private byte order (:func:`e2m1_register_order`, see the
 note above _e2m1_asm), which the Triton experts write once when built. On the GPU the moves run as
 paired PTX (:func:`_e2m1_asm`), two weights per instruction in 16-bit halves, as
-:mod:`moe_registry_kernels.dequant_ptx` does for integer codes: the half times 2^14 (float16) or
+:mod:`moe_registry_kernels.triton.dequant_ptx` does for integer codes: the half times 2^14 (float16) or
 2^126 (bfloat16, 8 exponent bits) is the code's value exactly, and one paired multiply by the scale
 rounds once -- the same value again. The group scale arrives in the 16-bit dtype (an e4m3 scale is
 exact in either; an e8m0 power of two is exact in bfloat16 and in float16 from 2^-24 to 2^15, which
@@ -21,7 +21,7 @@ holds every float16 weight but those below 2^-24).
 FOLDED: the scale arrives already times 2^U / 2^D (U the half's unscale exponent, 14 or 126; D a
 shift the GEMM's epilogue takes back in float32), so each pair costs one multiply, not two: the
 tile then holds value * scale * 2^-D, still rounded once. The GEMM folds only where that is exact
-(triton_moe._e2m1_fold): NVFP4's e4m3 scales (at most 448) with D = 8 always -- value * scale is a
+(launch._e2m1_fold): NVFP4's e4m3 scales (at most 448) with D = 8 always -- value * scale is a
 multiple of 2^-10 below 2688, so times 2^-8 it is exact in either 16-bit type -- and MX's powers
 of two with D = 0 where every scale times 2^U stays a normal number of the 16-bit type, built from
 the code's bits (_folded_e8m0).
@@ -89,6 +89,16 @@ def e4m3_scale_codes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.T
     codes = torch.where(value == 0, 0, (field << SCALE_CODE_MANTISSA) + fraction.to(torch.int32))
     return packed, codes.to(torch.uint8)
 
+
+
+def e4m3_scale_values(codes: torch.Tensor) -> torch.Tensor:
+    """Exponent-code scales (:func:`e4m3_scale_codes`) back to float8_e4m3fn: code 0 is 0, a code
+    (field << 3) | m is 2^(field - SCALE_CODE_BIAS) * (1 + m / 8), exact in e4m3 (subnormals included)."""
+    c = codes.to(torch.int32)
+    field, mantissa = c >> SCALE_CODE_MANTISSA, c & ((1 << SCALE_CODE_MANTISSA) - 1)
+    value = torch.ldexp(1 + mantissa.to(torch.float32) / (1 << SCALE_CODE_MANTISSA),
+                        (field - SCALE_CODE_BIAS.value).to(torch.float32))
+    return torch.where(c == 0, 0.0, value).to(torch.float8_e4m3fn)
 
 @triton.constexpr_function
 def _float_layout(dtype) -> tuple[int, int]:
@@ -193,6 +203,20 @@ def e2m1_register_order(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+
+def e2m1_nibble_order(ordered: torch.Tensor) -> torch.Tensor:
+    """:func:`e2m1_register_order`'s inverse: the decoders' bytes back to packed FP4 (low nibble the even
+    column). A new contiguous tensor, written REGISTER_ORDER_CHUNK bytes at a time."""
+    source = ordered.contiguous().view(-1)
+    out = torch.empty(ordered.shape, dtype=ordered.dtype, device=ordered.device)
+    target = out.view(-1)
+    for start in range(0, source.numel(), REGISTER_ORDER_CHUNK):
+        b = source[start:start + REGISTER_ORDER_CHUNK]
+        even = (b >> 1) & 0xF
+        odd = ((b >> 4) & 0x8) | ((b & 0x1) << 2) | ((b >> 5) & 0x3)
+        target[start:start + REGISTER_ORDER_CHUNK] = even | (odd << 4)
+    return out
+
 @triton.jit
 def _e2m1_codes(packed):
     """(even, odd) codes 0..15 of bytes in :func:`e2m1_register_order`."""
@@ -238,7 +262,7 @@ def _mantissa_bits(dtype) -> int:
 def _folded_e8m0(codes, dtype):
     """MX scale codes (uint8) -> 2^(e - 127) * 2^U in the 16-bit ``dtype``, straight from the
     code's bits (one integer multiply-add each, no float32 detour): normal for every code the fold
-    admits (triton_moe.E2M1_MX_FOLD_CODES: bfloat16 0..128, float16 99..128), and finite for the
+    admits (launch.E2M1_MX_FOLD_CODES: bfloat16 0..128, float16 99..128), and finite for the
     code 0 that pads a row's groups (float16: 2^15, int16 wrap-around), which meets zero codes."""
     field = codes.to(tl.int16) + _folded_e8m0_exponent(dtype)
     return (field << _mantissa_bits(dtype)).to(dtype, bitcast=True)

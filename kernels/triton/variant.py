@@ -1,13 +1,15 @@
 """The weight and activation keys read as the Triton MoE kernels' choices.
 
-:class:`Scheme` is what the GEMM kernels (:mod:`moe_registry_kernels.moe_gemm`) are specialised
+:class:`KernelVariant` is what the GEMM kernels (:mod:`moe_registry_kernels.triton.moe_gemm`) are specialised
 on: the weight code type, how weights are scaled (none, per channel, per group, per 128x128
-block, MX e8m0) and how activations are quantised. :func:`scheme_from_keys` reads QuantKey
-strings into one and refuses keys the kernels cannot run; :func:`swappable` says which schemes the
+block, MX e8m0) and how activations are quantised. :func:`variant_from_keys` reads QuantKey
+strings into one and refuses keys the kernels cannot run; :func:`swappable` says which variants the
 swapped-operand kernel takes. The few facts that follow from the weight type or the activation
 quantisation alone (:func:`packed`, :func:`zero_code`, :func:`dot_kind`) are constexpr functions:
-the host reads them through Scheme, the kernels derive their constexprs with the same functions.
+the host reads them through KernelVariant, the kernels derive their constexprs with the same functions.
 """
+
+
 
 import functools
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ import triton
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
 
-__all__ = ["Scheme", "scheme_from_keys", "swappable", "packed", "zero_code", "dot_kind", "float_w4a8"]
+__all__ = ["KernelVariant", "variant_from_keys", "swappable", "packed", "zero_code", "dot_kind", "float_w4a8"]
 
 # 4-bit code types, two codes per byte (low nibble: the even input column); e2m1 is FP4
 PACKED_TYPES = ("uint4", "uint4b8", "int4", "e2m1")
@@ -63,19 +65,19 @@ def float_w4a8(act_quant: str, weight_type: str, block_m: int) -> bool:
     dequantisation and a 16-bit dot give the int32 dot's value without widening the nibbles to
     int8 in K order (a register shuffle per weight); on 64+ row tiles the int8 dot's rate wins.
     Such a GEMM takes its activation codes as 16-bit floats, converted once by the quantisation
-    kernel (triton_ops.INT8_CODE_DTYPES) rather than in the dot's layout by every program."""
+    kernel (activation_quant.INT8_CODE_DTYPES) rather than in the dot's layout by every program."""
     return dot_kind(act_quant) == "int8" and packed(weight_type) and block_m <= W4A8_FLOAT_MAX_ROWS
 
 
 @dataclass(frozen=True)
-class Scheme:
+class KernelVariant:
     """The weight and activation keys, read as the kernel's constexpr choices."""
 
     weight_type: str  # float | uint4 | uint4b8 | int4 | uint8 | uint8b128 | int8 | fp8e4m3
     weight_scale: str  # none | group | channel (also per-tensor, stored [E, N, 1]) | block | mx
     weight_group: int  # input columns sharing a weight scale (group, block, mx); 0 otherwise
     weight_group_n: int  # output rows sharing a weight scale (block); 1 otherwise
-    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (triton_ops.QUANT_MODES) | fp8_token |
+    act_quant: str  # none | int8_token | int8_static | fp8_group | mxfp8 (activation_quant.QUANT_MODES) | fp8_token |
     #                 fp8_tensor (fp8_act) | fp8_static
     act_group: int  # input columns sharing an activation scale (fp8_group, mxfp8); 0 otherwise
     weight_scale2: bool = False  # a per-expert global weight scale (NVFP4), applied to the dot's result
@@ -93,9 +95,9 @@ class Scheme:
     @property
     def paired_dequant(self) -> bool:
         """Whether the dequantisation has a paired 16-bit PTX form (see
-        :mod:`moe_registry_kernels.dequant_ptx`): 4-bit codes, or 8-bit integer codes whose scales
+        :mod:`moe_registry_kernels.triton.dequant_ptx`): 4-bit codes, or 8-bit integer codes whose scales
         are 16-bit (group) or applied to the dot's result (channel), or MX fp8 codes (whose
-        power-of-two scales it folds, where exact: triton_moe._e4m3_folded); float32 block scales
+        power-of-two scales it folds, where exact: launch._e4m3_folded); float32 block scales
         would be rounded by it."""
         return self.packed or (self.weight_type in ("uint8", "uint8b128", "int8")
                                and self.weight_scale in ("group", "channel")) or (
@@ -150,25 +152,25 @@ def _act_quant(key: QuantKey) -> tuple[str, int]:
 
 
 @functools.cache
-def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
+def variant_from_keys(weight_key: str, activation_key: str) -> KernelVariant:
     """Read the keys (string form) as kernel choices; ValueError naming the key it cannot run."""
     wk, ak = parse_quant_key(weight_key), parse_quant_key(activation_key)
     wtype = wk.dtype.name if wk.quantized else "float"
     wscale, wgroup, wgroup_n = _weight_scale(wk)
     aquant, agroup = _act_quant(ak)
-    scheme = Scheme(wtype, wscale, wgroup, wgroup_n, aquant, agroup, wk.scale2 is not None)
+    variant = KernelVariant(wtype, wscale, wgroup, wgroup_n, aquant, agroup, wk.scale2 is not None)
     for name, value in (("weight", wgroup), ("activation", agroup)):
         if value and value & (value - 1):
             raise ValueError(f"{name} group {value} is not a power of two (keys {weight_key!r}, {activation_key!r})")
-    if scheme.dot == "int8" and (wtype != "int8" or wscale != "channel") and not _w4a8(scheme):
+    if variant.dot == "int8" and (wtype != "int8" or wscale != "channel") and not _w4a8(variant):
         raise ValueError(f"int8 activations need int8 weights with per-channel/tensor scales (or uint4b8 with "
                          f"group or channel scales), got {weight_key!r}")
-    if scheme.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
+    if variant.dot == "fp8" and (wtype != "fp8e4m3" or wscale != "block" or wgroup % agroup):
         raise ValueError(f"fp8 group activations need fp8 weights with block scales, got {weight_key!r}")
-    if scheme.dot == "fp8_outer" and (wtype != "fp8e4m3" or wscale != "channel"):
+    if variant.dot == "fp8_outer" and (wtype != "fp8e4m3" or wscale != "channel"):
         raise ValueError(f"per-token/per-tensor fp8 activations need fp8 weights with per-channel/tensor scales, "
                          f"got {weight_key!r}")
-    if wtype == "fp8e4m3" and wscale == "channel" and scheme.dot != "fp8_outer":
+    if wtype == "fp8e4m3" and wscale == "channel" and variant.dot != "fp8_outer":
         raise ValueError(f"fp8 weights with per-channel/tensor scales run with fp8 activations here, got "
                          f"{activation_key!r}")
     if wtype == "fp8e4m3" and wscale not in ("mx", "block", "channel"):
@@ -181,15 +183,15 @@ def scheme_from_keys(weight_key: str, activation_key: str) -> Scheme:
         raise ValueError(f"a second-level weight scale is run here for e2m1 per tensor only, got {weight_key!r}")
     if wtype in ("uint4", "uint8") and wk.zero_point != "group":
         raise ValueError(f"{wtype} weights need zero points (zp:group), got {weight_key!r}")
-    return scheme
+    return variant
 
 
-def _w4a8(scheme: Scheme) -> bool:
+def _w4a8(variant: KernelVariant) -> bool:
     """int4 weights on the int8 dot: symmetric codes (uint4b8), per-channel or per-group scales."""
-    return scheme.weight_type == "uint4b8" and scheme.weight_scale in ("channel", "group")
+    return variant.weight_type == "uint4b8" and variant.weight_scale in ("channel", "group")
 
 
-def swappable(scheme: Scheme) -> bool:
-    """Whether the swapped-operand kernel runs the scheme: weights dequantised to the 16-bit
+def swappable(variant: KernelVariant) -> bool:
+    """Whether the swapped-operand kernel runs the variant: weights dequantised to the 16-bit
     activation dtype in registers (no int8/fp8 dot, no 128x128 blocks, activations unquantized)."""
-    return scheme.dot == "float" and scheme.act_quant == "none" and scheme.weight_scale != "block"
+    return variant.dot == "float" and variant.act_quant == "none" and variant.weight_scale != "block"

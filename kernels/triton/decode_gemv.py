@@ -2,24 +2,24 @@
 dot products (dp4a): a program per (token, expert) pair and column tile at decode (or per block of
 aligned pairs of one expert), where each expert a step reads takes few of its pairs.
 
-A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.moe_gemm`)
+A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.triton.moe_gemm`)
 pad the token to a 16-row matrix-unit tile and move its row into the operand layout through
 shared memory every K step, and at M = 1 they were held by instructions and latency, not by
 memory (H100, Qwen3-30B-A3B W4A8: 20.7 us of GEMMs for 18.9 MB of weights, 0.9 TB/s). Here each
 thread streams whole 32-bit words of codes and takes their products with the token's int8 codes
 four at a time (``dp4a``, int32): an int4 word is 8 codes, its low nibbles the even columns, its
-high nibbles the odd ones (the converted layout, see ``Scheme.weight_type`` uint4b8), each
+high nibbles the odd ones (the converted layout, see ``KernelVariant.weight_type`` uint4b8), each
 moved into the top of its byte so that the byte reads 16 * (code - 8) as int8 (the offset
 binary's top bit flipped: no subtraction, the 16 leaves with the token's scale); int8 words are
 4 codes as they are.
 
-The GEMV reads its input as the codes ``triton_ops.act_quant`` wrote just before it (per token or
+The GEMV reads its input as the codes ``activation_quant.act_quant`` wrote just before it (per token or
 static, its rows' codes for int4 words in nibble halves: even columns, then odd ones). (Each GEMV
 program quantising its row itself into one shared buffer ran the layer 1.6-1.9x slower than the
 tile kernels on Mixtral's shape, H100, tools/bench.py: thousands of programs writing the same
 few kilobytes.) Per-group weight scales multiply each group's int32
 sum; per-channel ones, the bias, the router weight and the fused activation are the tile
-kernels' epilogue (:func:`moe_gemm._finish_tile`).
+kernels' epilogue (:func:`gemm_common._finish_tile`).
 """
 
 import functools
@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_gemm import _block_pairs, _block_rows, _finish_tile, _scale_of, _weight_rows
-from .triton_ops import grid_release, grid_wait
+from .chain import grid_release, grid_wait
+from .gemm_common import _block_pairs, _block_rows, _finish_tile, _scale_of, _weight_rows
 
 # weight words one program reads of a row in one K step (512 int4 or 256 int8 columns), and the
 # weight rows a program takes (a tile holds BLOCK_N / 2 gate rows and their up rows with a fused
@@ -109,12 +109,12 @@ def _decode_gemv_kernel(
         ONE_PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_WORDS: tl.constexpr,
         PDL: tl.constexpr):
     """C[rows of block ``program_id(0)``, column tile ``program_id(1)``]: the int32 dot products of
-    the block's input rows' codes (codes [A rows, K] as triton_ops.act_quant wrote them, their
+    the block's input rows' codes (codes [A rows, K] as activation_quant.act_quant wrote them, their
     scales a_scales_ptr[row * stride_as]: 0 for a static one) with its expert's weight rows a word at a time, each
     word read once for the block's BLOCK_M rows, through the tile kernels' epilogue. The blocks
-    are the tile kernels' (moe_gemm._block_pairs): aligned pairs of one expert, or ONE_PAIR_BLOCKS
+    are the tile kernels' (gemm_common._block_pairs): aligned pairs of one expert, or ONE_PAIR_BLOCKS
     a pair each with the router's ids (BLOCK_M 1). The weights' K is a multiple of a word's codes
-    and their rows start at word boundaries (triton_moe._takes_gemv)."""
+    and their rows start at word boundaries (launch._takes_gemv)."""
     CODES: tl.constexpr = 8 if PACKED else 4  # codes per weight word
     # a step's words as [groups, words of a group]: one scale per group and row (per-channel
     # weights: a step is one "group" of scale 1, their scale left to the epilogue)

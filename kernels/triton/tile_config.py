@@ -1,5 +1,5 @@
 """Tile configurations of the fused MoE GEMMs: tuned tables, defaults, and the rules that make a
-config legal for a scheme.
+config legal for a variant.
 
 :func:`get_config` picks BLOCK_M/N/K, GROUP_M, SPLIT_K, num_warps and num_stages (and, where a
 tuned entry sets them, ``maxnreg``: a cap on registers per thread, and ``GROUP_DOTS``: one dot
@@ -7,7 +7,7 @@ per weight group, :func:`group_dot_width`) for one GEMM:
 the nearest entry of a tuned table (``configs/<device>__<weight key>__<activation key>.json``,
 written by tools/tune.py) over :func:`default_config`'s heuristics. :func:`config_override`
 replaces both for the layers called inside it (tuner, tests). :func:`_fit_config` then makes a
-config legal for a scheme (what the kernels' ``tl.static_assert`` calls check), and
+config legal for a variant (what the kernels' ``tl.static_assert`` calls check), and
 :func:`_layer_configs` gives a layer's GEMM1 and GEMM2 configs together. The SM count the
 heuristics aim at is the device's own (:func:`_num_sms`).
 """
@@ -26,13 +26,14 @@ import triton
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
 
-from .scheme import Scheme, swappable
+from .variant import KernelVariant, swappable
 
 __all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override",
            "group_dot_width", "takes_zero_sums", "zero_sums_fit"]
 
 log = logging.getLogger("moe_registry")
-CONFIG_DIR = Path(__file__).parent / "configs"
+# the tuned tables ship beside the package root (moe_registry_kernels.configs), where tools/tune.py writes them
+CONFIG_DIR = Path(__file__).parents[1] / "configs"
 # a tuned entry stands for token counts up to this factor away from its own (tables are tuned at
 # 1, 8, 64, 512, 4096: every count lands on one); farther counts take the defaults
 TUNED_REACH = 4.0
@@ -46,7 +47,7 @@ def _slug(text: str) -> str:
 
 
 def config_file(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str) -> Path:
-    """Where tuned configs for a scheme on a device live: configs/<device>__<weight>__<act>.json
+    """Where tuned configs for a variant on a device live: configs/<device>__<weight>__<act>.json
     (the activation key is part of it: int8 and fp8 dots are tuned apart from 16-bit ones)."""
     return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(weight_key))}__{_slug(str(activation_key))}.json"
 
@@ -160,62 +161,62 @@ def config_override(gemm1: dict | None = None, gemm2: dict | None = None):
         _OVERRIDE.reset(token)
 
 
-def group_dot_width(scheme: Scheme, block_m: int, zero_sums: bool = False) -> int:
+def group_dot_width(variant: KernelVariant, block_m: int, zero_sums: bool = False) -> int:
     """The weight group a tile's per-group dots (the ``GROUP_DOTS`` config key: one dot per group,
-    each group's scale on its result) span, or 0 where the scheme cannot take them: 4-bit integer
+    each group's scale on its result) span, or 0 where the variant cannot take them: 4-bit integer
     codes with a fixed zero code (or with zero points, on ``zero_sums`` tiles: ZERO_SUMS) and group
     scales of 32 columns or more, under a 16-bit dot (16-bit activations, or W4A8's codes on tiles
-    of few rows: scheme.float_w4a8). The kernel takes them on tiles of BLOCK_M <= 32 that span
+    of few rows: variant.float_w4a8). The kernel takes them on tiles of BLOCK_M <= 32 that span
     several groups, on weights without act-order."""
-    sixteen_bit_dot = scheme.act_quant == "none" or scheme.float_w4a8(block_m)
-    zero = scheme.zero_code > 0 or zero_sums and takes_zero_sums(scheme)
-    takes = (scheme.packed and zero and scheme.weight_scale == "group" and sixteen_bit_dot
-             and scheme.weight_group >= 32)
-    return scheme.weight_group if takes else 0
+    sixteen_bit_dot = variant.act_quant == "none" or variant.float_w4a8(block_m)
+    zero = variant.zero_code > 0 or zero_sums and takes_zero_sums(variant)
+    takes = (variant.packed and zero and variant.weight_scale == "group" and sixteen_bit_dot
+             and variant.weight_group >= 32)
+    return variant.weight_group if takes else 0
 
 
-def takes_zero_sums(scheme: Scheme) -> bool:
-    """Whether the scheme's tiles can take the ``ZERO_SUMS`` config key (zero points on the
+def takes_zero_sums(variant: KernelVariant) -> bool:
+    """Whether the variant's tiles can take the ``ZERO_SUMS`` config key (zero points on the
     factored dot, corrected by the layer's per-group input sums; see moe_gemm.FACTORED): integer
     codes with zero points (uint4, uint8) and group scales under a 16-bit dot."""
-    return scheme.weight_type in ("uint4", "uint8") and scheme.weight_scale == "group" and scheme.act_quant == "none"
+    return variant.weight_type in ("uint4", "uint8") and variant.weight_scale == "group" and variant.act_quant == "none"
 
 
-def zero_sums_fit(scheme: Scheme, config: dict) -> bool:
+def zero_sums_fit(variant: KernelVariant, config: dict) -> bool:
     """Whether a fitted tile takes ZERO_SUMS (:func:`takes_zero_sums`): the standard kernel's tiles
     of BLOCK_M <= 32 whose K tile lies in one group, or takes one dot per group (GROUP_DOTS)."""
-    return (takes_zero_sums(scheme) and not config["SWAP_AB"] and config["BLOCK_M"] <= 32
-            and (scheme.weight_group % config["BLOCK_K"] == 0 or bool(config.get("GROUP_DOTS"))))
+    return (takes_zero_sums(variant) and not config["SWAP_AB"] and config["BLOCK_M"] <= 32
+            and (variant.weight_group % config["BLOCK_K"] == 0 or bool(config.get("GROUP_DOTS"))))
 
 
-def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool = True) -> dict:
-    """A config made legal for the scheme: BLOCK_K no wider than a weight block or an fp8
+def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_swap: bool = True) -> dict:
+    """A config made legal for the variant: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
     weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
-    SWAP_AB (the swapped-operand kernel) only where it runs the scheme; GROUP_DOTS kept only
-    where the tile spans several of the scheme's groups (group_dot_width; absent otherwise);
+    SWAP_AB (the swapped-operand kernel) only where it runs the variant; GROUP_DOTS kept only
+    where the tile spans several of the variant's groups (group_dot_width; absent otherwise);
     ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise)."""
     config = dict(config)
-    config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(scheme)
+    config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(variant)
     bk = config["BLOCK_K"]
     zero_sums = config.pop("ZERO_SUMS", False)
     group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
-                  and 0 < group_dot_width(scheme, config["BLOCK_M"], zero_sums) < bk)
-    if scheme.weight_scale == "block":
-        bk = min(bk, scheme.weight_group)
-    if scheme.act_quant == "fp8_group":
-        bk = min(bk, scheme.act_group)
-    if scheme.dot == "int8" and scheme.weight_scale == "group" and not group_dots:
-        bk = min(bk, scheme.weight_group)  # W4A8: a K tile's int32 dot takes one group's scale
-    if scheme.packed:
+                  and 0 < group_dot_width(variant, config["BLOCK_M"], zero_sums) < bk)
+    if variant.weight_scale == "block":
+        bk = min(bk, variant.weight_group)
+    if variant.act_quant == "fp8_group":
+        bk = min(bk, variant.act_group)
+    if variant.dot == "int8" and variant.weight_scale == "group" and not group_dots:
+        bk = min(bk, variant.weight_group)  # W4A8: a K tile's int32 dot takes one group's scale
+    if variant.packed:
         bk = max(bk, 32)
     config["BLOCK_K"] = bk
     config["BLOCK_N"] = max(config["BLOCK_N"], 32)
     if group_dots:
         config["GROUP_DOTS"] = True
-    if zero_sums and zero_sums_fit(scheme, config):
+    if zero_sums and zero_sums_fit(variant, config):
         config["ZERO_SUMS"] = True
-    elif group_dots and scheme.zero_code == 0:  # zero-point weights take per-group dots with ZERO_SUMS only
+    elif group_dots and variant.zero_code == 0:  # zero-point weights take per-group dots with ZERO_SUMS only
         del config["GROUP_DOTS"]
     if not can_split:
         config["SPLIT_K"] = 1
@@ -224,7 +225,7 @@ def _fit_config(config: dict, scheme: Scheme, *, can_split: bool, can_swap: bool
 
 
 def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_key: str,
-                   activation_key: str, scheme: Scheme, device: torch.device, *,
+                   activation_key: str, variant: KernelVariant, device: torch.device, *,
                    split_gemm2: bool, tiles_read: tuple[bool, bool] = (True, True)) -> tuple[dict, dict]:
     """GEMM1 and GEMM2 configs (overridden, tuned or default), fitted; GEMM2 shares BLOCK_M.
     ``w13`` and ``w2`` give each GEMM's shape as ``n`` outputs and ``k`` inputs. ``tiles_read``:
@@ -236,15 +237,15 @@ def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_ke
                                                   activation_key, name, sms, warn=tiles_read[0])
     config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
                                                   activation_key, name, sms, warn=tiles_read[1])
-    return _fit_pair(config1, config2, scheme, split_gemm2=split_gemm2)
+    return _fit_pair(config1, config2, variant, split_gemm2=split_gemm2)
 
 
-def _fit_pair(config1: dict, config2: dict, scheme: Scheme, *, split_gemm2: bool = True) -> tuple[dict, dict]:
+def _fit_pair(config1: dict, config2: dict, variant: KernelVariant, *, split_gemm2: bool = True) -> tuple[dict, dict]:
     """A layer's GEMM1 and GEMM2 configs made legal together (:func:`_fit_config`): GEMM1 unsplit
     (it applies the activation), GEMM2 on GEMM1's BLOCK_M (both walk the same aligned blocks);
     ``split_gemm2`` False (the batched format): no split and no swapped kernel either."""
-    config1 = _fit_config(config1, scheme, can_split=False, can_swap=split_gemm2)
-    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, scheme, can_split=split_gemm2,
+    config1 = _fit_config(config1, variant, can_split=False, can_swap=split_gemm2)
+    config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, variant, can_split=split_gemm2,
                           can_swap=split_gemm2)
     return config1, config2
 
