@@ -19,7 +19,7 @@ from torchrun_launch import torchrun
 
 import moe_registry
 from moe_registry.cli import main as cli
-from moe_registry.model import checkpoint
+from moe_registry.model import tensor_index
 from moe_registry.model.checkpoint import LAYER_WIDE, read_layer
 from moe_registry.model.config import read_model_config
 from moe_registry.model.situation import Flags, situation_for_model
@@ -36,12 +36,13 @@ BUILDS = {"quark": QUARK, "gpt_oss": GPT_OSS, "mxfp4": MXFP4}
 
 
 class Spy:
-    """Wraps safetensors.safe_open in moe_registry.model.checkpoint: records each tensor read whole
-    (get_tensor) and each slice read (get_slice(...)[...]); headers (shapes, dtypes) are not reads."""
+    """Wraps safetensors.safe_open in moe_registry.model.tensor_index (the checkpoint's reader): records each
+    tensor read whole (get_tensor) and each slice read (get_slice(...)[...]); headers (shapes, dtypes) are not
+    reads."""
 
     def __init__(self, monkeypatch_setattr) -> None:  # type: ignore[no-untyped-def]
         self.reads: list[tuple[str, object]] = []
-        real = checkpoint.safe_open
+        real = tensor_index.safe_open
         spy = self
 
         class Handle:
@@ -77,7 +78,7 @@ class Spy:
                         return sl[index]
                 return Slice()
 
-        monkeypatch_setattr(checkpoint, "safe_open", Handle)
+        monkeypatch_setattr(tensor_index, "safe_open", Handle)
 
 
 def _inputs_for(model_dir: Path, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

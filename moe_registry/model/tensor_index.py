@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors import safe_open  # the reader without torch (safe_open imports torch at the first tensor read)
+
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError
 from moe_registry.spec.view import ModelFamilySpec
@@ -46,8 +48,6 @@ class CheckpointIndex:
     tensors: Mapping[str, TensorInfo]
 
     def load(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         info = self.tensors[name]
         with safe_open(str(info.file), framework="pt") as f:
             tensor = f.get_tensor(name)
@@ -67,7 +67,6 @@ class CheckpointIndex:
             else:
                 runs.append([e, e + 1])
         import torch
-        from safetensors import safe_open
 
         info = self.tensors[name]
         with safe_open(str(info.file), framework="pt") as f:
