@@ -141,7 +141,7 @@ def test_reference_layer_matches_float64_moe(name: str, built) -> None:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_interpreter_matches_float64_moe_float16(name: str, built) -> None:
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     layer = built[name]
     x, ids, w = _routing(5)
@@ -159,17 +159,20 @@ def test_triton_zero_sums_match_float64_moe_float16(built, m, monkeypatch) -> No
     are watched: both GEMMs took it."""
     pytest.importorskip("triton")
     from launch_spy import KwargSpy
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import gemm as triton_gemm
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import tile_config
 
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
     layer = built["w8a16-asym-g32"]
     x, ids, w = _routing(6, m)
     want = _moe64(_weights("w8a16-asym-g32", layer), x, ids, w)
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
             "ZERO_SUMS": True}
-    with triton_moe.config_override(tile, tile):
-        got = triton_moe.TritonExperts(layer.weights, ExpertsConfig()).apply(x.to(torch.float16), w, ids)
+    with tile_config.config_override(tile, tile):
+        got = triton_experts.TritonExperts(layer.weights, ExpertsConfig()).apply(x.to(torch.float16), w, ids)
     tol = moe_registry.load_registry().scheme("compressed-tensors-w8a16-asym").tolerance["float16"]
     assert seen == [True, True]
     assert _rel(got, want) <= tol, f"w8a16-asym-g32 ZERO_SUMS: {_rel(got, want):.2e} > {tol}"
@@ -317,7 +320,7 @@ def test_act_order_g_idx_is_applied(tmp_path: Path, built) -> None:
     want = _moe64(w, x, ids, topk)
     assert _rel(layer.kernel(x, topk, ids), want) <= layer.tolerance
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     got = TritonExperts(layer.weights, ExpertsConfig()).apply(x.to(torch.float16), topk, ids)
     assert _rel(got, want) <= 1e-2

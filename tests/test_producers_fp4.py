@@ -32,7 +32,7 @@ from moe_registry.layer.experts import ExpertsConfig
 try:  # the Triton decoders, for the exhaustive test below (a jit function resolves names in module globals)
     import triton
     import triton.language as tl
-    from moe_registry_kernels.fp4_dequant import (
+    from moe_registry_kernels.triton.fp4_dequant import (
         _dequant_e2m1,
         _e2m1_value,
         _folded_e8m0,
@@ -191,7 +191,7 @@ def test_mxfp4_triton_kernel_matches_float64_moe_float16(mxfp4_built, mxfp4_ref)
     """The Triton fused kernel (interpreter, float16 activations) on the packed e2m1 weights, with the
     clamped swiglu and biases in its epilogue."""
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     x = mxfp4_ref["hidden_states"].to(torch.float16)
     ids, w = mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"].float()
@@ -321,7 +321,7 @@ def test_fp4_triton_kernel_matches_float64_moe_float16(name: str, nvfp4_built) -
     """The Triton fused kernel (interpreter, float16 activations): e2m1 x e4m3 in registers, the global
     scale on the dot's result."""
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     ref, layer = load_file(str(FIXTURES / name / "ref.safetensors")), nvfp4_built[name]
     ids, w = _routing(11)
@@ -347,7 +347,7 @@ def test_triton_fp4_decoder_is_exact_for_every_code() -> None:
     assert torch.equal(e2m1, torch.tensor(E2M1_VALUES)) and torch.equal(torch.signbit(e2m1)[8], torch.tensor(True))
 
 
-# the types and fold factors the GEMMs decode NVFP4's scales in (triton_moe._e2m1_fold: unscale 2^U over 2^8)
+# the types and fold factors the GEMMs decode NVFP4's scales in (launch._e2m1_fold: unscale 2^U over 2^8)
 SCALE_CODE_TYPES = [(torch.bfloat16, 2.0 ** 118), (torch.float16, 2.0 ** 6), (torch.bfloat16, 1.0),
                     (torch.float16, 1.0), (torch.float32, 1.0)]
 
@@ -421,8 +421,8 @@ def test_triton_experts_keep_fp4_codes_once_in_their_register_order(key: str) ->
     """The Triton experts hold the codes in the decoders' byte order and not the converted ones as well
     (a stand-in of their shape keeps the layer's shapes): the weights they were handed are left as they were."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
     from moe_registry_kernels.quant_ref import make_random_expert_weights
+    from moe_registry_kernels.triton import experts as triton_experts
 
     from moe_registry.core.keys import parse_quant_key
     from moe_registry.layer.resident import reachable_tensors
@@ -430,7 +430,7 @@ def test_triton_experts_keep_fp4_codes_once_in_their_register_order(key: str) ->
     weights = make_random_expert_weights(parse_quant_key(key), parse_quant_key("unquantized"), num_experts=4,
                                          hidden=64, intermediate=32, dtype=torch.float16, seed=3)
     before = [p.weight.clone() for p in (weights.w13, weights.w2)]
-    experts = triton_moe.TritonExperts(weights, ExpertsConfig())
+    experts = triton_experts.TritonExperts(weights, ExpertsConfig())
     held = {t.untyped_storage().data_ptr() for t in reachable_tensors(experts)}
     for p, kept, want in zip((weights.w13, weights.w2), (experts.weights.w13, experts.weights.w2), before,
                              strict=True):
@@ -450,9 +450,10 @@ def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
     GEMM2 (the global scale applied to each piece) and K tiles past the end of K (hidden 96 in 64-wide
     tiles, as gpt-oss's 2880 in 128-wide ones: codes and scales masked) against the float64 reference."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
     from moe_registry_kernels.quant_ref import make_random_expert_weights
     from moe_registry_kernels.reference import reference_moe
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import tile_config
 
     from moe_registry.core.keys import parse_quant_key
 
@@ -466,8 +467,8 @@ def test_fp4_triton_swapped_and_split_k(key: str, config: str) -> None:
     gemm1 = {"swapped-masked-k": SWAPPED, "masked-k": MASKED_K}.get(config, SWAPPED if config.startswith("swapped")
                                                                      else None)
     gemm2 = {"swapped-split-k": {**SWAPPED, "SPLIT_K": 2}, "split-k": SPLIT, "masked-k": MASKED_K}.get(config, SWAPPED)
-    with triton_moe.config_override(gemm1, gemm2):
-        got = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    with tile_config.config_override(gemm1, gemm2):
+        got = triton_experts.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
     want = reference_moe(x, w, ids, weights, ExpertsConfig(activation="swigluoai"))
     assert _rel(got, want) <= 1e-2, f"{config}: {_rel(got, want):.2e}"
 
@@ -500,8 +501,10 @@ def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str,
     """(output, the fold arguments each GEMM took, the weights, the inputs) of a float16 FP4 layer with
     some scale codes set (and ``rewrite``, where given, applied to its scale bytes after); fold False:
     unfolded tiles."""
-    from moe_registry_kernels import triton_moe
     from moe_registry_kernels.quant_ref import make_random_expert_weights
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import tile_config
 
     from moe_registry.core.keys import parse_quant_key
 
@@ -515,7 +518,7 @@ def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str,
     ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(m)]).to(torch.int32)
     w = torch.rand(m, 2, generator=gen) + 0.1
     seen: list[dict] = []
-    real = triton_moe._e2m1_fold
+    real = triton_launch._e2m1_fold
 
     def spy(proj, scheme, dtype):
         args = real(proj, scheme, dtype) if fold else {"E2M1_FOLDED": False, "E2M1_SHIFT": 0}
@@ -523,9 +526,9 @@ def _fp4_layer(key: str, codes: dict[tuple[int, int], int], m: int, config: str,
         return args
 
     gemms = {"default": (None, None), "swapped": (SWAPPED, SWAPPED), "split-k": (MASKED_K, SPLIT)}[config]
-    with pytest.MonkeyPatch.context() as mp, triton_moe.config_override(*gemms):
-        mp.setattr(triton_moe, "_e2m1_fold", spy)
-        out = triton_moe.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
+    with pytest.MonkeyPatch.context() as mp, tile_config.config_override(*gemms):
+        mp.setattr(triton_launch, "_e2m1_fold", spy)
+        out = triton_experts.TritonExperts(weights, ExpertsConfig(activation="swigluoai")).apply(x, w, ids)
     return out, seen, weights, (x, w, ids)
 
 
@@ -587,14 +590,16 @@ def test_mx_fold_needs_every_scale_code_in_range(dtype: torch.dtype, codes, fold
     """MX tiles fold only where the layer knows every scale code lies in range for its dtype; NVFP4
     tiles always (16-bit), leaving 2^8 to the result."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import layout as triton_layout
+    from moe_registry_kernels.triton import variant as triton_variant
 
     w = torch.zeros(1, 2, 16, dtype=torch.uint8)
-    proj = triton_moe._Proj(w, None, None, None, None, None, 2, 32, scale_codes=codes)
-    mx = triton_moe.scheme_from_keys(MXFP4_KEY, "unquantized")
-    nv = triton_moe.scheme_from_keys(NVFP4_KEY, "unquantized")
-    assert triton_moe._e2m1_fold(proj, mx, dtype) == {"E2M1_FOLDED": folded, "E2M1_SHIFT": 0}
-    assert triton_moe._e2m1_fold(proj, nv, dtype) == {"E2M1_FOLDED": dtype != torch.float32,
+    proj = triton_layout._Proj(w, None, None, None, None, None, 2, 32, scale_codes=codes)
+    mx = triton_variant.variant_from_keys(MXFP4_KEY, "unquantized")
+    nv = triton_variant.variant_from_keys(NVFP4_KEY, "unquantized")
+    assert triton_launch._e2m1_fold(proj, mx, dtype) == {"E2M1_FOLDED": folded, "E2M1_SHIFT": 0}
+    assert triton_launch._e2m1_fold(proj, nv, dtype) == {"E2M1_FOLDED": dtype != torch.float32,
                                                       "E2M1_SHIFT": 8 if dtype != torch.float32 else 0}
 
 
@@ -602,9 +607,9 @@ def test_mx_fold_needs_every_scale_code_in_range(dtype: torch.dtype, codes, fold
 def test_folded_mx_scales_are_built_from_the_codes_bits(dtype: torch.dtype) -> None:
     """_folded_e8m0: 2^(e - 127) * 2^U (U: 126 bfloat16, 14 float16) for every code the fold admits."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import launch as triton_launch
 
-    lowest, highest = triton_moe.E2M1_MX_FOLD_CODES[dtype]
+    lowest, highest = triton_launch.E2M1_MX_FOLD_CODES[dtype]
     codes = torch.arange(lowest, highest + 1, dtype=torch.uint8)
     out = torch.empty(256, dtype=dtype)
     _folded_scales[(1,)](codes, out, codes.numel(), DT=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
@@ -647,7 +652,9 @@ def test_producers_fp4_checkpoints_take_the_folded_tiles(name: str, mxfp4_built,
     """What transformers' gpt-oss layout, llm-compressor and ModelOpt write folds in both 16-bit dtypes
     (its MX scale codes lie in range), and the folded layer gives the two-multiply layer's output exactly."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import layer as triton_layer
 
     if name == "gpt-oss-mxfp4":
         weights, config = mxfp4_built.weights, ExpertsConfig(activation="swigluoai")
@@ -655,13 +662,14 @@ def test_producers_fp4_checkpoints_take_the_folded_tiles(name: str, mxfp4_built,
     else:
         weights, config = nvfp4_built[name].weights, ExpertsConfig()
         x, (ids, w) = load_file(str(FIXTURES / name / "ref.safetensors"))["hidden_states"], _routing(11)
-    experts = triton_moe.TritonExperts(weights, config)
-    p13, _ = triton_moe._projections(1, *experts._tensors, mx_scale_codes=experts._options.get("mx_scale_codes"))
+    experts = triton_experts.TritonExperts(weights, config)
+    p13, _ = triton_layer._projections(1, *experts._tensors, mx_scale_codes=experts._options.get("mx_scale_codes"))
     for dtype in (torch.float16, torch.bfloat16):
-        assert triton_moe._e2m1_fold(p13, experts.scheme, dtype)["E2M1_FOLDED"], (name, dtype)
+        assert triton_launch._e2m1_fold(p13, experts.scheme, dtype)["E2M1_FOLDED"], (name, dtype)
     x, w = x.to(torch.float16), w.float()
     folded = experts.apply(x, w, ids)
-    monkeypatch.setattr(triton_moe, "_e2m1_fold", lambda proj, scheme, dtype: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
+    monkeypatch.setattr(triton_launch, "_e2m1_fold",
+                        lambda proj, variant, dtype: {"E2M1_FOLDED": False, "E2M1_SHIFT": 0})
     assert torch.equal(folded, experts.apply(x, w, ids))
 
 

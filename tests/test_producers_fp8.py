@@ -397,7 +397,7 @@ def test_native_cpu_kernel_matches_float64_moe(name: str, dirs) -> None:
 def test_triton_kernel_matches_float64_moe_float16(name: str, built, dirs) -> None:
     """The Triton fused kernel (interpreter: fp8 x fp8 dots; float16 activations) on the converted weights."""
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     case, layer = CASES[name], built[name]
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["float16"]
@@ -467,7 +467,7 @@ def test_dynamic_per_tensor_skips_foreign_pairs_in_triton(built) -> None:
     per-tensor amax must not read them (the reference computes nowhere for them either)."""
     pytest.importorskip("triton")
     from moe_registry_kernels.reference import ReferenceExperts
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     layer = built["autofp8-dynamic"]
     ids, w = _routing(13, 6)
@@ -503,8 +503,10 @@ def test_decode_quantisation_from_the_gemms_equals_the_quantisation_kernels(name
     of each input), with a foreign pair (id -1) whose unwritten intermediate row and pieces are
     loud."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import fp8_act, triton_moe
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton import fp8_act
+    from moe_registry_kernels.triton import layer as triton_layer
+    from moe_registry_kernels.triton import plan as triton_plan
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     calls: list[str] = []
 
@@ -514,21 +516,22 @@ def test_decode_quantisation_from_the_gemms_equals_the_quantisation_kernels(name
             return fn(*args, **kwargs)
         return call
 
-    for label, fn in (("quant", "quant_fp8_dynamic"), ("align_quant", "align_quant_fp8"),
-                      ("from_pieces", "quant_fp8_from_pieces")):
-        monkeypatch.setattr(triton_moe, fn, counted(label, getattr(fp8_act, fn)))
-    monkeypatch.setattr(triton_moe, "torch", _LoudEmpty())
+    for label, fn in (("align_quant", "align_quant_fp8"), ("from_pieces", "quant_fp8_from_pieces")):
+        monkeypatch.setattr(triton_layer, fn, counted(label, getattr(fp8_act, fn)))
+    monkeypatch.setattr(triton_plan, "quant_fp8_dynamic", counted("quant", fp8_act.quant_fp8_dynamic))
+    for module in (triton_layer, triton_plan):  # the layer's buffers, and the pieces' GEMM1 leaves
+        monkeypatch.setattr(module, "torch", _LoudEmpty())
     experts = TritonExperts(built[name].weights, ExpertsConfig())
     ids, w = _routing(31, m)
     ids[m - 1, 1] = -1
     x = _hidden(37, m).to(torch.float16)
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, False)
+        monkeypatch.setattr(triton_plan, switch, False)
     want = experts.apply(x, w, ids)
     assert calls == (["quant", "quant"] if m == 1 else ["align_quant", "quant"])
     calls.clear()
     for switch in ("SCALE_IN_GEMM", "AMAX_PIECES"):
-        monkeypatch.setattr(triton_moe, switch, True)
+        monkeypatch.setattr(triton_plan, switch, True)
     got = experts.apply(x, w, ids)
     assert calls == after
     assert torch.equal(got, want)
@@ -537,19 +540,20 @@ def test_decode_quantisation_from_the_gemms_equals_the_quantisation_kernels(name
 @pytest.mark.parametrize("mode", ["fp8_token", "fp8_tensor"])
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one-launch", "two-launches"])
 def test_alignment_and_fp8_quantisation_in_one_launch(mode: str, one_launch: bool, monkeypatch) -> None:
-    """align_quant_fp8 (decode: one launch) equals triton_ops.align followed by quant_fp8_dynamic,
+    """align_quant_fp8 (decode: one launch) equals align.align followed by quant_fp8_dynamic,
     bit for bit, with a router weight per row too."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import fp8_act, triton_ops
+    from moe_registry_kernels.triton import align as alignment
+    from moe_registry_kernels.triton import fp8_act
 
     if not one_launch:
-        monkeypatch.setattr(triton_ops, "ALIGN_ONE_LAUNCH_MAX", 0)
+        monkeypatch.setattr(alignment, "ALIGN_ONE_LAUNCH_MAX", 0)
     g = torch.Generator().manual_seed(7)
     x = (torch.randn(6, 700, generator=g) * 3).to(torch.float16)
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)]).to(torch.int32)
     for row_scale in (None, torch.rand(6, generator=g) + 0.5):
         got = fp8_act.align_quant_fp8(ids, E, 16, x, mode, row_scale=row_scale)
-        want = (*triton_ops.align(ids, E, 16), *fp8_act.quant_fp8_dynamic(x, mode, row_scale=row_scale))
+        want = (*alignment.align(ids, E, 16), *fp8_act.quant_fp8_dynamic(x, mode, row_scale=row_scale))
         used = int(want[2].item())
         assert torch.equal(got[2], want[2]) and torch.equal(got[0][:used], want[0][:used])
         assert torch.equal(got[1][:used // 16], want[1][:used // 16])
@@ -562,7 +566,7 @@ def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> Non
     """The same on the GPU (sm_89+: fp8 tensor-core dots), bfloat16 activations, decode and prefill."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with fp8 dots (capability >= 8.9)")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     case, layer = CASES[name], built[name]
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["bfloat16"]
@@ -584,8 +588,8 @@ def test_triton_fp8_quantisers_are_quant_ref_bit_for_bit(mode: str, key: str, pa
     whose pair routes to another rank's expert (a huge value there changes nothing), in one launch
     (decode), in row programs storing each row's amax, and in row programs with an atomic amax."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import fp8_act
-    from moe_registry_kernels.fp8_act import quant_fp8_dynamic
+    from moe_registry_kernels.triton import fp8_act
+    from moe_registry_kernels.triton.fp8_act import quant_fp8_dynamic
 
     monkeypatch.setattr(fp8_act, "ONE_PROGRAM_ELEMENTS", 1 << 16 if path == "one-program" else 0)
     monkeypatch.setattr(fp8_act, "ROW_AMAX_MAX_ROWS", 0 if path == "atomic-amax" else 1 << 11)

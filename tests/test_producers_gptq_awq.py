@@ -194,15 +194,16 @@ def test_reference_layer_matches_float64_moe_on_library_weights(name: str) -> No
 def _triton_against_library(name: str, tokens: int, seeds: tuple[int, int], tile: dict | None = None):
     """(relative error, the scheme's float16 tolerance) of the Triton layer (interpreter; ``tile``: both
     GEMMs' configs) on our conversion of the fixture, against the float64 MoE on the library's weights."""
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import tile_config
 
     _, lib = library_weights(name)
     layer = build(name)
     gen = torch.Generator().manual_seed(seeds[0])
     x = torch.randn(tokens, 64, generator=gen).to(torch.float16)
     topk_w, topk_ids = routing(tokens, 4, 2, seed=seeds[1])
-    with triton_moe.config_override(tile, tile):
-        out = triton_moe.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
+    with tile_config.config_override(tile, tile):
+        out = triton_experts.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
     assert out.dtype == torch.float16
     scheme = moe_registry.load_registry().scheme(CASES[name][1])
     return rel_err(out, moe_float64(x, topk_w, topk_ids, lib)), scheme.tolerance["float16"]
@@ -222,10 +223,11 @@ def test_triton_group_dots_match_float64_moe_on_library_weights(name: str, monke
     the launches are watched: both GEMMs took it."""
     pytest.importorskip("triton", reason="triton is not installed")
     from launch_spy import KwargSpy
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import gemm as triton_gemm
+    from moe_registry_kernels.triton import launch as triton_launch
 
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "GROUP_DOTS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2,
             "GROUP_DOTS": True}
     err, tolerance = _triton_against_library(name, 3, (9, 10), tile)
@@ -246,10 +248,11 @@ def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, groupe
     sums from its row. The launches are watched: both GEMMs took it."""
     pytest.importorskip("triton", reason="triton is not installed")
     from launch_spy import KwargSpy
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import gemm as triton_gemm
+    from moe_registry_kernels.triton import launch as triton_launch
 
     seen: list = []
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", KwargSpy(triton_moe._fused_moe_kernel, "ZERO_SUMS", seen))
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64 if grouped else 32, "GROUP_M": 1, "SPLIT_K": 1,
             "num_warps": 4, "num_stages": 2, "ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})
     err, tolerance = _triton_against_library(name, tokens, (11, 12), tile)
@@ -260,16 +263,18 @@ def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, groupe
 @pytest.mark.parametrize("name", ["qwen3-awq-w4-gemm", "qwen3-gptq-w4-asym"])
 def test_triton_large_prefill_tiles_match_float64_moe_on_library_weights(name: str, monkeypatch) -> None:
     """AutoAWQ's and GPTQModel's 4-bit zero-point files under a non-swapped 128-row tile, which reads
-    the scale-and-zero words as their two 16-bit halves (triton_moe._word_halves_for), against the
+    the scale-and-zero words as their two 16-bit halves (layout._word_halves_for), against the
     float64 MoE on the library's weights; the launches are watched: both GEMMs took the halves."""
     pytest.importorskip("triton", reason="triton is not installed")
     from launch_spy import ArgSpy
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import gemm as triton_gemm
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import layout as triton_layout
 
     seen: list = []  # the dtype of the kernel's group scales (its fourth argument)
-    monkeypatch.setattr(triton_moe, "_fused_moe_kernel", ArgSpy(triton_moe._fused_moe_kernel, lambda a, _: a[3].dtype,
-                                                                seen))
-    tile = {"BLOCK_M": triton_moe.WORD_HALVES_MIN_ROWS, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1,
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
+                        ArgSpy(triton_gemm._fused_moe_kernel, lambda a, _: a[3].dtype, seen))
+    tile = {"BLOCK_M": triton_layout.WORD_HALVES_MIN_ROWS, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1,
             "num_warps": 4, "num_stages": 2}
     err, tolerance = _triton_against_library(name, 9, (13, 14), tile)
     assert seen == [torch.int16, torch.int16]

@@ -260,15 +260,17 @@ def test_decode_gemv_on_the_producers_files_matches_float64_moe(name: str, built
     dequantisation."""
     pytest.importorskip("triton")
     from launch_spy import LaunchSpy
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import decode_gemv
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import launch as triton_launch
 
     case, layer = CASES[name], built[name]
     ids, w = _routing(12, m=1)
     x = _ref(name)["hidden_states"][:1].to(torch.float16)
     want = _moe64(case, name, _library_weights(name), x.float(), ids, w)
     launched: list = []
-    monkeypatch.setattr(triton_moe, "_decode_gemv_kernel", LaunchSpy(triton_moe._decode_gemv_kernel, launched))
-    got = triton_moe.TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
+    monkeypatch.setattr(triton_launch, "_decode_gemv_kernel", LaunchSpy(decode_gemv._decode_gemv_kernel, launched))
+    got = triton_experts.TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
     assert len(launched) == 2
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["float16"]
     assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
@@ -278,7 +280,7 @@ def test_decode_gemv_on_the_producers_files_matches_float64_moe(name: str, built
 def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
     """The Triton fused kernel (interpreter, float16 activations) on the converted weights."""
     pytest.importorskip("triton")
-    from moe_registry_kernels.triton_moe import TritonExperts
+    from moe_registry_kernels.triton.experts import TritonExperts
 
     case, layer = CASES[name], built[name]
     ids, w = _routing(11)
@@ -291,18 +293,20 @@ def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
 
 def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built) -> None:
     """What ModelOpt writes for MXFP8 folds in both 16-bit dtypes on the GPU's PTX path (its e8m0 scale
-    codes lie in triton_moe.E4M3_MX_FOLD_CODES), so the GPU fixture test runs the folded decode on it;
+    codes lie in launch.E4M3_MX_FOLD_CODES), so the GPU fixture test runs the folded decode on it;
     the interpreter (no PTX) does not fold."""
     pytest.importorskip("triton")
-    from moe_registry_kernels import triton_moe
+    from moe_registry_kernels.triton import experts as triton_experts
+    from moe_registry_kernels.triton import launch as triton_launch
+    from moe_registry_kernels.triton import layer as triton_layer
 
-    experts = triton_moe.TritonExperts(built["modelopt/qwen3-mxfp8"].weights, ExpertsConfig())
+    experts = triton_experts.TritonExperts(built["modelopt/qwen3-mxfp8"].weights, ExpertsConfig())
     codes = experts._options["mx_scale_codes"]
-    p13, p2 = triton_moe._projections(1, *experts._tensors, mx_scale_codes=codes)
+    p13, p2 = triton_layer._projections(1, *experts._tensors, mx_scale_codes=codes)
     for dtype in (torch.bfloat16, torch.float16):
         for proj in (p13, p2):
-            assert triton_moe._e4m3_folded(proj, experts.scheme, dtype, asm=True), (codes, dtype)
-            assert not triton_moe._e4m3_folded(proj, experts.scheme, dtype, asm=False)
+            assert triton_launch._e4m3_folded(proj, experts.scheme, dtype, asm=True), (codes, dtype)
+            assert not triton_launch._e4m3_folded(proj, experts.scheme, dtype, asm=False)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.layer_ref))
