@@ -1,5 +1,6 @@
 """Whole models quantized by their producers (tests/fixtures/whole/<name>/checkpoint/, written by
-tools/make_whole_fixtures.py: llm-compressor's presets, transformers' FineGrainedFP8, gpt-oss MXFP4) through
+tools/make_whole_fixtures.py: llm-compressor's presets, transformers' FineGrainedFP8, gpt-oss MXFP4, GPTQModel,
+AutoAWQ, AMD Quark, NVIDIA ModelOpt) through
 ``load_model`` on the CPU, against ``ref.safetensors`` beside each: transformers' own model class in float32 holding
 the PRODUCER'S OWN dequantised weights, its logits along its greedy 16-token continuation.
 
@@ -11,6 +12,11 @@ Tolerances (relative error of the logits, ‖ours − reference‖ / ‖referenc
   dequantised weights only (its forward with activation quantisation needs a GPU for FP8, and is bfloat16 for
   llm-compressor), while our experts quantize their inputs as the scheme says; the bound is that quantisation's
   error, measured, with headroom; far under the error of losing the weights' quantisation or of a wrong scale.
+
+A token whose routing in a later layer is at a near tie (the second and third router logits within 1e-2) may take
+another expert under activation quantisation and so differ by O(0.1-1) at that position alone; where a fixture has
+such positions the whole-sequence tolerance is widened for them and the median over positions (``typical``) is held
+to the quantisation error instead.
 
 Greedy generation of 16 tokens gives the reference's tokens; where one differs, the reference's two best logits at
 that step must be within the tolerance of each other (a near tie, not a wrong model).
@@ -43,6 +49,7 @@ class Case:
     name: str
     tol: float
     scheme: str  # the scheme the oracle must pick for every MoE layer
+    typical: float | None = None  # bound on the median per-position error, where near ties widen ``tol``
 
 
 CASES = [  # tol: the measured relative error (comment) with headroom (the why: the module docstring)
@@ -51,8 +58,16 @@ CASES = [  # tol: the measured relative error (comment) with headroom (the why: 
     Case("ct-fp8-dynamic", 6e-2, "compressed-tensors-w8a8-fp8-dynamic"),  # 3.3e-2: per-token fp8 inputs
     Case("ct-nvfp4", 1.5e-2, "compressed-tensors-nvfp4"),  # 4.4e-3: code x scale x global scale rounded to bf16
     Case("ct-mxfp4", 1.5e-3, "compressed-tensors-mxfp4"),  # 3.5e-4
-    Case("transformers-fp8-block", 1e-1, "fp8-block128"),  # 6.3e-2: fp8 inputs in groups of 128
+    # 6.3e-2: fp8 inputs in groups of 128; median 4.4e-2, one near tie (position 4: 0.2)
+    Case("transformers-fp8-block", 1e-1, "fp8-block128", typical=6e-2),
     Case("gpt-oss-mxfp4", 3e-3, "mxfp4"),  # 7.5e-4
+    Case("gptqmodel-w4-sym", 3e-3, "gptq-w4a16"),  # 6.1e-4: GPTQModel's float16 dequantisation
+    Case("autoawq-w4-gemm", 3e-3, "awq-w4a16"),  # 6.3e-4: AutoAWQ's float16 dequantisation
+    # 7.2e-2: per-token int8 inputs (median 1.2e-2); layer 1 routes positions 4 and 15 at near ties (second and
+    # third router logits 5e-3 and 2e-4 apart), where one expert changes (0.19, 0.30)
+    Case("quark-w8a8-int8", 1e-1, "quark-w8a8-int8", typical=2e-2),
+    # 5.1e-2: static per-tensor fp8 inputs, one scale per GEMM (median 3.4e-2); position 4's near tie: 0.16
+    Case("modelopt-fp8", 8e-2, "modelopt-fp8", typical=5e-2),
 ]
 
 
@@ -64,12 +79,17 @@ def _ref(case: Case) -> dict[str, torch.Tensor]:
     return load_file(str(FIXTURES / case.name / "ref.safetensors"))
 
 
-def _assert_matches_reference(model: torch.nn.Module, ref: dict[str, torch.Tensor], tol: float) -> None:
-    """Logits along the reference's greedy sequence within ``tol``; greedy tokens equal, or a differing token at
-    a near tie of the reference's two best logits."""
+def _assert_matches_reference(model: torch.nn.Module, ref: dict[str, torch.Tensor], tol: float,
+                              typical: float | None = None) -> None:
+    """Logits along the reference's greedy sequence within ``tol`` (their median over positions within
+    ``typical``, where given); greedy tokens equal, or a differing token at a near tie of the reference's two best
+    logits."""
     with torch.no_grad():
         logits = model(ref["greedy"]).logits.float()
     assert _rel(logits, ref["logits"]) <= tol, _rel(logits, ref["logits"])
+    if typical is not None:
+        per_position = (logits - ref["logits"]).double().norm(dim=-1) / ref["logits"].double().norm(dim=-1)
+        assert float(per_position.median()) <= typical, per_position.tolist()
     got = model.generate(ref["input_ids"], max_new_tokens=ref["greedy"].shape[1] - PROMPT_TOKENS, do_sample=False,
                          pad_token_id=0)
     want = ref["greedy"]
@@ -99,4 +119,4 @@ def test_load_model_matches_the_producers_dequantised_model(case: Case, ours) ->
     report = model.moe_registry_report
     assert [p.scheme for p in report.layers] == [case.scheme] * len(report.layers), report.layers
     assert len(report.layers) >= 2
-    _assert_matches_reference(model, _ref(case), case.tol)
+    _assert_matches_reference(model, _ref(case), case.tol, case.typical)

@@ -65,12 +65,12 @@ AWQ_VARIANTS = {"qwen3-awq-w4-gemm": dict(w_bit=4, q_group_size=GROUP, zero_poin
                                          modules_to_not_convert=["mlp.gate"])}  # the router stays float
 
 
-def _tokenizer(out: Path) -> None:
+def tokenizer(out: Path, vocab: int = VOCAB) -> None:
     """A word-level tokenizer over the tiny vocabulary: the libraries insist on loading one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t1", eos_token="t2",
                             bos_token="t3").save_pretrained(out)
@@ -104,7 +104,7 @@ def make_source(out: Path, kv_heads: int = 1, model_type: str = "qwen3_moe") -> 
                 w[0:8, 0:GROUP] = w[0:8, 0:GROUP].abs() + 1e-3
                 w[8:16, 0:GROUP] = -(w[8:16, 0:GROUP].abs() + 1e-3)
     model.save_pretrained(out)
-    _tokenizer(out)
+    tokenizer(out)
 
 
 def calibration(n: int = 16, length: int = 64) -> list[dict[str, torch.Tensor]]:

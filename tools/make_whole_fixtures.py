@@ -5,6 +5,13 @@ venv, as the layer makers' docstrings set them up):
     /work/producers/llmc/bin/python tools/make_whole_fixtures.py compressed-tensors   # llm-compressor presets
     /work/producers/llmc/bin/python tools/make_whole_fixtures.py gpt-oss-mxfp4        # needs accelerate
     /work/producers/tf/bin/python   tools/make_whole_fixtures.py transformers-fp8     # FineGrainedFP8Config
+    GPTQMODEL_CPU_WORKERS=2 /work/producers/gptq/bin/python tools/make_whole_fixtures.py gptqmodel
+    /work/producers/awq/bin/python      tools/make_whole_fixtures.py autoawq   # + datasets, zstandard, hub < 1
+    /work/producers/quark/bin/python    tools/make_whole_fixtures.py quark     # amd-quark 0.13 --no-deps, + scipy, onnx
+    /work/producers/modelopt/bin/python tools/make_whole_fixtures.py modelopt  # nvidia-modelopt 0.47 --no-deps
+
+(gptq and awq: tools/make_fixtures_gptq_awq.py's setup plus the packages named; quark and modelopt: torch==2.13.0,
+the producer with --no-deps, then transformers==5.23.0, accelerate, safetensors and what its import asks for.)
 
 The model is a random Qwen3-MoE from transformers' own classes (fixture_kit.tiny_qwen3_moe, two decoder layers,
 both MoE, weights spread as tools/make_transformers_whole.py spreads them so greedy tokens are decided by clear
@@ -46,7 +53,8 @@ SHAPE = {"hidden_size": 64, "moe_intermediate_size": 64, "num_experts": 4, "num_
 # FP8 with 128x128 weight blocks: whole blocks need widths of 128
 WIDE = {"hidden_size": 128, "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2}
 EXPERT = re.compile(r"(?P<experts>.*\.experts)\.(?P<e>\d+)\.(?P<role>gate|up|down)_proj$")
-KEPT_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")
+KEPT_FILES = ("config.json", "hf_quant_config.json", "generation_config.json", "quantize_config.json",
+              "quant_config.json")
 
 
 def source_model(shape: Mapping[str, int], head_dim: int = 16) -> torch.nn.Module:
@@ -69,7 +77,7 @@ def parameters_of(dequantised: Mapping[str, torch.Tensor],
         m = EXPERT.match(name)
         if name in state:
             out[name] = w.float()
-        elif m is None:
+        elif m is None or f"{name}.weight" in state:  # a linear, or an expert of a per-expert (transformers 4) model
             out[f"{name}.weight"] = w.float()
         else:
             fused = f"{m['experts']}.{'down_proj' if m['role'] == 'down' else 'gate_up_proj'}"
@@ -87,12 +95,34 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.
     return ids
 
 
-def reference(model: torch.nn.Module, dequantised: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """``model`` (transformers' own class) in float32 with ``dequantised`` put in: logits and greedy tokens, and how
-    many parameters were replaced."""
+def unquantized(tensors: Mapping[str, torch.Tensor],
+                dequantised: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The producer's own float tensors (by parameter name) outside its quantized modules: what it left of the
+    norms, embeddings, router and lm_head (AutoAWQ divides its scales into the norms before quantising)."""
+    return {k: v for k, v in tensors.items()
+            if k.rpartition(".")[0] not in dequantised and v.is_floating_point() and v.element_size() > 1}
+
+
+def saved_tensors(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor the producer saved, by its name in the file."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(export_dir.glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def reference(model: torch.nn.Module, dequantised: Mapping[str, torch.Tensor],
+              rest: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """``model`` (transformers' own class) in float32 with ``dequantised`` put in, and the producer's ``rest``
+    (its float tensors outside the quantized modules, where it may have changed them) over the model's own:
+    logits and greedy tokens, and how many parameters were replaced."""
     ref_model = copy.deepcopy(model).float().eval()
     state = ref_model.state_dict()
-    params = parameters_of(dequantised, state)
+    kept = {k: v for k, v in (rest or {}).items() if k in state}
+    replaced = parameters_of(dequantised, state)
+    params = {**{k: v.float() for k, v in kept.items()}, **replaced}
     missing = sorted(set(params) - set(state))
     if missing:
         raise SystemExit(f"dequantised weights name no parameter of the model: {missing[:3]}")
@@ -105,7 +135,7 @@ def reference(model: torch.nn.Module, dequantised: Mapping[str, torch.Tensor]) -
     tokens = greedy(ref_model, ids, NEW_TOKENS)
     with torch.no_grad():  # causal: the logits at each position are those its greedy step saw
         logits = ref_model(tokens).logits.float()
-    return {"input_ids": ids, "greedy": tokens, "logits": logits}, len(params)
+    return {"input_ids": ids, "greedy": tokens, "logits": logits}, len(replaced)
 
 
 def keep_whole(export_dir: Path, name: str, ref: tuple[dict[str, torch.Tensor], int]) -> dict[str, object]:
@@ -271,8 +301,171 @@ def make_gpt_oss_mxfp4() -> None:
     })
 
 
+# ---------------------------------------------------------------- GPTQModel and AutoAWQ
+
+GPTQ_GROUP = 32
+
+
+def calibration_rows() -> list[dict[str, torch.Tensor]]:
+    ids = fixture_kit.calibration_ids(SEED, rows=8)
+    return [{"input_ids": row[None], "attention_mask": torch.ones(1, ids.shape[1], dtype=torch.long)} for row in ids]
+
+
+def make_gptqmodel() -> None:
+    """GPTQModel's own quantisation (4-bit symmetric, group 32, format gptq, every Linear its Qwen3-MoE
+    definition lists: attention and experts; the router and lm_head stay float) on the CPU, saved by
+    ``GPTQModel.save``. Dequantised: the saved checkpoint loaded back by GPTQModel (torch backend, float16:
+    v1 zero points converted as it converts them), each quantized linear's ``dequantize_weight``; the rest as
+    GPTQModel saved it."""
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from make_fixtures_gptq_awq import tokenizer
+
+    name = "gptqmodel-w4-sym"
+    src = source_model(SHAPE).to(torch.float16)
+    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as tmp:
+        src.save_pretrained(base)
+        tokenizer(Path(base), vocab=256)
+        model = GPTQModel.load(base, QuantizeConfig(bits=4, group_size=GPTQ_GROUP, sym=True, desc_act=False,
+                                                    format="gptq"), device="cpu")
+        model.quantize(calibration_rows(), batch_size=1)
+        model.save(tmp)
+        del model
+        loaded = GPTQModel.load(tmp, device="cpu", backend=BACKEND.GPTQ_TORCH, dtype=torch.float16)
+        dequantised = {}
+        with torch.no_grad():
+            for mod_name, mod in loaded.model.named_modules():
+                if hasattr(mod, "dequantize_weight") and hasattr(mod, "qweight"):
+                    dequantised[mod_name] = type(mod).dequantize_weight(mod).t().float()  # [in, out] -> [out, in]
+        ref = reference(src, dequantised, unquantized(saved_tensors(Path(tmp)), dequantised))
+        fixtures = {name: {"bits": 4, "group_size": GPTQ_GROUP, "sym": True, "desc_act": False, "format": "gptq",
+                           **keep_whole(Path(tmp), name, ref)}}
+    write_versions("gptqmodel", ["gptqmodel", "transformers", "torch", "safetensors"], fixtures, {
+        "config": f"GPTQModel.load(float16 model, QuantizeConfig(bits=4, group_size={GPTQ_GROUP}, sym=True, "
+                  "desc_act=False, format='gptq')).quantize(8 calibration sequences), .save; float16 source; attention "
+                  "and experts quantized, router and lm_head float as GPTQModel's Qwen3-MoE definition leaves them",
+        "dequant": "the saved checkpoint loaded back by GPTQModel (BACKEND.GPTQ_TORCH, float16): each "
+                   "TorchQuantLinear's dequantize_weight; norms, embeddings, router, lm_head as GPTQModel saved them",
+    })
+
+
+def make_autoawq() -> None:
+    """AutoAWQ's own quantisation (4-bit, group 32, zero point, GEMM; the router left float with
+    ``modules_to_not_convert``) on the CPU under the transformers it pins (4.51, per-expert Qwen3-MoE modules),
+    saved by ``save_quantized``. head_dim 32: its clip search wants every clipped linear's outputs in multiples of
+    64. Dequantised: AutoAWQ's ``dequantize_gemm`` of every WQLinear_GEMM; the rest (norms its scale search
+    rescaled, embeddings, router, lm_head) as AutoAWQ's quantized model holds it."""
+    from awq import AutoAWQForCausalLM
+    from make_fixtures_gptq_awq import awq_dequantize, tokenizer
+    from transformers import AutoTokenizer
+
+    name = "autoawq-w4-gemm"
+    src = source_model(SHAPE, head_dim=32).to(torch.float16)
+    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as tmp:
+        src.save_pretrained(base)
+        tokenizer(Path(base), vocab=256)
+        model = AutoAWQForCausalLM.from_pretrained(base, device_map="cpu", torch_dtype=torch.float16)
+        ids = [row["input_ids"][0].tolist() for row in calibration_rows()]
+        quant_config = {"w_bit": 4, "q_group_size": GPTQ_GROUP, "zero_point": True, "version": "GEMM",
+                        "modules_to_not_convert": ["mlp.gate"]}
+        model.quantize(AutoTokenizer.from_pretrained(base), quant_config=dict(quant_config), calib_data=ids,
+                       n_parallel_calib_samples=None, max_calib_samples=8, max_calib_seq_len=32)
+        dequantised = {}
+        with torch.no_grad():
+            for mod_name, mod in model.model.named_modules():
+                if hasattr(mod, "qweight") and hasattr(mod, "qzeros"):
+                    dequantised[mod_name] = awq_dequantize(mod).float()
+        ref = reference(src, dequantised, unquantized(model.model.state_dict(), dequantised))
+        model.save_quantized(tmp)
+        fixtures = {name: {**quant_config, **keep_whole(Path(tmp), name, ref)}}
+    write_versions("autoawq", ["autoawq", "transformers", "torch", "safetensors"], fixtures, {
+        "config": f"AutoAWQForCausalLM.quantize(quant_config={{w_bit: 4, q_group_size: {GPTQ_GROUP}, zero_point: "
+                  "True, version: GEMM, modules_to_not_convert: [mlp.gate]}, 8 calibration sequences), "
+                  "save_quantized; attention and experts quantized; float16 source with head_dim 32 (its clip search "
+                  "wants outputs in multiples of 64)",
+        "dequant": "awq.utils.packing_utils.dequantize_gemm of each WQLinear_GEMM; norms (rescaled by AWQ's scale "
+                   "search), embeddings, router and lm_head as the quantized model holds them",
+    })
+
+
+# ---------------------------------------------------------------- AMD Quark
+
+def make_quark() -> None:
+    """Quark's ModelQuantizer, int8 weights per output channel and dynamic per-token int8 inputs, every Linear
+    but lm_head and the router (attention included), ``export_safetensors``. Dequantised: each QuantLinear's
+    ``get_quant_weight`` (Quark's own QDQ of its weight, bfloat16) on the quantized model."""
+    from quark.torch import ModelQuantizer, export_safetensors
+    from quark.torch.quantization.config.config import Int8PerChannelSpec, QConfig, QLayerConfig
+    from quark.torch.utils.llm.model_preparation import preprocess_for_quantization
+
+    name = "quark-w8a8-int8"
+    src = source_model(SHAPE)
+    model = copy.deepcopy(src)
+    preprocess_for_quantization(model)
+    layer_cfg = QLayerConfig(
+        weight=Int8PerChannelSpec(ch_axis=0, symmetric=True, is_dynamic=False).to_quantization_spec(),
+        input_tensors=Int8PerChannelSpec(ch_axis=0, symmetric=True, is_dynamic=True).to_quantization_spec())
+    exclude = ["lm_head", "*mlp.gate"]
+    loader = torch.utils.data.DataLoader(fixture_kit.calibration_ids(SEED, rows=8), batch_size=1)
+    model = ModelQuantizer(QConfig(global_quant_config=layer_cfg, exclude=exclude)).quantize_model(model, loader)
+    dequantised = {}
+    with torch.no_grad():
+        for mod_name, mod in model.named_modules():
+            if hasattr(mod, "get_quant_weight") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+                dequantised[mod_name] = mod.get_quant_weight(mod.weight).float()
+    ref = reference(src, dequantised)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_safetensors(model, tmp)
+        fixtures = {name: keep_whole(Path(tmp), name, ref)}
+    write_versions("quark", ["amd-quark", "transformers", "torch", "safetensors"], fixtures, {
+        "config": f"QConfig(global_quant_config=QLayerConfig(weight=Int8PerChannelSpec(ch_axis=0), input_tensors="
+                  f"Int8PerChannelSpec(ch_axis=0, is_dynamic=True)), exclude={exclude}), 8 calibration sequences, "
+                  "export_safetensors; attention and experts quantized",
+        "dequant": "QuantLinear.get_quant_weight(weight) of every quantized linear (Quark's QDQ, bfloat16)",
+    })
+
+
+# ---------------------------------------------------------------- NVIDIA ModelOpt
+
+def make_modelopt() -> None:
+    """ModelOpt's ``mtq.quantize`` with FP8_DEFAULT_CFG (fp8 e4m3 weights and static inputs per tensor, its own
+    exclusions: router and lm_head) calibrated on 8 sequences, ``export_hf_checkpoint``. Dequantised: the
+    exported checkpoint (its export re-quantizes linears that share an input with one scale) read by ModelOpt's
+    ``FP8QTensor.dequantize`` with the exported weight_scale; the rest as exported."""
+    import modelopt.torch.quantization as mtq
+    from modelopt.torch.export import export_hf_checkpoint
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+    name = "modelopt-fp8"
+    src = source_model(SHAPE)
+    model = copy.deepcopy(src)
+    cal = fixture_kit.calibration_ids(SEED, rows=8)
+
+    def loop(m: torch.nn.Module) -> None:
+        for row in cal:
+            m(row[None])
+
+    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_hf_checkpoint(model, export_dir=tmp)
+        tensors = saved_tensors(Path(tmp))
+        dequantised = {}
+        for key, codes in tensors.items():
+            module = key.removesuffix(".weight")
+            if key.endswith(".weight") and codes.dtype == torch.float8_e4m3fn:
+                dequantised[module] = FP8QTensor(codes.shape, torch.float32, codes).dequantize(
+                    dtype=torch.float32, scale=tensors[f"{module}.weight_scale"])
+        ref = reference(src, dequantised, unquantized(tensors, dequantised))
+        fixtures = {name: keep_whole(Path(tmp), name, ref)}
+    write_versions("modelopt", ["nvidia-modelopt", "transformers", "torch", "safetensors"], fixtures, {
+        "config": "mtq.quantize(model, mtq.FP8_DEFAULT_CFG, 8 calibration sequences), export_hf_checkpoint; "
+                  "attention and experts quantized, router and lm_head left as ModelOpt's config leaves them",
+        "dequant": "FP8QTensor(exported codes).dequantize(dtype=float32, scale=exported weight_scale) of every fp8 "
+                   "weight; the other tensors as exported",
+    })
+
+
 PRODUCERS = {"compressed-tensors": make_compressed_tensors, "transformers-fp8": make_transformers_fp8,
-             "gpt-oss-mxfp4": make_gpt_oss_mxfp4}
+             "gpt-oss-mxfp4": make_gpt_oss_mxfp4, "gptqmodel": make_gptqmodel, "autoawq": make_autoawq,
+             "quark": make_quark, "modelopt": make_modelopt}
 
 
 if __name__ == "__main__":
