@@ -276,13 +276,40 @@ def _skeleton(transformers: Any, path: Path, dtype: torch.dtype) -> Any:
         return auto.from_config(config, dtype=dtype)
 
 
+def _check_expert_parallel(ep: int, cuda_graphs: bool | None) -> int:
+    """This rank under ``ep`` ranks (0 without expert parallelism), after checking that the process group the
+    dispatcher needs exists with ``ep`` ranks."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"ep={ep!r}: wanted a positive integer")
+    if ep == 1:
+        return 0
+    if cuda_graphs:
+        raise ConfigError(f"cuda_graphs=True with ep={ep}: an experts call under expert parallelism runs "
+                          "collectives between the ranks, which these graphs do not capture; leave cuda_graphs unset")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ConfigError(f"ep={ep}: no torch.distributed process group; start {ep} ranks (torchrun "
+                          f"--nproc-per-node {ep} ...) that each call torch.distributed.init_process_group() and "
+                          f"then load_model(..., ep={ep})")
+    if dist.get_world_size() != ep:
+        raise ConfigError(f"ep={ep}, but the process group has {dist.get_world_size()} ranks; wanted {ep}")
+    return dist.get_rank()
+
+
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                platform: str | None = None, kernel: str | None = None, prefer: str | None = None,
-               cuda_graphs: bool | None = None) -> Any:
+               cuda_graphs: bool | None = None, ep: int = 1, max_tokens: int | None = None) -> Any:
     """A transformers ``PreTrainedModel`` (eval mode) for the checkpoint dir ``path``, its MoE layers' routed
     experts on the registry's kernels (the oracle decides per layer; ``kernel`` pins one, ``prefer`` prefers
     one). ``cuda_graphs`` (default: on for a CUDA device): each MoE layer's experts call of at most
     :data:`GRAPH_TOKENS` tokens replays a CUDA graph captured on its token count's first call.
+    ``ep`` above 1 (under torchrun, one process per rank, the process group already initialised with ``ep``
+    ranks): each rank holds 1/ep of each layer's experts; each experts call gathers every rank's tokens, runs
+    this rank's experts on them and reduces the sums back (the project's ``allgather_reducescatter``
+    dispatcher), so the ranks may run different prompts but must call the model the same number of times
+    (``generate`` with ``min_new_tokens`` equal to ``max_new_tokens``: no rank stops early at EOS);
+    ``max_tokens`` bounds a rank's tokens per call there.
     ``model.moe_registry_report`` (a :class:`LoadReport`) says what runs and how each tensor was loaded.
     Raises ConfigError/CheckpointError (one line) on bad input, SelectionError when no kernel runs a layer."""
     transformers = require_transformers()
@@ -296,9 +323,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     torch_dtype = DTYPES[dtype_name]
     platform_text = platform or ("cpu" if str(device).startswith("cpu") else "auto")
     dev = device_for(parse_platform("cpu"), device)  # the device is given: the platform is not read
+    ep_rank = _check_expert_parallel(ep, cuda_graphs)
     if cuda_graphs and dev.type != "cuda":
         raise ConfigError(f"cuda_graphs=True: the model is loaded to {dev}; CUDA graphs need a CUDA device")
-    graph_tokens = GRAPH_TOKENS if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs) else 0
+    graph_tokens = GRAPH_TOKENS if (dev.type == "cuda" and ep == 1 if cuda_graphs is None else cuda_graphs) else 0
     model = _skeleton(transformers, target, torch_dtype)
     experts = experts_modules(model)
     if not experts:
@@ -320,19 +348,20 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     wanted = non_expert_tensors(model, experts)
     other = sum(_nbytes(index.tensors[c]) for c in plan.to_model.values()) + sum(
         wanted[f"{m}.weight"].numel() * torch_dtype.itemsize for m in plan.quantized)
-    check_fits(other * max(1, torch_dtype.itemsize // 2) + sum(plan.expert_bytes.values())
-               + max(plan.expert_bytes.values()), dev, f"loading {target}")
+    check_fits(other * max(1, torch_dtype.itemsize // 2) + (sum(plan.expert_bytes.values())
+               + max(plan.expert_bytes.values())) // ep, dev, f"loading {target}")
     plans, reports = [], []
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
-                      device=dev).built
+                      device=dev, ep=ep if ep > 1 else None,
+                      all2all="allgather_reducescatter" if ep > 1 else None, max_tokens=max_tokens).built
         module = RegistryExperts(built.kernel, built.report, layer, graph_tokens)
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
         assert built.report.scheme is not None and built.report.chosen is not None
         reports.append(built.report)
         plans.append(LayerPlan(layer, built.report.scheme.scheme, built.report.chosen, module.resident_bytes,
-                               plan.expert_bytes[layer]))
+                               plan.expert_bytes[layer] // ep))
     loads = _load_tensors(model, index, plan, torch_dtype, dev)
     loads += _dequantize_linears(model, index, plan, {p.layer: r for p, r in zip(plans, reports, strict=True)},
                                  registry, torch_dtype, dev)
@@ -346,5 +375,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     model.eval()
     model.moe_registry_report = LoadReport(str(target), model_config.family, model.config.model_type,
                                            type(model).__name__, str(dev), dtype_name, tuple(plans), loads,
-                                           plan.ignored, graph_tokens)
+                                           plan.ignored, graph_tokens, ep_rank, ep)
     return model

@@ -43,6 +43,8 @@ class LoadReport:
     non_expert: tuple[TensorLoad, ...]
     ignored: tuple[str, ...] = ()  # checkpoint tensors the model has no place for
     graph_tokens: int = 0  # experts calls of at most this many tokens replay captured CUDA graphs (0: none)
+    ep_rank: int = 0  # expert parallelism: this rank, of ep_size, holds 1/ep_size of each layer's experts
+    ep_size: int = 1
 
     @property
     def experts_resident_bytes(self) -> int:
@@ -70,7 +72,13 @@ class LoadReport:
             lines.append(f"  MoE {which}: scheme {scheme}, kernel {kernel}")
         resident, stored = self.experts_resident_bytes, self.experts_checkpoint_bytes
         ratio = f" ({resident / stored:.2f}x)" if stored else ""
-        lines.append(f"  experts hold {_bytes(resident)} (checkpoint's expert tensors: {_bytes(stored)}){ratio}")
+        whose = "this rank's share of the checkpoint's expert tensors" if self.ep_size > 1 else \
+            "checkpoint's expert tensors"
+        lines.append(f"  experts hold {_bytes(resident)} ({whose}: {_bytes(stored)}){ratio}")
+        if self.ep_size > 1:
+            lines.append(f"  expert parallel: rank {self.ep_rank} of {self.ep_size} holds 1/{self.ep_size} of each "
+                         "layer's experts; every rank's tokens are gathered, and their sums reduced back (the "
+                         "allgather_reducescatter dispatcher)")
         if self.graph_tokens:
             lines.append(f"  experts calls of 1-{self.graph_tokens} tokens replay a CUDA graph per layer and token "
                          "count, captured on its first call")
