@@ -120,3 +120,125 @@ def test_load_model_matches_the_producers_dequantised_model(case: Case, ours) ->
     assert [p.scheme for p in report.layers] == [case.scheme] * len(report.layers), report.layers
     assert len(report.layers) >= 2
     _assert_matches_reference(model, _ref(case), case.tol, case.typical)
+
+
+# ------------------------------------------------------------ transformers' own reading of the same files
+#
+# transformers 5 loads FineGrainedFP8, MXFP4 and compressed-tensors checkpoints itself (accelerate and
+# compressed-tensors installed, as the dev extra installs them). Each test below loads the fixture with
+# ``from_pretrained`` on the CPU in float32 and holds what transformers makes of it to the same reference;
+# where transformers is wrong, the test asserts the discrepancy exactly as it is.
+
+CASE = {c.name: c for c in CASES}
+EXPERTS = "model.layers.0.mlp.experts"
+INTER = 64
+
+
+def _transformers_model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    pytest.importorskip("accelerate")
+    return transformers.AutoModelForCausalLM.from_pretrained(FIXTURES / name / "checkpoint", dtype=dtype,
+                                                             device_map="cpu").eval()
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _checkpoint(name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / name / "checkpoint" / "model.safetensors"))
+
+
+def test_transformers_reads_gpt_oss_mxfp4_as_load_model_does(ours) -> None:  # type: ignore[no-untyped-def]
+    """Mxfp4 on a CPU: transformers dequantises the experts at load (no triton_kernels); its logits and ours agree
+    with each other and with the reference."""
+    case, ref = CASE["gpt-oss-mxfp4"], _ref(CASE["gpt-oss-mxfp4"])
+    theirs = _transformers_model(case.name)
+    _assert_matches_reference(theirs, ref, case.tol)
+    assert _rel(_logits(ours(case), ref["greedy"]), _logits(theirs, ref["greedy"])) <= 1e-4
+
+
+def test_transformers_fine_grained_fp8_cannot_run_on_the_cpu() -> None:
+    """FineGrainedFP8 block-128 on a CPU: transformers loads it, but its forward hands the fp8 codes to a matmul
+    that takes only 16/32-bit floats; load_model runs the same file (the parametrised test above)."""
+    ref = _ref(CASE["transformers-fp8-block"])
+    theirs = _transformers_model("transformers-fp8-block")
+    with pytest.raises(RuntimeError, match="Expected mat_a to be Float32, BFloat16 or Float16 matrix, got "
+                                           "Float8_e4m3fn"):
+        _logits(theirs, ref["input_ids"])
+
+
+def test_transformers_decompresses_ct_w4a16_ten_times_less_accurately(ours) -> None:  # type: ignore[no-untyped-def]
+    """compressed-tensors W4A16: transformers decompresses every linear at load; its greedy tokens are the
+    reference's, but its logits are 3.0e-2 from it where ours are 3.1e-3 (its expert weights are 1.5e-3 from our
+    dequantisation, which is the producer's)."""
+    pytest.importorskip("compressed_tensors")
+    case, ref = CASE["ct-w4a16"], _ref(CASE["ct-w4a16"])
+    theirs = _transformers_model(case.name)
+    _assert_matches_reference(theirs, ref, 5e-2)
+    err_theirs = _rel(_logits(theirs, ref["greedy"]), ref["logits"])
+    assert err_theirs >= 5 * _rel(_logits(ours(case), ref["greedy"]), ref["logits"]), err_theirs
+
+
+def test_transformers_refuses_ct_w8a8_int8() -> None:
+    """compressed-tensors W8A8 int8 (llm-compressor's preset): transformers' weight conversion fails at load."""
+    pytest.importorskip("compressed_tensors")
+    with pytest.raises(RuntimeError, match="We encountered some issues during automatic conversion of the weights"):
+        _transformers_model("ct-w8a8-int8")
+
+
+def test_transformers_ct_nvfp4_experts_lose_their_global_scale(ours) -> None:  # type: ignore[no-untyped-def]
+    """compressed-tensors NVFP4: transformers' fused experts hold code x scale without dividing by the
+    projection's weight_global_scale, so every expert weight is that global scale (4736 here) times too large and
+    its logits are garbage (relative error > 1); load_model's experts hold the producer's values."""
+    pytest.importorskip("compressed_tensors")
+    from moe_registry_kernels.reference import dense_experts
+
+    import moe_registry
+
+    name = "ct-nvfp4"
+    checkpoint, theirs = _checkpoint(name), _transformers_model(name, torch.bfloat16)
+    dense = dense_experts(moe_registry.build(FIXTURES / name / "checkpoint", layer=0, platform="cpu",
+                                             dtype="float32", kernel="torch-reference").weights, torch.float32)
+    gate_up = theirs.get_submodule(EXPERTS).gate_up_proj.detach().float()
+    for e in range(gate_up.shape[0]):
+        for rows, role in ((slice(0, INTER), "gate"), (slice(INTER, 2 * INTER), "up")):
+            global_scale = float(checkpoint[f"{EXPERTS}.{e}.{role}_proj.weight_global_scale"])
+            assert _rel(gate_up[e, rows], dense.w13[e, rows] * global_scale) <= 1e-2, (e, role)
+    ref = _ref(CASE[name])
+    assert _rel(_logits(theirs, ref["greedy"]), ref["logits"]) > 1
+    assert _rel(_logits(ours(CASE[name]), ref["greedy"]), ref["logits"]) <= CASE[name].tol
+
+
+def test_transformers_ct_mxfp4_fails_in_float32_and_quantizes_activations_in_bfloat16() -> None:
+    """compressed-tensors MXFP4: in float32 transformers' forward mixes float32 inputs with bfloat16 weights and
+    fails; in bfloat16 its expert weights are ours exactly and it runs the checkpoint's MXFP4 activation
+    quantisation too (W4A4: 0.26 from the weight-only reference; load_model runs weight-only and says so)."""
+    pytest.importorskip("compressed_tensors")
+    ref = _ref(CASE["ct-mxfp4"])
+    with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"):
+        _logits(_transformers_model("ct-mxfp4"), ref["input_ids"])
+    assert 0.1 <= _rel(_logits(_transformers_model("ct-mxfp4", torch.bfloat16), ref["greedy"]), ref["logits"]) <= 0.4
+
+
+@pytest.mark.parametrize("name", ["modelopt-fp8", "ct-fp8-dynamic"])
+def test_transformers_fp8_linears_hold_the_codes(name: str, ours) -> None:  # type: ignore[no-untyped-def]
+    """transformers 5 has no ModelOpt quantizer: it loads ModelOpt FP8 codes as the float weights themselves, the
+    weight_scale dropped as an unexpected key, so attention and experts are the codes (~1/scale times too large)
+    and its logits are garbage. compressed-tensors FP8 dynamic: its attention linears hold the codes beside a
+    weight_scale that its compressed forward applies, with fp8 activations in attention too, 1.5e-1 from the
+    weight-only reference where load_model (fp8 activations in the experts only) is 3.3e-2."""
+    if name.startswith("ct-"):
+        pytest.importorskip("compressed_tensors")
+    checkpoint, theirs = _checkpoint(name), _transformers_model(name)
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(theirs.get_submodule(q_proj).weight.float(), checkpoint[f"{q_proj}.weight"].float())
+    ref = _ref(CASE[name])
+    err = _rel(_logits(theirs, ref["greedy"]), ref["logits"])
+    if name == "modelopt-fp8":
+        codes = torch.cat([checkpoint[f"{EXPERTS}.0.{r}_proj.weight"].float() for r in ("gate", "up")])
+        assert torch.equal(theirs.get_submodule(EXPERTS).gate_up_proj[0].float(), codes)
+        assert err > 1, err
+    else:
+        assert isinstance(theirs.get_submodule(q_proj).weight_scale, torch.Tensor) and err <= 2e-1, err
+        assert err >= 3 * _rel(_logits(ours(CASE[name]), ref["greedy"]), ref["logits"]), err
