@@ -110,7 +110,7 @@ _LOCK = threading.Lock()
 _OPS: list = []  # the loaded op namespace, once per process
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     """The project's user cache (``MOE_REGISTRY_CACHE_DIR``, else ``$XDG_CACHE_HOME``/``~/.cache``/moe-registry)."""
     if os.environ.get("MOE_REGISTRY_CACHE_DIR"):
         return Path(os.environ["MOE_REGISTRY_CACHE_DIR"])
@@ -129,7 +129,7 @@ def native_ops():
             # clang) gets a second, single-threaded build rather than no kernel
             omp = [("-fopenmp",), ()] if torch.backends.openmp.is_available() else [()]
             variants = [Flags(("-O3", *o, *flags), o) for o in omp]
-            cache = _cache_root() / "extensions"
+            cache = cache_root() / "extensions"
             try:
                 load_extension(name, [SOURCE], variants, cache, what="the torch-cpu-native kernel",
                                why=", the kernel chosen for this layer (--kernel torch-cpu-packed needs no compiler)")

@@ -183,13 +183,13 @@ def test_the_built_kernel_loads_past_a_stale_lock() -> None:
     from moe_registry_kernels import cpu_native
 
     cpu_native.native_ops()  # built once (in CI the session's cache already holds it)
-    cache = cpu_native._cache_root() / "extensions"
+    cache = cpu_native.cache_root() / "extensions"
     locks = list(cache.glob("moe_registry_cpu_moe_*.lock"))
     assert len(locks) == 1
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     locks[0].write_text(str(dead.pid))
-    baton = cpu_native._cache_root() / "torch_extensions" / locks[0].name.split("-")[0] / "lock"
+    baton = cpu_native.cache_root() / "torch_extensions" / locks[0].name.split("-")[0] / "lock"
     baton.parent.mkdir(parents=True, exist_ok=True)
     baton.touch()
     done = subprocess.run([sys.executable, "-c", "from moe_registry_kernels.cpu_native import native_ops; "

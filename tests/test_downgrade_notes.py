@@ -106,20 +106,22 @@ def test_declared_activation_quantisation_that_does_not_run_is_said_alike(capsys
 
 
 def test_float16_on_the_cpu_int4_path_runs_as_asked_and_the_packed_op_says_what_it_computes_in(capsys) -> None:
-    """float16 and float32 4-bit layers go to the kernel that computes them as asked (the packed kernel, first in
-    the scheme's order, computes them in bfloat16: passed over, and said); bfloat16 stays on the packed op;
-    --prefer torch-cpu-packed runs it, with the compute-dtype note."""
+    """float16 and float32 4-bit layers go to the kernel that computes them as asked (torch-cpu-dot8, first in the
+    scheme's order, declares an error beyond the scheme's tolerance for them, and the packed kernel computes them
+    in bfloat16: both passed over, the first said); --prefer torch-cpu-packed runs it, with the compute-dtype
+    note."""
     for dtype in ("float16", "float32"):
         data, text = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", dtype)
         assert (data["chosen_kernel"], data["downgrades"]) == ("torch-cpu-native", [])
-        assert data["notes"] == [f"torch-cpu-packed passed over: it computes {dtype} in a narrower dtype; "
-                                 "torch-cpu-native computes it as asked (--prefer torch-cpu-packed runs it)"]
+        assert data["notes"] == [f"torch-cpu-dot8 passed over: its numbers for {dtype} (emulation; declared error "
+                                 "up to 0.02) exceed scheme gptq-w4a16-asym's tolerance 0.01; torch-cpu-native "
+                                 "computes it as asked (--prefer torch-cpu-dot8 runs it)"]
         data, text = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", dtype, "--prefer", "torch-cpu-packed")
         note = kinds(data)["compute-dtype"]
         assert (data["chosen_kernel"], note["asked"], note["runs"]) == ("torch-cpu-packed", dtype, "bfloat16")
         assert f"compute {dtype} asked; torch-cpu-packed computes these weights' GEMMs in bfloat16" in text
-    data, _ = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", "bfloat16")
-    assert (data["chosen_kernel"], data["downgrades"], data["notes"]) == ("torch-cpu-packed", [], [])
+    data, _ = explain(capsys, GPTQ4_ASYM, "--platform", "cpu", "--dtype", "bfloat16", "--prefer", "torch-cpu-packed")
+    assert (data["chosen_kernel"], data["downgrades"]) == ("torch-cpu-packed", [])
 
 
 def test_run_prints_the_notes_in_text_and_json(capsys, example) -> None:

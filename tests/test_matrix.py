@@ -42,7 +42,7 @@ def test_matrix_rows():
     assert awq["weight"] == "uint4 scale:float16:group(32|64|128|-1):static zp:group"
     assert rows["compressed-tensors-w4a8-int"]["weight"] == "uint4b8 scale:float32:group(32|64|128):static"
     assert awq["activation"] == "unquantized"
-    assert awq["cells"] == {"cpu": ["torch-cpu-packed", "torch-cpu-native", "torch-reference"],
+    assert awq["cells"] == {"cpu": ["torch-cpu-dot8", "torch-cpu-packed", "torch-cpu-native", "torch-reference"],
                             "cuda:8.0": ["triton-fused-moe", "torch-reference"],
                             "cuda:9.0": ["triton-fused-moe", "torch-reference"],
                             "cuda:10.0": ["triton-fused-moe", "torch-reference"], "rocm:9.4": ["torch-reference"]}
@@ -70,7 +70,8 @@ def test_matrix_markdown_table():
     assert table[1] == "|" + " --- |" * (3 + len(MATRIX_PLATFORMS))
     assert len(table) == 2 + len(load_registry().schemes)
     assert ("| `awq-w4a16` | `uint4 scale:float16:group(32\\|64\\|128\\|-1):static zp:group` | `unquantized` | "
-            "torch-cpu-packed, torch-cpu-native, torch-reference |") in "\n".join(table), "a | inside a cell is escaped"
+            "torch-cpu-dot8, torch-cpu-packed, torch-cpu-native, torch-reference |") in "\n".join(table), \
+        "a | inside a cell is escaped"
     for row in table:
         assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
@@ -83,8 +84,8 @@ def test_matrix_json_and_user_specs(tmp_path, capsys):
     d = tmp_path / "schemes"
     d.mkdir()
     awq = (ROOT / "specs" / "schemes" / "awq-w4a16.yaml").read_text()
-    kernels_line = ("kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-packed, torch-cpu-native, "
-                    "torch-reference]")
+    kernels_line = ("kernels: [triton-fused-moe, triton-batched-moe, torch-cpu-dot8, torch-cpu-packed, "
+                    "torch-cpu-native, torch-reference]")
     assert kernels_line in awq
     (d / "awq-cpu-only.yaml").write_text(
         awq.replace("scheme: awq-w4a16", "scheme: awq-cpu-only")
@@ -133,8 +134,8 @@ def test_list_schemes_json(capsys):
     registry = load_registry()
     assert [r["scheme"] for r in rows] == sorted(registry.schemes)
     by_name = {r["scheme"]: r for r in rows}
-    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "triton-batched-moe", "torch-cpu-packed",
-                                                "torch-cpu-native", "torch-reference"]
+    assert by_name["gptq-w4a16"]["kernels"] == ["triton-fused-moe", "triton-batched-moe", "torch-cpu-dot8",
+                                                "torch-cpu-packed", "torch-cpu-native", "torch-reference"]
     assert by_name["gptq-w4a16"]["summary"] == registry.scheme("gptq-w4a16").summary
     for r in rows:
         assert Path(r["path"]).is_file() and Path(r["path"]).name == f"{r['scheme']}.yaml"

@@ -1,6 +1,6 @@
 """This machine, probed once per situation: its first accelerator (asked of ``nvidia-smi``, so
-explain never imports torch), which of the packages the kernel specs require are installed and which
-of the commands they require are on PATH.
+explain never imports torch), the CPU's instruction-set flags, which of the packages the kernel specs
+require are installed and which of the commands they require are on PATH.
 The oracle only reads the result (oracle.runtime.Environment)."""
 
 from __future__ import annotations
@@ -30,7 +30,21 @@ def probe_platform() -> Platform:
         m = re.match(r"^(.*),\s*(\d+)\.(\d+)\s*$", line)
         if m:
             return Platform("cuda", (int(m.group(2)), int(m.group(3))), m.group(1).strip())
-    return Platform("cpu", None, "cpu")
+    return Platform("cpu", None, "cpu", probe_cpu_features())
+
+
+def probe_cpu_features(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The instruction-set flags the CPU reports (Linux ``/proc/cpuinfo``'s names: avx2, fma, avx512_vnni ...):
+    a kernel spec's platform ``cpu_features`` are checked against them; empty where the file is unreadable."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def probe_environment(packages: Iterable[str]) -> Environment:

@@ -262,6 +262,9 @@ class Report:
     downgrades: tuple[Downgrade, ...] = ()  # where what runs differs from what was asked (explain says each)
     # the activation key the chosen kernel runs, where its key pattern's emulation differs from the scheme's
     kernel_activation_key: QuantKey | None = None
+    # why the scheme's first eligible kernel gave way to the chosen one (downgrades.faithful_first); None: the
+    # narrower compute dtype, the rule's first reason
+    passed_over: str | None = None
 
     def with_kernels(self, kernels: tuple[KernelVerdict, ...], chosen: str | None, selected_by: SelectedBy,
                      requested: str | None) -> Report:
@@ -288,8 +291,9 @@ class Report:
         if self.selected_by is SelectedBy.PREFERENCE:
             first = next((k for k in self.kernels if k.eligible), None)
             if first is not None and first.kernel != self.chosen:  # downgrades.faithful_first
-                return (f"{first.kernel} passed over: it computes {self.situation.runtime.dtype} in a narrower dtype; "
-                        f"{self.chosen} computes it as asked (--prefer {first.kernel} runs it)",)
+                why = self.passed_over or f"it computes {self.situation.runtime.dtype} in a narrower dtype"
+                return (f"{first.kernel} passed over: {why}; {self.chosen} computes it as asked "
+                        f"(--prefer {first.kernel} runs it)",)
             return ()
         if self.selected_by is SelectedBy.FALLBACK:
             v = self.verdict(asked or "")

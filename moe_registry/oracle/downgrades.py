@@ -7,13 +7,15 @@
   the scheme lists did not take the layer.
 
 The one selection rule that reads them (``faithful_first``): a kernel that would compute in a narrower dtype
-than asked gives way to a later eligible one that computes the asked dtype and is no slow path.
+than asked, or whose key pattern declares a ``tolerance`` beyond the scheme's for the dtype asked (its
+emulation's numbers), gives way to a later eligible one that does neither and is no slow path.
 
 Nothing here knows a scheme or kernel by name: a new scheme or kernel gets its notes by writing the words.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
@@ -32,17 +34,34 @@ def narrowed(registry: Registry, kernel: str, weight: QuantKey, activation: Quan
     return None if pattern is None or pattern.compute is None else pattern.compute.dtypes.get(runtime.dtype)
 
 
+def beyond_tolerance(registry: Registry, kernel: str, weight: QuantKey, activation: QuantKey,
+                     runtime: RuntimeConfig, scheme_tolerance: Mapping[str, float] | None) -> float | None:
+    """The error ``kernel``'s key pattern declares for the asked dtype where it exceeds the scheme's tolerance."""
+    if kernel not in registry.kernels or not scheme_tolerance:
+        return None
+    pattern = matching_pattern(registry.kernel(kernel), weight, activation, runtime.platform)
+    if pattern is None or not pattern.tolerance or runtime.dtype not in pattern.tolerance:
+        return None
+    declared = pattern.tolerance[runtime.dtype]
+    return declared if declared > scheme_tolerance.get(runtime.dtype, max(scheme_tolerance.values())) else None
+
+
 def faithful_first(registry: Registry, eligible: list[str], weight: QuantKey, activation: QuantKey,
-                   runtime: RuntimeConfig) -> str | None:
-    """The scheme's first eligible kernel, unless it computes in a narrower dtype than asked and a later eligible
-    one that is no slow path computes the asked dtype: correct numbers before speed (--prefer restores it)."""
+                   runtime: RuntimeConfig, scheme_tolerance: Mapping[str, float] | None = None) -> str | None:
+    """The scheme's first eligible kernel, unless it computes in a narrower dtype than asked, or declares an error
+    beyond the scheme's tolerance for it, and a later eligible one that is no slow path does neither: correct
+    numbers before speed (--prefer restores it)."""
     if not eligible:
         return None
+
+    def faithful(k: str) -> bool:
+        return (narrowed(registry, k, weight, activation, runtime) is None
+                and beyond_tolerance(registry, k, weight, activation, runtime, scheme_tolerance) is None)
+
     first = eligible[0]
-    if narrowed(registry, first, weight, activation, runtime) is None:
+    if faithful(first):
         return first
-    return next((k for k in eligible if narrowed(registry, k, weight, activation, runtime) is None
-                 and not registry.kernel(k).slow_path), first)
+    return next((k for k in eligible if faithful(k) and not registry.kernel(k).slow_path), first)
 
 
 def _runs_as(key: QuantKey) -> str:
@@ -98,4 +117,21 @@ def derive(report: Report, registry: Registry) -> Report:
             out.append(Downgrade(
                 DowngradeKind.SLOW_PATH, f"a fast kernel for {v.scheme} on {runtime.platform}", kernel.kernel, why,
                 f"{kernel.kernel} is the slow path: it {kernel.slow_path}. No faster kernel takes this layer: {why}"))
-    return replace(report, downgrades=tuple(out), kernel_activation_key=kernel_activation)
+    return replace(report, downgrades=tuple(out), kernel_activation_key=kernel_activation,
+                   passed_over=_passed_over(report, registry))
+
+
+def _passed_over(report: Report, registry: Registry) -> str | None:
+    """Why faithful_first passed over the scheme's first eligible kernel, where its declared error was the reason."""
+    v, runtime = report.scheme, report.situation.runtime
+    first = next((k.kernel for k in report.kernels if k.eligible), None)
+    if (v is None or v.weight_key is None or v.activation_key is None or first is None or first == report.chosen
+            or report.selected_by is not SelectedBy.PREFERENCE or v.scheme not in registry.schemes):
+        return None
+    tolerance = registry.scheme(v.scheme).tolerance
+    declared = beyond_tolerance(registry, first, v.weight_key, v.activation_key, runtime, tolerance)
+    if declared is None or narrowed(registry, first, v.weight_key, v.activation_key, runtime) is not None:
+        return None
+    scheme_tol = tolerance.get(runtime.dtype, max(tolerance.values()))
+    return (f"its numbers for {runtime.dtype} (emulation; declared error up to {declared:g}) exceed scheme "
+            f"{v.scheme}'s tolerance {scheme_tol:g}")

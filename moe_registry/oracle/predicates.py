@@ -30,6 +30,8 @@ def check_platform(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
                        seen=plat.device, wanted=wanted)]
     for p in same_device:
         bounds = p.capability_bounds()
+        if p.cpu_features:
+            return [_cpu_features(p.cpu_features, plat)]
         if not bounds:
             return [passed("platform", f"platform {plat}")]
         if plat.capability is None:
@@ -40,6 +42,19 @@ def check_platform(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
     cap = f"{plat.capability[0]}.{plat.capability[1]}" if plat.capability else "unknown"
     return [failed(Reason.CAPABILITY, "platform.capability",
                    f"{plat.device} capability {cap}; kernel wants {wanted}", seen=cap, wanted=wanted)]
+
+
+def _cpu_features(needs: list[str], plat: Platform) -> Check:
+    """The instruction-set extensions a CPU kernel's build needs, against those the CPU reports."""
+    if plat.cpu_features is None:
+        return passed("platform.cpu_features", f"needs {', '.join(needs)} (not checked: the target is not this "
+                                               "machine)")
+    missing = [f for f in needs if f not in plat.cpu_features]
+    if missing:
+        return failed(Reason.CAPABILITY, "platform.cpu_features",
+                      f"this CPU lacks {', '.join(missing)}; the kernel's build needs {', '.join(needs)}",
+                      seen=sorted(f for f in needs if f in plat.cpu_features), wanted=needs)
+    return passed("platform.cpu_features", f"the CPU has {', '.join(needs)}")
 
 
 def check_packages(kernel: KernelSpec, runtime: RuntimeConfig) -> list[Check]:
@@ -74,7 +89,8 @@ def _admits(platforms: list[PlatformSpec], plat: Platform) -> bool:
     for p in platforms:
         bounds = p.capability_bounds()
         if p.device == plat.device and (not bounds or plat.capability is not None
-                                        and all(_OPS[op](plat.capability, ver) for op, ver in bounds)):
+                                        and all(_OPS[op](plat.capability, ver) for op, ver in bounds)) and (
+                plat.cpu_features is None or all(f in plat.cpu_features for f in p.cpu_features)):
             return True
     return False
 

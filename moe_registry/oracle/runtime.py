@@ -23,6 +23,8 @@ class Platform:
     device: str
     capability: tuple[int, int] | None = None
     name: str = ""
+    # a CPU's instruction-set flags as read off this machine (model.machine); None: not probed (--platform cpu)
+    cpu_features: frozenset[str] | None = None
 
     def __str__(self) -> str:
         cap = f":{self.capability[0]}.{self.capability[1]}" if self.capability else ""

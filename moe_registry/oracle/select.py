@@ -148,7 +148,8 @@ def select(registry: Registry, situation: Situation, *, prefer: str | None = Non
                              f"{name} (it lists {', '.join(scheme.kernels)})"),) + checks
         verdicts_k.append(KernelVerdict(name, all(c.passed for c in checks), checks))
     eligible = [v.kernel for v in verdicts_k if v.eligible]
-    by_order = faithful_first(registry, eligible, scheme_v.weight_key, scheme_v.activation_key, situation.runtime)
+    by_order = faithful_first(registry, eligible, scheme_v.weight_key, scheme_v.activation_key, situation.runtime,
+                              scheme.tolerance)
     if pin is not None:
         report = derive(base.with_kernels(tuple(verdicts_k), pin if pin in eligible else None, SelectedBy.PIN, pin),
                         registry)

@@ -340,6 +340,9 @@ class PlatformSpec(Strict):
     device: Device = Field(description="the device kind: cpu, cuda, rocm or xpu")
     capability: str | None = Field(default=None, description=(
         "GPU compute capability range, comma-separated bounds such as \">=8.0,<10.0\"; absent: any"))
+    cpu_features: list[str] = Field(default_factory=list, description=(
+        "for cpu: the instruction-set extensions the kernel's build needs, as Linux /proc/cpuinfo names them "
+        "(e.g. [avx2, fma]); a CPU without one of them does not take the kernel; empty: any CPU"))
 
     @field_validator("capability")
     @classmethod
@@ -409,16 +412,28 @@ class KeyPattern(Strict):
     compute: ComputeSpec | None = Field(default=None, description=(
         "on these pairs the GEMMs compute in another dtype than the activation dtype asked, and why "
         "(explain and run say so); absent: they compute in the asked dtype or wider"))
+    tolerance: dict[Dtype, float] | None = Field(default=None, description=(
+        "compute dtype -> the largest relative error against the scheme's reference these pairs reach where the "
+        "kernel computes other numbers than the reference (its emulation: e.g. activations quantised to 8 bits), "
+        "in (0, 1]; conformance holds the kernel to it; where it exceeds the scheme's tolerance for the dtype "
+        "asked, the oracle passes the kernel over for a later one (--prefer restores it); absent: the scheme's"))
 
     @model_validator(mode="after")
     def _one_form(self) -> KeyPattern:
         if self.keyset is not None and (self.weight is not None or self.activation is not None
-                                        or self.platforms or self.emulation or self.compute):
-            raise ValueError("give either keyset or weight and activation (and platforms, emulation, compute), "
-                             "not both")
+                                        or self.platforms or self.emulation or self.compute or self.tolerance):
+            raise ValueError("give either keyset or weight and activation (and platforms, emulation, compute, "
+                             "tolerance), not both")
         if self.keyset is None and (self.weight is None or self.activation is None):
             raise ValueError("needs weight and activation (or a keyset)")
         return self
+
+    @field_validator("tolerance")
+    @classmethod
+    def _tolerance(cls, tolerance: dict[str, float] | None) -> dict[str, float] | None:
+        for dtype, value in (tolerance or {}).items():
+            check_number(value, f"tolerance.{dtype}", lo=0, lo_open=True, hi=1, error=ValueError)
+        return tolerance
 
     @field_validator("weight", "activation")
     @classmethod

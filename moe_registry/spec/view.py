@@ -157,6 +157,7 @@ class PlatformSpec(SpecRecord):
     """A device kind and, for GPUs, a capability range such as ``">=8.0,<10.0"``."""
     device: Device
     capability: str | None
+    cpu_features: list[str]
 
     def capability_bounds(self) -> list[tuple[str, tuple[int, int]]]:
         """The range as (operator, (major, minor)) pairs."""
@@ -184,6 +185,7 @@ class KeyPattern(SpecRecord):
     platforms: list[PlatformSpec]
     emulation: EmulationSpec | None
     compute: ComputeSpec | None
+    tolerance: dict[Dtype, float] | None
 
     def weights(self) -> list[str]:
         return [self.weight] if isinstance(self.weight, str) else list(self.weight or [])

@@ -1,7 +1,8 @@
 """The conformance suite's case generator, driven by the specs (docs/design.md,
 "Declared support is tested support").
 
-Every (scheme × kernel × declared option) the specs claim becomes cases: a base case per binding
+Every (scheme × kernel × declared option) the specs claim becomes cases, each held to the scheme's tolerance
+(or the kernel's key pattern's, where its numerics differ from the reference's): a base case per binding
 sample, then one case per declared option varied from it (dtype, activation function, bias,
 act-order, activation format, router weight on input), then edge shapes (one token, experts that
 get no tokens, top-k equal to the number of experts, the smallest sizes allowed). An option the
@@ -16,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
-from moe_registry.oracle.predicates import check_keys
+from moe_registry.oracle.predicates import check_keys, matching_pattern
 from moe_registry.spec.loader import Registry, binding_samples, fill_template
 
 # What the generator can build a case for. Adding an option to the spec language means adding it here.
@@ -98,7 +99,6 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
     out: list[Case] = []
     for sname, loaded in sorted(registry.schemes.items()):
         scheme = loaded.spec
-        tol = scheme.tolerance
         for kname in scheme.kernels:
             if kname not in wanted_kernels or kname not in registry.kernels:
                 continue
@@ -109,6 +109,8 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                 activation = parse_quant_key(fill_template(scheme.run_activation, sample))
                 if not all(c.passed for c in check_keys(kernel, weight, activation)):
                     continue
+                pattern = matching_pattern(kernel, weight, activation, None)
+                tol = pattern.tolerance if pattern is not None and pattern.tolerance else scheme.tolerance
                 features = {n: (v if isinstance(v, bool) else fill_template(v, sample) == "true")
                             for n, v in scheme.features.items()}
                 act_order = features.get("act_order", False)

@@ -1,0 +1,236 @@
+"""CPU experts on 8-bit activation codes and integer dot products (``csrc/cpu_dot8.cpp``), for 4- and 8-bit
+integer weights with group or channel scales, symmetric or with zero points (GPTQ, AWQ, compressed-tensors
+W4A16 / W8A16): llama.cpp's way of running a MoE layer on a CPU, on the checkpoints' own codes.
+
+Why: torch-cpu-native sums ``code x x`` in float32, exact but bound by float FMAs at decode (one
+token: each weight meets one activation); dotting int8 activation codes with the weight codes does 32-64
+multiply-adds per instruction (AVX-512 VNNI ``vpdpbusd``, AVX2 ``vpmaddubsw``). What it costs: the
+activations are quantised, each row once per GEMM, per block of 32 columns (``d = amax / 127``, as ggml's
+Q8_0) - GEMM1's input once per token for all its experts, GEMM2's per (token, expert). The error this adds
+(about 0.4% of the output's norm on random data, measured by the conformance suite) stays inside the
+schemes' tolerance; the kernel spec declares it (``emulation``: explain and run say it), and torch-cpu-native
+keeps the exact sums (``--prefer torch-cpu-native``).
+
+Weights are repacked when the layer is built: unsigned codes (int4 nibbles 0..15, int8 bytes 0..255) with a
+float32 scale and a uint8 zero per (row, group) - uint4b8 and uint8b128 get their fixed 8 and 128 - four rows
+interleaved per 64 columns (see the C++ header): one contiguous stream per 64-row task, and each 64-column
+chunk of four rows loaded once for every token of a pass. One call per GEMM covers every (token, expert) pair
+of the layer: the rows are quantised once, then each (expert, 64-row block) is a task in one parallel region.
+
+The library is built per instruction set the CPU has (``avx512vnni``, ``avx2``, as torch's cpuinfo probes say;
+the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is built),
+its op namespace named after it, so two builds load side by side (the tests compare them).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, load_extension
+from moe_registry_kernels.cpu_native import cache_root
+from moe_registry_kernels.cpu_packed import FOREIGN_EXPERT, PACKED_FIELDS
+from moe_registry_kernels.dequant import unpack_int4
+
+from moe_registry.core.errors import ConfigError
+from moe_registry.core.keys import QuantKey
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
+from moe_registry.layer.experts import Experts, ExpertsConfig
+
+__all__ = ["Dot8Experts", "dot8_ops", "best_isa", "ISA_FLAGS"]
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_dot8.cpp"
+CHUNK = 64  # columns per weight chunk (K is padded to it); scale groups are multiples of it, or one block
+BLOCK = 32  # activation block (columns per activation scale)
+ROWS = 4  # interleaved rows
+# the builds, best first: (name, the torch.cpu probes that must all say yes, compiler flags)
+ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("avx512vnni", ("_is_avx512_supported", "_is_vnni_supported"),
+     ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    ("avx2", ("_is_avx2_supported",), ("-mavx2", "-mfma")),
+    ("scalar", (), ()),
+)
+_LOCK = threading.Lock()
+_OPS: dict[str, object] = {}
+
+
+def runs(isa: str) -> bool:
+    """Whether this CPU runs the build ``isa`` (torch's cpuinfo probes; the oracle reads /proc/cpuinfo's flags
+    for the kernel spec's ``cpu_features``, the same CPUID bits)."""
+    probes = next(p for name, p, _ in ISA_FLAGS if name == isa)
+    return all(bool(getattr(torch.cpu, probe, lambda: False)()) for probe in probes)
+
+
+def best_isa() -> str:
+    """The fastest build this CPU runs."""
+    return next(name for name, _, _ in ISA_FLAGS if runs(name))
+
+
+def dot8_ops(isa: str | None = None):
+    """The compiled ops of one build (default: the best this CPU runs), built once per source, flags, torch and
+    Python (``cpu_build``), loaded once per process."""
+    name = isa or best_isa()
+    flags = {n: f for n, _, f in ISA_FLAGS}
+    if name not in flags:
+        raise ConfigError(f"kernel torch-cpu-dot8: no build {name!r}; wanted one of {', '.join(flags)}")
+    if not runs(name):
+        raise ConfigError(f"kernel torch-cpu-dot8: this CPU does not run the {name} build; it runs {best_isa()}")
+    cflags = flags[name]
+    with _LOCK:
+        if name not in _OPS:
+            ns = f"moe_registry_dot8_{name}"
+            omp = [("-fopenmp",), ()] if torch.backends.openmp.is_available() else [()]
+            variants = [Flags(("-O3", *o, *cflags, f"-DDOT8_NS={ns}"), o) for o in omp]
+            cache = cache_root() / "extensions"
+            try:
+                load_extension(f"moe_registry_cpu_dot8_{name}", [SOURCE], variants, cache,
+                               what=f"the torch-cpu-dot8 kernel ({name})",
+                               why=", the kernel chosen for this layer (--prefer torch-cpu-native needs no new build)")
+            except BuildError as err:
+                raise ConfigError(f"kernel torch-cpu-dot8: building {SOURCE.name} in {cache} failed ({err}); wanted "
+                                  "a C++ compiler (c++) and ninja on PATH, or pick another kernel "
+                                  "(--kernel torch-cpu-packed)") from None
+            except ExtensionError as err:
+                raise ConfigError(f"kernel torch-cpu-dot8: {err}") from None
+            _OPS[name] = getattr(torch.ops, ns)
+        return _OPS[name]
+
+
+@dataclass(frozen=True)
+class Dot8Proj:
+    """One projection of every expert in the kernel's layout: codes [E, Np/4, Kp/64, 4, 32 or 64] uint8,
+    scale [E, Np, G] float32, zero [E, Np, G] uint8; n real rows, k real columns, gs columns per group."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    n: int
+    k: int
+    bits: int
+    gs: int
+
+    @staticmethod
+    def build(proj: ProjectionWeights, key: QuantKey) -> Dot8Proj:
+        bits = key.dtype.bits
+        if key.dtype.is_float or bits not in (4, 8) or key.scale is None or key.scale2 is not None:
+            raise ValueError(f"torch-cpu-dot8 runs 4- and 8-bit integer weights with one scale level, got {key}")
+        e, n, kw = (int(d) for d in proj.weight.shape)
+        k = kw * 2 if bits == 4 else kw
+        kp, np_ = -(-k // CHUNK) * CHUNK, -(-n // ROWS) * ROWS
+        scale = proj.scale.float()
+        if scale.dim() != 3 or scale.shape[:2] != (e, n):
+            raise ValueError(f"weight key {key}: wanted scales [E={e}, N={n}, groups], got {tuple(scale.shape)}")
+        groups = int(scale.shape[2])
+        gs = kp if groups == 1 else k // groups
+        if groups > 1 and (gs * groups != k or (gs != BLOCK and gs % CHUNK)):
+            raise ValueError(f"weight key {key}: {groups} scale groups over K={k}; torch-cpu-dot8 takes groups of "
+                             f"{BLOCK} columns or a multiple of {CHUNK}")
+        if key.zero_point == "group":
+            if proj.zero is None or tuple(proj.zero.shape) != tuple(scale.shape):
+                got = None if proj.zero is None else tuple(proj.zero.shape)
+                raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
+                                 f"got {got}")
+            zero = proj.zero.to(torch.uint8)
+        else:
+            zero = torch.full(scale.shape, key.dtype.bias, dtype=torch.uint8)
+        codes = []
+        for i in range(e):
+            u = unpack_int4(proj.weight[i].view(torch.uint8)) if bits == 4 else proj.weight[i].view(torch.uint8)
+            u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
+            if bits == 4:  # byte j of a row's 64-column chunk: column j low, column 32 + j high
+                u = u.view(np_ // ROWS, ROWS, kp // CHUNK, 2, 32).permute(0, 2, 1, 3, 4)
+                codes.append((u[..., 0, :] | (u[..., 1, :] << 4)).contiguous())
+            else:
+                codes.append(u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3).contiguous())
+        rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
+        return Dot8Proj(torch.stack(codes), torch.nn.functional.pad(scale, rows_pad).contiguous(),
+                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs)
+
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+
+    def gemm(self, ops, a: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """[P, N]: pair i's activation row a[rows[i]] times expert experts[i] (< 0: a zero row)."""
+        return ops.gemm(a, rows, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.gs)
+
+
+class Dot8Experts(Experts):
+    """Experts whose two GEMMs each run as one compiled call over every (token, expert) pair of the layer; the
+    activation function, bias, act-order permutation and router weights around them in float32 torch ops."""
+
+    def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
+        if weights.layout != "nk":
+            raise ValueError(f"torch-cpu-dot8 reads layout 'nk', got {weights.layout!r}")
+        if weights.device.type != "cpu":
+            raise ValueError(f"torch-cpu-dot8 runs on the cpu, the weights are on {weights.device}")
+        if weights.activation_key.quantized:
+            raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
+                             f"{weights.activation_key}")
+        self._ops = dot8_ops()  # compile (or load) now: a build failure surfaces when the layer is built
+        self.w13 = Dot8Proj.build(weights.w13, weights.weight_key)
+        self.w2 = Dot8Proj.build(weights.w2, weights.weight_key)
+        super().__init__(ExpertWeights(weights.w13.with_stand_ins(*PACKED_FIELDS),
+                                       weights.w2.with_stand_ins(*PACKED_FIELDS), weights.weight_key,
+                                       weights.activation_key, weights.layout), config)
+        self._perm = tuple(None if p.perm is None else p.perm.to(torch.int64) for p in (weights.w13, weights.w2))
+        self._bias = tuple(None if p.bias is None else p.bias.float() for p in (weights.w13, weights.w2))
+
+    def resident_weight_bytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+    def _pairs(self, a: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The expert MLP of every pair: [P, H] float32, foreign pairs' rows 0."""
+        known = experts.clamp(min=0)
+        if self._perm[0] is not None:  # act-order: each pair's row in its expert's column order
+            a, rows = a.index_select(0, rows).gather(1, self._perm[0].index_select(0, known)), None
+        if rows is None:
+            rows = torch.arange(a.shape[0])
+        h = self.w13.gemm(self._ops, a.contiguous(), rows, experts)
+        if self._bias[0] is not None:
+            h = h + self._bias[0].index_select(0, known)
+        inter = act_and_mul(h, self.config.activation)
+        if self._perm[1] is not None:
+            inter = inter.gather(1, self._perm[1].index_select(0, known))
+        y = self.w2.gemm(self._ops, inter.contiguous(), torch.arange(inter.shape[0]), experts)
+        if self._bias[1] is not None:
+            y = y + self._bias[1].index_select(0, known)
+        if self._bias[0] is not None or self._bias[1] is not None:
+            y = y * (experts >= 0).unsqueeze(1)  # a foreign pair's bias is not this rank's to add
+        return y
+
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        m, top_k = topk_ids.shape
+        if m == 0:
+            return torch.zeros(0, hidden.shape[1], dtype=hidden.dtype)
+        experts = topk_ids.reshape(-1).to(torch.int64)
+        lo, hi = int(experts.min()), int(experts.max())
+        if lo < FOREIGN_EXPERT or hi >= self.weights.num_experts:
+            raise ValueError(f"topk_ids must be in [0, {self.weights.num_experts}) or {FOREIGN_EXPERT} (a foreign "
+                             f"expert), got values in [{lo}, {hi}]")
+        x = hidden.float()
+        router = topk_weights.reshape(-1, 1).float()
+        if self.config.apply_router_weight_on_input:
+            y = self._pairs((x.repeat_interleave(top_k, 0) * router), torch.arange(m * top_k), experts)
+        else:
+            y = self._pairs(x, torch.arange(m).repeat_interleave(top_k), experts) * router
+        return y.view(m, top_k, -1).sum(1).to(hidden.dtype)
+
+    def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """Batched format: x [E, T, H], the first expert_num_tokens[e] rows of x[e] are real; no router
+        weights (finalize applies them). Returns [E, T, H] in x's dtype; rows past a count are zero."""
+        num_experts = self.weights.num_experts
+        if x.dim() != 3 or x.shape[0] != num_experts:
+            raise ValueError(f"batched input must be [E={num_experts}, T, H], got {tuple(x.shape)}")
+        t = int(x.shape[1])
+        counts = expert_num_tokens.tolist()
+        for e, n in enumerate(counts):
+            if n < 0 or n > t:
+                raise ValueError(f"expert_num_tokens[{e}] = {n} is outside [0, {t}]")
+        rows = torch.cat([torch.arange(e * t, e * t + n) for e, n in enumerate(counts)] or [torch.zeros(0)]).long()
+        experts = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts, dtype=torch.int64))
+        out = torch.zeros(num_experts * t, x.shape[2], dtype=torch.float32)
+        if rows.numel():
+            out[rows] = self._pairs(x.reshape(num_experts * t, -1).float(), rows, experts)
+        return out.view(x.shape).to(x.dtype)

@@ -1,0 +1,385 @@
+// Expert GEMMs on 8-bit activation codes with integer dot products (moe_registry_kernels.cpu_dot8 compiles
+// this on first use, once per instruction set: the op namespace is the DOT8_NS macro, so two builds load
+// side by side).
+//
+// Activations: each row quantised once per GEMM, per block of 32 columns (as ggml's Q8_0):
+// d = amax / 127, q = round(x / d) in [-127, 127]; the block's d, and d * sum(q) for the zero-point term.
+// Weights: unsigned codes u (int4: the nibble, 0..15; int8: the byte, 0..255) with a float32 scale s and an
+// integer zero z per (row, group); value = (u - z) * s. uint4b8 is z = 8, uint8b128 z = 128, AWQ / GPTQ-asym
+// the checkpoint's zero. Then
+//   y = sum_g s_g * sum_{b in g} d_b * dot(u, q)_b  -  sum_g s_g * z_g * sum_{b in g} d_b * sum(q)_b,
+// the first an exact int32 dot per 32-column block, the second once per row from per-token sums.
+// Layout (repacked at load, cpu_dot8.py): rows in groups of RB = 4 interleaved per 64 columns,
+// [N / 4][K / 64][4][CB] bytes, CB = 32 (int4: byte j holds column j in its low nibble and column 32 + j in
+// its high one) or 64 (int8): one pass over the weights reads one contiguous stream, and a loaded 64-column
+// chunk of four rows meets every token of the pass.
+// Dots: AVX-512 VNNI (vpdpbusd: u8 x s8 summed in int32, exact), else AVX2 (int4: vpmaddubsw on u <= 15, whose
+// int16 pair sums cannot saturate; int8: the codes made signed by xor 0x80 and the sign moved onto q, so
+// |w| * (+-q) pairs stay inside int16, the zero then counted from 128), else scalar. Float32 everywhere else.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DOT8_AVX2 1
+#endif
+#if defined(DOT8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define DOT8_VNNI 1
+#endif
+
+#ifndef DOT8_NS
+#define DOT8_NS moe_registry_dot8
+#endif
+
+namespace {
+
+constexpr int64_t QB = 32;         // activation block (columns)
+constexpr int64_t CH = 64;         // columns per weight chunk; K is padded to it
+constexpr int64_t RB = 4;          // interleaved rows
+constexpr int64_t TASK_ROWS = 64;  // weight rows per task
+
+#if defined(DOT8_VNNI)
+constexpr int64_t TMAX = 2;  // tokens per pass over a row group (accumulators: 2 x RB x TMAX of 32 registers)
+#else
+constexpr int64_t TMAX = 1;  // AVX2 has 16 registers
+#endif
+
+// One activation row quantised: q [kp] int8, dv [kp / 32 * 8] (each block's d, 8 times: one vector load per
+// block), bs [kp / 32] = d * sum(q). Columns past k are 0.
+void quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float* dv, float* bs) {
+  for (int64_t b = 0; b < kp / QB; ++b) {
+    const int64_t c0 = b * QB, c1 = std::min(k, c0 + QB);
+    float amax = 0.0f;
+    for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float d = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t c = c0; c < c0 + QB; ++c) {
+      const float v = c < c1 ? std::nearbyint(x[c] * inv) : 0.0f;
+      const int32_t i = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+      q[c] = static_cast<int8_t>(i);
+      sum += i;
+    }
+    for (int j = 0; j < 8; ++j) dv[b * 8 + j] = d;
+    bs[b] = d * static_cast<float>(sum);
+  }
+}
+
+// A projection's weights for one expert: codes [np / 4][kp / 64][4][cb], scales and zeros [np][groups].
+struct Proj {
+  const uint8_t* w;
+  const float* s;
+  const uint8_t* z;
+  int64_t n, np, kp, groups, gs, bits;
+  int64_t cb() const { return bits == 4 ? 32 : 64; }
+};
+
+// Quantised activation rows: q [rows][kp], dv [rows][kp / 4], xg [rows][groups] = sum over the group's blocks
+// of d * sum(q).
+struct Acts {
+  const int8_t* q;
+  const float* dv;
+  const float* xg;
+  int64_t kp, groups;
+};
+
+#if defined(DOT8_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// The zero point's share, counted from `zbias` (the integer the dot already took as the codes' zero).
+inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias) {
+  const float* s = p.s + row * p.groups;
+  const uint8_t* z = p.z + row * p.groups;
+  float corr = 0.0f;
+  for (int64_t g = 0; g < p.groups; ++g) corr += s[g] * static_cast<float>(static_cast<int32_t>(z[g]) - zbias) * xg[g];
+  return corr;
+}
+
+// y[t][r] for the RB rows of row group `quad` and T tokens (T <= TMAX).
+template <int T, int BITS>
+void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, float* const* y) {
+  const int64_t cb = BITS == 4 ? 32 : 64;
+  const int64_t chunks = p.kp / CH, per_group = p.gs / CH;  // per_group 0: groups of 32
+  const uint8_t* wq = p.w + quad * chunks * RB * cb;
+  const int64_t n0 = quad * RB;
+  float res[RB][T];
+  int zbias = 0;
+#if defined(DOT8_VNNI)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  __m512 f[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
+  __m512 acc[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i xv[T];
+    __m512 xd[T];
+    for (int t = 0; t < T; ++t) {
+      xv[t] = _mm512_loadu_si512(a.q + tok[t] * a.kp + c * CH);
+      xd[t] = _mm512_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16);
+    }
+    const uint8_t* wc = wq + c * RB * cb;
+    _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb), _MM_HINT_T0);
+    if (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb + 64), _MM_HINT_T0);
+    for (int r = 0; r < RB; ++r) {
+      __m512i w;
+      if (BITS == 4) {
+        const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 32)));
+        w = _mm512_and_si512(_mm512_srlv_epi16(b, shifts), low);
+      } else {
+        w = _mm512_loadu_si512(wc + r * 64);
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[t]);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xd[t], acc[r][t]);
+      }
+    }
+    // a group ends: its sums times the row's scale (groups of 32: two per chunk, one scale per 8 lanes)
+    if (per_group == 0 || (c + 1) % per_group == 0) {
+      for (int r = 0; r < RB; ++r) {
+        const float* sr = p.s + (n0 + r) * p.groups;
+        const __m512 s = per_group == 0
+                             ? _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(sr[2 * c])),
+                                                                  _mm256_castps_pd(_mm256_set1_ps(sr[2 * c + 1])), 1))
+                             : _mm512_set1_ps(sr[c / per_group]);
+        for (int t = 0; t < T; ++t) {
+          f[r][t] = _mm512_fmadd_ps(acc[r][t], s, f[r][t]);
+          acc[r][t] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) res[r][t] = _mm512_reduce_add_ps(f[r][t]);
+#elif defined(DOT8_AVX2)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  if (BITS == 8) zbias = 128;
+  __m256 f[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) f[r][t] = _mm256_setzero_ps();
+  __m256 acc[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* wc = wq + c * RB * cb;
+    _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb), _MM_HINT_T0);
+    if (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb + 64), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {  // the chunk's two 32-column blocks
+      __m256i xv[T];
+      __m256 xd[T];
+      for (int t = 0; t < T; ++t) {
+        xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + tok[t] * a.kp + c * CH + h * 32));
+        xd[t] = _mm256_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16 + h * 8);
+      }
+      for (int r = 0; r < RB; ++r) {
+        if (BITS == 4) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 32));
+          const __m256i w = h == 0 ? _mm256_and_si256(b, low) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          for (int t = 0; t < T; ++t) {
+            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones);
+            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xd[t], acc[r][t]);
+          }
+        } else {
+          const __m256i w = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 64 + h * 32)), flip);
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int t = 0; t < T; ++t) {
+            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[t], w)), ones);
+            acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xd[t], acc[r][t]);
+          }
+        }
+      }
+      // a group ends: after each block for groups of 32, else after its last chunk
+      if (per_group == 0 || (h == 1 && (c + 1) % per_group == 0)) {
+        const int64_t g = per_group == 0 ? 2 * c + h : c / per_group;
+        for (int r = 0; r < RB; ++r) {
+          const __m256 s = _mm256_set1_ps(p.s[(n0 + r) * p.groups + g]);
+          for (int t = 0; t < T; ++t) {
+            f[r][t] = _mm256_fmadd_ps(acc[r][t], s, f[r][t]);
+            acc[r][t] = _mm256_setzero_ps();
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) res[r][t] = hsum8(f[r][t]);
+#else
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) {
+      float fr = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* wc = wq + (c * RB + r) * cb;
+        for (int64_t b = 0; b < 2; ++b) {
+          int32_t dot = 0;
+          for (int64_t j = 0; j < 32; ++j) {
+            const int32_t u = BITS == 4 ? (b == 0 ? wc[j] & 0xF : wc[j] >> 4) : wc[b * 32 + j];
+            dot += u * a.q[tok[t] * a.kp + c * CH + b * 32 + j];
+          }
+          const int64_t g = (c * CH + b * 32) / p.gs;
+          fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] * p.s[(n0 + r) * p.groups + g];
+        }
+      }
+      res[r][t] = fr;
+    }
+#endif
+  for (int r = 0; r < RB; ++r) {
+    if (n0 + r >= p.n) break;
+    for (int t = 0; t < T; ++t) y[t][n0 + r] = res[r][t] - zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias);
+  }
+}
+
+template <int BITS>
+void rows_dot(const Proj& p, int64_t q0, int64_t q1, const Acts& a, const int64_t* tok, int64_t ntok,
+              float* const* y) {
+  for (int64_t quad = q0; quad < q1; ++quad) {
+    int64_t t = 0;
+#if defined(DOT8_VNNI)
+    for (; t + 2 <= ntok; t += 2) quad_dot<2, BITS>(p, quad, a, tok + t, y + t);
+#endif
+    for (; t < ntok; ++t) quad_dot<1, BITS>(p, quad, a, tok + t, y + t);
+  }
+}
+
+}  // namespace
+
+// y[P, N] = the pairs' GEMMs: pair i multiplies activation row rows[i] of a [R, K] by expert experts[i]'s
+// weights (experts[i] < 0: a foreign expert, its row of y stays 0). codes [E, Np / 4, Kp / 64, 4, CB] uint8,
+// scale [E, Np, G] float32, zero [E, Np, G] uint8; n the real rows (Np: n rounded up to 4), bits 4 or 8, gs
+// the columns per scale group (32 or a multiple of 64; per channel: Kp). The rows are quantised once, then every
+// (expert, 64-row block) is one task of one parallel region, handed to whichever thread is free.
+at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tensor codes, at::Tensor scale,
+                     at::Tensor zero, int64_t n, int64_t bits, int64_t gs) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows: int64 [P]");
+  TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous() &&
+                  experts.size(0) == rows.size(0), "experts: int64 [P]");
+  const int64_t cb = bits == 4 ? 32 : 64;
+  TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(3) == RB &&
+                  codes.size(4) == cb, "codes: contiguous uint8 [E, Np/4, Kp/64, 4, ", cb, "]");
+  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH, k = a.size(1);
+  TORCH_CHECK(k <= kp && kp - k < CH, "a's K = ", k, " does not match the codes' padded K = ", kp);
+  TORCH_CHECK(n > np - RB && n <= np, "n = ", n, " does not match the codes' ", np, " rows");
+  TORCH_CHECK((gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
+              " must be 32 or a multiple of 64 dividing ", kp);
+  const int64_t groups = kp / gs;
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  scale.size(0) == e && scale.size(1) == np && scale.size(2) == groups,
+              "scale: contiguous float32 [E, Np, G] = [", e, ", ", np, ", ", groups, "]");
+  TORCH_CHECK(zero.sizes() == scale.sizes() && zero.is_contiguous() && zero.scalar_type() == at::kByte,
+              "zero: contiguous uint8 on the scale's grid");
+  const int64_t r = a.size(0), pairs = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* ep = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < r, "rows[", i, "] = ", rp[i], " is outside [0, ", r, ")");
+    TORCH_CHECK(ep[i] < e, "experts[", i, "] = ", ep[i], " is outside [0, ", e, ")");
+  }
+  at::Tensor y = at::zeros({pairs, n}, a.options());
+  if (pairs == 0) return y;
+
+  // the activation rows, quantised once (rows no pair reads are quantised too: they cost K each)
+  at::Tensor q = at::empty({r, kp}, a.options().dtype(at::kChar));
+  at::Tensor dv = at::empty({r, kp / 4}, a.options());
+  at::Tensor bs = at::empty({r, kp / QB}, a.options());
+  at::Tensor xg = at::empty({r, groups}, a.options());
+  {
+    const float* ap = a.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dp = dv.data_ptr<float>();
+    float* bp = bs.data_ptr<float>();
+    float* gp = xg.data_ptr<float>();
+    at::parallel_for(0, r, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        quant_row(ap + i * k, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
+        for (int64_t g = 0; g < groups; ++g) {
+          float s = 0.0f;
+          for (int64_t b = g * (gs / QB); b < (g + 1) * (gs / QB); ++b) s += bp[i * (kp / QB) + b];
+          gp[i * groups + g] = s;
+        }
+      }
+    });
+  }
+  const Acts acts{q.data_ptr<int8_t>(), dv.data_ptr<float>(), xg.data_ptr<float>(), kp, groups};
+
+  // pairs grouped by expert (counting sort), then (expert, row block) tasks
+  std::vector<int64_t> start(e + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i)
+    if (ep[i] >= 0) ++start[ep[i] + 1];
+  for (int64_t x = 0; x < e; ++x) start[x + 1] += start[x];
+  std::vector<int64_t> order(start[e]), fill(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < pairs; ++i)
+    if (ep[i] >= 0) order[fill[ep[i]]++] = i;
+  std::vector<int64_t> tok(order.size());
+  for (size_t i = 0; i < order.size(); ++i) tok[i] = rp[order[i]];
+  const int64_t blocks = (np + TASK_ROWS - 1) / TASK_ROWS;
+  std::vector<int64_t> task_expert;
+  for (int64_t x = 0; x < e; ++x)
+    if (start[x + 1] > start[x]) task_expert.push_back(x);
+  const int64_t tasks = static_cast<int64_t>(task_expert.size()) * blocks;
+  float* yp = y.data_ptr<float>();
+  std::vector<float*> yrow(order.size());
+  for (size_t i = 0; i < order.size(); ++i) yrow[i] = yp + order[i] * n;
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const uint8_t* zp = zero.data_ptr<uint8_t>();
+  const int64_t expert_bytes = np * kp * bits / 8;
+
+  auto run = [&](int64_t t) {
+    const int64_t x = task_expert[t / blocks], blk = t % blocks;
+    const Proj p{cp + x * expert_bytes, sp + x * np * groups, zp + x * np * groups, n, np, kp, groups, gs, bits};
+    const int64_t q0 = blk * TASK_ROWS / RB, q1 = std::min(np, (blk + 1) * TASK_ROWS) / RB;
+    const int64_t first = start[x], count = start[x + 1] - start[x];
+    if (bits == 4) rows_dot<4>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first);
+    else rows_dot<8>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first);
+  };
+  const int64_t threads = std::min<int64_t>(tasks, at::get_num_threads());
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < tasks; ++t) run(t);
+    return y;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i)
+      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) run(t);
+  });
+  return y;
+}
+
+std::string dot8_isa() {
+#if defined(DOT8_VNNI)
+  return "avx512vnni";
+#elif defined(DOT8_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+TORCH_LIBRARY(DOT8_NS, m) {
+  m.def("gemm(Tensor a, Tensor rows, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
+        "int gs) -> Tensor", &dot8_gemm);
+  m.def("isa() -> str", &dot8_isa);
+}
