@@ -30,7 +30,7 @@ from moe_registry_kernels.dequant import dequantize
 from moe_registry_kernels.quant_ref import fake_quantize_activation, per_tensor_dynamic, quantize_activation
 
 from moe_registry.core.keys import QuantKey
-from moe_registry.formats.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
 # expert parallelism marks a pair routed to another rank's expert with this id: it adds nothing here
@@ -41,7 +41,8 @@ __all__ = ["DenseExperts", "dense_experts", "ReferenceExperts", "reference_moe",
 
 @dataclass(frozen=True)
 class DenseExperts:
-    """Experts dequantized once into ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of one compute dtype."""
+    """Experts dequantized once into ``w13`` [E, 2I, H] and ``w2`` [E, H, I] of one compute dtype, or, for
+    unquantized weights kept as stored, cast to it one expert at a time where they are used (:func:`_weight`)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -56,17 +57,24 @@ class DenseExperts:
         return int(self.w13.shape[0])
 
 
-def dense_experts(weights: ExpertWeights, dtype: torch.dtype = torch.float32) -> DenseExperts:
-    """Dequantize both projections (and cast biases) to ``dtype``."""
+def dense_experts(weights: ExpertWeights, dtype: torch.dtype = torch.float32, *,
+                  keep_stored: bool = False) -> DenseExperts:
+    """Dequantize both projections (and cast biases) to ``dtype``. ``keep_stored``: unquantized weights stay the
+    stored tensors (a bfloat16 checkpoint's experts are then held once, not again in float32)."""
     if weights.layout != "nk":
         raise ValueError(f"the reference reads layout 'nk', got {weights.layout!r}")
 
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(dtype)
 
+    def dense(proj: ProjectionWeights) -> torch.Tensor:
+        if keep_stored and not weights.weight_key.quantized and proj.weight.is_floating_point():
+            return proj.weight
+        return dequantize(proj, weights.weight_key, dtype=dtype)
+
     return DenseExperts(
-        w13=dequantize(weights.w13, weights.weight_key, dtype=dtype),
-        w2=dequantize(weights.w2, weights.weight_key, dtype=dtype),
+        w13=dense(weights.w13),
+        w2=dense(weights.w2),
         b13=cast(weights.w13.bias),
         b2=cast(weights.w2.bias),
         input_scale13=weights.w13.input_scale,
@@ -75,17 +83,22 @@ def dense_experts(weights: ExpertWeights, dtype: torch.dtype = torch.float32) ->
     )
 
 
+def _weight(w: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s weight in ``dtype`` (a cast only where the weights were kept as stored)."""
+    return w[e].to(dtype)
+
+
 def _expert_mlp(dense: DenseExperts, e: int, x: torch.Tensor, activation: str,
                 dtype: torch.dtype) -> torch.Tensor:
     """One expert on rows x [T, H] -> [T, H] in ``dtype`` (no router weight)."""
     key = dense.activation_key
     xq = fake_quantize_activation(x, key, dense.input_scale13, dtype)
-    h = xq @ dense.w13[e].T
+    h = xq @ _weight(dense.w13, e, dtype).T
     if dense.b13 is not None:
         h = h + dense.b13[e]
     a = act_and_mul(h, activation)
     aq = fake_quantize_activation(a, key, dense.input_scale2, dtype)
-    y = aq @ dense.w2[e].T
+    y = aq @ _weight(dense.w2, e, dtype).T
     if dense.b2 is not None:
         y = y + dense.b2[e]
     return y
@@ -105,12 +118,12 @@ def _run_experts(dense: DenseExperts, jobs: list[tuple[int, torch.Tensor]], acti
     s13 = quantize_activation(torch.cat([x for _, x in jobs]) if gemm1_input is None else gemm1_input, key).scale
     inter = []
     for e, x in jobs:
-        h = fake_quantize_activation(x, static, s13, dtype) @ dense.w13[e].T
+        h = fake_quantize_activation(x, static, s13, dtype) @ _weight(dense.w13, e, dtype).T
         inter.append(act_and_mul(h if dense.b13 is None else h + dense.b13[e], activation))
     s2 = quantize_activation(torch.cat(inter), key).scale
     out = []
     for (e, _), a in zip(jobs, inter, strict=True):
-        y = fake_quantize_activation(a, static, s2, dtype) @ dense.w2[e].T
+        y = fake_quantize_activation(a, static, s2, dtype) @ _weight(dense.w2, e, dtype).T
         out.append(y if dense.b2 is None else y + dense.b2[e])
     return out
 
@@ -177,11 +190,12 @@ def _moe_batched(dense: DenseExperts, x: torch.Tensor, expert_num_tokens: torch.
 
 
 class ReferenceExperts(Experts):
-    """Float32 reference; weights are dequantized once here, not per call."""
+    """Float32 reference; quantized weights are dequantized once here, not per call; unquantized ones are kept
+    as stored and cast per expert in the call (a bfloat16 model's experts are not held a second time)."""
 
     def __init__(self, weights: ExpertWeights, config: ExpertsConfig) -> None:
         super().__init__(weights, config)
-        self.dense = dense_experts(weights, torch.float32)
+        self.dense = dense_experts(weights, torch.float32, keep_stored=True)
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,15 @@ def test_report_counts_the_experts_bytes(whole) -> None:  # type: ignore[no-unty
     assert out.shape == (1, 16)
 
 
+def test_an_unquantized_model_holds_its_experts_once_on_the_cpu(whole) -> None:  # type: ignore[no-untyped-def]
+    """A bfloat16 checkpoint on the CPU (the float32 reference runs it): the experts stay as stored, cast one
+    expert at a time in the call, so they hold the checkpoint's bytes, not three times them (a float32 copy
+    beside the bfloat16 one)."""
+    report = load_model(whole("qwen3_moe")).moe_registry_report
+    assert {p.kernel for p in report.layers} == {"torch-reference"} and report.dtype == "bfloat16"
+    assert report.experts_resident_bytes <= 1.25 * report.experts_checkpoint_bytes, report.to_text()
+
+
 def test_foreign_expert_ids_add_nothing() -> None:
     """ids >= num_experts (transformers' expert-parallel sentinel) get weight 0 on an expert their row lacks."""
     ids = torch.tensor([[0, 8, 9], [3, 1, 2], [8, 8, 5]])
