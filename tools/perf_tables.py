@@ -153,14 +153,38 @@ def cpu_block(entry: dict, base: Path) -> str:
             + md_table(["scheme (+ same keys)", "kernel", "M", "ms", "x plain", "resident/packed"], table) + "\n")
 
 
+def whole_model_block(entry: dict, base: Path) -> str:
+    """A tools/bench_model.py record: the registry's whole model beside transformers' own, per format."""
+    import bench_model
+
+    path = base / entry["record"]
+    if not path.is_file():
+        raise TablesError(f"{path}: no such record (named in {MANIFEST.name})")
+    header, lines = bench_model.read_record(path)
+    if not header or not lines:
+        raise TablesError(f"{path}: no tools/bench_model.py header or lines in it")
+    env = header["env"]
+    formats = list(dict.fromkeys(line["format"] for line in lines))
+    machine = (f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, Triton {env['triton']}, "
+               f"compressed-tensors {'installed' if env['compressed_tensors'] else 'not installed'}"
+               + (f", {env['threads']} threads" if env.get("threads") else "")
+               + (f" ({entry['note']})" if entry.get("note") else ""))
+    return (provenance(bench_model.command(header["settings"], formats), machine, entry) + "\n\n"
+            + bench_model.markdown(path))
+
+
 def blocks(manifest: dict, base: Path) -> dict[str, str]:
-    """Every generated block's body, by name."""
-    return {
+    """Every generated block's body, by name (a whole-model block once the manifest names its record)."""
+    out = {
         "gpu-layer": gpu_layer_block(manifest["gpu_layer"], base),
         "per-byte": per_byte_block(manifest["gpu_layer"], base),
         "tuned": tuned_block(manifest["gpu_tuned"], base),
         "cpu-layer": cpu_block(manifest["cpu_layer"], base),
     }
+    for key, name in (("gpu_whole", "gpu-whole-model"), ("cpu_whole", "cpu-whole-model")):
+        if key in manifest:
+            out[name] = whole_model_block(manifest[key], base)
+    return out
 
 
 def render(document: str, bodies: dict[str, str]) -> str:
