@@ -41,12 +41,15 @@ def merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     for key, value in changes.items():
         out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
 LAYER_COUNTS = ("num_hidden_layers", "n_layers")  # DBRX names its layer count n_layers
 
 
 def whole_config(tiny_config: dict[str, Any], layers: int) -> dict[str, Any]:
     """``tiny_config`` with ``layers`` decoder layers (in its ``text_config`` where the text model's settings
-    live): every per-layer list (layer types, MLP kinds) is extended by repeating its last entry."""
+    live): every per-layer list (layer types, MLP kinds) is extended by repeating its last entry, and a list of
+    every layer's index (Llama 4's moe_layers) by the new layers' indices."""
     out = dict(tiny_config)
     key = next((k for k in LAYER_COUNTS if k in out), None)
     if key is None and isinstance(out.get("text_config"), dict):
@@ -57,7 +60,8 @@ def whole_config(tiny_config: dict[str, Any], layers: int) -> dict[str, Any]:
     old = int(out[key])
     for name, value in tiny_config.items():
         if isinstance(value, list) and len(value) == old and old > 0:
-            out[name] = value + [value[-1]] * (layers - old)
+            every_index = value == list(range(old))
+            out[name] = list(range(layers)) if every_index else value + [value[-1]] * (layers - old)
     out[key] = layers
     return out
 

@@ -822,6 +822,12 @@ class ModelFamilySpec(Strict):
         "default: 7.0} (the swigluoai kernels clamp at 7). A config failing one is reported not runnable by "
         "explain and refused by run, naming the field, the value seen and the value wanted"))
     naming: Naming = Field(description="how checkpoints name a MoE layer's router and expert tensors")
+    experts_call: Literal["contract", "scaled_rows"] = Field(default="contract", description=(
+        "how transformers' MoE block calls its experts module, which a whole model's experts replace: contract, "
+        "transformers' experts contract (hidden_states, top_k_index, top_k_weights); scaled_rows, one tensor "
+        "[experts x tokens, hidden] holding every token's hidden state once per expert, scaled by its router "
+        "score there (zero where the token is not routed), whose output rows the block adds up over the experts "
+        "(Llama 4's Llama4TextMoe). whole.load_model finds the experts modules of the model by this form"))
 
     @field_validator("fields")
     @classmethod

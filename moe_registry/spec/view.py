@@ -370,6 +370,7 @@ class ModelFamilySpec(SpecRecord):
     routing: dict[RoutingWord, FieldRef]
     requires: dict[str, FieldRule]
     naming: Naming
+    experts_call: Literal["contract", "scaled_rows"]
 
 
 IMPL_RE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"

@@ -33,6 +33,7 @@ from moe_registry.whole.experts_module import RegistryExperts
 from moe_registry.whole.memory import check_fits
 from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
 from moe_registry.whole.requirement import require_transformers
+from moe_registry.whole.scaled_rows import ScaledRowsExperts
 
 # decode's token counts (batch sizes) up to this replay captured CUDA graphs of each MoE layer's experts; a
 # longer call (a prefill) is launched as it comes, its launches' host time small beside its GPU time
@@ -75,11 +76,29 @@ def takes_experts_contract(module: torch.nn.Module) -> bool:
     return params == CONTRACT
 
 
-def experts_modules(model: torch.nn.Module) -> dict[int, str]:
-    """Decoder layer -> path of the experts module in it that takes transformers' experts contract."""
+def takes_scaled_rows(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an experts module its block calls with scaled rows (``forward(hidden_states)``)."""
+    try:
+        params = tuple(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return params == ("hidden_states",)
+
+
+# the family spec's experts_call -> how to find the experts modules it names, and the module that replaces them
+EXPERTS_CALLS: dict[str, tuple[Any, Any]] = {
+    "contract": (takes_experts_contract, RegistryExperts),
+    "scaled_rows": (takes_scaled_rows, ScaledRowsExperts),
+}
+
+
+def experts_modules(model: torch.nn.Module, call: str = "contract") -> dict[int, str]:
+    """Decoder layer -> path of the experts module in it that its block calls as ``call`` (a family spec's
+    ``experts_call``: transformers' experts contract, or scaled rows)."""
+    takes = EXPERTS_CALLS[call][0]
     found: dict[int, str] = {}
     for name, module in model.named_modules():
-        if takes_experts_contract(module):
+        if (call == "contract" or name.endswith(".experts")) and takes(module):
             m = _LAYER_RE.search(f".{name}.")
             if m:
                 found[int(m.group(1))] = name
@@ -328,7 +347,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         raise ConfigError(f"cuda_graphs=True: the model is loaded to {dev}; CUDA graphs need a CUDA device")
     graph_tokens = GRAPH_TOKENS if (dev.type == "cuda" and ep == 1 if cuda_graphs is None else cuda_graphs) else 0
     model = _skeleton(transformers, target, torch_dtype)
-    experts = experts_modules(model)
+    call = registry.families[model_config.family].spec.experts_call
+    experts = experts_modules(model, call)
     if not experts:
         others = _other_experts(model)
         raise ConfigError(f"{config_path(target)}: transformers' {type(model).__name__} has no experts module taking "
@@ -355,7 +375,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
                       device=dev, ep=ep if ep > 1 else None,
                       all2all="allgather_reducescatter" if ep > 1 else None, max_tokens=max_tokens).built
-        module = RegistryExperts(built.kernel, built.report, layer, graph_tokens)
+        module = EXPERTS_CALLS[call][1](built.kernel, built.report, layer, graph_tokens,
+                                        **({"top_k": model_config.shape.top_k} if call == "scaled_rows" else {}))
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
         assert built.report.scheme is not None and built.report.chosen is not None
