@@ -100,3 +100,16 @@ def test_kernels_import_only_the_layer_contract() -> None:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_registry."):
                 seen.add(".".join(node.module.split(".")[:2]))
     assert seen <= KERNEL_IMPORTS, seen - KERNEL_IMPORTS
+
+
+def test_no_private_name_crosses_a_stage() -> None:
+    """A stage uses another's public names only: a private one (``_name``) is that stage's to change."""
+    crossing = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("moe_registry."):
+                if _stage(node.module) == _stage(module):
+                    continue
+                crossing += [f"{module} imports {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossing == []

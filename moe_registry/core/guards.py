@@ -28,7 +28,7 @@ __all__ = [
     "MAX_JSON_BYTES", "MAX_INDEX_BYTES", "MAX_DEPTH", "MAX_LAYERS", "MAX_EXPERTS", "MAX_DIM", "MAX_RUN_TOKENS",
     "MAX_PATTERN_CHARS", "MAX_SUBJECT_CHARS", "check_file", "read_text", "inside", "shard_path", "load_json_text",
     "read_json_file", "check_json_depth", "check_int", "check_number", "short_repr", "compile_bounded",
-    "bounded_match", "bounded_search", "expert_index", "check_tensor_values", "FLOAT_DTYPES",
+    "bounded_match", "bounded_search", "capped_subject", "expert_index", "check_tensor_values", "FLOAT_DTYPES",
 ]
 
 MAX_JSON_BYTES = 4 * 1024 * 1024  # config.json, hf_quant_config.json, runtime files
@@ -313,7 +313,8 @@ def compile_bounded(pattern: Any, what: str) -> re.Pattern[str]:
     return compiled
 
 
-def _subject(subject: str) -> str:
+def capped_subject(subject: str) -> str:
+    """``subject``, refused in one line when it is longer than a config regex may be matched against."""
     if len(subject) > MAX_SUBJECT_CHARS:
         raise ConfigError(f"module name of {len(subject)} characters is too long to match against "
                           f"config regexes (at most {MAX_SUBJECT_CHARS})")
@@ -322,12 +323,12 @@ def _subject(subject: str) -> str:
 
 def bounded_match(pattern: Any, subject: str, what: str) -> bool:
     """``re.match`` with a checked pattern and a length-capped subject."""
-    return compile_bounded(pattern, what).match(_subject(subject)) is not None
+    return compile_bounded(pattern, what).match(capped_subject(subject)) is not None
 
 
 def bounded_search(pattern: Any, subject: str, what: str) -> bool:
     """``re.search`` with a checked pattern and a length-capped subject."""
-    return compile_bounded(pattern, what).search(_subject(subject)) is not None
+    return compile_bounded(pattern, what).search(capped_subject(subject)) is not None
 
 
 # ---------------------------------------------------------------- tensor values

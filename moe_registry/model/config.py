@@ -18,7 +18,7 @@ from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.vocab import ACTIVATION_FNS
 from moe_registry.oracle.contract import RoutingValue
-from moe_registry.oracle.detect import _MISSING, check_field, get_path
+from moe_registry.oracle.detect import MISSING, check_field, get_path
 from moe_registry.oracle.runtime import MoEShape
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ConfigClass, FieldRef, ModelFamilySpec
@@ -425,7 +425,7 @@ def _requires(roots: list[Mapping[str, Any]], family: ModelFamilySpec) -> list[s
     absent everywhere, the rule's default is)."""
     out = []
     for field, rule in family.requires.items():
-        root = next((r for r in roots if any(get_path(r, n) is not _MISSING for n in (field, *rule.aliases))),
+        root = next((r for r in roots if any(get_path(r, n) is not MISSING for n in (field, *rule.aliases))),
                     roots[0])
         check = check_field(root, field, rule)
         if not check.passed:

@@ -17,13 +17,13 @@ from moe_registry.oracle.scope_index import gptq_dynamic_sign, pattern_index
 from moe_registry.spec.loader import fill_template
 from moe_registry.spec.view import BindRule, FieldRule, SchemeSpec, ScopeRule
 
-_MISSING = object()
+MISSING = object()  # get_path's answer for a path the config does not have (None is a value)
 
 
 def get_path(config: Mapping[str, Any] | None, path: str) -> Any:
     """``config['a']['b']`` for path ``a.b``; a key containing dots is also tried whole."""
     if config is None:
-        return _MISSING
+        return MISSING
     if path in config:
         return config[path]
     node: Any = config
@@ -31,7 +31,7 @@ def get_path(config: Mapping[str, Any] | None, path: str) -> Any:
         if isinstance(node, Mapping) and part in node:
             node = node[part]
         else:
-            return _MISSING
+            return MISSING
     return node
 
 
@@ -43,20 +43,20 @@ def _norm(value: Any, case: str) -> Any:
 
 def check_field(config: Mapping[str, Any] | None, path: str, rule: FieldRule) -> Check:
     """One detect rule against the config."""
-    value, used = _MISSING, path
+    value, used = MISSING, path
     for candidate in [path, *rule.aliases]:
         value = get_path(config, candidate)
-        if value is not _MISSING:
+        if value is not MISSING:
             used = candidate
             break
     if rule.present is not None:
-        if (value is not _MISSING) == rule.present:
+        if (value is not MISSING) == rule.present:
             return passed(used, f"{used} is {'present' if rule.present else 'absent'}")
         if rule.present:
             return failed(Reason.FIELD_MISSING, used, f"{used} is missing; wanted it present")
         return failed(Reason.FIELD_PRESENT, used, f"{used} = {_short(value)} is present; wanted it absent",
                       seen=value)
-    defaulted = value is _MISSING
+    defaulted = value is MISSING
     if defaulted:
         if not rule.has_default:
             wanted = rule.equals if rule.has_equals else rule.one_of
@@ -138,7 +138,7 @@ def apply_scope(config: Mapping[str, Any] | None, rules: Sequence[ScopeRule],
         return ScopeOutcome(None)
     for rule in rules:
         source = get_path(config, rule.from_)
-        if source is _MISSING or source is None:
+        if source is MISSING or source is None:
             continue
         if rule.kind in ("only", "exclude"):
             hit = pattern_index(source, rule.match, rule.types).first(module)
@@ -193,13 +193,13 @@ def _detect(config: Mapping[str, Any] | None, scheme: SchemeSpec) -> list[Check]
 def _bind(config: Mapping[str, Any] | None, name: str, rule: BindRule) -> tuple[Any, Check]:
     if rule.value is not None:
         return rule.value, passed(f"${name}", f"${name} = {rule.value!r}")
-    value, used = _MISSING, rule.from_ or ""
+    value, used = MISSING, rule.from_ or ""
     for candidate in [rule.from_, *rule.aliases]:
         value = get_path(config, candidate or "")
-        if value is not _MISSING:
+        if value is not MISSING:
             used = candidate or ""
             break
-    if value is _MISSING or value is None:
+    if value is MISSING or value is None:
         if rule.default is None:
             return None, failed(Reason.BIND_MISSING, used, f"{used} is missing (needed for ${name})")
         value = rule.default

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from moe_registry.core.guards import _subject, bounded_match, bounded_search, compile_bounded
+from moe_registry.core.guards import bounded_match, bounded_search, capped_subject, compile_bounded
 
 __all__ = ["pattern_matches", "gptq_dynamic_sign", "PatternIndex", "pattern_index"]
 
@@ -103,13 +103,13 @@ def _compiled(kind: str, pattern: str) -> Callable[[str], bool]:
         return re.compile(fnmatch.translate(pattern)).match  # type: ignore[return-value]
     if kind == "ct-target":
         regex = compile_bounded(pattern[3:], "quantization_config ct-target pattern")
-        return lambda name: regex.match(_subject(name)) is not None
+        return lambda name: regex.match(capped_subject(name)) is not None
     if kind == "regex":
         regex = compile_bounded(pattern, "quantization_config regex pattern")
-        return lambda name: regex.search(_subject(name)) is not None
+        return lambda name: regex.search(capped_subject(name)) is not None
     body = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern  # gptq-dynamic
     regex = compile_bounded(body, "quantization_config gptq-dynamic pattern")
-    return lambda name: regex.match(_subject(name)) is not None
+    return lambda name: regex.match(capped_subject(name)) is not None
 
 
 @dataclass(frozen=True)
