@@ -4,12 +4,12 @@ by tools/make_fixtures_gptq_awq.py, versions in each VERSIONS.json) are the grou
 Each fixture is a tiny Qwen3-MoE layer (4 experts, hidden 64, expert intermediate 64, group 32; one is a
 Mixtral, saved by GPTQModel under its own module names mlp.gate / mlp.experts.N.gate_proj, which the mixtral
 family reads through naming.alternatives) with the library's own dequantised weight of every expert
-projection and that quantized linear's output on fixed inputs (ref.safetensors). We check: `explain` picks
-the right scheme and a Triton kernel accepts its keys; our converter's weights, rounded to float16, are the
-library's dequantisation bit for bit (both libraries compute scale * (q - zero) in float16 with one
-rounding, as rounding our float32 value once does); the built layer (torch reference on CPU, Triton in the
-interpreter) matches a float64 MoE computed from the LIBRARY'S weights within the scheme's tolerance;
-broken zero points are refused naming the tensor.
+projection and that quantized linear's output on fixed inputs (ref.safetensors). What every producer passes
+(tests/test_producers.py): `explain` picks the right scheme and a Triton kernel accepts its keys; our
+converter's weights, rounded to float16, are the library's dequantisation bit for bit (both libraries compute
+scale * (q - zero) in float16 with one rounding, as rounding our float32 value once does). Here: the built
+layer (torch reference on CPU, Triton in the interpreter) matches a float64 MoE computed from the LIBRARY'S
+weights within the scheme's tolerance; broken zero points are refused naming the tensor.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from moe_registry_kernels.dequant import dequantize
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.cli.main import main
 from moe_registry.core.errors import CheckpointError
 from moe_registry.layer.experts import ExpertsConfig
 
@@ -80,14 +79,6 @@ def our_weights(built) -> dict[str, torch.Tensor]:
     return {"gate": w13[:, :inter], "up": w13[:, inter:], "down": dequantize(w.w2, w.weight_key)}
 
 
-def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in float16 units in the last place (same sign assumed away by ordering the bit patterns)."""
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.to(torch.float16).view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
-    return (ordered(a) - ordered(b)).abs()
-
-
 def routing(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
@@ -115,16 +106,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------- detection
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_explain_detects_the_scheme_and_a_triton_kernel_takes_it(name: str, capsys) -> None:
-    assert main(["explain", str(checkpoint(name)), "--platform", "cuda:9.0", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["scheme"]["name"] == CASES[name][1]
-    assert out["scheme"]["weight_key"] == CASES[name][2]
-    # the kernel spec accepts the bound keys (8-bit codes with zero points included)
-    assert out["chosen_kernel"] == "triton-fused-moe"
-
-
 def test_the_fixtures_hold_what_they_are_named_for() -> None:
     """Guards the fixtures themselves: act-order g_idx, v2 zeros, and a v1 borrow are really there."""
     def tensors(name):
@@ -149,17 +130,6 @@ def test_the_fixtures_hold_what_they_are_named_for() -> None:
 
 
 # ---------------------------------------------------------------- weights
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_converted_weights_equal_the_library_dequantisation(name: str) -> None:
-    _, lib = library_weights(name)
-    ours = our_weights(build(name).built)
-    for role in ROLES:
-        assert ours[role].shape == lib[role].shape, role
-        apart = ulps_apart(ours[role], lib[role])
-        assert int(apart.max()) == 0, (f"{name} {role}: {int((apart > 0).sum())} weights differ from the "
-                                       f"library's, by up to {int(apart.max())} float16 ulp")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -1,0 +1,190 @@
+"""What every producer's checkpoint must pass, written once over one table of the producers' own files
+(tests/fixtures/<producer>/..., each made by its tools/make_fixtures_*.py with the producer itself; versions in each
+VERSIONS.json): ``explain`` names the producer's scheme, its keys and the kernel the oracle picks, and our converted
+weights, rounded to the producer's dtype, are the producer's own dequantisation bit for bit.
+
+Each producer's module (tests/test_producers_<format>.py) keeps what only its format has: the float64 MoE done
+the producer's way (its activation quantisation), the kernels' paths its codes take, and its bad input.
+
+The producers' dequantisations in ref.safetensors, by name: ``experts.{e}.{role}.dequant`` (Quark, ModelOpt,
+llm-compressor, transformers' FineGrainedFP8: the experts and rows each maker kept), or
+``model.layers.0.mlp.experts.{e}.{role}_proj.weight`` (GPTQModel, AutoAWQ, AutoRound: every expert).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import moe_registry
+from moe_registry.cli.main import main
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+ROLES = ("gate", "up", "down")
+DEQUANT_NAME = re.compile(r"^(?:experts\.(?P<e>\d+)\.(?P<role>gate|up|down)\.dequant"
+                          r"|model\.layers\.0\.mlp\.experts\.(?P<e2>\d+)\.(?P<proj>gate|up|down)_proj\.weight)$")
+
+
+def checkpoint(fixture: str) -> Path:
+    """The model dir of a fixture: ``<fixture>/checkpoint`` where the maker keeps ref.safetensors outside it."""
+    inner = FIXTURES / fixture / "checkpoint"
+    return inner if inner.is_dir() else FIXTURES / fixture
+
+
+def producer_dequantisation(fixture: str) -> dict[tuple[int, str], torch.Tensor]:
+    """The producer's own dequantised expert weights in ref.safetensors, by (expert, role)."""
+    out: dict[tuple[int, str], torch.Tensor] = {}
+    for name, tensor in load_file(str(FIXTURES / fixture / "ref.safetensors")).items():
+        m = DEQUANT_NAME.match(name)
+        if m:
+            out[(int(m["e"] or m["e2"]), m["role"] or m["proj"])] = tensor
+    return out
+
+
+def our_weights(fixture: str, dtype: torch.dtype) -> dict[tuple[int, str], torch.Tensor]:
+    """Our converted weights read back through the one definition of the layout, in ``dtype``, by (expert, role)."""
+    from moe_registry_kernels.reference import dense_experts
+
+    layer = moe_registry.build(checkpoint(fixture), platform="cpu", layer=0, dtype="float32",
+                               kernel="torch-reference")
+    dense = dense_experts(layer.weights, dtype)
+    inter = layer.weights.intermediate_size
+    return {**{(e, "gate"): w[:inter] for e, w in enumerate(dense.w13)},
+            **{(e, "up"): w[inter:] for e, w in enumerate(dense.w13)},
+            **{(e, "down"): w for e, w in enumerate(dense.w2)}}
+
+
+# ---------------------------------------------------------------------------------------------- explain
+
+
+@dataclass(frozen=True)
+class Explained:
+    """What ``explain --json`` must say of a fixture on a platform (None: not checked for this fixture)."""
+
+    fixture: str
+    platform: str
+    scheme: str
+    kernel: str | None
+    weight_key: str | None = None
+    activation_key: str | None = None
+    dtype: str | None = None  # --dtype; None: explain's default
+    num_experts: int | None = None
+
+
+GPTQ4 = "uint4b8 scale:float16:group(32):static"
+ZP4 = "uint4 scale:float16:group(32):static zp:group"
+ZP8 = "uint8 scale:float16:group(32):static zp:group"
+TRITON = "triton-fused-moe"
+DOT8 = "torch-cpu-dot8"  # integer weight-only layers at explain's default dtype (bfloat16) on a CPU
+
+
+def _gptq(fixture: str, scheme: str, key: str, producer: str = "gptqmodel") -> Explained:
+    return Explained(f"{producer}/{fixture}", "cuda:9.0", scheme, TRITON, key)
+
+
+def _presets(fixture: str, scheme: str, key: str, cpu: str) -> list[Explained]:
+    return [Explained(f"compressed_tensors_presets/{fixture}", platform, scheme, kernel, key, "unquantized")
+            for platform, kernel in (("cuda:9.0", TRITON), ("cpu", cpu))]
+
+
+EXPLAINED = [
+    _gptq("qwen3-gptq-w4-sym", "gptq-w4a16", GPTQ4),
+    _gptq("qwen3-gptq-w4-asym", "gptq-w4a16-asym", ZP4),
+    _gptq("qwen3-gptq-w8-sym-actorder", "gptq-w8a16", "uint8b128 scale:float16:group(32):static"),
+    _gptq("qwen3-gptq-w4-sym-v2", "gptq-v2-w4a16", GPTQ4),
+    _gptq("qwen3-gptq-w4-asym-actorder-v2", "gptq-v2-w4a16-asym", ZP4),
+    _gptq("qwen3-awq-w4-gemm", "awq-w4a16", ZP4, producer="autoawq"),
+    _gptq("mixtral-gptq-w4-sym", "gptq-w4a16", GPTQ4),  # GPTQModel's own module names (naming.alternatives)
+    _gptq("qwen3-gptq-w8-asym", "gptq-w8a16-asym", ZP8),
+    _gptq("qwen3-gptq-w8-asym-v2", "gptq-v2-w8a16-asym", ZP8),
+    _gptq("qwen3-autoround-w4-sym", "autoround-w4a16", GPTQ4, producer="autoround"),  # auto_round:auto_gptq
+    *[Explained(f, "cuda:9.0", s, TRITON, dtype="float16", num_experts=4) for f, s in (
+        ("quark/qwen3-w8a8-int8-channel", "quark-w8a8-int8"),
+        ("quark/qwen3-w8a8-int8-tensor", "quark-w8a8-int8-tensor"),
+        ("modelopt/qwen3-mxfp8", "modelopt-mxfp8"),
+        ("compressed_tensors/qwen3-w8a8-int8", "compressed-tensors-w8a8-int8"),
+        ("compressed_tensors/qwen3-w4a16", "compressed-tensors-w4a16"),
+        ("compressed_tensors/qwen3-w4a8", "compressed-tensors-w4a8-int-quantized"))],
+    *_presets("w4a16-g128", "compressed-tensors-w4a16", "uint4b8 scale:float16:group(128):static", DOT8),
+    *_presets("w4a16-channel", "compressed-tensors-w4a16", "uint4b8 scale:float16:channel:static", DOT8),
+    *_presets("w4a16-asym-g64-actorder-weight", "compressed-tensors-w4a16-asym",
+              "uint4 scale:float16:group(64):static zp:group", DOT8),
+    *_presets("w8a16-asym-g32", "compressed-tensors-w8a16-asym", ZP8, DOT8),
+    *[Explained("fp4/gpt-oss-mxfp4", platform, "mxfp4", kernel, "e2m1 scale:e8m0:group(32):static", "unquantized",
+                dtype="bfloat16") for platform, kernel in (("cuda:9.0", TRITON), ("cpu", "torch-cpu-native"))],
+]
+
+
+@pytest.mark.parametrize("case", EXPLAINED, ids=[f"{c.fixture}-{c.platform}" for c in EXPLAINED])
+def test_explain_names_the_producers_scheme_keys_and_kernel(case: Explained, capsys) -> None:
+    args = ["explain", str(checkpoint(case.fixture)), "--platform", case.platform, "--json"]
+    assert main([*args, *(["--dtype", case.dtype] if case.dtype else [])]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scheme"]["name"] == case.scheme
+    if case.weight_key is not None:
+        assert report["scheme"]["weight_key"] == case.weight_key
+    if case.activation_key is not None:
+        assert report["scheme"]["activation_key"] == case.activation_key
+    if case.kernel is not None:
+        assert report["chosen_kernel"] == case.kernel, report["chosen_kernel"]
+    if case.num_experts is not None:
+        assert report["runtime"]["shape"]["num_experts"] == case.num_experts
+
+
+# ----------------------------------------------------------------------------------------- dequantisation
+
+
+@dataclass(frozen=True)
+class Dequantised:
+    """A fixture whose ref.safetensors holds the producer's dequantisation: which experts and rows it kept, its
+    dtype (the producer's own), and the dtype ours is computed in before rounding to it: float32 where the
+    producer computes in float32 (ModelOpt's NVFP4 code x (scale x weight_scale_2) rounds as float32 does)."""
+
+    fixture: str
+    experts: int  # experts 0 .. experts-1 kept
+    rows: int | None  # rows kept per projection; None: all
+    dtype: torch.dtype
+    ours: torch.dtype = torch.float64
+
+
+DEQUANTISED = [
+    *[Dequantised(f"gptqmodel/{n}", 4, None, torch.float16, torch.float32) for n in (
+        "qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w4-sym-v2",
+        "qwen3-gptq-w4-asym-actorder-v2", "mixtral-gptq-w4-sym", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
+    Dequantised("autoawq/qwen3-awq-w4-gemm", 4, None, torch.float16, torch.float32),
+    Dequantised("autoround/qwen3-autoround-w4-sym", 4, None, torch.float16, torch.float32),
+    Dequantised("quark/qwen3-w8a8-int8-channel", 2, None, torch.bfloat16),
+    Dequantised("quark/qwen3-w8a8-int8-tensor", 2, None, torch.bfloat16),
+    Dequantised("modelopt/qwen3-mxfp8", 2, None, torch.bfloat16),
+    *[Dequantised(f"compressed_tensors/{n}", 2, None, torch.bfloat16)
+      for n in ("qwen3-w8a8-int8", "qwen3-w4a16", "qwen3-w4a8")],
+    *[Dequantised(f"compressed_tensors_presets/{n}", 1, None, torch.bfloat16)
+      for n in ("w4a16-g128", "w4a16-channel", "w4a16-asym-g64-actorder-weight", "w8a16-asym-g32")],
+    *[Dequantised(f"fp8/{n}", 1, 16, torch.bfloat16) for n in ("llmc-fp8", "llmc-fp8-block", "llmc-fp8-dynamic")],
+    Dequantised("fp8/modelopt-fp8", 1, 16, torch.float32),
+    # transformers' FP8Experts: every expert's first four rows (stacked scales, gate's block rows first)
+    *[Dequantised(f"fp8/{n}", 4, 4, torch.float32)
+      for n in ("transformers-fp8-block", "transformers-fp8-block-ue8m0", "transformers-fp8-dynamic")],
+    Dequantised("fp4/modelopt-qwen3-nvfp4", 2, None, torch.float32, torch.float32),
+    *[Dequantised(f"fp4/{n}", 2, None, torch.bfloat16, torch.float32)
+      for n in ("ct-qwen3-nvfp4", "ct-qwen3-nvfp4a16", "ct-qwen3-mxfp4", "ct-qwen3-mxfp4a16")],
+]
+
+
+@pytest.mark.parametrize("case", DEQUANTISED, ids=[c.fixture for c in DEQUANTISED])
+def test_converted_weights_are_the_producers_dequantisation(case: Dequantised) -> None:
+    """Bit for bit after rounding ours to the producer's dtype (both are code x scale with one rounding): a wrong
+    expert's scale, gate and up swapped, a misread group, zero point or act-order would all differ."""
+    theirs, ours = producer_dequantisation(case.fixture), our_weights(case.fixture, case.ours)
+    assert sorted(theirs) == [(e, r) for e in range(case.experts) for r in sorted(ROLES)], sorted(theirs)
+    for (e, role), want in sorted(theirs.items()):
+        rows = case.rows or ours[(e, role)].shape[0]
+        assert want.dtype == case.dtype and tuple(want.shape) == (rows, ours[(e, role)].shape[1]), (e, role)
+        diff = ours[(e, role)][:rows].to(want.dtype).float() != want.float()
+        assert not bool(diff.any()), f"{case.fixture} expert {e} {role}: {int(diff.sum())} of {diff.numel()} differ"
