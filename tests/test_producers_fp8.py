@@ -20,8 +20,9 @@ float32 ``weight_scale`` = amax / 448 (as the reciprocal of 448 / amax) beside f
 clamp(w * 448 / amax), and (static) a 0-d float32 ``input_scale`` = calibration amax / 448.
 
 ref.safetensors beside each producer checkpoint holds the producer's own numbers: expert 0's
-dequantised weights (first 16 rows per projection), its quantized linears' outputs on fixed inputs
-(experts 0 and 1) and, for llm-compressor, its MoE block's output with its routing. The float64 MoE
+dequantised weights (first 16 rows per projection; ours equal them: tests/test_producers.py), its
+quantized linears' outputs on fixed inputs (experts 0 and 1) and, for llm-compressor, its MoE block's
+output with its routing. The float64 MoE
 here is written from what the schemes mean (vLLM's fp8 MoE), not from our code: static per-tensor
 input scales collapsed by max over gate/up and experts; dynamic per-token scales amax / 448; per
 group of 128; and for ``quant_method: fp8`` dynamic ONE scale per GEMM input over all its rows.
@@ -335,17 +336,6 @@ def test_modelopt_both_config_forms(form: str, tmp_path: Path, capsys) -> None:
         (dest / "hf_quant_config.json").unlink()
     report = _explain(dest, "cuda:9.0", capsys)
     assert report["scheme"]["name"] == "modelopt-fp8" and report["chosen_kernel"] == "triton-fused-moe"
-
-
-@pytest.mark.parametrize("name", PRODUCED)
-def test_dequantised_weights_equal_the_producers(name: str, built) -> None:
-    """Bit-exact after rounding ours to the producer's dtype (expert 0, the rows kept)."""
-    ref, ours = load_file(str(FIXTURES / name / "ref.safetensors")), _ours(built[name])
-    for role in ROLES:
-        theirs = ref[f"experts.0.{role}.dequant"]
-        mine = ours[(0, role)][:ROWS].to(theirs.dtype)
-        diff = mine.float() != theirs.float()
-        assert theirs.shape == (ROWS, 128) and not bool(diff.any()), f"{name} {role}: {int(diff.sum())} differ"
 
 
 @pytest.mark.parametrize("name", PRODUCED)
@@ -675,18 +665,11 @@ def test_weight_that_is_not_fp8_is_refused(name: str, dirs, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
-def test_transformers_dequantisation_bit_equal_for_every_expert(name: str, built) -> None:
-    """transformers' Fp8Dequantize of its FP8Experts codes and stacked scales, every expert, the rows kept:
-    bit-equal to ours. A wrong expert's scale, gate and up swapped (block: its two block rows) or a scale
-    read as a divisor would all differ."""
-    ref, ours = load_file(str(FIXTURES / name / "ref.safetensors")), _ours(built[name])
+def test_transformers_writes_its_scales_stacked_over_experts(name: str) -> None:
+    """FP8Experts' scales stacked over experts, not per expert (the stacked tensor word reads them; that ours then
+    equal transformers' Fp8Dequantize for every expert: tests/test_producers.py)."""
     checkpoint = _checkpoint(FIXTURES / name)
     assert f"{LAYER}.gate_up_proj_scale_inv" in checkpoint and f"{LAYER}.0.gate_proj.weight_scale_inv" not in checkpoint
-    for e in range(E):
-        for role in ROLES:
-            theirs = ref[f"experts.{e}.{role}.dequant"]
-            mine = ours[(e, role)][:theirs.shape[0]].to(theirs.dtype)
-            assert theirs.shape == (4, 128) and torch.equal(mine, theirs), f"{name} expert {e} {role}"
 
 
 @pytest.mark.parametrize("name", TRANSFORMERS)
