@@ -34,6 +34,7 @@ from moe_registry.core.errors import MoERegistryError
 from moe_registry.layer.experts import ActivationFormat
 from moe_registry.layer.modular import (
     BatchedDispatch,
+    DispatchRecord,
     PreparedInput,
     PrepareFinalize,
     combine_batched,
@@ -166,7 +167,7 @@ class RowLayout:
 
 
 @dataclass(frozen=True)
-class GatheredTokens:
+class GatheredTokens(DispatchRecord):
     """What finalize needs: how many of this rank's rows were real (the rest was padding)."""
 
     num_tokens: int
@@ -269,7 +270,7 @@ class AllGatherReduceScatter(PrepareFinalize):
 
 
 @dataclass(frozen=True)
-class GatheredBatch:
+class GatheredBatch(DispatchRecord):
     """What the batched finalize needs: this rank's real rows and where every gathered pair went."""
 
     num_tokens: int

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from moe_registry.layer.experts import ActivationFormat, Experts
 
-if TYPE_CHECKING:
-    from moe_registry.layer.all2all import GatheredBatch, GatheredTokens
-
 __all__ = [
+    "DispatchRecord",
     "PreparedInput",
     "BatchedDispatch",
     "group_by_expert",
@@ -36,7 +34,13 @@ _HIDDEN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
-class BatchedDispatch:
+class DispatchRecord:
+    """What a PrepareFinalize's ``prepare`` leaves for its ``finalize``: each one subclasses it with what it needs
+    (so this module names no dispatcher's record, and dispatchers elsewhere add theirs)."""
+
+
+@dataclass(frozen=True)
+class BatchedDispatch(DispatchRecord):
     """Where each (token, slot) pair went, in dispatch order (sorted by expert, stable): it came
     from row ``token`` and sits at ``[expert, position]`` of the batched slab; ``weight`` is its
     router weight, already applied on the input when ``weight_applied``."""
@@ -103,7 +107,7 @@ class PreparedInput:
     topk_ids: torch.Tensor
     activation_format: ActivationFormat
     expert_num_tokens: torch.Tensor | None = None
-    dispatch: BatchedDispatch | GatheredTokens | GatheredBatch | None = None
+    dispatch: DispatchRecord | None = None
 
 
 class PrepareFinalize(abc.ABC):
