@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from moe_registry_kernels.activations import act_and_mul
+from moe_registry_kernels.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, act_and_mul
 from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, load_extension
 from moe_registry_kernels.cpu_native import cache_root
 from moe_registry_kernels.cpu_packed import FOREIGN_EXPERT, PACKED_FIELDS
@@ -52,6 +52,7 @@ ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("avx2", ("_is_avx2_supported",), ("-mavx2", "-mfma")),
     ("scalar", (), ()),
 )
+ACT_CODES = {None: 0, "silu": 1, "gelu": 2, "swigluoai": 3}  # the op's act argument (activations.py's functions)
 _LOCK = threading.Lock()
 _OPS: dict[str, object] = {}
 
@@ -151,9 +152,13 @@ class Dot8Proj:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
 
-    def gemm(self, ops, a: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """[P, N]: pair i's activation row a[rows[i]] times expert experts[i] (< 0: a zero row)."""
-        return ops.gemm(a, rows, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.gs)
+    def gemm(self, ops, a: torch.Tensor, experts: torch.Tensor, row_div: int = 1, act: str | None = None,
+             combine: torch.Tensor | None = None, per: int = 1) -> torch.Tensor:
+        """Pair i's activation row a[i // row_div] (``act``: act(gate) * up of that [gate | up] row) times expert
+        experts[i] (< 0: nothing): [P, N], or with router weights ``combine`` [P] the weighted sum over each
+        run of ``per`` pairs, [P / per, N]."""
+        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.gs,
+                        ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
 
 
 class Dot8Experts(Experts):
@@ -180,20 +185,18 @@ class Dot8Experts(Experts):
     def resident_weight_bytes(self) -> int:
         return self.w13.nbytes() + self.w2.nbytes()
 
-    def _pairs(self, a: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The expert MLP of every pair: [P, H] float32, foreign pairs' rows 0."""
+    def _pairs(self, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The expert MLP of every pair (activation row a[i] for pair i): [P, H] float32, foreign pairs' rows 0."""
         known = experts.clamp(min=0)
         if self._perm[0] is not None:  # act-order: each pair's row in its expert's column order
-            a, rows = a.index_select(0, rows).gather(1, self._perm[0].index_select(0, known)), None
-        if rows is None:
-            rows = torch.arange(a.shape[0])
-        h = self.w13.gemm(self._ops, a.contiguous(), rows, experts)
+            a = a.gather(1, self._perm[0].index_select(0, known))
+        h = self.w13.gemm(self._ops, a.contiguous(), experts)
         if self._bias[0] is not None:
             h = h + self._bias[0].index_select(0, known)
         inter = act_and_mul(h, self.config.activation)
         if self._perm[1] is not None:
             inter = inter.gather(1, self._perm[1].index_select(0, known))
-        y = self.w2.gemm(self._ops, inter.contiguous(), torch.arange(inter.shape[0]), experts)
+        y = self.w2.gemm(self._ops, inter.contiguous(), experts)
         if self._bias[1] is not None:
             y = y + self._bias[1].index_select(0, known)
         if self._bias[0] is not None or self._bias[1] is not None:
@@ -209,12 +212,19 @@ class Dot8Experts(Experts):
         if lo < FOREIGN_EXPERT or hi >= self.weights.num_experts:
             raise ValueError(f"topk_ids must be in [0, {self.weights.num_experts}) or {FOREIGN_EXPERT} (a foreign "
                              f"expert), got values in [{lo}, {hi}]")
-        x = hidden.float()
-        router = topk_weights.reshape(-1, 1).float()
+        x = hidden.float().contiguous()
+        router = topk_weights.reshape(-1).float().contiguous()
+        plain = (self._perm[0] is None and self._perm[1] is None and self._bias[0] is None
+                 and self._bias[1] is None and not self.config.apply_router_weight_on_input)
+        if plain:  # two calls: GEMM1 reads each token's row for its top_k pairs; GEMM2 applies the activation
+            # function as it quantises its input and adds each token's pairs by their router weights
+            h = self.w13.gemm(self._ops, x, experts, row_div=top_k)
+            return self.w2.gemm(self._ops, h, experts, act=self.config.activation, combine=router,
+                                per=top_k).to(hidden.dtype)
         if self.config.apply_router_weight_on_input:
-            y = self._pairs((x.repeat_interleave(top_k, 0) * router), torch.arange(m * top_k), experts)
+            y = self._pairs(x.repeat_interleave(top_k, 0) * router.unsqueeze(1), experts)
         else:
-            y = self._pairs(x, torch.arange(m).repeat_interleave(top_k), experts) * router
+            y = self._pairs(x.repeat_interleave(top_k, 0), experts) * router.unsqueeze(1)
         return y.view(m, top_k, -1).sum(1).to(hidden.dtype)
 
     def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
@@ -232,5 +242,5 @@ class Dot8Experts(Experts):
         experts = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts, dtype=torch.int64))
         out = torch.zeros(num_experts * t, x.shape[2], dtype=torch.float32)
         if rows.numel():
-            out[rows] = self._pairs(x.reshape(num_experts * t, -1).float(), rows, experts)
+            out[rows] = self._pairs(x.reshape(num_experts * t, -1).float().index_select(0, rows), experts)
         return out.view(x.shape).to(x.dtype)

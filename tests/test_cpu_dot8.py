@@ -62,9 +62,12 @@ def test_each_build_computes_the_declared_int8_activation_math(isa: str, weight:
     columns, amax / 127): equal but for float32 sums and the rare intermediate code that float32 rounds to the
     other side of a half (one such flip moves the output about 5e-4), 10x under the quantisation's own error;
     and within the declared tolerance of the float reference."""
-    weights = _layer(weight, hidden, inter, bias=True)
+    plain, biased = _layer(weight, hidden, inter), _layer(weight, hidden, inter, bias=True)
     gen = torch.Generator().manual_seed(5)
-    for activation, tokens in (("silu", 1), ("gelu", 5), ("swigluoai", 9)):
+    # without bias: two calls, the activation function and the router-weighted sum inside the second; with: the
+    # composed path (bias, then torch's activation function)
+    for weights, activation, tokens in ((plain, "silu", 1), (plain, "gelu", 5), (plain, "swigluoai", 9),
+                                        (biased, "swigluoai", 3)):
         x = torch.randn(tokens, hidden, generator=gen)
         r = softmax_topk(torch.randn(tokens, 4, generator=gen), 2, True)
         config = ExpertsConfig(activation)
@@ -79,17 +82,16 @@ def test_each_build_computes_the_declared_int8_activation_math(isa: str, weight:
 def test_foreign_experts_add_nothing_and_router_weight_on_input() -> None:
     """A pair routed to another rank's expert (-1) adds nothing, bias included; router weights on the input
     scale GEMM1's rows (quantised per pair then)."""
-    weights = _layer("uint4b8 scale:float16:group(64):static", 128, 64, bias=True)
-    ex = _experts(weights, BUILDS[0])
     x = torch.randn(3, 128)
     ids = torch.tensor([[0, 1], [2, -1], [-1, 3]])
     w = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
-    local = reference_moe(x, w, ids.clamp(min=0), dataclasses.replace(weights, activation_key=DECLARED),
-                          ExpertsConfig(), torch.float64)
-    drop = reference_moe(x, w * (ids >= 0), ids.clamp(min=0), dataclasses.replace(weights, activation_key=DECLARED),
-                         ExpertsConfig(), torch.float64)
-    out = ex.apply(x, w, ids)
-    assert _rel(out, drop) < 2e-3 and _rel(out, local) > 1e-2
+    for bias in (False, True):  # the two-call path and the composed one
+        weights = _layer("uint4b8 scale:float16:group(64):static", 128, 64, bias=bias)
+        declared = dataclasses.replace(weights, activation_key=DECLARED)
+        local = reference_moe(x, w, ids.clamp(min=0), declared, ExpertsConfig(), torch.float64)
+        drop = reference_moe(x, w * (ids >= 0), ids.clamp(min=0), declared, ExpertsConfig(), torch.float64)
+        out = _experts(weights, BUILDS[0]).apply(x, w, ids)
+        assert _rel(out, drop) < 2e-3 and _rel(out, local) > 1e-2
     ex1 = _experts(weights, BUILDS[0], on_input=True)
     ids1 = torch.tensor([[1], [3], [2]])
     ref = reference_moe(x, w[:, :1], ids1, dataclasses.replace(weights, activation_key=DECLARED),
@@ -118,9 +120,9 @@ def test_refusals_name_what_was_seen_and_wanted() -> None:
         cpu_dot8.Dot8Experts(dataclasses.replace(weights, activation_key=DECLARED), ExpertsConfig())
     proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key)
     with pytest.raises(RuntimeError, match=r"experts\[0\] = 4 is outside \[0, 4\)"):
-        proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 96), torch.zeros(1, dtype=torch.long), torch.tensor([4]))
+        proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 96), torch.tensor([4]))
     with pytest.raises(RuntimeError, match="a's K = 64 does not match the codes' padded K = 128"):
-        proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), torch.tensor([0]))
+        proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 64), torch.tensor([0]))
 
 
 def test_the_default_build_is_the_best_this_cpu_runs() -> None:

@@ -48,6 +48,10 @@ constexpr int64_t QB = 32;         // activation block (columns)
 constexpr int64_t CH = 64;         // columns per weight chunk; K is padded to it
 constexpr int64_t RB = 4;          // interleaved rows
 constexpr int64_t TASK_ROWS = 64;  // weight rows per task
+#ifndef DOT8_PREFETCH
+#define DOT8_PREFETCH 2048
+#endif
+constexpr int64_t PREFETCH = DOT8_PREFETCH;  // bytes of a row group's stream fetched ahead of its dots
 
 #if defined(DOT8_VNNI)
 constexpr int64_t TMAX = 2;  // tokens per pass over a row group (accumulators: 2 x RB x TMAX of 32 registers)
@@ -114,7 +118,7 @@ inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias) {
 
 // y[t][r] for the RB rows of row group `quad` and T tokens (T <= TMAX).
 template <int T, int BITS>
-void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, float* const* y) {
+void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, float* const* y, const float* wt) {
   const int64_t cb = BITS == 4 ? 32 : 64;
   const int64_t chunks = p.kp / CH, per_group = p.gs / CH;  // per_group 0: groups of 32
   const uint8_t* wq = p.w + quad * chunks * RB * cb;
@@ -138,8 +142,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       xd[t] = _mm512_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16);
     }
     const uint8_t* wc = wq + c * RB * cb;
-    _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb), _MM_HINT_T0);
-    if (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb + 64), _MM_HINT_T0);
+    for (int64_t l = 0; l < RB * cb; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + l), _MM_HINT_T0);
     for (int r = 0; r < RB; ++r) {
       __m512i w;
       if (BITS == 4) {
@@ -183,8 +187,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* wc = wq + c * RB * cb;
-    _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb), _MM_HINT_T0);
-    if (BITS == 8) _mm_prefetch(reinterpret_cast<const char*>(wc + 8 * RB * cb + 64), _MM_HINT_T0);
+    for (int64_t l = 0; l < RB * cb; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + l), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {  // the chunk's two 32-column blocks
       __m256i xv[T];
       __m256 xd[T];
@@ -246,40 +250,70 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
 #endif
   for (int r = 0; r < RB; ++r) {
     if (n0 + r >= p.n) break;
-    for (int t = 0; t < T; ++t) y[t][n0 + r] = res[r][t] - zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias);
+    for (int t = 0; t < T; ++t) {
+      const float v = res[r][t] - zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias);
+      if (wt) y[t][n0 + r] += wt[t] * v;
+      else y[t][n0 + r] = v;
+    }
   }
 }
 
+// The RB-row groups [q0, q1) for ntok pairs (activation rows tok, outputs y; wt: router weights to add the
+// outputs with, null: store them).
 template <int BITS>
 void rows_dot(const Proj& p, int64_t q0, int64_t q1, const Acts& a, const int64_t* tok, int64_t ntok,
-              float* const* y) {
+              float* const* y, const float* wt) {
   for (int64_t quad = q0; quad < q1; ++quad) {
     int64_t t = 0;
 #if defined(DOT8_VNNI)
-    for (; t + 2 <= ntok; t += 2) quad_dot<2, BITS>(p, quad, a, tok + t, y + t);
+    for (; t + 2 <= ntok; t += 2) quad_dot<2, BITS>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
 #endif
-    for (; t < ntok; ++t) quad_dot<1, BITS>(p, quad, a, tok + t, y + t);
+    for (; t < ntok; ++t) quad_dot<1, BITS>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
+  }
+}
+
+enum Act : int64_t { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_SWIGLUOAI = 3 };
+
+// act(gate) * up over one row [gate | up] of 2k values, as moe_registry_kernels.activations computes it.
+void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, float* out) {
+  for (int64_t c = 0; c < k; ++c) {
+    float g = h[c], u = h[k + c];
+    if (act == ACT_SILU) {
+      out[c] = g / (1.0f + std::exp(-g)) * u;
+    } else if (act == ACT_GELU) {
+      out[c] = 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f)) * u;
+    } else {
+      g = std::min(g, limit);
+      u = std::min(std::max(u, -limit), limit);
+      out[c] = (u + 1.0f) * g / (1.0f + std::exp(-alpha * g));
+    }
   }
 }
 
 }  // namespace
 
-// y[P, N] = the pairs' GEMMs: pair i multiplies activation row rows[i] of a [R, K] by expert experts[i]'s
-// weights (experts[i] < 0: a foreign expert, its row of y stays 0). codes [E, Np / 4, Kp / 64, 4, CB] uint8,
-// scale [E, Np, G] float32, zero [E, Np, G] uint8; n the real rows (Np: n rounded up to 4), bits 4 or 8, gs
-// the columns per scale group (32 or a multiple of 64; per channel: Kp). The rows are quantised once, then every
-// (expert, 64-row block) is one task of one parallel region, handed to whichever thread is free.
-at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tensor codes, at::Tensor scale,
-                     at::Tensor zero, int64_t n, int64_t bits, int64_t gs) {
+// The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
+// (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
+// float32, zero [E, Np, G] uint8; n the real rows (Np: n rounded up to 4), bits 4 or 8, gs the columns per scale
+// group (32 or a multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
+// is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
+// weights [P]): y [P / per, N], row j = sum over pairs i of token j (i / per) of combine[i] * pair i's output.
+// The rows are quantised once, then each (expert, 64-row block) - with combine, each 32-row block over every
+// expert, so no two threads add into one output - is a task of one parallel region, handed to whichever
+// thread is free.
+at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
+                     at::Tensor zero, int64_t n, int64_t bits, int64_t gs, int64_t act, double alpha, double limit,
+                     c10::optional<at::Tensor> combine, int64_t per) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(act >= ACT_NONE && act <= ACT_SWIGLUOAI, "act: 0 (none), 1 (silu), 2 (gelu) or 3 (swigluoai)");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(), "rows: int64 [P]");
-  TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous() &&
-                  experts.size(0) == rows.size(0), "experts: int64 [P]");
+  TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(), "experts: int64 [P]");
   const int64_t cb = bits == 4 ? 32 : 64;
   TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(3) == RB &&
                   codes.size(4) == cb, "codes: contiguous uint8 [E, Np/4, Kp/64, 4, ", cb, "]");
-  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH, k = a.size(1);
+  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH;
+  TORCH_CHECK(act == ACT_NONE || a.size(1) % 2 == 0, "a: [gate | up] rows of an even width with an activation");
+  const int64_t k = act == ACT_NONE ? a.size(1) : a.size(1) / 2;
   TORCH_CHECK(k <= kp && kp - k < CH, "a's K = ", k, " does not match the codes' padded K = ", kp);
   TORCH_CHECK(n > np - RB && n <= np, "n = ", n, " does not match the codes' ", np, " rows");
   TORCH_CHECK((gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
@@ -290,17 +324,21 @@ at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tens
               "scale: contiguous float32 [E, Np, G] = [", e, ", ", np, ", ", groups, "]");
   TORCH_CHECK(zero.sizes() == scale.sizes() && zero.is_contiguous() && zero.scalar_type() == at::kByte,
               "zero: contiguous uint8 on the scale's grid");
-  const int64_t r = a.size(0), pairs = rows.size(0);
-  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t r = a.size(0), pairs = experts.size(0);
+  TORCH_CHECK(row_div > 0 && (pairs + row_div - 1) / row_div <= r, "row_div = ", row_div, ": ", pairs,
+              " pairs need more than a's ", r, " rows");
+  const bool combined = combine.has_value() && combine->defined();
+  if (combined)
+    TORCH_CHECK(combine->dim() == 1 && combine->is_contiguous() && combine->scalar_type() == at::kFloat &&
+                    combine->size(0) == pairs && per > 0 && pairs % per == 0,
+                "combine: contiguous float32 [P] and per dividing P");
   const int64_t* ep = experts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < pairs; ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < r, "rows[", i, "] = ", rp[i], " is outside [0, ", r, ")");
+  for (int64_t i = 0; i < pairs; ++i)
     TORCH_CHECK(ep[i] < e, "experts[", i, "] = ", ep[i], " is outside [0, ", e, ")");
-  }
-  at::Tensor y = at::zeros({pairs, n}, a.options());
+  at::Tensor y = at::zeros({combined ? pairs / per : pairs, n}, a.options());
   if (pairs == 0) return y;
 
-  // the activation rows, quantised once (rows no pair reads are quantised too: they cost K each)
+  // the activation rows, quantised once (after the activation function, where one is given)
   at::Tensor q = at::empty({r, kp}, a.options().dtype(at::kChar));
   at::Tensor dv = at::empty({r, kp / 4}, a.options());
   at::Tensor bs = at::empty({r, kp / QB}, a.options());
@@ -311,9 +349,16 @@ at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tens
     float* dp = dv.data_ptr<float>();
     float* bp = bs.data_ptr<float>();
     float* gp = xg.data_ptr<float>();
+    const int64_t lda = a.size(1);
     at::parallel_for(0, r, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(act == ACT_NONE ? 0 : k);
       for (int64_t i = r0; i < r1; ++i) {
-        quant_row(ap + i * k, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
+        const float* x = ap + i * lda;
+        if (act != ACT_NONE) {
+          act_row(x, k, act, static_cast<float>(alpha), static_cast<float>(limit), row.data());
+          x = row.data();
+        }
+        quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
         for (int64_t g = 0; g < groups; ++g) {
           float s = 0.0f;
           for (int64_t b = g * (gs / QB); b < (g + 1) * (gs / QB); ++b) s += bp[i * (kp / QB) + b];
@@ -324,7 +369,7 @@ at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tens
   }
   const Acts acts{q.data_ptr<int8_t>(), dv.data_ptr<float>(), xg.data_ptr<float>(), kp, groups};
 
-  // pairs grouped by expert (counting sort), then (expert, row block) tasks
+  // pairs grouped by expert (counting sort): their activation rows, output rows and router weights
   std::vector<int64_t> start(e + 1, 0);
   for (int64_t i = 0; i < pairs; ++i)
     if (ep[i] >= 0) ++start[ep[i] + 1];
@@ -332,28 +377,41 @@ at::Tensor dot8_gemm(at::Tensor a, at::Tensor rows, at::Tensor experts, at::Tens
   std::vector<int64_t> order(start[e]), fill(start.begin(), start.end() - 1);
   for (int64_t i = 0; i < pairs; ++i)
     if (ep[i] >= 0) order[fill[ep[i]]++] = i;
-  std::vector<int64_t> tok(order.size());
-  for (size_t i = 0; i < order.size(); ++i) tok[i] = rp[order[i]];
-  const int64_t blocks = (np + TASK_ROWS - 1) / TASK_ROWS;
-  std::vector<int64_t> task_expert;
-  for (int64_t x = 0; x < e; ++x)
-    if (start[x + 1] > start[x]) task_expert.push_back(x);
-  const int64_t tasks = static_cast<int64_t>(task_expert.size()) * blocks;
   float* yp = y.data_ptr<float>();
+  const float* wp = combined ? combine->data_ptr<float>() : nullptr;
+  std::vector<int64_t> tok(order.size());
   std::vector<float*> yrow(order.size());
-  for (size_t i = 0; i < order.size(); ++i) yrow[i] = yp + order[i] * n;
+  std::vector<float> wt(combined ? order.size() : 0);
+  for (size_t i = 0; i < order.size(); ++i) {
+    tok[i] = order[i] / row_div;
+    yrow[i] = yp + (combined ? order[i] / per : order[i]) * n;
+    if (combined) wt[i] = wp[order[i]];
+  }
+  std::vector<int64_t> used;
+  for (int64_t x = 0; x < e; ++x)
+    if (start[x + 1] > start[x]) used.push_back(x);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
   const int64_t expert_bytes = np * kp * bits / 8;
+  const int64_t block = combined ? TASK_ROWS / 2 : TASK_ROWS;
+  const int64_t blocks = (np + block - 1) / block;
+  const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
 
-  auto run = [&](int64_t t) {
-    const int64_t x = task_expert[t / blocks], blk = t % blocks;
+  auto expert_rows = [&](int64_t x, int64_t blk) {
     const Proj p{cp + x * expert_bytes, sp + x * np * groups, zp + x * np * groups, n, np, kp, groups, gs, bits};
-    const int64_t q0 = blk * TASK_ROWS / RB, q1 = std::min(np, (blk + 1) * TASK_ROWS) / RB;
+    const int64_t q0 = blk * block / RB, q1 = std::min(np, (blk + 1) * block) / RB;
     const int64_t first = start[x], count = start[x + 1] - start[x];
-    if (bits == 4) rows_dot<4>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first);
-    else rows_dot<8>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first);
+    const float* w = combined ? wt.data() + first : nullptr;
+    if (bits == 4) rows_dot<4>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
+    else rows_dot<8>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
+  };
+  auto run = [&](int64_t t) {
+    if (combined) {
+      for (int64_t x : used) expert_rows(x, t);
+    } else {
+      expert_rows(used[t / blocks], t % blocks);
+    }
   };
   const int64_t threads = std::min<int64_t>(tasks, at::get_num_threads());
   if (threads <= 1 || at::in_parallel_region()) {
@@ -379,7 +437,7 @@ std::string dot8_isa() {
 }
 
 TORCH_LIBRARY(DOT8_NS, m) {
-  m.def("gemm(Tensor a, Tensor rows, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
-        "int gs) -> Tensor", &dot8_gemm);
+  m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
+        "int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
   m.def("isa() -> str", &dot8_isa);
 }
