@@ -157,7 +157,7 @@ def test_triton_zero_sums_match_float64_moe_float16(built, m, monkeypatch) -> No
 
 @pytest.mark.parametrize("name", ["w4a16-g128", "w4a16-asym-g64-actorder-weight"])
 def test_cpu_packed_kernel_matches_float64_moe(name: str) -> None:
-    """torch's packed int4 op, asked for (the oracle's bfloat16 default on a CPU is torch-cpu-dot8 now)."""
+    """torch's packed int4 op, asked for (the oracle's bfloat16 default on a CPU is torch-cpu-dot8)."""
     layer = moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="bfloat16", kernel="torch-cpu-packed")
     assert layer.report.chosen == "torch-cpu-packed"
     x, ids, w = _routing(9)
