@@ -32,6 +32,7 @@ def test_every_record_in_docs_bench_is_named_by_the_manifest(perf_tables):
     manifest = perf_tables.read_manifest()
     named = {manifest["gpu_layer"]["record"], manifest["cpu_layer"]["record"]}
     named |= {e["record"] for e in manifest["gpu_tuned"]}
+    named |= {manifest[key]["record"] for key in perf_tables.WHOLE_MODEL_BLOCKS if key in manifest}
     present = {p.name for p in (ROOT / "docs" / "bench").iterdir()} - {"records.json"}
     assert present == named
 

@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     record = out_dir / f"{args.device.split(':')[0]}-whole-model.jsonl"
     settings = {k: getattr(args, k) for k in ("model", "layers", "vocab", "device", "threads", "batch", "prefill",
-                                              "context", "new_tokens", "modes")}
+                                              "context", "new_tokens", "modes", "transformers_experts", "profile")}
     with record.open("a") as f:
         f.write(json.dumps({"kind": "header", "settings": settings, "env": environment(args)}) + "\n")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_model_"))
@@ -628,7 +628,12 @@ def command(settings: dict[str, Any], formats: list[str]) -> str:
     parts += ["--format " + " ".join(formats), "--batch " + " ".join(map(str, settings["batch"]))]
     parts += ["--prefill " + " ".join(map(str, settings["prefill"]))] if settings.get("prefill") else []
     parts += [f"--context {settings['context']}", f"--new-tokens {settings['new_tokens']}",
-              "--modes " + " ".join(settings["modes"]), "--out OUT"]
+              "--modes " + " ".join(settings["modes"])]
+    experts = settings.get("transformers_experts")
+    parts += ["--transformers-experts " + " ".join(experts)] if experts and experts != ["grouped_mm", "batched_mm"] \
+        else []
+    parts += ["--profile"] if settings.get("profile") else []
+    parts += ["--out OUT"]
     return " ".join(parts)
 
 

@@ -153,6 +153,11 @@ def cpu_block(entry: dict, base: Path) -> str:
             + md_table(["scheme (+ same keys)", "kernel", "M", "ms", "x plain", "resident/packed"], table) + "\n")
 
 
+# manifest key -> generated block of a tools/bench_model.py record
+WHOLE_MODEL_BLOCKS = {"gpu_whole": "gpu-whole-model", "gpu_whole_modes": "gpu-whole-model-modes",
+                      "cpu_whole": "cpu-whole-model", "cpu_whole_tiny": "cpu-whole-model-tiny"}
+
+
 def whole_model_block(entry: dict, base: Path) -> str:
     """A tools/bench_model.py record: the registry's whole model beside transformers' own, per format."""
     import bench_model
@@ -181,7 +186,7 @@ def blocks(manifest: dict, base: Path) -> dict[str, str]:
         "tuned": tuned_block(manifest["gpu_tuned"], base),
         "cpu-layer": cpu_block(manifest["cpu_layer"], base),
     }
-    for key, name in (("gpu_whole", "gpu-whole-model"), ("cpu_whole", "cpu-whole-model")):
+    for key, name in WHOLE_MODEL_BLOCKS.items():
         if key in manifest:
             out[name] = whole_model_block(manifest[key], base)
     return out
