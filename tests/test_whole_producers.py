@@ -1,6 +1,6 @@
 """Whole models quantized by their producers (tests/fixtures/whole/<name>/checkpoint/, written by
 tools/make_whole_fixtures.py: llm-compressor's presets, transformers' FineGrainedFP8, gpt-oss MXFP4, GPTQModel,
-AutoAWQ, AMD Quark, NVIDIA ModelOpt) through
+AutoAWQ, AMD Quark, NVIDIA ModelOpt FP8 and NVFP4) through
 ``load_model`` on the CPU, against ``ref.safetensors`` beside each: transformers' own model class in float32 holding
 the PRODUCER'S OWN dequantised weights, its logits along its greedy 16-token continuation.
 
@@ -68,6 +68,7 @@ CASES = [  # tol: the measured relative error (comment) with headroom (the why: 
     Case("quark-w8a8-int8", 1e-1, "quark-w8a8-int8", typical=2e-2),
     # 5.1e-2: static per-tensor fp8 inputs, one scale per GEMM (median 3.4e-2); position 4's near tie: 0.16
     Case("modelopt-fp8", 8e-2, "modelopt-fp8", typical=5e-2),
+    Case("modelopt-nvfp4", 1.5e-3, "modelopt-nvfp4"),  # 3.4e-4: runs weight-only (the scheme's emulation)
 ]
 
 
@@ -219,6 +220,13 @@ def test_transformers_ct_mxfp4_fails_in_float32_and_quantizes_activations_in_bfl
     with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"):
         _logits(_transformers_model("ct-mxfp4"), ref["input_ids"])
     assert 0.1 <= _rel(_logits(_transformers_model("ct-mxfp4", torch.bfloat16), ref["greedy"]), ref["logits"]) <= 0.4
+
+
+def test_transformers_refuses_modelopt_nvfp4() -> None:
+    """transformers 5 has no ModelOpt quantizer: ModelOpt's packed NVFP4 weights (two codes a byte) do not fit
+    its float linears, and from_pretrained refuses the file; load_model runs it (the parametrised test above)."""
+    with pytest.raises(RuntimeError, match="You set `ignore_mismatched_sizes` to `False`, thus raising an error"):
+        _transformers_model("modelopt-nvfp4")
 
 
 @pytest.mark.parametrize("name", ["modelopt-fp8", "ct-fp8-dynamic"])

@@ -426,42 +426,63 @@ def make_quark() -> None:
 
 # ---------------------------------------------------------------- NVIDIA ModelOpt
 
+MODELOPT_CONFIGS = {"modelopt-fp8": "FP8_DEFAULT_CFG", "modelopt-nvfp4": "NVFP4_DEFAULT_CFG"}
+
+
+def modelopt_dequantised(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ModelOpt's own real-quant tensors on its export: ``FP8QTensor.dequantize`` of each fp8 weight with its
+    weight_scale, ``NVFP4QTensor.dequantize`` of each packed e2m1 weight with its weight_scale and weight_scale_2
+    (blocks of 16), float32."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor, NVFP4QTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for key, codes in tensors.items():
+        module = key.removesuffix(".weight")
+        if not key.endswith(".weight") or f"{module}.weight_scale" not in tensors:
+            continue
+        scale = tensors[f"{module}.weight_scale"]
+        if codes.dtype == torch.float8_e4m3fn:
+            out[module] = FP8QTensor(codes.shape, torch.float32, codes).dequantize(dtype=torch.float32, scale=scale)
+        elif codes.dtype == torch.uint8:
+            shape = torch.Size([codes.shape[0], codes.shape[1] * 2])
+            out[module] = NVFP4QTensor(shape, torch.float32, codes).dequantize(
+                dtype=torch.float32, scale=scale, double_scale=tensors[f"{module}.weight_scale_2"],
+                block_sizes={-1: 16})
+    return out
+
+
 def make_modelopt() -> None:
-    """ModelOpt's ``mtq.quantize`` with FP8_DEFAULT_CFG (fp8 e4m3 weights and static inputs per tensor, its own
-    exclusions: router and lm_head) calibrated on 8 sequences, ``export_hf_checkpoint``. Dequantised: the
-    exported checkpoint (its export re-quantizes linears that share an input with one scale) read by ModelOpt's
-    ``FP8QTensor.dequantize`` with the exported weight_scale; the rest as exported."""
+    """ModelOpt's ``mtq.quantize`` with FP8_DEFAULT_CFG (fp8 e4m3 weights and static inputs per tensor) and
+    NVFP4_DEFAULT_CFG (e2m1 weights in blocks of 16 with e4m3 scales and a global scale; its inputs NVFP4 too),
+    its own exclusions (router and lm_head), calibrated on 8 sequences, ``export_hf_checkpoint``. Dequantised:
+    the exported checkpoint (its export re-quantizes linears that share an input with one scale) read by
+    ModelOpt's own real-quant tensors (:func:`modelopt_dequantised`); the rest as exported."""
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
-    from modelopt.torch.quantization.qtensor import FP8QTensor
-    name = "modelopt-fp8"
-    src = source_model(SHAPE)
-    model = copy.deepcopy(src)
+
     cal = fixture_kit.calibration_ids(SEED, rows=8)
 
     def loop(m: torch.nn.Module) -> None:
         for row in cal:
             m(row[None])
 
-    model = mtq.quantize(model, mtq.FP8_DEFAULT_CFG, loop)
-    with tempfile.TemporaryDirectory() as tmp:
-        export_hf_checkpoint(model, export_dir=tmp)
-        tensors = saved_tensors(Path(tmp))
-        dequantised = {}
-        for key, codes in tensors.items():
-            module = key.removesuffix(".weight")
-            if key.endswith(".weight") and codes.dtype == torch.float8_e4m3fn:
-                dequantised[module] = FP8QTensor(codes.shape, torch.float32, codes).dequantize(
-                    dtype=torch.float32, scale=tensors[f"{module}.weight_scale"])
-        ref = reference(src, dequantised, unquantized(tensors, dequantised))
-        fixtures = {name: keep_whole(Path(tmp), name, ref)}
+    fixtures: dict[str, object] = {}
+    for name, config in MODELOPT_CONFIGS.items():
+        src = source_model(SHAPE)
+        model = mtq.quantize(copy.deepcopy(src), getattr(mtq, config), loop)
+        with tempfile.TemporaryDirectory() as tmp:
+            export_hf_checkpoint(model, export_dir=tmp)
+            tensors = saved_tensors(Path(tmp))
+            dequantised = modelopt_dequantised(tensors)
+            ref = reference(src, dequantised, unquantized(tensors, dequantised))
+            fixtures[name] = {"config": config, **keep_whole(Path(tmp), name, ref)}
     write_versions("modelopt", ["nvidia-modelopt", "transformers", "torch", "safetensors"], fixtures, {
-        "config": "mtq.quantize(model, mtq.FP8_DEFAULT_CFG, 8 calibration sequences), export_hf_checkpoint; "
-                  "attention and experts quantized, router and lm_head left as ModelOpt's config leaves them",
-        "dequant": "FP8QTensor(exported codes).dequantize(dtype=float32, scale=exported weight_scale) of every fp8 "
-                   "weight; the other tensors as exported",
+        "config": "mtq.quantize(model, mtq.<config>, 8 calibration sequences), export_hf_checkpoint; attention and "
+                  "experts quantized, router and lm_head left as ModelOpt's config leaves them",
+        "dequant": "FP8QTensor / NVFP4QTensor(exported codes).dequantize(dtype=float32, scale=weight_scale[, "
+                   "double_scale=weight_scale_2, blocks of 16]) of every quantized weight; the other tensors as "
+                   "exported",
     })
-
 
 PRODUCERS = {"compressed-tensors": make_compressed_tensors, "transformers-fp8": make_transformers_fp8,
              "gpt-oss-mxfp4": make_gpt_oss_mxfp4, "gptqmodel": make_gptqmodel, "autoawq": make_autoawq,
