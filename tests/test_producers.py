@@ -1,10 +1,11 @@
 """What every producer's checkpoint must pass, written once over one table of the producers' own files
 (tests/fixtures/<producer>/..., each made by its tools/make_fixtures_*.py with the producer itself; versions in each
 VERSIONS.json): ``explain`` names the producer's scheme, its keys and the kernel the oracle picks, and our converted
-weights, rounded to the producer's dtype, are the producer's own dequantisation bit for bit.
+weights, rounded to the producer's dtype, are the producer's own dequantisation bit for bit; for the weight-only
+schemes, the built layer matches a float64 MoE on the producer's own weights.
 
 Each producer's module (tests/test_producers_<format>.py) keeps what only its format has: the float64 MoE done
-the producer's way (its activation quantisation), the kernels' paths its codes take, and its bad input.
+the producer's way where it quantizes activations, the kernels' paths its codes take, and its bad input.
 
 The producers' dequantisations in ref.safetensors, by name: ``experts.{e}.{role}.dequant`` (Quark, ModelOpt,
 llm-compressor, transformers' FineGrainedFP8: the experts and rows each maker kept), or
@@ -58,6 +59,10 @@ def our_weights(fixture: str, dtype: torch.dtype) -> dict[tuple[int, str], torch
     return {**{(e, "gate"): w[:inter] for e, w in enumerate(dense.w13)},
             **{(e, "up"): w[inter:] for e, w in enumerate(dense.w13)},
             **{(e, "down"): w for e, w in enumerate(dense.w2)}}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 # ---------------------------------------------------------------------------------------------- explain
@@ -188,3 +193,70 @@ def test_converted_weights_are_the_producers_dequantisation(case: Dequantised) -
         assert want.dtype == case.dtype and tuple(want.shape) == (rows, ours[(e, role)].shape[1]), (e, role)
         diff = ours[(e, role)][:rows].to(want.dtype).float() != want.float()
         assert not bool(diff.any()), f"{case.fixture} expert {e} {role}: {int(diff.sum())} of {diff.numel()} differ"
+
+
+# ------------------------------------------------------------------------------- the layer, weight-only schemes
+
+
+@dataclass(frozen=True)
+class WeightOnly:
+    """A weight-only fixture's layer on the torch reference, in ``dtype``, against the float64 MoE on the
+    producer's own weights; ``tol`` None: the layer's tolerance (the producer's 16-bit rounding of code x scale
+    is within it), a float: a tighter bound where the producer's dequantisation is float32 like ours."""
+
+    fixture: str
+    dtype: str
+    tol: float | None = None
+
+
+WEIGHT_ONLY = [
+    *[WeightOnly(f"gptqmodel/{n}", "float16") for n in (
+        "qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w4-sym-v2",
+        "qwen3-gptq-w4-asym-actorder-v2", "mixtral-gptq-w4-sym", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
+    WeightOnly("autoawq/qwen3-awq-w4-gemm", "float16"),
+    WeightOnly("autoround/qwen3-autoround-w4-sym", "float16"),
+    *[WeightOnly(f"compressed_tensors_presets/{n}", "float32")
+      for n in ("w4a16-g128", "w4a16-channel", "w4a16-asym-g64-actorder-weight", "w8a16-asym-g32")],
+    WeightOnly("fp4/modelopt-qwen3-nvfp4", "float32", 1e-4),  # ModelOpt's float32: float32 sums differ only
+    *[WeightOnly(f"fp4/{n}", "float32")
+      for n in ("ct-qwen3-nvfp4", "ct-qwen3-nvfp4a16", "ct-qwen3-mxfp4", "ct-qwen3-mxfp4a16")],
+]
+
+
+def silu_moe_float64(weights: dict[tuple[int, str], torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                     topk: torch.Tensor) -> torch.Tensor:
+    """The SiLU-gated MoE (Qwen3-MoE's and Mixtral's experts, no bias) in float64 on ``weights[(e, role)]``."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e, h = int(ids[t, j]), x[t].double()
+            act = torch.nn.functional.silu(weights[(e, "gate")].double() @ h) * (weights[(e, "up")].double() @ h)
+            out[t] += float(topk[t, j]) * (weights[(e, "down")].double() @ act)
+    return out
+
+
+def routing_through(kept: list[int], experts: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-2 routing whose first expert of every token is one the producer's dequantisation was kept for."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.tensor(kept)[torch.randint(len(kept), (tokens,), generator=g)]
+    second = (first + torch.randint(1, experts, (tokens,), generator=g)) % experts
+    w = torch.rand(tokens, 2, generator=g) + 0.1
+    return torch.stack([first, second], 1).to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+
+
+@pytest.mark.parametrize("case", WEIGHT_ONLY, ids=[c.fixture for c in WEIGHT_ONLY])
+def test_reference_layer_matches_float64_moe_on_the_producers_weights(case: WeightOnly) -> None:
+    """The built layer (torch reference) against the float64 MoE on the producer's own dequantised weights (ours
+    for the experts whose dequantisation the fixture did not keep: equal to the producer's by the test above),
+    every token routed through at least one of the producer's."""
+    layer = moe_registry.build(checkpoint(case.fixture), platform="cpu", layer=0, dtype=case.dtype,
+                               kernel="torch-reference")
+    theirs = producer_dequantisation(case.fixture)
+    weights = {**our_weights(case.fixture, torch.float64), **theirs}
+    experts = 1 + max(e for e, _ in weights)
+    ids, topk = routing_through(sorted({e for e, _ in theirs}), experts, 9, seed=6)
+    x = torch.randn(9, layer.weights.hidden_size, generator=torch.Generator().manual_seed(5))
+    x = x.to(getattr(torch, case.dtype))
+    err = _rel(layer.kernel(x, topk, ids), silu_moe_float64(weights, x, ids, topk))
+    assert 0 < err <= (case.tol or layer.tolerance), f"{case.fixture}: relative error {err:.2e}"
+

@@ -289,17 +289,6 @@ def _routing(seed: int, m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", sorted(QWEN_FP4))
-def test_fp4_layer_matches_float64_moe_on_the_producers_weights(name: str, nvfp4_built) -> None:
-    ref, layer = load_file(str(FIXTURES / name / "ref.safetensors")), nvfp4_built[name]
-    ids, w = _routing(7)
-    x = ref["hidden_states"].float()
-    # ModelOpt's dequantisation is float32 (our weights exactly: float32 sums differ only); compressed-tensors
-    # returns bfloat16 weights, 2^-9 from ours: there the scheme's tolerance
-    tol = 1e-4 if ref["experts.0.gate.dequant"].dtype == torch.float32 else layer.tolerance
-    assert _rel(layer.kernel(x, w, ids), _qwen_moe64(ref, x, ids, w)) <= tol
-
-
-@pytest.mark.parametrize("name", sorted(QWEN_FP4))
 def test_fp4_triton_kernel_matches_float64_moe_float16(name: str, nvfp4_built) -> None:
     """The Triton fused kernel (interpreter, float16 activations): e2m1 x e4m3 in registers, the global
     scale on the dot's result."""
