@@ -207,20 +207,24 @@ class WeightOnly:
     fixture: str
     dtype: str
     tol: float | None = None
+    triton: bool = True  # also the Triton kernel in the interpreter (the 8-bit GPTQ files: their tile tests)
 
 
 WEIGHT_ONLY = [
     *[WeightOnly(f"gptqmodel/{n}", "float16") for n in (
-        "qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w4-sym-v2",
-        "qwen3-gptq-w4-asym-actorder-v2", "mixtral-gptq-w4-sym", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
+        "qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w4-sym-v2", "qwen3-gptq-w4-asym-actorder-v2",
+        "mixtral-gptq-w4-sym")],
+    *[WeightOnly(f"gptqmodel/{n}", "float16", triton=False)
+      for n in ("qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
     WeightOnly("autoawq/qwen3-awq-w4-gemm", "float16"),
-    WeightOnly("autoround/qwen3-autoround-w4-sym", "float16"),
+    WeightOnly("autoround/qwen3-autoround-w4-sym", "float16", triton=False),
     *[WeightOnly(f"compressed_tensors_presets/{n}", "float32")
       for n in ("w4a16-g128", "w4a16-channel", "w4a16-asym-g64-actorder-weight", "w8a16-asym-g32")],
     WeightOnly("fp4/modelopt-qwen3-nvfp4", "float32", 1e-4),  # ModelOpt's float32: float32 sums differ only
     *[WeightOnly(f"fp4/{n}", "float32")
       for n in ("ct-qwen3-nvfp4", "ct-qwen3-nvfp4a16", "ct-qwen3-mxfp4", "ct-qwen3-mxfp4a16")],
 ]
+TRITON_WEIGHT_ONLY = [c for c in WEIGHT_ONLY if c.triton]
 
 
 def silu_moe_float64(weights: dict[tuple[int, str], torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
@@ -260,3 +264,25 @@ def test_reference_layer_matches_float64_moe_on_the_producers_weights(case: Weig
     err = _rel(layer.kernel(x, topk, ids), silu_moe_float64(weights, x, ids, topk))
     assert 0 < err <= (case.tol or layer.tolerance), f"{case.fixture}: relative error {err:.2e}"
 
+
+
+@pytest.mark.parametrize("case", TRITON_WEIGHT_ONLY, ids=[c.fixture for c in TRITON_WEIGHT_ONLY])
+def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_the_producers_weights(case: WeightOnly) -> None:
+    """The Triton fused kernel (interpreter, float16 activations, its default tiles) on our conversion of the
+    producer's file, within the scheme's float16 tolerance of the float64 MoE on the producer's own weights."""
+    pytest.importorskip("triton")
+    from moe_registry_kernels.triton.experts import TritonExperts
+
+    from moe_registry.layer.experts import ExpertsConfig
+
+    layer = moe_registry.build(checkpoint(case.fixture), platform="cpu", layer=0, dtype=case.dtype,
+                               kernel="torch-reference")
+    theirs = producer_dequantisation(case.fixture)
+    weights = {**our_weights(case.fixture, torch.float64), **theirs}
+    ids, topk = routing_through(sorted({e for e, _ in theirs}), 1 + max(e for e, _ in weights), 5, seed=8)
+    x = torch.randn(5, layer.weights.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.float16)
+    got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, topk, ids)
+    assert layer.report.scheme is not None
+    tol = moe_registry.load_registry().scheme(layer.report.scheme.scheme).tolerance["float16"]
+    err = _rel(got, silu_moe_float64(weights, x, ids, topk))
+    assert got.dtype == torch.float16 and 0 < err <= tol, f"{case.fixture}: relative error {err:.2e} > {tol}"

@@ -5,9 +5,10 @@ VERSIONS.json) read as compressed-tensors means them.
 ref.safetensors beside each checkpoint holds expert 0's weights as compressed-tensors' own
 PackedQuantizationCompressor.decompress returns them (bfloat16). Ours equal them bit for bit after
 rounding to bfloat16 (tests/test_producers.py, with what explain says): both are code · scale with one
-rounding (bf16 scales are exact in the float16 the kernels read). The layer is held to a float64 MoE on
-those weights (expert 0) and on ours (experts 1..3, equal to the producer's by the same unpacking) within
-the scheme tolerance.
+rounding (bf16 scales are exact in the float16 the kernels read), and the layer (torch reference, Triton in
+the interpreter) is held to a float64 MoE on those weights (expert 0) and on ours (experts 1..3). Here: the
+zero-sum Triton tiles and the packed CPU kernel against that MoE, ignore lists and targets matched as
+compressed-tensors matches them, act-order g_idx, and bad input.
 """
 
 from __future__ import annotations
@@ -104,19 +105,6 @@ def test_versions_name_the_producer() -> None:
 
 def test_fixtures_stay_small() -> None:
     assert sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file()) < 1024 * 1024
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_triton_interpreter_matches_float64_moe_float16(name: str, built) -> None:
-    pytest.importorskip("triton")
-    from moe_registry_kernels.triton.experts import TritonExperts
-
-    layer = built[name]
-    x, ids, w = _routing(5)
-    want = _moe64(_weights(name, layer), x, ids, w)
-    got = TritonExperts(layer.weights, ExpertsConfig()).apply(x.to(torch.float16), w, ids)
-    tol = moe_registry.load_registry().scheme(CASES[name][0]).tolerance["float16"]
-    assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
 
 
 @pytest.mark.parametrize("m", [16, 1])

@@ -267,44 +267,12 @@ def test_fp4_weights_stay_packed(name: str, nvfp4_built) -> None:
         assert weights.w13.scale.dtype == torch.float8_e4m3fn and tuple(weights.w13.scale2.shape) == (E, 2 * INTER, 1)
 
 
-def _qwen_moe64(ref: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE experts (silu(gate) * up, no bias) in float64 on the producer's dequantised weights."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate = x[t].double() @ ref[f"experts.{e}.gate.dequant"].double().T
-            up = x[t].double() @ ref[f"experts.{e}.up.dequant"].double().T
-            down = ref[f"experts.{e}.down.dequant"].double()
-            out[t] += float(w[t, j]) * ((torch.nn.functional.silu(gate) * up) @ down.T)
-    return out
-
-
 def _routing(seed: int, m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-2 over experts 0 and 1: the experts whose producer-dequantised weights are kept."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(2, generator=g) for _ in range(m)]).to(torch.int32)
     w = torch.rand(m, 2, generator=g) + 0.1
     return ids, (w / w.sum(-1, keepdim=True)).float()
-
-
-@pytest.mark.parametrize("name", sorted(QWEN_FP4))
-def test_fp4_triton_kernel_matches_float64_moe_float16(name: str, nvfp4_built) -> None:
-    """The Triton fused kernel (interpreter, float16 activations): e2m1 x e4m3 in registers, the global
-    scale on the dot's result."""
-    pytest.importorskip("triton")
-    from moe_registry_kernels.triton.experts import TritonExperts
-
-    ref, layer = load_file(str(FIXTURES / name / "ref.safetensors")), nvfp4_built[name]
-    ids, w = _routing(11)
-    x = ref["hidden_states"].to(torch.float16)
-    got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
-    tol = moe_registry.load_registry().scheme(QWEN_FP4[name][0]).tolerance["float16"]
-    want = _qwen_moe64(ref, x.float(), ids, w)
-    assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
-
-
-# ---------------------------------------------------------------- Triton FP4 paths the default tiles do not take
 
 
 def test_triton_fp4_decoder_is_exact_for_every_code() -> None:

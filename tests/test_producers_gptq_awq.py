@@ -8,9 +8,10 @@ projection and that quantized linear's output on fixed inputs (ref.safetensors).
 (tests/test_producers.py): `explain` picks the right scheme and a Triton kernel accepts its keys; our
 converter's weights, rounded to float16, are the library's dequantisation bit for bit (both libraries compute
 scale * (q - zero) in float16 with one rounding, as rounding our float32 value once does); the built layer
-(torch reference on CPU) matches a float64 MoE computed from the LIBRARY'S weights within the scheme's
-tolerance. Here: the library's own linear outputs, the Triton kernel in the interpreter (its tile paths
-included) against that float64 MoE, and broken zero points refused naming the tensor.
+(torch reference on CPU, Triton in the interpreter) matches a float64 MoE computed from the LIBRARY'S weights
+within the scheme's tolerance. Here: the library's own linear outputs, the Triton tile paths its codes take
+(group dots, zero sums, word halves) against that float64 MoE, and broken zero points refused naming the
+tensor.
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ CASES = {
     # Intel AutoRound's int4 export, packing auto_round:auto_gptq (tools/make_fixtures_autoround.py)
     "qwen3-autoround-w4-sym": ("autoround", "autoround-w4a16", "uint4b8 scale:float16:group(32):static"),
 }
-TRITON_CASES = ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w4-sym-v2", "qwen3-gptq-w4-asym-actorder-v2",
-                "qwen3-awq-w4-gemm", "mixtral-gptq-w4-sym"]
 
 
 def checkpoint(name: str) -> Path:
@@ -165,13 +164,6 @@ def _triton_against_library(name: str, tokens: int, seeds: tuple[int, int], tile
     assert out.dtype == torch.float16
     scheme = moe_registry.load_registry().scheme(CASES[name][1])
     return rel_err(out, moe_float64(x, topk_w, topk_ids, lib)), scheme.tolerance["float16"]
-
-
-@pytest.mark.parametrize("name", TRITON_CASES)
-def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_library_weights(name: str) -> None:
-    pytest.importorskip("triton", reason="triton is not installed")
-    err, tolerance = _triton_against_library(name, 5, (7, 8))
-    assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-sym-v2", "mixtral-gptq-w4-sym"])
