@@ -47,7 +47,10 @@ namespace {
 constexpr int64_t QB = 32;         // activation block (columns)
 constexpr int64_t CH = 64;         // columns per weight chunk; K is padded to it
 constexpr int64_t RB = 4;          // interleaved rows
-constexpr int64_t TASK_ROWS = 64;  // weight rows per task
+#ifndef DOT8_TASK_BYTES
+#define DOT8_TASK_BYTES 65536
+#endif
+constexpr int64_t TASK_BYTES = DOT8_TASK_BYTES;  // weight bytes of one expert per task
 #ifndef DOT8_PREFETCH
 #define DOT8_PREFETCH 2048
 #endif
@@ -98,33 +101,40 @@ struct Acts {
   int64_t kp, groups;
 };
 
-#if defined(DOT8_AVX2)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-#endif
 
 // The zero point's share, counted from `zbias` (the integer the dot already took as the codes' zero).
-inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias) {
+inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias, int64_t g0 = 0) {
   const float* s = p.s + row * p.groups;
   const uint8_t* z = p.z + row * p.groups;
   float corr = 0.0f;
-  for (int64_t g = 0; g < p.groups; ++g) corr += s[g] * static_cast<float>(static_cast<int32_t>(z[g]) - zbias) * xg[g];
+  for (int64_t g = g0; g < p.groups; ++g) corr += s[g] * static_cast<float>(static_cast<int32_t>(z[g]) - zbias) * xg[g];
   return corr;
 }
+
+#if defined(DOT8_AVX2)
+// A row group's four sums, the two 128-bit halves of h added (hadd's order), stored into y[0 .. rows) (rows past
+// the layer's end are padding) or added there times w.
+inline void store_quad(__m256 h, int64_t rows, float* y, float w, bool add) {
+  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  if (rows >= RB) {
+    _mm_storeu_ps(y, add ? _mm_fmadd_ps(v, _mm_set1_ps(w), _mm_loadu_ps(y)) : v);
+    return;
+  }
+  float out[RB];
+  _mm_storeu_ps(out, v);
+  for (int64_t r = 0; r < rows; ++r) y[r] = add ? y[r] + w * out[r] : out[r];
+}
+#endif
 
 // y[t][r] for the RB rows of row group `quad` and T tokens (T <= TMAX).
 template <int T, int BITS>
 void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, float* const* y, const float* wt) {
   const int64_t cb = BITS == 4 ? 32 : 64;
-  const int64_t chunks = p.kp / CH, per_group = p.gs / CH;  // per_group 0: groups of 32
+  const int64_t chunks = p.kp / CH;
+  [[maybe_unused]] const int64_t per_group = p.gs / CH;  // 0: groups of 32
   const uint8_t* wq = p.w + quad * chunks * RB * cb;
   const int64_t n0 = quad * RB;
-  float res[RB][T];
-  int zbias = 0;
+  [[maybe_unused]] int zbias = 0;  // the integer the dot already took as the codes' zero
 #if defined(DOT8_VNNI)
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
@@ -172,8 +182,26 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       }
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < T; ++t) res[r][t] = _mm512_reduce_add_ps(f[r][t]);
+  // the zero points' share, lane by lane into the sums before they are reduced: f -= s * z * xg per group
+  for (int64_t g0 = 0; g0 < p.groups; g0 += 16) {
+    const __mmask16 m = p.groups - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (p.groups - g0)) - 1);
+    for (int r = 0; r < RB; ++r) {
+      const int64_t at = (n0 + r) * p.groups + g0;
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p.z + at)));
+      const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.s + at), z);
+      for (int t = 0; t < T; ++t)
+        f[r][t] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(m, a.xg + tok[t] * a.groups + g0), f[r][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {  // the four rows' sums at once
+    __m256 x[RB];
+    for (int r = 0; r < RB; ++r)
+      x[r] = _mm256_add_ps(_mm512_castps512_ps256(f[r][t]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f[r][t]), 1)));
+    store_quad(_mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3])), p.n - n0, y[t] + n0,
+               wt ? wt[t] : 0.0f, wt != nullptr);
+  }
 #elif defined(DOT8_AVX2)
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -227,9 +255,30 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       }
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < T; ++t) res[r][t] = hsum8(f[r][t]);
+  // the zero points' share, lane by lane into the sums before they are reduced (groups past a multiple of 8: after)
+  int64_t g0 = 0;
+  for (; g0 + 8 <= p.groups; g0 += 8) {
+    for (int r = 0; r < RB; ++r) {
+      const int64_t at = (n0 + r) * p.groups + g0;
+      const __m256 z = _mm256_sub_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.z + at)))),
+          _mm256_set1_ps(static_cast<float>(zbias)));
+      const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(p.s + at), z);
+      for (int t = 0; t < T; ++t)
+        f[r][t] = _mm256_fnmadd_ps(sz, _mm256_loadu_ps(a.xg + tok[t] * a.groups + g0), f[r][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f[0][t], f[1][t]), _mm256_hadd_ps(f[2][t], f[3][t]));
+    if (g0 < p.groups) {
+      float rest[RB];
+      for (int r = 0; r < RB; ++r) rest[r] = zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias, g0);
+      h = _mm256_sub_ps(h, _mm256_setr_ps(rest[0], rest[1], rest[2], rest[3], 0.0f, 0.0f, 0.0f, 0.0f));
+    }
+    store_quad(h, p.n - n0, y[t] + n0, wt ? wt[t] : 0.0f, wt != nullptr);
+  }
 #else
+  float res[RB][T];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < T; ++t) {
       float fr = 0.0f;
@@ -247,7 +296,6 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       }
       res[r][t] = fr;
     }
-#endif
   for (int r = 0; r < RB; ++r) {
     if (n0 + r >= p.n) break;
     for (int t = 0; t < T; ++t) {
@@ -256,6 +304,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       else y[t][n0 + r] = v;
     }
   }
+#endif
 }
 
 // The RB-row groups [q0, q1) for ntok pairs (activation rows tok, outputs y; wt: router weights to add the
@@ -394,7 +443,8 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   const float* sp = scale.data_ptr<float>();
   const uint8_t* zp = zero.data_ptr<uint8_t>();
   const int64_t expert_bytes = np * kp * bits / 8;
-  const int64_t block = combined ? TASK_ROWS / 2 : TASK_ROWS;
+  // rows per task: about TASK_BYTES of one expert's weights, one stream the prefetchers follow
+  const int64_t block = std::max<int64_t>(RB, std::min<int64_t>(np, TASK_BYTES / (kp * bits / 8)) / RB * RB);
   const int64_t blocks = (np + block - 1) / block;
   const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
 
