@@ -81,18 +81,18 @@ def _ref(case: Case) -> dict[str, torch.Tensor]:
 
 
 def _assert_matches_reference(model: torch.nn.Module, ref: dict[str, torch.Tensor], tol: float,
-                              typical: float | None = None) -> None:
+                              typical: float | None = None, device: str = "cpu") -> None:
     """Logits along the reference's greedy sequence within ``tol`` (their median over positions within
     ``typical``, where given); greedy tokens equal, or a differing token at a near tie of the reference's two best
     logits."""
     with torch.no_grad():
-        logits = model(ref["greedy"]).logits.float()
+        logits = model(ref["greedy"].to(device)).logits.float().cpu()
     assert _rel(logits, ref["logits"]) <= tol, _rel(logits, ref["logits"])
     if typical is not None:
         per_position = (logits - ref["logits"]).double().norm(dim=-1) / ref["logits"].double().norm(dim=-1)
         assert float(per_position.median()) <= typical, per_position.tolist()
-    got = model.generate(ref["input_ids"], max_new_tokens=ref["greedy"].shape[1] - PROMPT_TOKENS, do_sample=False,
-                         pad_token_id=0)
+    got = model.generate(ref["input_ids"].to(device), max_new_tokens=ref["greedy"].shape[1] - PROMPT_TOKENS,
+                         do_sample=False, pad_token_id=0).cpu()
     want = ref["greedy"]
     if torch.equal(got, want):
         return
@@ -121,6 +121,22 @@ def test_load_model_matches_the_producers_dequantised_model(case: Case, ours) ->
     assert [p.scheme for p in report.layers] == [case.scheme] * len(report.layers), report.layers
     assert len(report.layers) >= 2
     _assert_matches_reference(model, _ref(case), case.tol, case.typical)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_load_model_on_cuda_matches_the_producers_dequantised_model(case: Case) -> None:
+    """The same files on the GPU in float16, each MoE layer on the kernel the oracle picks there (a Triton kernel
+    where one takes the scheme): float16 activations add ~1e-3 a layer to the scheme's error, so the bound is the
+    CPU's or 2e-2, whichever is larger."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = load_model(FIXTURES / case.name / "checkpoint", device="cuda", dtype="float16")
+    report = model.moe_registry_report
+    assert [p.scheme for p in report.layers] == [case.scheme] * len(report.layers), report.layers
+    assert "torch-reference" not in {p.kernel for p in report.layers}, report.layers
+    typical = None if case.typical is None else max(case.typical, 2e-2)
+    _assert_matches_reference(model, _ref(case), max(case.tol, 2e-2), typical, device="cuda")
 
 
 # ------------------------------------------------------------ transformers' own reading of the same files
