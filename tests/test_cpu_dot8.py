@@ -20,9 +20,9 @@ from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.model.machine import probe_cpu_features
 from moe_registry.model.routing import softmax_topk
 from moe_registry.model.situation import Flags, situation_for
-from moe_registry.oracle.contract import Reason
 from moe_registry.oracle.runtime import Platform
 from moe_registry.oracle.select import select
+from moe_registry.oracle.verdicts import Reason
 from moe_registry.spec.loader import load_registry
 
 REGISTRY = load_registry()

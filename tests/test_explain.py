@@ -15,8 +15,9 @@ import pytest
 from moe_registry.cli import main as cli
 from moe_registry.core.errors import ConfigError, SelectionError
 from moe_registry.model.situation import Flags, situation_for
-from moe_registry.oracle.contract import Reason, Report
+from moe_registry.oracle.contract import Report
 from moe_registry.oracle.select import select
+from moe_registry.oracle.verdicts import Reason
 from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
 
 ROOT = Path(__file__).resolve().parent.parent

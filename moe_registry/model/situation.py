@@ -15,7 +15,6 @@ from moe_registry.core.names import unknown_text
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
 from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
 from moe_registry.model.machine import probe_commands, probe_environment, probe_platform
-from moe_registry.oracle.contract import Situation
 from moe_registry.oracle.runtime import (
     Environment,
     MoEShape,
@@ -26,6 +25,7 @@ from moe_registry.oracle.runtime import (
     parse_platform,
 )
 from moe_registry.oracle.select import expert_modules
+from moe_registry.oracle.verdicts import Situation
 from moe_registry.spec.loader import Registry
 
 

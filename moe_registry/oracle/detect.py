@@ -12,8 +12,8 @@ from typing import Any
 
 from moe_registry.core.guards import same_value
 from moe_registry.core.keys import parse_quant_key
-from moe_registry.oracle.contract import Check, Reason, SchemeVerdict, failed, passed
 from moe_registry.oracle.scope_index import gptq_dynamic_sign, pattern_index
+from moe_registry.oracle.verdicts import Check, Reason, SchemeVerdict, failed, passed
 from moe_registry.spec.loader import fill_template
 from moe_registry.spec.view import BindRule, FieldRule, SchemeSpec, ScopeRule
 

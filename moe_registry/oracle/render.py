@@ -10,10 +10,43 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:  # types only: the contract calls these functions
-    from moe_registry.oracle.contract import Check, KernelVerdict, Report, RoutingValue, SchemeVerdict
+from moe_registry.oracle.verdicts import (
+    Check,
+    Downgrade,
+    KernelVerdict,
+    LayerRun,
+    RoutingValue,
+    SchemeVerdict,
+    SelectedBy,
+    Situation,
+)
+
+
+class ReportView(Protocol):
+    """What rendering reads of a report (``oracle.contract.Report`` is one): named here, so this module needs
+    the verdicts only and the report can print itself through it."""
+
+    situation: Situation
+    scheme: SchemeVerdict | None
+    excluded_note: str | None
+    kernels: tuple[KernelVerdict, ...]
+    chosen: str | None
+    selected_by: SelectedBy | None
+    requested: str | None
+    overrides: tuple[str, ...]
+    unclaimed: str | None
+    layers: tuple[LayerRun, ...]
+    downgrades: tuple[Downgrade, ...]
+
+    @property
+    def notes(self) -> tuple[str, ...]: ...
+
+    def turned_down(self) -> list[SchemeVerdict]: ...
+
+    def shown_turned_down(self, verbose: bool) -> list[SchemeVerdict]: ...
+
 
 TEXT_WIDTH = 100  # text output wraps reasons to stay within this many characters
 DOWNGRADE_LABELS = {"compute-dtype": "compute", "slow-path": "slow path"}  # text rows; activation: "emulation"
@@ -31,7 +64,7 @@ def _md(text: object) -> str:
 
 
 
-def _status(report: Report, k: KernelVerdict) -> str:
+def _status(report: ReportView, k: KernelVerdict) -> str:
     return "chosen" if k.kernel == report.chosen else ("eligible" if k.eligible else "rejected")
 
 def _turned_down_reason(v: SchemeVerdict) -> str:
@@ -39,7 +72,7 @@ def _turned_down_reason(v: SchemeVerdict) -> str:
         return f"matches, but {v.scope_note} (layer left unquantized)"
     return v.failures[0].message if v.failures else "not matched"
 
-def head_rows(report: Report) -> list[tuple[str, str]]:
+def head_rows(report: ReportView) -> list[tuple[str, str]]:
     """The report's head as (label, value) rows: situation, decision, notes, overrides."""
     s = report.situation
     rt = s.runtime
@@ -131,7 +164,7 @@ SITUATION_LABELS = frozenset({"model", "layers", "runtime", "shape", "shared", "
                               "activation", "bindings", "scope", "kernel", ""})
 
 
-def layer_rows(report: Report) -> list[tuple[str, str]]:
+def layer_rows(report: ReportView) -> list[tuple[str, str]]:
     """One row per run of alike MoE layers: ``layers 1-47  awq-w4a16  triton-fused-moe`` (and the rule that
     excluded a run); none when every layer is decided alike."""
     runs = report.layers
@@ -151,7 +184,7 @@ def platform_text(platform: Any) -> str:
     return str(platform) + (f" ({name})" if name and name != str(platform) else "")
 
 
-def summary_line(report: Report) -> str:
+def summary_line(report: ReportView) -> str:
     """One line: scheme, kernel, platform and dtype, the layer and model (run prints it instead of the report)."""
     s = report.situation
     rt = s.runtime
@@ -163,13 +196,13 @@ def summary_line(report: Report) -> str:
             f"{where}; --verbose prints the whole report")
 
 
-def notice_rows(report: Report) -> list[tuple[str, str]]:
+def notice_rows(report: ReportView) -> list[tuple[str, str]]:
     """The head's rows that say what differs from what was asked (run prints them under its summary)."""
     return [(label, value) for label, value in head_rows(report) if label not in SITUATION_LABELS]
 
 # ------------------------------------------------------------ JSON
 
-def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
+def to_dict(report: ReportView, verbose: bool = False) -> dict[str, Any]:
     """Plain data. Without ``verbose`` the kernels' passed checks and all but the nearest
     turned-down schemes are left out (``schemes_turned_down`` counts them all)."""
     s = report.situation
@@ -217,12 +250,12 @@ def to_dict(report: Report, verbose: bool = False) -> dict[str, Any]:
         "routing": {v.word: v.to_dict() for v in s.routing},
     }
 
-def to_json(report: Report, verbose: bool = False, indent: int | None = None) -> str:
+def to_json(report: ReportView, verbose: bool = False, indent: int | None = None) -> str:
     return json.dumps(to_dict(report, verbose), indent=indent)
 
 # ------------------------------------------------------------ text
 
-def to_text(report: Report, verbose: bool = False, width: int = TEXT_WIDTH) -> str:
+def to_text(report: ReportView, verbose: bool = False, width: int = TEXT_WIDTH) -> str:
     """Aligned text, no line longer than ``width`` (except single words that are)."""
     rows = head_rows(report)
     lw = max(len(k) for k, _ in rows)
@@ -261,7 +294,7 @@ def to_text(report: Report, verbose: bool = False, width: int = TEXT_WIDTH) -> s
 
 # ------------------------------------------------------------ Markdown
 
-def to_markdown(report: Report, verbose: bool = False) -> str:
+def to_markdown(report: ReportView, verbose: bool = False) -> str:
     """Markdown tables; every cell escaped so a ``|`` in a reason cannot break a table."""
     code = {"scheme", "weight", "activation", "kernel"}
     lines = ["| | |", "| --- | --- |"]

@@ -12,20 +12,20 @@ from dataclasses import replace
 from typing import Any
 
 from moe_registry.core.errors import SelectionError
-from moe_registry.oracle.contract import (
+from moe_registry.oracle.contract import Report
+from moe_registry.oracle.detect import detect_scheme
+from moe_registry.oracle.downgrades import derive, faithful_first
+from moe_registry.oracle.predicates import kernel_checks
+from moe_registry.oracle.verdicts import (
     METHOD_FIELD,
     KernelVerdict,
     LayerRun,
     Reason,
-    Report,
     SchemeVerdict,
     SelectedBy,
     Situation,
     failed,
 )
-from moe_registry.oracle.detect import detect_scheme
-from moe_registry.oracle.downgrades import derive, faithful_first
-from moe_registry.oracle.predicates import kernel_checks
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ModelFamilySpec
 
