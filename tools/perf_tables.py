@@ -131,12 +131,17 @@ def tuned_block(entries: list[dict], base: Path) -> str:
             + "\n".join(notes) + "\n")
 
 
-def cpu_block(entry: dict, base: Path) -> str:
+def json_record(entry: dict, base: Path) -> dict:
+    """The JSON record a manifest entry names."""
     path = base / entry["record"]
     try:
-        doc = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise TablesError(f"{path}: {e}") from None
+
+
+def cpu_block(entry: dict, base: Path) -> str:
+    doc = json_record(entry, base)
     shape = doc["shape"]
     kernels = ",".join(dict.fromkeys(r["kernel"] for r in doc["rows"]))
     tokens = ",".join(str(m) for m in sorted({r["tokens"] for r in doc["rows"]}))
@@ -151,6 +156,25 @@ def cpu_block(entry: dict, base: Path) -> str:
               f"{shape['intermediate']}, {shape['dtype']} activations; `x plain` is the kernel's time over a plain "
               "float32 torch layer's in the same run, `resident/packed` the bytes it holds over the checkpoint's.\n\n"
             + md_table(["scheme (+ same keys)", "kernel", "M", "ms", "x plain", "resident/packed"], table) + "\n")
+
+
+def cpu_peer_block(entry: dict, base: Path) -> str:
+    """A tools/bench_cpu_peer.py record: our CPU layer beside ggml's MUL_MAT_ID, and the streaming case."""
+    import bench_cpu_peer
+
+    doc = json_record(entry, base)
+    command = (f"python tools/bench_cpu_peer.py PEER --threads {','.join(map(str, doc['threads']))} --tokens "
+               f"{','.join(map(str, doc['tokens']))} --rounds {doc['rounds']} --repeats {doc['repeats']} --kernel "
+               f"{doc['kernel']} --out docs/bench/{entry['record']}")
+    machine = f"{doc['machine']}, torch {doc['torch']}" + (f" ({entry['note']})" if entry.get("note") else "")
+    shape = doc["shape"]
+    return (provenance(command, machine, entry) + f" PEER: {entry['peer']}.\n\n"
+            + f"E = {shape['experts']}, top-{shape['top_k']}, hidden {shape['hidden']}, intermediate "
+              f"{shape['intermediate']}, {shape['dtype']} activations; best of {doc['rounds']} rounds on each side, "
+              "the 1-minute load average read before it in brackets; `llama.cpp / ours` above 1: ours is faster. "
+              "Below: M = 1, each call routed to 8 experts no recent call touched, so every call reads its "
+              "weights from memory; the floor is those bytes at the memory bandwidth measured in the same run.\n\n"
+            + bench_cpu_peer.markdown(doc))
 
 
 # manifest key -> generated block of a tools/bench_model.py record
@@ -186,6 +210,8 @@ def blocks(manifest: dict, base: Path) -> dict[str, str]:
         "tuned": tuned_block(manifest["gpu_tuned"], base),
         "cpu-layer": cpu_block(manifest["cpu_layer"], base),
     }
+    if "cpu_peer" in manifest:
+        out["cpu-peer"] = cpu_peer_block(manifest["cpu_peer"], base)
     for key, name in WHOLE_MODEL_BLOCKS.items():
         if key in manifest:
             out[name] = whole_model_block(manifest[key], base)
