@@ -74,20 +74,30 @@ class GemmSass:
                 + f"\n    config {json.dumps(self.config)}")
 
 
-def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides: dict | None = None) -> list:
-    """[(kernel, args, kwargs, tile)] of the layer's two GEMM launches for ``m`` tokens on an sm_90
-    GPU (paired PTX dequantisation, dependent launch), weights on the meta device; the tile configs
-    are the layer's (tuned for DEVICE_NAME, or the defaults) with ``overrides``."""
+def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides: dict | None = None,
+                    arch: int = 90) -> list:
+    """[(kernel, args, kwargs, tile)] of the layer's two GEMM launches for ``m`` tokens on an sm_``arch``
+    GPU (paired PTX dequantisation and dependent launch where it has them, the activations the kernel spec
+    hands it there), weights on the meta device; the tile configs are the layer's (tuned for DEVICE_NAME, or
+    the defaults) with ``overrides``."""
     from moe_registry_kernels import quant_ref
     from moe_registry_kernels.triton import api
 
+    from moe_registry import load_registry
     from moe_registry.core.keys import parse_quant_key
+    from moe_registry.oracle.handed import handed_activation
+    from moe_registry.oracle.predicates import matching_pattern
+    from moe_registry.oracle.runtime import Platform
 
     wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
+    # the activations the kernel is handed on that GPU (fp8 checkpoints before sm_89: 16-bit, weight-only)
+    platform = Platform("cuda", (arch // 10, arch % 10))
+    akey = handed_activation(akey, matching_pattern(load_registry().kernel(bench.KERNEL), wkey, akey, platform))
     # one random expert: its layout (and MX scale codes) stands for the shape's experts
     one = quant_ref.make_random_expert_weights(wkey, akey, num_experts=1, hidden=shape.hidden,
                                                intermediate=shape.intermediate, dtype=torch.bfloat16)
     launches = api.gemm_launches(one, shape.experts, shape.top_k, m, device_name=DEVICE_NAME, sms=DEVICE_SMS,
+                                 capability=(arch // 10, arch % 10),
                                  overrides=overrides)
     return [(launch.kernel, launch.args, launch.kwargs, launch.tile) for launch in launches]
 
@@ -148,7 +158,7 @@ def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: 
     """GEMM1 and GEMM2 of the layer, compiled for sm_``arch`` and read."""
     with tempfile.TemporaryDirectory() as tmp:
         out = []
-        for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), record_launches(scheme, shape, m, overrides),
+        for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), record_launches(scheme, shape, m, overrides, arch),
                                                  strict=True):
             _, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
             out.append(analyse(gemm, fn, cfg, cubin, kwargs.get("A_SCALE_IN", "none")))

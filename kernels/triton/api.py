@@ -14,7 +14,7 @@ import torch
 
 from moe_registry.formats.weights import ExpertWeights
 
-from . import activation_quant, launch, layout, plan, tile_config
+from . import activation_quant, dequant_ptx, launch, layout, plan, tile_config
 from .activation_quant import act_quant
 from .align import align, align_quant, align_sizes
 from .chain import plain_launches
@@ -107,9 +107,11 @@ def _meta(t: torch.Tensor | None, experts: int) -> torch.Tensor | None:
 
 
 def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: int, *, device_name: str,
-                  sms: int, overrides: dict | None = None, activation: str = "silu") -> list[GemmLaunch]:
-    """The layer's two GEMM launches for ``m`` tokens on an sm_90 GPU named ``device_name`` with ``sms``
-    multiprocessors (paired PTX dequantisation, dependent launch, the GPU's fp8 cast), on the meta
+                  sms: int, overrides: dict | None = None, activation: str = "silu",
+                  capability: tuple[int, int] = (9, 0)) -> list[GemmLaunch]:
+    """The layer's two GEMM launches for ``m`` tokens on a GPU of ``capability`` (default sm_90) named
+    ``device_name`` with ``sms`` multiprocessors (paired PTX dequantisation and dependent launch where that
+    GPU has them, the GPU's fp8 cast), on the meta
     device: weights laid out as ``one_expert``'s (converted, nk) over ``num_experts`` experts, MX scale
     codes as that expert's; tile configs the layer's (tuned for ``device_name``, or the defaults) with
     ``overrides``. Decided as :mod:`.layer` decides a call (one token's GEMMs quantising their own
@@ -131,7 +133,8 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
     with contextlib.ExitStack() as stack:
         patches = [(tile_config, "_device_name", lambda device: device_name),
                    (tile_config, "_num_sms", lambda device: sms),
-                   (launch, "_paired_halves", lambda device, dtype: True),
+                   (launch, "_paired_halves", lambda device, dtype: dequant_ptx.paired_halves_on(capability, dtype)),
+                   (launch, "fp8_pair_convert", lambda device: dequant_ptx.fp8_pair_convert_on(capability)),
                    (launch, "_hardware_fp8_cast", lambda device: True),
                    (launch, "dp4a_in_ptx", lambda device: True),
                    # the decode GEMV's input quantisation: not a GEMM, not run (its outputs on the meta device)
@@ -150,6 +153,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
             config2 = tile_config._fit_config({**config2, **overrides, "BLOCK_M": config1["BLOCK_M"]}, variant,
                                               can_split=True)
         pairs = m * top_k
+        pdl = capability >= (9, 0)  # (as chain.pdl_supported decides on such a GPU)
         block_m = launch.GEMV_BLOCK_M if own.gemv1 else config1["BLOCK_M"]  # the decode GEMV's blocks
         def ids(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=torch.int32, device="meta")
@@ -170,7 +174,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
         # a ZERO_SUMS GEMM2's input sums: GEMM1's per-tile pieces where it leaves them
         pieces2 = plan._gemm1_sum_pieces(rows, pairs, config1, config2, w13, w2, variant, activation, meta)
         launch._gemm(a1, a1_scale, w13, variant, inter, rows, config1, compute_dtype=dt, top_k=top_k,
-                     topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=True,
+                     topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
                      input_scale=launch._InputScale(rows=1, static=static, gemv=own.gemv1) if own.gemm1 else None,
                      row_sums=_row_sums(a1, config1, w13, variant, rows),
                      sums_out=pieces2.sums if pieces2 else None)
@@ -186,7 +190,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
         out = (torch.empty(split, pairs, w2.n, device="meta") if split > 1
                else torch.empty(pairs, w2.n, dtype=dt, device="meta"))
         launch._gemm(a2, a2_scale, w2, variant, out, rows, config2, compute_dtype=dt, routed_weight="output",
-                     topk_weights=weights, pdl=True, input_scale=scale2,
+                     topk_weights=weights, pdl=pdl, input_scale=scale2,
                      row_sums=pieces2 or _row_sums(a2, config2, w2, variant, rows))
     return [GemmLaunch(fn, args, kwargs, _launch_tile(fn, kwargs, cfg))
             for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]

@@ -64,10 +64,28 @@ def _paired_halves(device: torch.device, dtype: torch.dtype) -> bool:
     has paired bf16 subtract/multiply (sm_90 and later)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
         return False
-    capability = torch.cuda.get_device_capability(device)
+    return paired_halves_on(torch.cuda.get_device_capability(device), dtype)
+
+
+def paired_halves_on(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """:func:`_paired_halves` for a CUDA GPU of ``capability`` (also for one that is not here)."""
     if dtype == torch.float16:
         return capability >= (8, 0)
     return dtype == torch.bfloat16 and capability >= (9, 0)
+
+
+@functools.cache
+def fp8_pair_convert(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 pairs to float16 (cvt.rn.f16x2.e4m3x2, sm_89 and later), which the
+    float16 form of :func:`_e4m3_asm` issues; before it, fp8 weights take :func:`_e4m3_value`."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+        return False
+    return fp8_pair_convert_on(torch.cuda.get_device_capability(device))
+
+
+def fp8_pair_convert_on(capability: tuple[int, int]) -> bool:
+    """:func:`fp8_pair_convert` for a CUDA GPU of ``capability``."""
+    return capability >= (8, 9)
 
 
 @triton.jit
@@ -303,6 +321,22 @@ def _dequant_e4m3(codes, scale, dtype, WORD_PAIRS: tl.constexpr = False):
                                      dtype=result.value, is_pure=True, pack=PACK)
 
 
+# e4m3 codes whose exponent and mantissa bits sit at float16's read value * 2^-8 (_e4m3_value)
+E4M3_F16_UNSCALE = tl.constexpr(256.0)
+
+
+@triton.jit
+def _e4m3_value(codes):
+    """e4m3 codes (uint8 bits) -> their float32 values, exactly, by integer operations and a float16
+    widening: no fp8 type, which Triton refuses below sm_89 (Ampere runs fp8 weights so). Exponent and
+    mantissa move to float16's places, which read value * 2^-8 (subnormal codes as float16 subnormals),
+    the sign to bit 15; the widened value times 2^8 is exact. (The NaN codes read +-480: checkpoints
+    hold none.)"""
+    bits = codes.to(tl.uint16)
+    half = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * E4M3_F16_UNSCALE
+
+
 @triton.jit
 def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr, ASM: tl.constexpr = False,
                   SCALED: tl.constexpr = True):
@@ -315,7 +349,7 @@ def _dequant_byte(codes, tile_zero, scale, dtype, W_TYPE: tl.constexpr, ASM: tl.
         out = _dequant_asm(program, codes, tile_zero, scale, dtype, 1, SCALED, 4)
     else:
         if W_TYPE == "fp8e4m3":
-            out = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            out = _e4m3_value(codes)
         else:
             if W_TYPE == "int8":  # two's complement -> offset binary around 128
                 codes = codes ^ INT8_SIGN_FLIP

@@ -16,7 +16,7 @@ from . import decode_gemv
 from .activation_quant import act_quant
 from .chain import pdl_launch
 from .decode_gemv import _decode_gemv_kernel, dp4a_in_ptx
-from .dequant_ptx import _paired_halves
+from .dequant_ptx import _paired_halves, fp8_pair_convert
 from .gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .layout import _Proj, _word_halves_for
 from .variant import KernelVariant
@@ -213,7 +213,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, variant, dummy),
             **_e2m1_fold(w, variant, compute_dtype),
-            E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm),
+            E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
             **_launch_options(config), **pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
@@ -237,7 +237,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         FUSE_ACT=fuse_act, SPLIT_K=split_k, AMAX_OUT=amax_pieces is not None, **scale_search,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
-        E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm),
+        E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
         GROUP_DOTS=config.get("GROUP_DOTS", False),
         **_row_sums_args(row_sums, sums_out), **_launch_options(config), **pdl_launch(pdl))
 
@@ -356,9 +356,12 @@ def _scale_codes_within(w: _Proj, codes: tuple[int, int]) -> bool:
 E4M3_MX_FOLD_CODES = {torch.bfloat16: (0, 134), torch.float16: (103, 142)}
 
 
-def _e4m3_folded(w: _Proj, variant: KernelVariant, compute_dtype: torch.dtype, asm: bool) -> bool:
+def _e4m3_folded(w: _Proj, variant: KernelVariant, compute_dtype: torch.dtype, asm: bool,
+                 device: torch.device) -> bool:
     """Whether an MX fp8 GEMM decodes its weights with dequant_ptx._e4m3_asm (bfloat16: three instructions
     a weight pair and a multiply, float16: one and a multiply, against six through float32): on the PTX
-    path, where every scale code of the experts is known to lie in E4M3_MX_FOLD_CODES."""
+    path, where every scale code of the experts is known to lie in E4M3_MX_FOLD_CODES; in float16 only on a
+    GPU that converts e4m3 pairs (sm_89+; before it the codes take dequant_ptx._e4m3_value)."""
     return (asm and variant.weight_type == "fp8e4m3" and variant.weight_scale == "mx"
-            and compute_dtype in E4M3_MX_FOLD_CODES and _scale_codes_within(w, E4M3_MX_FOLD_CODES[compute_dtype]))
+            and compute_dtype in E4M3_MX_FOLD_CODES and _scale_codes_within(w, E4M3_MX_FOLD_CODES[compute_dtype])
+            and (compute_dtype != torch.float16 or fp8_pair_convert(device)))

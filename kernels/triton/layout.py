@@ -110,6 +110,13 @@ def _word_halves_for(w: _Proj, config: dict) -> _Proj:
     return dataclasses.replace(w, scale=scales, zero=zeros)
 
 
+def fp8_as_bytes(variant: KernelVariant) -> bool:
+    """Whether fp8 weight codes reach the GEMMs as their bytes (uint8, the same storage): weights the 16-bit
+    dot dequantises in registers (dequant_ptx._e4m3_value), which then compile below sm_89, where Triton
+    refuses any fp8 type; fp8 dots (sm_89+) read them as fp8."""
+    return variant.weight_type == "fp8e4m3" and variant.dot == "float"
+
+
 @dataclass(frozen=True)
 class TritonWeightLayout:
     """The Triton kernels' last conversion step: a projection in the ``nk`` layout
@@ -143,6 +150,8 @@ class TritonWeightLayout:
         if variant.weight_scale == "group" and zero is not None and packed(variant.weight_type):
             scale, zero = _scale_zero_words(scale, zero)
         weight = e2m1_register_order(codes) if variant.weight_type == "e2m1" else ready(codes)
+        if fp8_as_bytes(variant):
+            weight = weight.view(torch.uint8)
         return [weight, scale, zero, ready(p.perm, torch.int32), ready(p.bias, torch.float32),
                 ready(p.input_scale, torch.float32)]
 
@@ -162,6 +171,8 @@ class TritonWeightLayout:
         variant = self.variant
         if variant.weight_type == "e2m1":
             weight = e2m1_nibble_order(weight)
+        if fp8_as_bytes(variant):
+            weight = weight.view(torch.float8_e4m3fn)
         words = scale is not None and zero is not None and scale.dtype == torch.int32
         if words and zero.data_ptr() == scale.data_ptr():
             scale, zero = _scale_zero_halves(scale)

@@ -170,9 +170,6 @@ def variant_from_keys(weight_key: str, activation_key: str) -> KernelVariant:
     if variant.dot == "fp8_outer" and (wtype != "fp8e4m3" or wscale != "channel"):
         raise ValueError(f"per-token/per-tensor fp8 activations need fp8 weights with per-channel/tensor scales, "
                          f"got {weight_key!r}")
-    if wtype == "fp8e4m3" and wscale == "channel" and variant.dot != "fp8_outer":
-        raise ValueError(f"fp8 weights with per-channel/tensor scales run with fp8 activations here, got "
-                         f"{activation_key!r}")
     if wtype == "fp8e4m3" and wscale not in ("mx", "block", "channel"):
         raise ValueError(f"fp8 weights need e8m0 per-32, 128x128 block or per-channel/tensor scales here, "
                          f"got {weight_key!r}")

@@ -27,7 +27,8 @@ from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
 from moe_registry.model.tensor_index import open_checkpoint
 from moe_registry.oracle.contract import Report
-from moe_registry.oracle.predicates import delivered_format
+from moe_registry.oracle.handed import handed_activation
+from moe_registry.oracle.predicates import delivered_format, matching_pattern
 from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.oracle.select import select
 from moe_registry.spec.loader import Registry, load_registry
@@ -102,8 +103,12 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     kernel_spec = registry.kernel(report.chosen)
     runtime = report.situation.runtime
     convert = get_converter(scheme.checkpoint.format, kernel_spec.layout, registry)
-    ctx = ConvertContext(report.scheme.weight_key, report.scheme.activation_key,  # type: ignore[arg-type]
-                         DTYPES[runtime.dtype], dict(report.scheme.bindings),
+    # the key the kernel is handed: unquantized where its key pattern runs the checkpoint's quantised
+    # activations weight-only (e.g. fp8 weights on sm_80), so no input scale is read
+    weight_key, bound = report.scheme.weight_key, report.scheme.activation_key
+    assert weight_key is not None and bound is not None  # a matched scheme binds both
+    handed = handed_activation(bound, matching_pattern(kernel_spec, weight_key, bound, runtime.platform))
+    ctx = ConvertContext(weight_key, handed, DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
     full = convert_layer(convert, tensors, ctx)
     fmt = delivered_format(runtime.parallel.all2all, kernel_spec)

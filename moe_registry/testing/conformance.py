@@ -16,9 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from moe_registry.core.keys import QuantKey, parse_quant_key
+from moe_registry.core.keys import QuantKey, key_matches, parse_quant_key
+from moe_registry.oracle.handed import handed_activation
 from moe_registry.oracle.predicates import check_keys, matching_pattern
 from moe_registry.spec.loader import Registry, binding_samples, fill_template
+from moe_registry.spec.view import KernelSpec, KeyPattern
 
 # What the generator can build a case for. Adding an option to the spec language means adding it here.
 GENERATABLE = {
@@ -51,6 +53,8 @@ class Case:
     tokens: int = 7
     skip_experts: int = 0  # route only to experts [skip_experts, E): the first ones get no tokens
     tolerance: float = 1e-2
+    # the platform whose key pattern the case runs, where it is not the one the pair meets first (platform_runs)
+    platform: str | None = None
 
     @property
     def id(self) -> str:
@@ -63,7 +67,8 @@ class Case:
         shape = f"E{self.num_experts}k{self.top_k}H{self.hidden}I{self.intermediate}M{self.tokens}"
         if self.skip_experts:
             shape += f"s{self.skip_experts}"
-        return f"{self.scheme}[{b}]-{self.kernel}-{'-'.join(opts)}-{shape}"
+        on = f"-{self.platform}" if self.platform else ""
+        return f"{self.scheme}[{b}]-{self.kernel}{on}-{'-'.join(opts)}-{shape}"
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,23 @@ def _min_dim(keys: Iterable[QuantKey]) -> int:
     return need
 
 
+def platform_runs(kernel: KernelSpec, weight: QuantKey,
+                  activation: QuantKey) -> list[tuple[str | None, KeyPattern | None]]:
+    """How the kernel runs the pair: the pattern it meets first (no platform named), then each later pattern
+    that takes the same pair with an ``emulation`` on platforms of its own (fp8 weight-only before sm_89),
+    named by the lowest platform it admits. A claim per platform is a case per platform."""
+    first = matching_pattern(kernel, weight, activation, None)
+    runs: list[tuple[str | None, KeyPattern | None]] = [(None, first)]
+    for pattern in kernel.key_patterns():
+        if (pattern is first or pattern.emulation is None or not pattern.platforms
+                or not (key_matches(weight, pattern.weights()) and key_matches(activation, pattern.activations()))):
+            continue
+        lowest = pattern.platforms[0]
+        floor = next((ver for op, ver in lowest.capability_bounds() if op == ">="), None)
+        runs.append((f"{lowest.device}:{floor[0]}.{floor[1]}" if floor else lowest.device, pattern))
+    return runs
+
+
 def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtypes: Iterable[str] | None = None,
               sizes: Sizes = SMALL) -> list[Case]:
     """Every case the specs claim for the given kernels (default: all) and dtypes."""
@@ -109,8 +131,6 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                 activation = parse_quant_key(fill_template(scheme.run_activation, sample))
                 if not all(c.passed for c in check_keys(kernel, weight, activation)):
                     continue
-                pattern = matching_pattern(kernel, weight, activation, None)
-                tol = pattern.tolerance if pattern is not None and pattern.tolerance else scheme.tolerance
                 features = {n: (v if isinstance(v, bool) else fill_template(v, sample) == "true")
                             for n, v in scheme.features.items()}
                 act_order = features.get("act_order", False)
@@ -119,12 +139,16 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                 dim = max(_min_dim([weight, activation]), 32)
                 hidden = max(sizes.hidden, dim) // dim * dim
                 inter = max(sizes.intermediate, dim) // dim * dim
-                for dtype in kdtypes:
-                    base = Case(sname, kname, weight, activation, tuple(sorted(sample.items())), dtype,
+                for dtype, (platform, pattern) in ((d, r) for r in platform_runs(kernel, weight, activation)
+                                                   for d in kdtypes):
+                    tol = pattern.tolerance if pattern is not None and pattern.tolerance else scheme.tolerance
+                    base = Case(sname, kname, weight, handed_activation(activation, pattern),
+                                tuple(sorted(sample.items())), dtype,
                                 act_order=act_order, activation_format=kernel.activation_formats[0],
                                 num_experts=sizes.num_experts, top_k=sizes.top_k,
                                 hidden=hidden, intermediate=inter, tokens=sizes.tokens[0],
-                                tolerance=tol.get(dtype, max(tol.values())))  # type: ignore[call-overload]
+                                tolerance=tol.get(dtype, max(tol.values())),  # type: ignore[call-overload]
+                                platform=platform)
                     first = dtype == kdtypes[0] and n_sample == 0
                     out += [replace(base, tokens=m) for m in (sizes.tokens if first else sizes.tokens[-1:])]
                     if not first:
