@@ -199,3 +199,21 @@ def test_fp8_weight_only_on_a_gpu_as_cuda_8_0(name, dtype):
     asked = reference_moe(x, topk_weights, topk_ids, w8a8.weights.to(torch.device("cuda")),
                           w8a8.kernel.experts.config, torch.float64)
     assert _relative(out, asked) < layer.tolerance
+
+
+def test_mx_fp8_in_float16_folds_through_the_pair_convert_only_where_the_gpu_has_it(monkeypatch):
+    """MXFP8's float16 PTX form converts e4m3 pairs in hardware (sm_89+): before it the codes take the
+    integer decode; the bfloat16 form is integer operations and folds wherever the PTX runs."""
+    from types import SimpleNamespace
+
+    from moe_registry_kernels.triton import dequant_ptx, launch
+    from moe_registry_kernels.triton.variant import variant_from_keys
+
+    assert not dequant_ptx.fp8_pair_convert_on((8, 6)) and dequant_ptx.fp8_pair_convert_on((8, 9))
+    variant = variant_from_keys("fp8e4m3 scale:e8m0:block(1x32):static", "unquantized")
+    w, gpu = SimpleNamespace(scale_codes=[120, 130]), torch.device("cuda")
+    monkeypatch.setattr(launch, "fp8_pair_convert", lambda device: True)
+    assert launch._e4m3_folded(w, variant, torch.float16, True, gpu)
+    monkeypatch.setattr(launch, "fp8_pair_convert", lambda device: False)
+    assert not launch._e4m3_folded(w, variant, torch.float16, True, gpu)
+    assert launch._e4m3_folded(w, variant, torch.bfloat16, True, gpu)
