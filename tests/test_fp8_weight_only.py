@@ -217,3 +217,15 @@ def test_mx_fp8_in_float16_folds_through_the_pair_convert_only_where_the_gpu_has
     monkeypatch.setattr(launch, "fp8_pair_convert", lambda device: False)
     assert not launch._e4m3_folded(w, variant, torch.float16, True, gpu)
     assert launch._e4m3_folded(w, variant, torch.bfloat16, True, gpu)
+
+
+def test_the_benchmark_runs_fp8_schemes_as_the_kernel_spec_runs_them_on_a_platform():
+    """tools/bench.py --platform cuda:8.0 times the weight-only keys (16-bit dot, its roofline); without it, the
+    bound ones."""
+    import bench
+
+    ampere, bound = bench.registry_schemes(platform="cuda:8.0"), bench.registry_schemes()
+    for name in ("fp8-block128", "modelopt-fp8", "compressed-tensors-w8a8-fp8-dynamic"):
+        assert (ampere[name].activation, ampere[name].unit) == ("unquantized", "bf16")
+        assert ampere[name].weight == bound[name].weight and bound[name].unit == "fp8"
+    assert ampere["gptq-w4a16"] == bound["gptq-w4a16"]

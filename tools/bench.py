@@ -125,10 +125,14 @@ def pick_bindings(spec, preferred: dict[str, object] = PREFERRED_BINDINGS) -> di
     return max(samples, key=lambda s: sum(k in preferred and s[k] == preferred[k] for k in s))
 
 
-def registry_schemes(kernel: str = KERNEL, registry=None) -> dict[str, Scheme]:  # type: ignore[no-untyped-def]
-    """Every scheme spec that lists ``kernel`` and whose bound keys the kernel claims, by name."""
+def registry_schemes(kernel: str = KERNEL, registry=None,  # type: ignore[no-untyped-def]
+                     platform: str | None = None) -> dict[str, Scheme]:
+    """Every scheme spec that lists ``kernel`` and whose bound keys the kernel claims, by name; with
+    ``platform`` (e.g. cuda:8.0), the activations the kernel is handed there (fp8 before sm_89: 16-bit)."""
     from moe_registry import load_registry
-    from moe_registry.oracle.predicates import check_keys
+    from moe_registry.oracle.handed import handed_activation
+    from moe_registry.oracle.predicates import check_keys, matching_pattern
+    from moe_registry.oracle.runtime import parse_platform
     from moe_registry.spec.loader import fill_template
 
     registry = registry or load_registry()
@@ -141,7 +145,10 @@ def registry_schemes(kernel: str = KERNEL, registry=None) -> dict[str, Scheme]: 
         bindings = pick_bindings(spec)
         wkey = parse_quant_key(fill_template(spec.weight, bindings))
         akey = parse_quant_key(fill_template(spec.run_activation, bindings))
-        if all(c.passed for c in check_keys(kspec, wkey, akey)):
+        on = parse_platform(platform) if platform else None
+        if all(c.passed for c in check_keys(kspec, wkey, akey, on)):
+            if on is not None:
+                akey = handed_activation(akey, matching_pattern(kspec, wkey, akey, on))
             out[name] = Scheme(name, str(wkey), str(akey), matrix_unit(akey), dict(spec.tolerance), bindings)
     return out
 
@@ -541,8 +548,15 @@ RESULT, PROGRESS = "bench.json", "bench.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
-    schemes = registry_schemes()
+    # --platform is read first: it decides the keys each scheme runs (and so the --schemes help)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--platform", default=None)
+    platform = first.parse_known_args(argv)[0].platform
+    schemes = registry_schemes(platform=platform)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--platform", default=None,
+                        help="run each scheme as the kernel spec runs it on this platform, e.g. cuda:8.0 (fp8 "
+                             "checkpoints weight-only); default: the bound keys")
     parser.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--schemes", nargs="*", default=None, metavar="SCHEME",
                         help=f"scheme spec names (those listing {KERNEL}; MOE_REGISTRY_SPEC_PATH adds "
@@ -570,6 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes, ms = [SHAPES[s] for s in args.shapes], args.m or [1, 8, 64, 512, 4096]
     env = environment(device, dry)
+    if platform:
+        env["platform"] = platform  # the keys each scheme ran with: as the kernel spec runs them there
     try:
         header, recorded = read_progress(args.out) if args.resume else (None, [])
     except ValueError as e:
