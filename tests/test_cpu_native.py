@@ -283,26 +283,33 @@ def _explain(tmp_path, capsys, config: str, *flags: str) -> str:
 
 
 def _line(out: str, kernel: str) -> str:
-    return next(ln for ln in out.splitlines() if f" {kernel} " in ln)
+    """The kernel's row of explain's kernel list."""
+    return next(ln for ln in out.splitlines() if ln.lstrip(" +-").startswith(f"{kernel} "))
 
 
 def test_explain_cpu_chooses_native_ahead_of_packed_and_reference(tmp_path, capsys) -> None:
+    """bfloat16 int8 groups: torch-cpu-dot8 first (its int8 activations within the bfloat16 tolerance), then this
+    kernel, ahead of the packed op and the reference."""
     out = _explain(tmp_path, capsys, GPTQ8)
-    assert "kernel      torch-cpu-native" in out
-    native, packed, ref = (_line(out, k) for k in ("torch-cpu-native", "torch-cpu-packed", "torch-reference"))
-    assert "chosen" in native and "eligible" in packed and "eligible" in ref
-    assert out.index(native) < out.index(packed) < out.index(ref)
+    assert "kernel      torch-cpu-dot8" in out
+    dot8, native, packed, ref = (_line(out, k) for k in ("torch-cpu-dot8", "torch-cpu-native", "torch-cpu-packed",
+                                                           "torch-reference"))
+    assert "chosen" in dot8 and "eligible" in native and "eligible" in packed and "eligible" in ref
+    assert out.index(dot8) < out.index(native) < out.index(packed) < out.index(ref)
 
 
-@pytest.mark.parametrize("config", ["{quant_method: fp8, activation_scheme: dynamic}",
-                                    "{quant_method: gptq, bits: 8, group_size: 128, sym: false, desc_act: false}",
-                                    "{quant_method: mxfp4}"], ids=["fp8-dynamic", "gptq-w8-asym", "mxfp4"])
-def test_explain_cpu_chooses_native_with_the_reference_behind_it(tmp_path, capsys, config: str) -> None:
-    """Schemes only the reference ran on a CPU before (per-tensor dynamic fp8, uint8 zero points, FP4)."""
+@pytest.mark.parametrize("config,chosen", [
+    ("{quant_method: fp8, activation_scheme: dynamic}", "torch-cpu-native"),
+    ("{quant_method: gptq, bits: 8, group_size: 128, sym: false, desc_act: false}", "torch-cpu-dot8"),
+    ("{quant_method: mxfp4}", "torch-cpu-native")], ids=["fp8-dynamic", "gptq-w8-asym", "mxfp4"])
+def test_explain_cpu_chooses_native_with_the_reference_behind_it(tmp_path, capsys, config: str, chosen: str) -> None:
+    """Schemes only the reference ran on a CPU before (per-tensor dynamic fp8, uint8 zero points, FP4); in
+    bfloat16, uint8 zero points go to torch-cpu-dot8 first, this kernel next."""
     out = _explain(tmp_path, capsys, config)
-    assert "kernel      torch-cpu-native" in out
+    assert f"kernel      {chosen}" in out
     native, ref = (_line(out, k) for k in ("torch-cpu-native", "torch-reference"))
-    assert "chosen" in native and "eligible" in ref and out.index(native) < out.index(ref)
+    assert ("chosen" if chosen == "torch-cpu-native" else "eligible") in native
+    assert "eligible" in ref and out.index(native) < out.index(ref)
 
 
 @pytest.mark.parametrize("config,fallback", [(GPTQ8, "torch-cpu-packed"), (FP8_BLOCK, "torch-reference")],
@@ -317,7 +324,8 @@ def test_without_a_compiler_the_oracle_falls_back_and_says_why(tmp_path, capsys,
     native = _line(out, "torch-cpu-native")
     assert "rejected" in native and "needs c++ on PATH: not found" in out
     monkeypatch.setattr(situation_module, "probe_commands", lambda commands: frozenset(commands))
-    assert "kernel      torch-cpu-native" in _explain(tmp_path, capsys, config, "--platform", "auto")
+    with_compiler = _explain(tmp_path, capsys, config, "--platform", "auto")
+    assert "chosen" in _line(with_compiler, "torch-cpu-dot8" if config == GPTQ8 else "torch-cpu-native")
 
 
 def test_a_failed_build_is_one_line_naming_the_way_out(monkeypatch, tmp_path):

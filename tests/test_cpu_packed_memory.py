@@ -27,9 +27,13 @@ PACKED = ["mixtral-awq", "qwen3-gptq-int4", "qwen3-gptq-int4-actorder", "qwen2-g
 
 @pytest.mark.parametrize("name", PACKED)
 def test_built_layer_holds_no_more_than_the_packed_weights(example: Callable[[str], Path], name: str) -> None:
-    # bfloat16: the packed ops' own dtype (float16 4-bit layers go to torch-cpu-native, which computes them as asked)
-    layer = build(example(name), layer=1, platform="cpu", dtype="bfloat16")
-    assert layer.report.chosen == ("torch-cpu-native" if name == "qwen2-gptq-int8" else "torch-cpu-packed")
+    # bfloat16: the packed ops' own dtype, where torch-cpu-dot8 comes first (its codes, float32 scales and a zero
+    # byte per group: 1.04x the checkpoint's bytes at group 128)
+    layer = build(example(name), layer=1, platform="cpu", dtype="bfloat16", prefer="torch-cpu-packed")
+    assert layer.report.chosen == "torch-cpu-packed"
+    dot8 = build(example(name), layer=1, platform="cpu", dtype="bfloat16")
+    assert dot8.report.chosen == "torch-cpu-dot8"
+    assert reachable_tensor_bytes(dot8) <= 1.25 * packed_checkpoint_bytes(dot8.weights)
     held = reachable_tensor_bytes(layer)
     module_held = reachable_tensor_bytes(load_layer(example(name), layer=1, platform="cpu", dtype="bfloat16"))
     packed = packed_checkpoint_bytes(layer.weights)
