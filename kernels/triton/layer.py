@@ -47,10 +47,11 @@ skip blocks past ``num_tokens_post_padded``, so the layer can be captured in a C
 
 import torch
 
+from . import launch
 from .align import align, align_quant, align_row_sums
 from .chain import pdl_supported
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_from_pieces
-from .launch import GEMV_BLOCK_M, STATIC_QUANTS, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
+from .launch import STATIC_QUANTS, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
 from .layout import _Proj
 from .plan import _amax_pieces_shape, _codes_dtype, _gemm1_sum_pieces, _input_row_sums, _quantised_in_gemm, _quantize
 from .reduce import sum_topk
@@ -120,7 +121,8 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
         sums1 = None if in_gemm.gemv1 else _input_row_sums(a1, config1, w13, variant, rows, pdl)
     elif in_gemm.gemv1:  # the GEMV's row blocks: GEMV_BLOCK_M aligned pairs of one expert
-        sorted_ids, expert_ids, num_post = align(topk_ids, num_experts, GEMV_BLOCK_M, pdl=pdl)
+        # (read at the call: the GEMV's launch reads the same module attribute)
+        sorted_ids, expert_ids, num_post = align(topk_ids, num_experts, launch.GEMV_BLOCK_M, pdl=pdl)
         a1, a1_scale = hidden, w13.input_scale if static else None
         rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
     elif variant.act_quant in FP8_DYNAMIC_MODES:  # fp8_act's alignment and quantisation
