@@ -229,3 +229,26 @@ def test_the_benchmark_runs_fp8_schemes_as_the_kernel_spec_runs_them_on_a_platfo
         assert (ampere[name].activation, ampere[name].unit) == ("unquantized", "bf16")
         assert ampere[name].weight == bound[name].weight and bound[name].unit == "fp8"
     assert ampere["gptq-w4a16"] == bound["gptq-w4a16"]
+
+
+def test_a_kernel_is_handed_unquantized_activations_only_where_its_pattern_runs_them_weight_only():
+    """The build's and conformance's one rule: an emulation to 16-bit activations hands the kernel those; an
+    emulation that quantises (torch-cpu-dot8's int8 per 32 columns) hands it the scheme's, which it quantises."""
+    from moe_registry.oracle.handed import handed_activation
+    from moe_registry.oracle.predicates import matching_pattern
+    from moe_registry.oracle.runtime import parse_platform
+    from moe_registry.spec.loader import load_registry
+
+    registry = load_registry()
+    fp8 = parse_quant_key("fp8e4m3 scale:float32:block(128x128):static")
+    group = parse_quant_key("fp8e4m3 scale:float32:group(128):dynamic")
+    triton_kernel = registry.kernel("triton-fused-moe")
+    for platform, handed in (("cuda:8.0", parse_quant_key("unquantized")), ("cuda:8.6", parse_quant_key("unquantized")),
+                             ("cuda:8.9", group), ("cuda:9.0", group)):
+        pattern = matching_pattern(triton_kernel, fp8, group, parse_platform(platform))
+        assert handed_activation(group, pattern) == handed, platform
+    int4 = parse_quant_key("uint4b8 scale:float16:group(128):static")
+    unquantized = parse_quant_key("unquantized")
+    dot8 = matching_pattern(registry.kernel("torch-cpu-dot8"), int4, unquantized, parse_platform("cpu"))
+    assert dot8 is not None and dot8.emulation is not None
+    assert handed_activation(unquantized, dot8) == unquantized
