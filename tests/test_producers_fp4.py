@@ -605,7 +605,7 @@ def test_producers_fp4_checkpoints_take_the_folded_tiles(name: str, mxfp4_built,
     experts = triton_experts.TritonExperts(weights, config)
     p13, _ = triton_layer._projections(1, *experts._tensors, mx_scale_codes=experts._options.get("mx_scale_codes"))
     for dtype in (torch.float16, torch.bfloat16):
-        assert triton_launch._e2m1_fold(p13, experts.scheme, dtype)["E2M1_FOLDED"], (name, dtype)
+        assert triton_launch._e2m1_fold(p13, experts.variant, dtype)["E2M1_FOLDED"], (name, dtype)
     x, w = x.to(torch.float16), w.float()
     folded = experts.apply(x, w, ids)
     monkeypatch.setattr(triton_launch, "_e2m1_fold",

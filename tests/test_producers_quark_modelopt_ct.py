@@ -284,8 +284,8 @@ def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built) -> None:
     p13, p2 = triton_layer._projections(1, *experts._tensors, mx_scale_codes=codes)
     for dtype in (torch.bfloat16, torch.float16):
         for proj in (p13, p2):
-            assert triton_launch._e4m3_folded(proj, experts.scheme, dtype, asm=True), (codes, dtype)
-            assert not triton_launch._e4m3_folded(proj, experts.scheme, dtype, asm=False)
+            assert triton_launch._e4m3_folded(proj, experts.variant, dtype, asm=True), (codes, dtype)
+            assert not triton_launch._e4m3_folded(proj, experts.variant, dtype, asm=False)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.layer_ref))
