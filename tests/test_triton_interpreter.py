@@ -460,16 +460,19 @@ def test_byte_pairs_need_even_rows_and_alignment():
     (torch.float16, (103, 142), True, True), (torch.float16, (102, 120), True, False),
     (torch.float16, (110, 143), True, False), (torch.bfloat16, None, True, False),
     (torch.bfloat16, (100, 120), False, False), (torch.float32, (100, 120), True, False)])
-def test_mx_fp8_folds_only_on_the_ptx_path_with_every_scale_code_in_range(dtype, codes, asm, folded):
+def test_mx_fp8_folds_only_on_the_ptx_path_with_every_scale_code_in_range(dtype, codes, asm, folded, monkeypatch):
     """MX fp8 tiles fold their scales (dequant_ptx._e4m3_asm) only on the PTX path and where the layer
-    knows every scale code lies in range for its dtype; never for other weight types."""
+    knows every scale code lies in range for its dtype (on a GPU that converts e4m3 pairs: float16's
+    form needs it); never for other weight types."""
+    monkeypatch.setattr(triton_launch, "fp8_pair_convert", lambda device: True)
+    gpu = torch.device("cuda")
     proj = triton_layout._Proj(torch.zeros(1, 2, 32, dtype=torch.uint8), None, None, None, None, None, 2, 32,
                             scale_codes=codes)
     mxfp8 = variant_from_keys("fp8e4m3 scale:e8m0:group(32):static", "unquantized")
     mxfp4 = variant_from_keys("e2m1 scale:e8m0:group(32):static", "unquantized")
     assert mxfp8.paired_dequant
-    assert triton_launch._e4m3_folded(proj, mxfp8, dtype, asm) is folded
-    assert triton_launch._e4m3_folded(proj, mxfp4, dtype, asm) is False
+    assert triton_launch._e4m3_folded(proj, mxfp8, dtype, asm, gpu) is folded
+    assert triton_launch._e4m3_folded(proj, mxfp4, dtype, asm, gpu) is False
 
 
 def test_mx_fp8_experts_carry_their_scale_codes_range():
