@@ -270,10 +270,10 @@ def test_triton_kernel_matches_float64_moe_float16(name: str, built) -> None:
     assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name}: {_rel(got, want):.2e} > {tol}"
 
 
-def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built) -> None:
+def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built, monkeypatch) -> None:
     """What ModelOpt writes for MXFP8 folds in both 16-bit dtypes on the GPU's PTX path (its e8m0 scale
-    codes lie in launch.E4M3_MX_FOLD_CODES), so the GPU fixture test runs the folded decode on it;
-    the interpreter (no PTX) does not fold."""
+    codes lie in launch.E4M3_MX_FOLD_CODES) of a GPU that converts e4m3 pairs (sm_89+, as the GPU fixture
+    test's), so that test runs the folded decode on it; the interpreter (no PTX) does not fold."""
     pytest.importorskip("triton")
     from moe_registry_kernels.triton import experts as triton_experts
     from moe_registry_kernels.triton import launch as triton_launch
@@ -282,10 +282,12 @@ def test_modelopt_mxfp8_checkpoint_takes_the_folded_ptx_decode(built) -> None:
     experts = triton_experts.TritonExperts(built["modelopt/qwen3-mxfp8"].weights, ExpertsConfig())
     codes = experts._options["mx_scale_codes"]
     p13, p2 = triton_layer._projections(1, *experts._tensors, mx_scale_codes=codes)
+    monkeypatch.setattr(triton_launch, "fp8_pair_convert", lambda device: True)
+    gpu = torch.device("cuda")
     for dtype in (torch.bfloat16, torch.float16):
         for proj in (p13, p2):
-            assert triton_launch._e4m3_folded(proj, experts.variant, dtype, asm=True), (codes, dtype)
-            assert not triton_launch._e4m3_folded(proj, experts.variant, dtype, asm=False)
+            assert triton_launch._e4m3_folded(proj, experts.variant, dtype, True, gpu), (codes, dtype)
+            assert not triton_launch._e4m3_folded(proj, experts.variant, dtype, False, gpu)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.layer_ref))
