@@ -76,7 +76,7 @@ def test_matrix_markdown_table():
         assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
             "`fp8e4m3 scale:float32:group(128):dynamic` | torch-cpu-native, torch-reference, torch-cpu-packed | "
-            "torch-reference | "  # fp8 dots need sm_89+: the key pair's platforms say so
+            "triton-fused-moe, torch-reference | "  # before sm_89: weight-only (the key pattern's emulation)
             "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
 
 
