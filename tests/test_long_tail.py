@@ -305,7 +305,7 @@ def test_compressed_tensors_in_text_config_without_input_activations(capsys, tmp
     tensors' QuantizationScheme defaults it to None, the same as the null other releases write)."""
     report = _explain_json(capsys, REAL / "kimi-k2.6-int4")
     assert report["family"] == "deepseek" and report["scheme"]["name"] == "compressed-tensors-w4a16"
-    assert report["chosen_kernel"] == "torch-cpu-packed"
+    assert report["chosen_kernel"] == "torch-cpu-dot8"  # bfloat16 (the config's dtype) on the CPU
     checks = {c["field"]: c for c in report["schemes"][0]["checks"]}
     assert checks["config_groups.group_0.input_activations"]["message"].endswith("(default)")
     cfg = _json(REAL / "kimi-k2.6-int4" / "config.json")  # quantized activations stay another scheme
