@@ -378,7 +378,8 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
                   gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6)
 
 
-# what the GEMM kernels are called in a CPU profile: the reference's matmuls (on a GPU, gemm_kernels asks the Triton package)
+# what the GEMM kernels are called in a CPU profile: the reference's matmuls (on a GPU, gemm_kernels asks the
+# Triton package)
 CPU_GEMM_KERNELS = ("aten::mm",)
 
 
