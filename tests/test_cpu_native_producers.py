@@ -68,10 +68,11 @@ def _hidden(m: int, width: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", sorted(DIRS))
 def test_explain_on_cpu_chooses_native_with_the_reference_as_fallback(name: str, capsys) -> None:
-    assert main(["explain", str(DIRS[name]), "--platform", "cpu"]) == 0
+    """In float16 (the integer-dot kernel's declared error exceeds the scheme's 1e-2 there: passed over)."""
+    assert main(["explain", str(DIRS[name]), "--platform", "cpu", "--dtype", "float16"]) == 0
     out = capsys.readouterr().out
     assert "kernel      torch-cpu-native" in out
-    native, ref = (next(ln for ln in out.splitlines() if f" {k} " in ln)
+    native, ref = (next(ln for ln in out.splitlines() if f"+ {k} " in ln)
                    for k in ("torch-cpu-native", "torch-reference"))
     assert "chosen" in native and "eligible" in ref and out.index(native) < out.index(ref)
 

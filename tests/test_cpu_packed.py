@@ -88,16 +88,18 @@ RUNTIME = ("platform: cpu\ndtype: bfloat16\nnum_experts: 8\ntop_k: 2\nhidden: 10
            "quantization_config: {{quant_method: awq, bits: 4, group_size: 128, zero_point: true, version: gemm}}\n")
 
 
-def test_explain_cpu_chooses_packed_with_reference_as_fallback(tmp_path, capsys) -> None:
+def test_explain_cpu_takes_packed_after_dot8_with_reference_as_fallback(tmp_path, capsys) -> None:
+    """bfloat16 on the CPU: the integer-dot kernel first (its declared error fits the scheme's bfloat16
+    tolerance), the packed op next, the reference last, each eligible."""
     rt = tmp_path / "rt.yaml"
     rt.write_text(RUNTIME.format(inter=512))
     assert cli_main(["explain", str(rt)]) == 0
     out = capsys.readouterr().out
-    assert "kernel      torch-cpu-packed" in out
-    packed = next(ln for ln in out.splitlines() if "+ torch-cpu-packed" in ln)
-    reference = next(ln for ln in out.splitlines() if "+ torch-reference" in ln)
-    assert "chosen" in packed and "eligible" in reference
-    assert out.index(packed) < out.index(reference)
+    assert "kernel      torch-cpu-dot8" in out
+    dot8, packed, reference = (next(ln for ln in out.splitlines() if f"+ {k} " in ln)
+                               for k in ("torch-cpu-dot8", "torch-cpu-packed", "torch-reference"))
+    assert "chosen" in dot8 and "eligible" in packed and "eligible" in reference
+    assert out.index(dot8) < out.index(packed) < out.index(reference)
 
 
 def test_explain_cpu_falls_back_to_reference_when_packed_cannot_run(tmp_path, capsys) -> None:
