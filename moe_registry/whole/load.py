@@ -69,20 +69,20 @@ def takes_experts_contract(module: torch.nn.Module) -> bool:
     ``use_experts_implementation``, or with exactly those forward arguments."""
     if hasattr(module, "is_concatenated") and hasattr(module, "has_gate"):
         return True
+    return _forward_params(module) == CONTRACT
+
+
+def _forward_params(module: torch.nn.Module) -> tuple[str, ...] | None:
+    """The names of ``module``'s forward arguments after self (None where they cannot be read)."""
     try:
-        params = tuple(inspect.signature(type(module).forward).parameters)[1:]
+        return tuple(inspect.signature(type(module).forward).parameters)[1:]
     except (TypeError, ValueError):
-        return False
-    return params == CONTRACT
+        return None
 
 
 def takes_scaled_rows(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an experts module its block calls with scaled rows (``forward(hidden_states)``)."""
-    try:
-        params = tuple(inspect.signature(type(module).forward).parameters)[1:]
-    except (TypeError, ValueError):
-        return False
-    return params == ("hidden_states",)
+    return _forward_params(module) == ("hidden_states",)
 
 
 # the family spec's experts_call -> how to find the experts modules it names, and the module that replaces them
