@@ -131,13 +131,15 @@ def inputs_before_build(args: argparse.Namespace) -> tuple[torch.Tensor, Routing
     """The hidden states and given routing (``layer_inputs``), after every check that needs no built layer: building
     converts the experts and may compile the kernel (minutes, the first time), so the config and the flags'
     situation, ``--inputs`` against the layer's shape and the token budget, and the layer's router when no routing
-    is given are refused before it."""
+    is given are refused before it. Without ``--inputs`` the router was checked with the flags, before torch
+    (``run_checks.check_before_torch``): the checkpoint's headers are read again only for an inputs file whose
+    header did not say whether it holds the routing."""
     registry, model, situation = layer_situation(args)
     x, routing = layer_inputs(args, model.shape, args.tokens)
     budget = situation.runtime.max_tokens
     if x.shape[0] > budget:
         raise ConfigError(f"--max-tokens: {x.shape[0]} tokens to run; the token budget is {budget}")
-    if routing is None:
+    if routing is None and args.inputs:
         check_router(args, registry, model, situation)
     return x, routing
 
