@@ -5,7 +5,6 @@ keeps today's configs unless a candidate beats them side by side."""
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -34,15 +33,14 @@ def _tune(out: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[in
 
 
 def test_tune_writes_configs_and_resumes(tmp_path, monkeypatch, capsys):
-    """The whole tool on the tiny dry-run shape, each measurement one interpreted layer call (the
-    tool's own timing repeats it 6 times: minutes under the interpreter, and nothing more tested)."""
+    """The whole tool on the tiny dry-run shape. Each candidate is still run once and checked against
+    the reference by the tool; its timing is a constant, because the interpreter's times say nothing
+    and repeating each call would take minutes."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import bench
 
     def one_call(fn, min_seconds, device, warmup_seconds=0.0):
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
+        return 1e-3
 
     monkeypatch.setattr(bench, "_median_time", one_call)
     code, out = _tune(tmp_path, capsys, "--m", "1")
