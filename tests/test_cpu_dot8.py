@@ -15,14 +15,14 @@ from moe_registry_kernels import cpu_dot8
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 
+from moe_registry.core.checks import Reason
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.layer.experts import ExpertsConfig
-from moe_registry.model.machine import probe_cpu_features
-from moe_registry.model.routing import softmax_topk
-from moe_registry.model.situation import Flags, situation_for
-from moe_registry.oracle.runtime import Platform
+from moe_registry.layer.routing import softmax_topk
 from moe_registry.oracle.select import select
-from moe_registry.oracle.verdicts import Reason
+from moe_registry.situation.describe import Flags, situation_for
+from moe_registry.situation.machine import probe_cpu_features
+from moe_registry.situation.runtime import Platform
 from moe_registry.spec.loader import load_registry
 
 REGISTRY = load_registry()

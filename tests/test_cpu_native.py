@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from moe_registry.situation import describe as situation_module
 from moe_registry_kernels.cpu_native import KIND_FP4, KIND_FP8, KIND_INT8, NativeExperts, native_ops
 from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
 from moe_registry_kernels.dequant import dequantize, unpack_int4
@@ -22,8 +23,7 @@ from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ProjectionWeights
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.resident import reachable_tensor_bytes
-from moe_registry.model import situation as situation_module
-from moe_registry.oracle.runtime import Platform
+from moe_registry.situation.runtime import Platform
 
 GEN = torch.Generator().manual_seed(7)
 INT8, FP8, FP4 = KIND_INT8, KIND_FP8, KIND_FP4

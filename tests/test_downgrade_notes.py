@@ -61,9 +61,9 @@ def test_the_user_who_pins_the_reference_gets_no_slow_path_note(capsys) -> None:
 
 def test_an_eligible_faster_kernel_later_in_the_order_is_named_with_the_flag_that_runs_it(capsys, tmp_path) -> None:
     """MXFP8 on a CPU without a compiler: the reference comes before torch-cpu-packed in the scheme's order."""
-    from moe_registry.model.situation import Flags, situation_for
-    from moe_registry.oracle.runtime import Environment
     from moe_registry.oracle.select import select
+    from moe_registry.situation.describe import Flags, situation_for
+    from moe_registry.situation.runtime import Environment
     from moe_registry.spec.loader import load_registry
 
     registry = load_registry()

@@ -31,9 +31,9 @@ from moe_registry.layer.all2all import (
 )
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize
-from moe_registry.model.config import read_model_config
-from moe_registry.model.situation import Flags, situation_for_model
 from moe_registry.oracle.select import select
+from moe_registry.situation.config import read_model_config
+from moe_registry.situation.describe import Flags, situation_for_model
 from moe_registry.spec.loader import load_registry
 
 E, TOP_K, H, INTER = 8, 2, 32, 16

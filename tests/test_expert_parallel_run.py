@@ -14,17 +14,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from moe_registry.checkpoint import tensor_index
 from safetensors.torch import load_file, save_file
 from torchrun_launch import torchrun
 
 import moe_registry
+from moe_registry.checkpoint.read import LAYER_WIDE, read_layer
+from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.cli import main as cli
-from moe_registry.model import tensor_index
-from moe_registry.model.checkpoint import LAYER_WIDE, read_layer
-from moe_registry.model.config import read_model_config
-from moe_registry.model.situation import Flags, situation_for_model
-from moe_registry.model.tensor_index import open_checkpoint
 from moe_registry.oracle.select import select
+from moe_registry.situation.config import read_model_config
+from moe_registry.situation.describe import Flags, situation_for_model
 from moe_registry.spec.loader import load_registry
 
 FIX = Path(__file__).parent / "fixtures"
@@ -36,7 +36,7 @@ BUILDS = {"quark": QUARK, "gpt_oss": GPT_OSS, "mxfp4": MXFP4}
 
 
 class Spy:
-    """Wraps safetensors.safe_open in moe_registry.model.tensor_index (the checkpoint's reader): records each
+    """Wraps safetensors.safe_open in moe_registry.checkpoint.tensor_index (the checkpoint's reader): records each
     tensor read whole (get_tensor) and each slice read (get_slice(...)[...]); headers (shapes, dtypes) are not
     reads."""
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from moe_registry.cli import main as cli
+from moe_registry.core.checks import Reason
 from moe_registry.core.errors import ConfigError, SelectionError
-from moe_registry.model.situation import Flags, situation_for
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.select import select
-from moe_registry.oracle.verdicts import Reason
+from moe_registry.situation.describe import Flags, situation_for
 from moe_registry.spec.loader import SPEC_PATH_ENV, load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +205,7 @@ def test_module_names_follow_the_family_naming(registry):
 
 
 def test_routing_parameters_from_deepseek_config(registry):
-    from moe_registry.model.config import read_model_config
+    from moe_registry.situation.config import read_model_config
 
     model = read_model_config(CONFIGS / "deepseek/deepseek-v3", registry)
     assert model.routing == {"scoring": "sigmoid", "renormalize": True, "num_expert_group": 8, "topk_group": 4,
@@ -708,8 +708,8 @@ def test_modelopt_mixed_precision_unlisted_layer_is_unquantized(tmp_path) -> Non
     import json
     import shutil
 
-    from moe_registry.model.situation import Flags, situation_for
     from moe_registry.oracle.select import select
+    from moe_registry.situation.describe import Flags, situation_for
     from moe_registry.spec.loader import load_registry
 
     src = Path(__file__).resolve().parent.parent / "examples/configs/qwen-moe/qwen3-30b-a3b-modelopt-mixed-precision"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from moe_registry.core.errors import ConfigError
-from moe_registry.model.config import read_model_config
-from moe_registry.model.situation import Flags, situation_for
+from moe_registry.situation.config import read_model_config
+from moe_registry.situation.describe import Flags, situation_for
 from moe_registry.spec.loader import load_registry
 
 ROOT = Path(__file__).resolve().parent / "fixtures/transformers"

@@ -73,9 +73,9 @@ def test_e4m3_codes_decode_exactly_without_an_fp8_type():
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_explain_on_sm80_runs_fp8_weight_only_on_triton_and_says_so(name):
-    from moe_registry.model.config import read_model_config
-    from moe_registry.model.situation import Flags, situation_for_model
     from moe_registry.oracle.select import select
+    from moe_registry.situation.config import read_model_config
+    from moe_registry.situation.describe import Flags, situation_for_model
     from moe_registry.spec.loader import load_registry
 
     registry = load_registry()
@@ -236,7 +236,7 @@ def test_a_kernel_is_handed_unquantized_activations_only_where_its_pattern_runs_
     emulation that quantises (torch-cpu-dot8's int8 per 32 columns) hands it the scheme's, which it quantises."""
     from moe_registry.oracle.handed import handed_activation
     from moe_registry.oracle.predicates import matching_pattern
-    from moe_registry.oracle.runtime import parse_platform
+    from moe_registry.situation.runtime import parse_platform
     from moe_registry.spec.loader import load_registry
 
     registry = load_registry()

@@ -898,9 +898,9 @@ def test_fuzz_shape_expressions() -> None:
 
 def test_fuzz_detection() -> None:
     """Random quantization_configs: detection answers or raises the project's errors, nothing else."""
-    from moe_registry.model.config import read_model_config
-    from moe_registry.model.situation import Flags, situation_for_model
     from moe_registry.oracle.select import select
+    from moe_registry.situation.config import read_model_config
+    from moe_registry.situation.describe import Flags, situation_for_model
     from moe_registry.spec.loader import load_registry
 
     registry = load_registry()

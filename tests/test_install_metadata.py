@@ -48,9 +48,9 @@ def test_without_triton_each_triton_kernel_says_why_in_one_line():
     specs' requires_packages and rejects each Triton kernel with one reason; another kernel runs the layer."""
     from dataclasses import replace
 
-    from moe_registry.model.situation import Flags, situation_for
-    from moe_registry.oracle.runtime import Environment
     from moe_registry.oracle.select import select
+    from moe_registry.situation.describe import Flags, situation_for
+    from moe_registry.situation.runtime import Environment
     from moe_registry.spec.loader import load_registry
 
     registry = load_registry()

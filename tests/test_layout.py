@@ -13,7 +13,8 @@ import moe_registry
 
 PACKAGE = Path(moe_registry.__file__).parent
 # stage -> rank; a module may import its own stage and any stage of a lower rank
-STAGES = {"core": 0, "spec": 1, "oracle": 2, "formats": 3, "model": 4, "layer": 5, "whole": 6, "cli": 7, "testing": 7}
+STAGES = {"core": 0, "spec": 1, "situation": 2, "oracle": 3, "checkpoint": 4, "formats": 5, "layer": 6, "whole": 7,
+          "cli": 8, "testing": 8}
 KERNEL_IMPORTS = {"moe_registry.core", "moe_registry.formats", "moe_registry.layer"}
 
 

@@ -10,7 +10,7 @@ from moe_registry_kernels.reference import ReferenceExperts, reference_moe
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
-from moe_registry.model.routing import softmax_topk
+from moe_registry.layer.routing import softmax_topk
 
 E, H, INTER, M = 6, 128, 64, 20
 

@@ -800,11 +800,11 @@ def test_stacked_shape_whose_gate_share_cannot_be_computed_is_one_line(tmp_path:
 def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
     """A rank reading experts (3, 1) gets exactly their slices of the stacked scales, and every expert's
     activation scales as layer-wide values (the layer's one input scale per GEMM is the max over all)."""
-    from moe_registry.model.checkpoint import read_layer
-    from moe_registry.model.config import read_model_config
-    from moe_registry.model.situation import Flags, situation_for_model
-    from moe_registry.model.tensor_index import open_checkpoint
+    from moe_registry.checkpoint.read import read_layer
+    from moe_registry.checkpoint.tensor_index import open_checkpoint
     from moe_registry.oracle.select import select
+    from moe_registry.situation.config import read_model_config
+    from moe_registry.situation.describe import Flags, situation_for_model
 
     d = dirs["transformers-fp8-static"]
     registry = moe_registry.load_registry()

@@ -25,7 +25,7 @@ import moe_registry
 from moe_registry.cli.main import main
 from moe_registry.core.errors import CheckpointError
 from moe_registry.layer.experts import ExpertsConfig
-from moe_registry.oracle.detect import check_field
+from moe_registry.spec.fields import check_field
 from moe_registry.spec.models import FieldRule
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_registry.model.routing import Routing, from_given, grouped_topk, softmax_topk
+from moe_registry.layer.routing import Routing, from_given, grouped_topk, softmax_topk
 
 
 def logits(m: int, e: int, seed: int) -> torch.Tensor:

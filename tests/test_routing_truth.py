@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from moe_registry.cli import main as cli
 from moe_registry.core.errors import ConfigError
-from moe_registry.model.config import ModelConfig, match_family, read_model_config
+from moe_registry.situation.config import ModelConfig, match_family, read_model_config
 from moe_registry.spec.loader import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent

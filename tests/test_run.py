@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moe_registry
+from moe_registry.checkpoint.tensor_index import CheckpointIndex
 from moe_registry.cli.main import main
-from moe_registry.model.tensor_index import CheckpointIndex
 from moe_registry.spec.loader import load_registry
 
 EXPECTED_SCHEME = {

@@ -185,8 +185,8 @@ def test_a_header_safetensors_would_refuse_is_refused_without_torch(tmp_path: Pa
     whose entries do not describe the data after it."""
     from safetensors import safe_open
 
+    from moe_registry.checkpoint.tensor_index import open_checkpoint
     from moe_registry.core.errors import CheckpointError
-    from moe_registry.model.tensor_index import open_checkpoint
 
     table, data, message = HEADER_CASES[case]
     text = json.dumps(table).encode()
@@ -201,7 +201,7 @@ def test_the_index_matches_safetensors_on_a_real_checkpoint(example) -> None:
     """Names, dtypes and shapes from the torch-free header read equal safetensors' own."""
     from safetensors import safe_open
 
-    from moe_registry.model.tensor_index import open_checkpoint
+    from moe_registry.checkpoint.tensor_index import open_checkpoint
 
     model = example("deepseek-fp8-block")
     index = open_checkpoint(model)

@@ -274,7 +274,7 @@ def test_gpt_oss_swiglu_limit_other_than_the_kernels_is_refused(tmp_path: Path,
     import shutil
 
     from moe_registry.cli.main import main
-    from moe_registry.model.config import read_model_config
+    from moe_registry.situation.config import read_model_config
     from moe_registry.spec.loader import load_registry
 
     d = tmp_path / "gpt_oss"

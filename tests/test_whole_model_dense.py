@@ -11,9 +11,9 @@ import pytest
 import torch
 from moe_registry_kernels.dequant import dequantize
 
+from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.core.errors import CheckpointError
 from moe_registry.layer.build import build
-from moe_registry.model.tensor_index import open_checkpoint
 from moe_registry.spec.loader import load_registry
 from moe_registry.whole.dense_linear import dequantize_linear
 

@@ -132,7 +132,7 @@ def registry_schemes(kernel: str = KERNEL, registry=None,  # type: ignore[no-unt
     from moe_registry import load_registry
     from moe_registry.oracle.handed import handed_activation
     from moe_registry.oracle.predicates import check_keys, matching_pattern
-    from moe_registry.oracle.runtime import parse_platform
+    from moe_registry.situation.runtime import parse_platform
     from moe_registry.spec.loader import fill_template
 
     registry = registry or load_registry()

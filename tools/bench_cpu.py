@@ -46,7 +46,7 @@ from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.build import experts_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.resident import reachable_tensor_bytes
-from moe_registry.model.routing import softmax_topk
+from moe_registry.layer.routing import softmax_topk
 from moe_registry.spec.loader import load_registry
 
 PRESETS = {  # experts, top-k, hidden, intermediate

@@ -38,7 +38,7 @@ from moe_registry.core.keys import parse_quant_key
 from moe_registry.layer.build import experts_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.resident import reachable_tensor_bytes
-from moe_registry.model.routing import softmax_topk
+from moe_registry.layer.routing import softmax_topk
 from moe_registry.spec.loader import load_registry
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768

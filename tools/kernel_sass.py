@@ -87,7 +87,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
     from moe_registry.core.keys import parse_quant_key
     from moe_registry.oracle.handed import handed_activation
     from moe_registry.oracle.predicates import matching_pattern
-    from moe_registry.oracle.runtime import Platform
+    from moe_registry.situation.runtime import Platform
 
     wkey, akey = parse_quant_key(scheme.weight), parse_quant_key(scheme.activation)
     # the activations the kernel is handed on that GPU (fp8 checkpoints before sm_89: 16-bit, weight-only)

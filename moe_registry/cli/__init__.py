@@ -1,1 +1,1 @@
-"""Stage 6, the command line: verbs, ``run`` and the support matrix. May import every stage."""
+"""Stage 8, the command line: verbs, ``run`` and the support matrix. May import every stage."""

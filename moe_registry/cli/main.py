@@ -29,7 +29,7 @@ from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError, SelectionError
 from moe_registry.core.names import did_you_mean
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, ALL2ALL_IMPLEMENTED, EXPERT_PLACEMENTS
-from moe_registry.model.situation import Flags, check_kernel_names, situation_for
+from moe_registry.situation.describe import Flags, check_kernel_names, situation_for
 from moe_registry.spec.loader import load_registry
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.oracle.predicates import kernel_checks
-from moe_registry.oracle.runtime import RuntimeConfig, parse_platform
+from moe_registry.situation.runtime import RuntimeConfig, parse_platform
 from moe_registry.spec.loader import Registry, binding_samples, fill_template
 from moe_registry.spec.view import SchemeSpec
 

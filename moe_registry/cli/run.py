@@ -22,10 +22,10 @@ from moe_registry.cli.run_checks import check_inputs_header, check_router, check
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, MoELayer, build
-from moe_registry.model.routing import Routing, correction_bias_note, from_given
+from moe_registry.layer.routing import Routing, correction_bias_note, from_given
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.render import TEXT_WIDTH, wrap
-from moe_registry.oracle.runtime import MoEShape
+from moe_registry.situation.runtime import MoEShape
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,12 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from moe_registry.checkpoint.tensor_index import layer_names, open_checkpoint
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError, ConfigError
-from moe_registry.model.config import ModelConfig, read_model_config
-from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
-from moe_registry.model.tensor_index import layer_names, open_checkpoint
-from moe_registry.oracle.verdicts import Situation
+from moe_registry.situation.config import ModelConfig, read_model_config
+from moe_registry.situation.describe import Flags, check_kernel_names, situation_for_model
+from moe_registry.situation.values import Situation
 from moe_registry.spec.loader import Registry, load_registry
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 import torch
 
+from moe_registry.checkpoint.values import describe_bad
 from moe_registry.core.errors import CheckpointError
 
-__all__ = ["require", "check_scales", "check_finite", "check_e8m0_codes", "cast_scales", "describe_bad",
-           "check_all_equal", "E8M0_NAN"]
+__all__ = ["require", "check_scales", "check_finite", "check_e8m0_codes", "cast_scales", "E8M0_NAN"]
 
 E8M0_NAN = 255  # the E8M0 exponent byte that encodes NaN (OCP MX v1.0)
 
@@ -23,22 +23,6 @@ def require(tensors: Mapping[str, torch.Tensor], tensor: str, full_name: str) ->
     except KeyError:
         have = ", ".join(sorted(tensors)) or "none"
         raise CheckpointError(f"missing checkpoint tensor {full_name} (this projection has: {have})") from None
-
-
-def describe_bad(t: torch.Tensor, mask: torch.Tensor, what: str, of: str = "values") -> str:
-    """'N of M <of> are <what> (first at [i, j] = v)' for the True entries of ``mask``."""
-    first = tuple(int(i) for i in mask.nonzero()[0])
-    value = t[first].item()
-    return f"{int(mask.sum())} of {t.numel()} {of} are {what} (first at {list(first)} = {value})"
-
-
-def check_all_equal(t: torch.Tensor, value: float, full_name: str, why: str) -> None:
-    """Every element equals ``value`` (a tensor the scheme fixes, e.g. a symmetric scheme's zero
-    points): a different value would change the model's numbers if it were ignored."""
-    bad = t.float() != value
-    if bool(bad.any()):
-        want = int(value) if float(value).is_integer() else value
-        raise CheckpointError(f"{full_name}: {describe_bad(t, bad, f'not {want}')}; expected all {want} ({why})")
 
 
 def check_finite(t: torch.Tensor, full_name: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from moe_registry.checkpoint.values import describe_bad
 from moe_registry.core.errors import CheckpointError
 from moe_registry.formats.assemble import (
     Namer,
@@ -32,7 +33,7 @@ from moe_registry.formats.assemble import (
     layout_scale_dtype,
 )
 from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
-from moe_registry.formats.checks import cast_scales, check_scales, describe_bad, require
+from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.gptq import act_order_perm
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights

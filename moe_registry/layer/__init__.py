@@ -1,2 +1,3 @@
-"""Stage 5, the layer: the Experts interface, the modular kernel (PrepareFinalize × Experts) and
-build (oracle → checkpoint → converter → kernel). May import: every stage below it."""
+"""Stage 6, the layer: the Experts interface, the modular kernel (PrepareFinalize × Experts), the all2all
+dispatchers with expert placement, routing, and build (oracle → checkpoint → formats → kernel).
+May import: every stage below it."""

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moe_registry.checkpoint.read import LAYER_WIDE, LayerTensors, read_layer
+from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError, ConfigError, MoERegistryError
 from moe_registry.formats import get_converter
@@ -21,16 +23,14 @@ from moe_registry.formats.registry import ConvertContext, Converter
 from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
-from moe_registry.model.checkpoint import LAYER_WIDE, LayerTensors, read_layer
-from moe_registry.model.config import ModelConfig, read_model_config
-from moe_registry.model.routing import Routing, grouped_topk, softmax_topk
-from moe_registry.model.situation import Flags, check_kernel_names, situation_for_model
-from moe_registry.model.tensor_index import open_checkpoint
+from moe_registry.layer.routing import Routing, grouped_topk, softmax_topk
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.handed import handed_activation
 from moe_registry.oracle.predicates import delivered_format, matching_pattern
-from moe_registry.oracle.runtime import Platform, RuntimeConfig
 from moe_registry.oracle.select import select
+from moe_registry.situation.config import ModelConfig, read_model_config
+from moe_registry.situation.describe import Flags, check_kernel_names, situation_for_model
+from moe_registry.situation.runtime import Platform, RuntimeConfig
 from moe_registry.spec.loader import Registry, load_registry
 from moe_registry.spec.view import KernelSpec
 

@@ -9,14 +9,8 @@ from typing import Any
 
 from moe_registry.core.keys import QuantKey
 from moe_registry.oracle import render
-from moe_registry.oracle.verdicts import (
-    Downgrade,
-    KernelVerdict,
-    LayerRun,
-    SchemeVerdict,
-    SelectedBy,
-    Situation,
-)
+from moe_registry.oracle.verdicts import Downgrade, KernelVerdict, LayerRun, SchemeVerdict, SelectedBy
+from moe_registry.situation.values import Situation
 
 NEAREST_SHOWN = 3  # turned-down schemes shown without --verbose
 

@@ -21,8 +21,8 @@ from dataclasses import replace
 from moe_registry.core.keys import QuantKey, parse_quant_key
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.predicates import matching_pattern
-from moe_registry.oracle.runtime import RuntimeConfig
 from moe_registry.oracle.verdicts import Downgrade, DowngradeKind, KernelVerdict, SelectedBy
+from moe_registry.situation.runtime import RuntimeConfig
 from moe_registry.spec.loader import Registry
 
 

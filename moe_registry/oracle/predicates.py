@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from moe_registry.core.checks import Check, Reason, failed, passed
 from moe_registry.core.keys import QuantKey, key_matches
 from moe_registry.core.vocab import ALL2ALL_DELIVERS
-from moe_registry.oracle.runtime import Platform, RuntimeConfig
-from moe_registry.oracle.verdicts import Check, Reason, failed, passed
+from moe_registry.situation.runtime import Platform, RuntimeConfig
 from moe_registry.spec.expr import ExprError, parse_expr
 from moe_registry.spec.view import KernelSpec, KeyPattern, PlatformSpec
 

@@ -12,16 +12,9 @@ import json
 import textwrap
 from typing import Any, Protocol
 
-from moe_registry.oracle.verdicts import (
-    Check,
-    Downgrade,
-    KernelVerdict,
-    LayerRun,
-    RoutingValue,
-    SchemeVerdict,
-    SelectedBy,
-    Situation,
-)
+from moe_registry.core.checks import Check
+from moe_registry.oracle.verdicts import Downgrade, KernelVerdict, LayerRun, SchemeVerdict, SelectedBy
+from moe_registry.situation.values import RoutingValue, Situation
 
 
 class ReportView(Protocol):

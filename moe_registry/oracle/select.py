@@ -11,32 +11,20 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from moe_registry.core.checks import Reason, failed
 from moe_registry.core.errors import SelectionError
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.detect import detect_scheme
 from moe_registry.oracle.downgrades import derive, faithful_first
 from moe_registry.oracle.predicates import kernel_checks
-from moe_registry.oracle.verdicts import (
-    METHOD_FIELD,
-    KernelVerdict,
-    LayerRun,
-    Reason,
-    SchemeVerdict,
-    SelectedBy,
-    Situation,
-    failed,
-)
+from moe_registry.oracle.verdicts import METHOD_FIELD, KernelVerdict, LayerRun, SchemeVerdict, SelectedBy
+from moe_registry.situation.describe import expert_modules
+from moe_registry.situation.values import Situation
 from moe_registry.spec.loader import Registry
-from moe_registry.spec.view import ModelFamilySpec
 
 EXCLUDED_SCHEME = "unquantized"
 
 
-
-
-def expert_modules(family: ModelFamilySpec, layer: int, num_experts: int) -> tuple[str, ...]:
-    """Full names of the first and last experts' projections of ``layer``, per the family naming."""
-    return family.naming.modules(layer, sorted({0, max(num_experts - 1, 0)}))
 
 
 def detect(registry: Registry, situation: Situation) -> tuple[SchemeVerdict | None, tuple[SchemeVerdict, ...],

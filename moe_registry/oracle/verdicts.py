@@ -1,10 +1,6 @@
-"""The oracle's verdicts: what it decides for (Situation), what every check returns (Check with a
-Reason from a closed set: docs/design.md, "Every decision explains itself"), the verdicts on
-schemes and kernels, the downgrades, and how the kernel was selected (SelectedBy). The Report that
-holds them is ``oracle.contract``'s; ``oracle.render`` reads these to print it.
-
-The codes are closed sets: programs switch on them (``--json``); people read ``message``, which
-names the field, the value seen and the value wanted.
+"""The oracle's verdicts: on schemes and kernels, the downgrades, how the kernel was selected
+(SelectedBy), and the runs of layers decided alike. Every check inside them is a ``core.checks.Check``.
+The Report that holds them is ``oracle.contract``'s; ``oracle.render`` reads these to print it.
 """
 
 from __future__ import annotations
@@ -14,78 +10,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from moe_registry.core.checks import Check
 from moe_registry.core.keys import QuantKey
-from moe_registry.oracle.runtime import RuntimeConfig
 
 METHOD_FIELD = "quant_method"  # transformers' name for a quantization config's method (QuantizationConfigMixin)
-
-
-class Reason(str, Enum):
-    """Why a predicate passed or failed."""
-
-    OK = "ok"
-    # scheme detection
-    FIELD_MISSING = "field-missing"
-    FIELD_VALUE = "field-value"
-    FIELD_PRESENT = "field-present"
-    NO_ALTERNATIVE = "no-alternative"
-    LAYER_EXCLUDED = "layer-excluded"
-    LAYER_OVERRIDE = "layer-override"
-    BIND_VALUE = "bind-value"
-    BIND_MISSING = "bind-missing"
-    # kernel constraints
-    NOT_LISTED = "not-listed"
-    PLATFORM = "platform"
-    CAPABILITY = "capability"
-    PACKAGE_MISSING = "package-missing"
-    COMMAND_MISSING = "command-missing"
-    DTYPE = "dtype"
-    WEIGHT_KEY = "weight-key"
-    ACTIVATION_KEY = "activation-key"
-    ACTIVATION_FN = "activation-fn"
-    ACTIVATION_FORMAT = "activation-format"
-    PARALLEL = "parallel"
-    ALL2ALL = "all2all"
-    SHAPE_MULTIPLE = "shape-multiple"
-    SHAPE_MIN = "shape-min"
-    SHAPE_MAX = "shape-max"
-    SHAPE_UNKNOWN = "shape-unknown"
-    FEATURE = "feature"
-    CONVERTER = "converter"
-
-
-@dataclass(frozen=True)
-class Check:
-    """One predicate's verdict."""
-
-    passed: bool
-    reason: Reason
-    field: str
-    message: str
-    seen: Any = None
-    wanted: Any = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "reason": self.reason.value, "field": self.field,
-                "message": self.message, "seen": _plain(self.seen), "wanted": _plain(self.wanted)}
-
-
-def passed(field: str, message: str, seen: Any = None) -> Check:
-    return Check(True, Reason.OK, field, message, seen)
-
-
-def failed(reason: Reason, field: str, message: str, seen: Any = None, wanted: Any = None) -> Check:
-    return Check(False, reason, field, message, seen, wanted)
-
-
-def _plain(value: Any) -> Any:
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return str(value)
 
 
 @dataclass(frozen=True)
@@ -136,57 +64,6 @@ class KernelVerdict:
     @property
     def failures(self) -> tuple[Check, ...]:
         return tuple(c for c in self.checks if not c.passed)
-
-
-@dataclass(frozen=True)
-class RoutingValue:
-    """One routing value of the model and where it came from, so a reader can check it against the config:
-    ``config`` (the field named), ``class-default`` (the field is absent: transformers' config class default),
-    ``spec-default`` (absent or null, and no class default: the family spec's), ``fixed`` (not a config field:
-    the family's modeling code fixes it, as the family spec records), ``none`` (the family spec has no such word:
-    the modeling code has no such step, and the value is the one that means so)."""
-
-    word: str
-    value: Any
-    origin: str
-    field: str | None = None
-    config_class: str | None = None
-    family: str | None = None
-
-    @property
-    def source(self) -> str:
-        """The origin in words, e.g. "absent: transformers' DeepseekV3Config default"."""
-        if self.origin == "config":
-            return f"config {self.field}"
-        if self.origin == "class-default":
-            return f"{self.field} absent: transformers' {self.config_class} default"
-        if self.origin == "spec-default":
-            return f"{self.field} absent or null: family {self.family} spec default"
-        if self.origin == "fixed":
-            return f"fixed by the modeling code: family {self.family} spec"
-        return f"none in the modeling code: family {self.family} spec"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"value": _plain(self.value), "origin": self.origin, "field": self.field,
-                "config_class": self.config_class, "source": self.source}
-
-
-@dataclass(frozen=True)
-class Situation:
-    """What the oracle decides for: the layer's quantization config and module names, and the
-    runtime. ``modules`` are the expert projections' full names (for per-layer scoping)."""
-
-    quant_config: Mapping[str, Any] | None
-    runtime: RuntimeConfig
-    modules: tuple[str, ...] = ("model.layers.0.mlp.experts.0.gate_proj",)
-    quant_source: str = "quantization_config"
-    model: str | None = None
-    family: str | None = None
-    layer: int | None = None
-    not_runnable: tuple[str, ...] = ()  # the model's experts in a form no kernel here runs (explain shows why)
-    routing: tuple[RoutingValue, ...] = ()  # the model's routing with sources (explain shows it)
-    moe_layers: tuple[int, ...] = ()  # every MoE layer of the model (explain reports them all, grouped)
-    layer_asked: bool = False  # --layer / layer= named the layer: the report is that layer's alone
 
 
 @dataclass(frozen=True)

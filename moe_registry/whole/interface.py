@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
+from moe_registry.checkpoint.read import LayerTensors
+from moe_registry.checkpoint.tensor_index import LayerNames
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, build_from_tensors
-from moe_registry.model.checkpoint import LayerTensors
-from moe_registry.model.tensor_index import LayerNames
-from moe_registry.oracle.runtime import MoEShape, Platform, RuntimeConfig
 from moe_registry.oracle.select import select
-from moe_registry.oracle.verdicts import Situation
+from moe_registry.situation.runtime import MoEShape, Platform, RuntimeConfig
+from moe_registry.situation.values import Situation
 from moe_registry.spec.loader import load_registry
 from moe_registry.whole.experts_module import RegistryExperts
 from moe_registry.whole.requirement import require_transformers

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from moe_registry.checkpoint.tensor_index import CheckpointIndex, TensorInfo, open_checkpoint
 from moe_registry.core.errors import CheckpointError, ConfigError
 from moe_registry.layer.build import DTYPES, build, device_for
-from moe_registry.model.config import ModelConfig, config_path, read_model_config
-from moe_registry.model.situation import check_kernel_names
-from moe_registry.model.tensor_index import CheckpointIndex, TensorInfo, open_checkpoint
 from moe_registry.oracle.contract import Report
-from moe_registry.oracle.runtime import parse_platform
+from moe_registry.situation.config import ModelConfig, config_path, read_model_config
+from moe_registry.situation.describe import check_kernel_names
+from moe_registry.situation.runtime import parse_platform
 from moe_registry.spec.loader import Registry, load_registry
 from moe_registry.whole.dense_linear import dequantize_linear
 from moe_registry.whole.experts_module import RegistryExperts

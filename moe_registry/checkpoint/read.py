@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from moe_registry.checkpoint.tensor_index import CheckpointIndex, LayerNames, TensorInfo, layer_names
+from moe_registry.checkpoint.values import check_all_equal
 from moe_registry.core import guards
 from moe_registry.core.errors import CheckpointError
 from moe_registry.core.vocab import ROLES
-from moe_registry.formats.checks import check_all_equal
-from moe_registry.model.tensor_index import CheckpointIndex, LayerNames, TensorInfo, layer_names
-from moe_registry.oracle.runtime import MoEShape
+from moe_registry.situation.runtime import MoEShape
 from moe_registry.spec.expr import ExprError, parse_expr
 from moe_registry.spec.view import ModelFamilySpec, SchemeSpec, TensorSpec
 

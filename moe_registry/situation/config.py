@@ -17,9 +17,9 @@ from typing import Any
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.vocab import ACTIVATION_FNS
-from moe_registry.oracle.detect import MISSING, check_field, get_path
-from moe_registry.oracle.runtime import MoEShape
-from moe_registry.oracle.verdicts import RoutingValue
+from moe_registry.situation.runtime import MoEShape
+from moe_registry.situation.values import RoutingValue
+from moe_registry.spec.fields import MISSING, check_field, get_path
 from moe_registry.spec.loader import Registry
 from moe_registry.spec.view import ConfigClass, FieldRef, ModelFamilySpec
 

@@ -10,7 +10,7 @@ import re
 import shutil
 from collections.abc import Iterable
 
-from moe_registry.oracle.runtime import Environment, Platform
+from moe_registry.situation.runtime import Environment, Platform
 
 
 def _query(cmd: list[str]) -> str:

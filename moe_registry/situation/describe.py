@@ -13,9 +13,9 @@ from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.names import unknown_text
 from moe_registry.core.vocab import ALL2ALL_BACKENDS, EXPERT_PLACEMENTS
-from moe_registry.model.config import ModelConfig, config_path, read_json, read_model_config
-from moe_registry.model.machine import probe_commands, probe_environment, probe_platform
-from moe_registry.oracle.runtime import (
+from moe_registry.situation.config import ModelConfig, config_path, read_json, read_model_config
+from moe_registry.situation.machine import probe_commands, probe_environment, probe_platform
+from moe_registry.situation.runtime import (
     Environment,
     MoEShape,
     ParallelConfig,
@@ -24,9 +24,14 @@ from moe_registry.oracle.runtime import (
     check_dtype,
     parse_platform,
 )
-from moe_registry.oracle.select import expert_modules
-from moe_registry.oracle.verdicts import Situation
+from moe_registry.situation.values import Situation
 from moe_registry.spec.loader import Registry
+from moe_registry.spec.view import ModelFamilySpec
+
+
+def expert_modules(family: ModelFamilySpec, layer: int, num_experts: int) -> tuple[str, ...]:
+    """Full names of the first and last experts' projections of ``layer``, per the family naming."""
+    return family.naming.modules(layer, sorted({0, max(num_experts - 1, 0)}))
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ def _check_parallel(p: ParallelConfig, shape: MoEShape | None) -> None:
 
 def _from_runtime_file(target: Path, registry: Registry, flags: Flags) -> Situation:
     path = config_path(target)
-    from moe_registry.model.runtime_file import parse_runtime_file  # pydantic: only with a runtime file
+    from moe_registry.situation.runtime_file import parse_runtime_file  # pydantic: only with a runtime file
     from moe_registry.spec.yamlio import load_yaml_file
 
     data = load_yaml_file(path) if path.suffix in (".yaml", ".yml") else read_json(path, "runtime file")
