@@ -36,10 +36,14 @@ def __getattr__(name: str) -> Any:
         value = _version()
         globals()["__version__"] = value
         return value
-    if name in ("build", "load_layer", "MoELayer"):
+    if name == "build":
+        from moe_registry.layer.build import build
+
+        return build
+    if name in ("load_layer", "MoELayer"):
         import importlib
 
-        return getattr(importlib.import_module("moe_registry.layer.build"), name)
+        return getattr(importlib.import_module("moe_registry.layer.moe_layer"), name)
     if name == "load_model":  # transformers (the optional extra) is imported only when a model is loaded
         from moe_registry.whole.load import load_model
 

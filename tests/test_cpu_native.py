@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-from moe_registry.situation import describe as situation_module
 from moe_registry_kernels.cpu_native import KIND_FP4, KIND_FP8, KIND_INT8, NativeExperts, native_ops
 from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
 from moe_registry_kernels.dequant import dequantize, unpack_int4
@@ -23,6 +22,7 @@ from moe_registry.core.keys import parse_quant_key
 from moe_registry.formats.weights import ProjectionWeights
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.resident import reachable_tensor_bytes
+from moe_registry.situation import describe as situation_module
 from moe_registry.situation.runtime import Platform
 
 GEN = torch.Generator().manual_seed(7)

@@ -18,7 +18,8 @@ from moe_registry_kernels.reference import reference_moe
 from safetensors.torch import load_file, save_file
 
 import moe_registry
-from moe_registry.layer.build import build, load_layer
+from moe_registry.layer.build import build
+from moe_registry.layer.moe_layer import load_layer
 from moe_registry.layer.resident import reachable_tensor_bytes
 
 # example checkpoint -> what it is (int4 AWQ, GPTQ int4 sym with and without act-order, GPTQ int8 groups)

@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from moe_registry.checkpoint import tensor_index
 from safetensors.torch import load_file, save_file
 from torchrun_launch import torchrun
 
 import moe_registry
+from moe_registry.checkpoint import tensor_index
 from moe_registry.checkpoint.read import LAYER_WIDE, read_layer
 from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.cli import main as cli

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import moe_registry
-from moe_registry.layer.build import MoELayer
+from moe_registry.layer.moe_layer import MoELayer
 
 pytestmark = pytest.mark.gpu
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from moe_registry.situation import describe as situation_module
 
 from moe_registry.core.checks import Reason
 from moe_registry.oracle.select import select
 from moe_registry.oracle.verdicts import SelectedBy
+from moe_registry.situation import describe as situation_module
 from moe_registry.situation.describe import Flags, situation_for
 from moe_registry.situation.runtime import Environment, Platform
 from moe_registry.spec.loader import load_registry

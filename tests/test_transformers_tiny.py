@@ -26,8 +26,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from moe_registry.layer.build import LayerBuild, MoELayer, build
+from moe_registry.layer.build import LayerBuild, build
 from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.moe_layer import MoELayer
 
 TINY = Path(__file__).parent / "fixtures" / "transformers" / "tiny"
 FIXTURES = sorted(p.name for p in TINY.iterdir() if (p / "io.safetensors").is_file())

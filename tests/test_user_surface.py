@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import moe_registry
 from moe_registry.cli.main import main
-from moe_registry.layer.build import load_layer
+from moe_registry.layer.moe_layer import load_layer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests/fixtures/transformers/tiny"

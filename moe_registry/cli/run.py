@@ -21,7 +21,8 @@ from safetensors.torch import save
 from moe_registry.cli.run_checks import check_inputs_header, check_router, check_run_flags, layer_situation
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
-from moe_registry.layer.build import DTYPES, MoELayer, build
+from moe_registry.layer.build import DTYPES, build
+from moe_registry.layer.moe_layer import MoELayer
 from moe_registry.layer.routing import Routing, correction_bias_note, from_given
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.render import TEXT_WIDTH, wrap

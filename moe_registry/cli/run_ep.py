@@ -34,7 +34,8 @@ from moe_registry.layer.all2all import (
     AllGatherReduceScatter,
     collective,
 )
-from moe_registry.layer.build import DTYPES, MoELayer, build
+from moe_registry.layer.build import DTYPES, build
+from moe_registry.layer.moe_layer import MoELayer
 from moe_registry.oracle.contract import Report
 
 EP_REPEAT = 5  # timed calls per rank without --repeat

@@ -1,6 +1,7 @@
-"""From a model dir to a ready layer: oracle → checked checkpoint tensors → format converter →
-the chosen kernel's Experts class in a FusedMoEKernel. Nothing half-built is returned: every
-check runs before the kernel is constructed."""
+"""From a model dir to a built layer: the situation, the oracle's report, the checkpoint tensors of the chosen
+scheme, the formats stage's conversion, and the chosen kernel's Experts class in a FusedMoEKernel with the
+PrepareFinalize that ``layer.placement`` gives. Nothing half-built is returned: every check runs before the
+kernel is constructed."""
 
 from __future__ import annotations
 
@@ -14,28 +15,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moe_registry.checkpoint.read import LAYER_WIDE, LayerTensors, read_layer
+from moe_registry.checkpoint.read import LayerTensors, read_layer
 from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.core import guards
-from moe_registry.core.errors import CheckpointError, ConfigError, MoERegistryError
+from moe_registry.core.errors import ConfigError
 from moe_registry.formats import get_converter
-from moe_registry.formats.registry import ConvertContext, Converter
-from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights, ProjectionWeights
+from moe_registry.formats.layer import convert_layer
+from moe_registry.formats.registry import ConvertContext
+from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
-from moe_registry.layer.modular import FusedMoEKernel, LocalPrepareFinalize, PrepareFinalize
-from moe_registry.layer.routing import Routing, grouped_topk, softmax_topk
+from moe_registry.layer.modular import FusedMoEKernel
+from moe_registry.layer.placement import dispatch_for, placement_for
 from moe_registry.oracle.contract import Report
 from moe_registry.oracle.handed import handed_activation
 from moe_registry.oracle.predicates import delivered_format, matching_pattern
 from moe_registry.oracle.select import select
 from moe_registry.situation.config import ModelConfig, read_model_config
 from moe_registry.situation.describe import Flags, check_kernel_names, situation_for_model
-from moe_registry.situation.runtime import Platform, RuntimeConfig
+from moe_registry.situation.runtime import Platform
 from moe_registry.spec.loader import Registry, load_registry
 from moe_registry.spec.view import KernelSpec
 
 if TYPE_CHECKING:
-    from moe_registry.layer.all2all import ExpertPlacement
+    pass
 
 log = logging.getLogger("moe_registry")
 _LOGGED: set[tuple[str, str, str, str]] = set()
@@ -113,7 +115,7 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     full = convert_layer(convert, tensors, ctx)
     fmt = delivered_format(runtime.parallel.all2all, kernel_spec)
     assert fmt is not None  # the oracle chose the kernel for a format the backend delivers
-    prepare_finalize, weights = _dispatch(report, full, fmt, tensors.expert_ids)
+    prepare_finalize, weights = dispatch_for(report, full, fmt, tensors.expert_ids)
     loaded = registry.kernels[report.chosen]
     # checked again right before importing it (the spec dir may have changed since loading)
     guards.check_impl(kernel_spec.impl, f"kernel {kernel_spec.kernel}", loaded.path, loaded.builtin)
@@ -144,88 +146,6 @@ def _same_storage(held: ExpertWeights, converted: ExpertWeights) -> bool:
     when asked for)."""
     return not any(c.not_held_in({f: getattr(h, f) for f in BULK_FIELDS})
                    for h, c in ((held.w13, converted.w13), (held.w2, converted.w2)))
-
-
-def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext) -> ExpertWeights:
-    """Convert the experts ``tensors`` holds. Read for a subset of them (an expert-parallel rank), messages
-    name experts by their global ids, and the layer-wide ``input_scale`` (the largest over ALL experts in the
-    single-process layer) is taken over every expert's checkpoint scale (``tensors.layer_wide``), so each
-    rank quantizes activations exactly as the single-process layer does."""
-    ids = tensors.expert_ids
-    if ids is None:
-        return convert(list(tensors.experts), ctx)
-    name = ctx.tensor_name
-    weights = convert(list(tensors.experts), replace(ctx, tensor_name=lambda e, role, t: name(ids[e], role, t)))
-    return replace(weights, w13=_layer_wide(weights.w13, tensors, ("gate", "up"), name),
-                   w2=_layer_wide(weights.w2, tensors, ("down",), name))
-
-
-def _layer_wide(proj: ProjectionWeights, tensors: LayerTensors, roles: tuple[str, ...],
-                name: Any) -> ProjectionWeights:
-    """``proj`` with its input_scale the largest over every expert's ``roles`` checkpoint scale (float32, as
-    the converters take it). Checked: over this rank's experts it must be the converter's own value, so a
-    converter that derives the scale otherwise fails here instead of giving ranks a wrong one."""
-    if proj.input_scale is None:  # the converter keeps no static activation scale (e.g. weight-only runs)
-        return proj
-    assert tensors.expert_ids is not None
-    found = {(e, r): t.to(torch.float32).reshape(()) for e, wide in enumerate(tensors.layer_wide) for r in roles
-             for key, t in wide.get(r, {}).items() if key in LAYER_WIDE}
-    for (e, r), v in found.items():
-        if not (float(v) > 0 and float(v) != float("inf")):
-            raise CheckpointError(f"{name(e, r, 'input_scale')}: {float(v)}; expected a finite scale > 0")
-    own = [v for (e, _), v in found.items() if e in tensors.expert_ids]
-    if not own or not torch.equal(torch.stack(own).max().reshape(1), proj.input_scale.to(torch.float32)):
-        raise MoERegistryError(f"expert parallelism: the converter's input_scale {proj.input_scale.tolist()} is not "
-                               f"the largest checkpoint input_scale of this rank's experts; wanted the converter to "
-                               f"take it as stored, so every rank can use the layer's largest")
-    return replace(proj, input_scale=torch.stack(list(found.values())).max().reshape(1).to(proj.input_scale.dtype))
-
-
-def _placement(runtime: RuntimeConfig) -> ExpertPlacement | None:
-    """The experts this rank holds under an all2all (the situation's placement over the process group, which must
-    already exist with ep ranks); None without one (every expert is local)."""
-    p = runtime.parallel
-    if p.all2all == "none":
-        return None
-    import torch.distributed as dist
-
-    from moe_registry.layer.all2all import ExpertPlacement
-
-    if not dist.is_initialized():
-        raise ConfigError(f"ep={p.ep}, all2all {p.all2all}: no torch.distributed process group; start the {p.ep} "
-                          f"ranks with torchrun --nproc-per-node {p.ep} (or call torch.distributed.init_process_group "
-                          "in each) first")
-    if dist.get_world_size() != p.ep:
-        raise ConfigError(f"ep={p.ep}, but the process group has {dist.get_world_size()} ranks; wanted {p.ep}")
-    assert runtime.shape is not None
-    try:
-        return ExpertPlacement(runtime.shape.num_experts, p.ep, dist.get_rank(),
-                               round_robin=p.expert_placement == "round_robin")
-    except ValueError as err:
-        raise ConfigError(f"--ep: {err}") from None
-
-
-def _dispatch(report: Report, weights: ExpertWeights, fmt: str,
-              read: tuple[int, ...] | None = None) -> tuple[PrepareFinalize, ExpertWeights]:
-    """The PrepareFinalize the situation's all2all backend names (for the kernel's activation format ``fmt``)
-    and the experts this rank holds: all of
-    them with no dispatch, its share of them under an all2all: ``weights`` as they are when they were read
-    for exactly that share (``read``: the global ids), else the share taken out of every expert's."""
-    runtime = report.situation.runtime
-    placement = _placement(runtime)
-    if placement is None:
-        return LocalPrepareFinalize(), weights
-    from moe_registry.layer.all2all import DISPATCHERS
-
-    owned = placement.local_experts()
-    if read is not None and read != tuple(owned.tolist()):
-        raise ConfigError(f"the tensors were read for experts {list(read)}, but rank {placement.rank} of "
-                          f"{placement.world_size} holds experts {owned.tolist()}")
-    p, scheme = runtime.parallel, report.scheme
-    agreement = (f"{runtime.shape}|{runtime.dtype}|{p}|{scheme.scheme if scheme else ''}|"
-                 f"{dict(scheme.bindings) if scheme else ''}|{report.chosen}")
-    return (DISPATCHERS[(p.all2all, fmt)](placement, runtime.max_tokens, agreement=agreement),  # type: ignore[index]
-            weights if read is not None else weights.subset(owned))
 
 
 @dataclass(frozen=True)
@@ -296,7 +216,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     family = registry.families[model.family].spec
     shape = situation.runtime.shape
     assert shape is not None
-    placement = _placement(situation.runtime)  # an expert-parallel rank reads only its own experts
+    placement = placement_for(situation.runtime)  # an expert-parallel rank reads only its own experts
     owned = None if placement is None else tuple(placement.local_experts().tolist())
     reread = functools.partial(read_layer, index, family, situation.layer, scheme, report.scheme.bindings, shape,
                                owned)
@@ -310,74 +230,3 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     return LayerBuild(built, model, replace(tensors, experts=()), reread)
 
 
-class MoELayer(torch.nn.Module):
-    """A model's MoE block: router (as the family's config describes it) + fused experts."""
-
-    def __init__(self, layer: LayerBuild) -> None:
-        super().__init__()
-        tensors = layer.router_tensors
-        if tensors.router is None:
-            raise CheckpointError(f"{tensors.names.router}: missing (the router is needed to route tokens; "
-                                  "pass topk_ids/topk_weights to the kernel instead)")
-        self.build = layer.built
-        self.kernel = layer.built.kernel
-        dev = layer.built.kernel.experts.weights.device
-        self.register_buffer("router_weight", tensors.router.to(dev, torch.float32))
-        bias = tensors.correction_bias
-        self.register_buffer("correction_bias", None if bias is None else bias.to(dev, torch.float32))
-        rb = tensors.router_bias
-        self.register_buffer("router_bias", None if rb is None else rb.to(dev, torch.float32))
-        self.top_k = layer.model.shape.top_k
-        self.routing_params = dict(layer.model.routing)
-        self.dtype = DTYPES[layer.built.report.situation.runtime.dtype]  # what the kernel computes in
-
-    def route(self, hidden: torch.Tensor) -> Routing:
-        """Which experts each token goes to, with what weight, as the family's router computes it (scores in
-        float32): ``hidden`` [tokens, hidden] or [batch, seq, hidden] of any float dtype; a Routing whose
-        ``topk_ids``/``topk_weights`` are [tokens, top_k] (batch and seq flattened)."""
-        hidden = self._tokens(hidden)
-        logits = hidden.float() @ self.router_weight.t()
-        if self.router_bias is not None:
-            logits = logits + self.router_bias
-        p = self.routing_params
-        groups = int(p.get("num_expert_group", 1) or 1)
-        scoring = str(p.get("scoring", "softmax"))
-        renormalize = bool(p.get("renormalize", True))
-        scale = float(p.get("routed_scaling_factor", 1.0))
-        if groups > 1 or scoring != "softmax" or self.correction_bias is not None or scale != 1.0:
-            return grouped_topk(logits, self.top_k, groups, int(p.get("topk_group", 1) or 1), scoring,  # type: ignore[arg-type]
-                                self.correction_bias, renormalize, scale, p.get("group_score"))
-        return softmax_topk(logits, self.top_k, renormalize)
-
-    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` as [tokens, hidden]; refused in one line unless floating point with the layer's hidden size."""
-        size = self.router_weight.shape[1]
-        if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
-            raise ValueError(f"hidden states must be a floating-point tensor [tokens, {size}] or [batch, seq, "
-                             f"{size}], got {getattr(hidden, 'dtype', type(hidden).__name__)}")
-        if hidden.dim() not in (2, 3) or hidden.shape[-1] != size:
-            raise ValueError(f"hidden states must be [tokens, {size}] or [batch, seq, {size}], got shape "
-                             f"{list(hidden.shape)}")
-        return hidden.reshape(-1, size)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The routed experts' output for ``hidden`` [tokens, hidden] or [batch, seq, hidden] (as transformers'
-        MoE blocks take it), in ``hidden``'s shape and dtype; computed in the layer's dtype (the report's
-        runtime dtype), so a float32 input to a float16 layer is rounded to float16 first."""
-        x = self._tokens(hidden)
-        r = self.route(x)
-        out = self.kernel(x.to(self.dtype), r.topk_weights, r.topk_ids)
-        return out.to(hidden.dtype).reshape(hidden.shape)
-
-
-def load_layer(model_dir: str | Path, layer: int | None = None, device: str | torch.device | None = None,
-               **kwargs: Any) -> MoELayer:
-    """One MoE layer of a checkpoint as an nn.Module (router + fused experts), ready to call. With ``ep=N`` (> 1),
-    call it in each of N ranks of a torch.distributed process group: the module holds the rank's share of the
-    experts (read alone from the checkpoint) and is called with the rank's own tokens (at most ``max_tokens``);
-    ``all2all`` defaults to the one backend implemented (``layer.all2all.DEFAULT_BACKEND``)."""
-    if (kwargs.get("ep") or 1) > 1 and kwargs.get("all2all") is None:
-        from moe_registry.layer.all2all import DEFAULT_BACKEND
-
-        kwargs = {**kwargs, "all2all": DEFAULT_BACKEND}
-    return MoELayer(build(model_dir, layer=layer, device=device, **kwargs))

@@ -4,12 +4,13 @@ FusedMoEKernel call takes. Scores are computed in float32 whatever the logits' d
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["Routing", "softmax_topk", "grouped_topk", "from_given", "correction_bias_note"]
+__all__ = ["Routing", "route", "softmax_topk", "grouped_topk", "from_given", "correction_bias_note"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,22 @@ def grouped_topk(logits: torch.Tensor, top_k: int, num_expert_group: int, topk_g
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights * routed_scaling_factor
     return Routing(weights.contiguous(), ids.to(torch.int32))
+
+
+def route(logits: torch.Tensor, top_k: int, params: Mapping[str, Any],
+          correction_bias: torch.Tensor | None = None) -> Routing:
+    """The family's routing of router ``logits`` [M, E]: ``params`` are the model's routing values as the config
+    reader resolved them (``scoring``, ``renormalize``, ``num_expert_group``, ``topk_group``, ``group_score``,
+    ``routed_scaling_factor``); plain softmax top-k where none of grouping, another scoring, a correction bias or
+    a scale applies, grouped top-k otherwise."""
+    groups = int(params.get("num_expert_group", 1) or 1)
+    scoring = str(params.get("scoring", "softmax"))
+    renormalize = bool(params.get("renormalize", True))
+    scale = float(params.get("routed_scaling_factor", 1.0))
+    if groups > 1 or scoring != "softmax" or correction_bias is not None or scale != 1.0:
+        return grouped_topk(logits, top_k, groups, int(params.get("topk_group", 1) or 1), scoring,  # type: ignore[arg-type]
+                            correction_bias, renormalize, scale, params.get("group_score"))
+    return softmax_topk(logits, top_k, renormalize)
 
 
 def from_given(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int | None = None) -> Routing:
