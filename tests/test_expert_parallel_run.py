@@ -22,6 +22,7 @@ from moe_registry.checkpoint import tensor_index
 from moe_registry.checkpoint.read import LAYER_WIDE, read_layer
 from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.cli import main as cli
+from moe_registry.formats.stacked import experts_of, layer_wide_of
 from moe_registry.oracle.select import select
 from moe_registry.situation.config import read_model_config
 from moe_registry.situation.describe import Flags, situation_for_model
@@ -179,21 +180,23 @@ def test_the_reader_gives_the_subset_of_the_whole_layer(model_dir: Path, monkeyp
     whole = read_layer(*args)
     spy = Spy(monkeypatch.setattr)
     part = read_layer(*args, experts=(3, 1))
-    assert part.expert_ids == (3, 1) and len(part.experts) == 2
-    for got, e in zip(part.experts, (3, 1), strict=True):
-        assert got.keys() == whole.experts[e].keys()
+    mine, every = experts_of(part), experts_of(whole)
+    assert part.expert_ids == (3, 1) and len(mine) == 2
+    for got, e in zip(mine, (3, 1), strict=True):
+        assert got.keys() == every[e].keys()
         for role in got:
-            assert got[role].keys() == whole.experts[e][role].keys()
+            assert got[role].keys() == every[e][role].keys() and got[role]
             for t in got[role]:
-                assert torch.equal(got[role][t], whole.experts[e][role][t]), (e, role, t)
+                assert torch.equal(got[role][t], every[e][role][t]), (e, role, t)
     names = [n for n, _ in spy.reads]
     assert not [n for n in names if ".experts.0." in n or ".experts.2." in n
                 if n.rsplit(".", 1)[-1] not in LAYER_WIDE]
     assert [i for n, i in spy.reads if i is not None and i not in ((3, 4), (1, 2))] == []
     if model_dir == QUARK:
-        assert len(part.layer_wide) == 4
-        assert all(set(w[r]) == {"input_scale"} for w in part.layer_wide for r in ("gate", "up", "down"))
-        assert torch.equal(part.layer_wide[0]["down"]["input_scale"], whole.experts[0]["down"]["input_scale"])
+        wide = layer_wide_of(part)
+        assert len(wide) == 4
+        assert all(set(w[r]) == {"input_scale"} for w in wide for r in ("gate", "up", "down"))
+        assert torch.equal(wide[0]["down"]["input_scale"], every[0]["down"]["input_scale"])
 
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:

@@ -802,6 +802,7 @@ def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
     activation scales as layer-wide values (the layer's one input scale per GEMM is the max over all)."""
     from moe_registry.checkpoint.read import read_layer
     from moe_registry.checkpoint.tensor_index import open_checkpoint
+    from moe_registry.formats.stacked import experts_of, layer_wide_of
     from moe_registry.oracle.select import select
     from moe_registry.situation.config import read_model_config
     from moe_registry.situation.describe import Flags, situation_for_model
@@ -814,14 +815,14 @@ def test_transformers_stacked_scales_for_an_expert_parallel_rank(dirs) -> None:
     assert report.scheme is not None and situation.layer is not None and situation.runtime.shape is not None
     args = (open_checkpoint(d), registry.families[model.family].spec, situation.layer,
             registry.scheme(report.scheme.scheme), report.scheme.bindings, situation.runtime.shape)
-    whole, part = read_layer(*args), read_layer(*args, experts=(3, 1))
-    for got, e in zip(part.experts, (3, 1), strict=True):
+    whole, part = experts_of(read_layer(*args)), read_layer(*args, experts=(3, 1))
+    for got, e in zip(experts_of(part), (3, 1), strict=True):
         assert {r: set(t) for r, t in got.items()} == {r: {"weight", "weight_scale", "input_scale"} for r in ROLES}
         for role in ROLES:
             for t in got[role]:
-                assert torch.equal(got[role][t], whole.experts[e][role][t]), (e, role, t)
+                assert torch.equal(got[role][t], whole[e][role][t]), (e, role, t)
     stacked = _checkpoint(d)
-    assert len(part.layer_wide) == E
-    for e, wide in enumerate(part.layer_wide):
+    assert len(layer_wide_of(part)) == E
+    for e, wide in enumerate(layer_wide_of(part)):
         assert torch.equal(wide["up"]["input_scale"], stacked[f"{LAYER}.gate_up_proj_activation_scale"][e])
         assert torch.equal(wide["down"]["input_scale"], stacked[f"{LAYER}.down_proj_activation_scale"][e])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -36,10 +36,29 @@ is the single-process layer's, not the largest over its own experts."""
 
 
 @dataclass(frozen=True)
+class StackedTensor:
+    """A checkpoint tensor that holds every expert read at once, as stored: dim 0 is the expert (or, for a 2-D
+    ``layout`` such as ``("E*out", "in")``, each expert's rows), then the dims ``layout`` names (None: the
+    expert's slice is already [out, in, ...]). ``part`` is the projection it holds (gate_up, gate, up or down);
+    a gate_up part holds gate and up along ``split_dim`` of one expert's [out, ...] slice, in ``order``
+    (``halves``: gate then up; ``interleaved``: even and odd rows), or one value both share (``split_dim`` None).
+    Turning it into per-expert [out, in] tensors is the formats stage's job (``formats.stacked``)."""
+
+    tensor: torch.Tensor
+    part: str
+    layout: tuple[str, ...] | None = None
+    split_dim: int | None = 0
+    order: str = "halves"
+
+
+@dataclass(frozen=True)
 class LayerTensors:
-    """One layer's raw checkpoint tensors: per expert, role → tensor name → tensor. Read for a subset of the
-    experts (an expert-parallel rank), ``experts`` holds those of ``expert_ids`` (global ids, in that order)
-    and ``layer_wide`` every expert's :data:`LAYER_WIDE` tensors; read whole, ``expert_ids`` is None."""
+    """One layer's raw checkpoint tensors: per expert, role → tensor name → tensor, and the tensors stored
+    stacked over experts (``stacked``: (part, tensor name) → :class:`StackedTensor`, sliced to the experts
+    read). Read for a subset of the experts (an expert-parallel rank), ``experts`` holds those of ``expert_ids``
+    (global ids, in that order), and ``layer_wide`` / ``stacked_wide`` every expert's :data:`LAYER_WIDE`
+    tensors; read whole, ``expert_ids`` is None. ``formats.stacked.experts_of`` gives every expert's tensors
+    in one mapping."""
 
     experts: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]
     router: torch.Tensor | None
@@ -49,6 +68,8 @@ class LayerTensors:
     router_bias: torch.Tensor | None = None
     expert_ids: tuple[int, ...] | None = None
     layer_wide: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...] = ()
+    stacked: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
+    stacked_wide: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
 
 
 def _dims(role: str, shape: MoEShape) -> dict[str, int]:
@@ -79,11 +100,13 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
     names = layer_names(family, layer, index)
     if names.fused is not None and scheme.checkpoint.fused_names is not None:
         names = replace(names, fused=replace(names.fused, tensor_names=scheme.checkpoint.fused_names))
-        got, has_bias, wide = _read_fused_stacked(index, names, layer, scheme, shape, bindings, ids)
-        return replace(_with_router(index, names, shape, got, has_bias), expert_ids=ids, layer_wide=wide)
+        parts, has_bias, wide = _read_fused_stacked(index, names, layer, scheme, shape, bindings, ids)
+        return replace(_with_router(index, names, shape, _no_tensors(shape, ids), has_bias), expert_ids=ids,
+                       stacked=parts, stacked_wide=wide)
     if names.fused is not None:  # one 'weight' tensor per projection: nothing layer-wide
-        got, has_bias = _read_fused(index, names, layer, scheme, shape, ids)
-        return replace(_with_router(index, names, shape, got, has_bias), expert_ids=ids)
+        parts, has_bias = _read_fused(index, names, layer, scheme, shape, ids)
+        return replace(_with_router(index, names, shape, _no_tensors(shape, ids), has_bias), expert_ids=ids,
+                       stacked=parts)
     projections = names.projections
     assert names.expert_prefix is not None and projections is not None
     stacked = _stacked_names(index, names, scheme)
@@ -145,15 +168,14 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
                                  _load_checked(index, full, declared[t], scheme.scheme))
                              for t, full in tensors.items() if t in LAYER_WIDE}
                       for role, tensors in plan[e].items()} for e in range(shape.num_experts))
-    if stacked:
-        per_role = _read_stacked(index, stacked, scheme, shape, values_b)
-        for e in wanted:
-            for role, tensors in per_role.items():
-                loaded[e][role].update({t: v[e] for t, v in tensors.items()})
-        wide = tuple({role: {**wide[e][role], **{t: v[e] for t, v in per_role[role].items() if t in LAYER_WIDE}}
-                      for role in ROLES} for e in range(shape.num_experts)) if ids is not None else ()
+    parts, parts_wide = _read_stacked(index, stacked, scheme, shape, values_b, ids) if stacked else ({}, {})
     tensors_out = _with_router(index, names, shape, tuple(loaded[e] for e in wanted), bias_flags == {True})
-    return replace(tensors_out, expert_ids=ids, layer_wide=wide)
+    return replace(tensors_out, expert_ids=ids, layer_wide=wide, stacked=parts, stacked_wide=parts_wide)
+
+
+def _no_tensors(shape: MoEShape, ids: tuple[int, ...] | None) -> tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]:
+    """One empty entry per expert read: a layer whose expert tensors are all stacked (``LayerTensors.stacked``)."""
+    return tuple({role: {} for role in ROLES} for _ in range(shape.num_experts if ids is None else len(ids)))
 
 
 def _stacked_names(index: CheckpointIndex, names: LayerNames, scheme: SchemeSpec) -> dict[str, str] | None:
@@ -170,12 +192,15 @@ def _stacked_names(index: CheckpointIndex, names: LayerNames, scheme: SchemeSpec
 
 
 def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: SchemeSpec, shape: MoEShape,
-                  values_b: Mapping[str, int]) -> dict[str, dict[str, torch.Tensor]]:
-    """role -> tensor -> [E, ...] from the tensors stacked over experts (shapes checked): down's as stored,
-    gate_up's split in halves along its first dimension that grows with out, or shared when none does. Read
-    whole even for an expert-parallel rank: scales, a few bytes per expert."""
+                  values_b: Mapping[str, int], ids: tuple[int, ...] | None
+                  ) -> tuple[dict[tuple[str, str], StackedTensor], dict[tuple[str, str], StackedTensor]]:
+    """The tensors stacked over experts (shapes checked), sliced to ``ids``: down's as stored, gate_up's with gate
+    and up along its first dimension that grows with out (halves), or shared when none does; and, for a subset,
+    the whole :data:`LAYER_WIDE` ones. Read whole even for an expert-parallel rank: scales, a few bytes per
+    expert."""
     e, i, h = shape.num_experts, shape.intermediate, shape.hidden
-    out: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
+    out: dict[tuple[str, str], StackedTensor] = {}
+    wide: dict[tuple[str, str], StackedTensor] = {}
     for tname, template in stacked.items():
         tspec = scheme.checkpoint.tensors[tname]
         assert tspec.stacked is not None
@@ -189,8 +214,11 @@ def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: Sc
                                       f"{', '.join(sorted(scheme.checkpoint.tensors))}; this layer holds "
                                       f"{', '.join(sorted(stacked))} stacked over its experts)")
             t = _load_stacked(index, full, tspec, dims, e, {**size, **values_b}, scheme.scheme)
+            mine = t if ids is None else t[list(ids)]
             if part == "down":
-                out["down"][tname] = t
+                out[(part, tname)] = StackedTensor(mine, part, split_dim=None)
+                if ids is not None and tname in LAYER_WIDE:
+                    wide[(part, tname)] = StackedTensor(t, part, split_dim=None)
                 continue
             try:  # one projection's slice (gate's or up's): out is the intermediate size
                 one = [parse_expr(str(d)).evaluate({"in": h, "out": i, **values_b}) for d in dims]
@@ -199,15 +227,15 @@ def _read_stacked(index: CheckpointIndex, stacked: Mapping[str, str], scheme: Sc
                                       f"intermediate size {i}: {err}") from None
             both = list(t.shape[1:])
             dim = next((d for d, (a, b) in enumerate(zip(one, both, strict=True)) if a != b), None)
-            if dim is None:  # one slice for all of gate_up (a per-tensor scale): gate and up share it
-                out["gate"][tname] = out["up"][tname] = t
-            elif both[dim] != 2 * one[dim]:
+            if dim is not None and both[dim] != 2 * one[dim]:
                 raise CheckpointError(f"{full}: shape {list(t.shape)}, {both[dim]} along dim {dim + 1} for gate and "
                                       f"up together; wanted 2 x {one[dim]} there (gate's, then up's; intermediate "
                                       f"size {i})")
-            else:
-                out["gate"][tname], out["up"][tname] = t.split(one[dim], dim=dim + 1)
-    return out
+            # dim None: one slice for all of gate_up (a per-tensor scale), which gate and up share
+            out[(part, tname)] = StackedTensor(mine, part, split_dim=dim)
+            if ids is not None and tname in LAYER_WIDE:
+                wide[(part, tname)] = StackedTensor(t, part, split_dim=dim)
+    return out, wide
 
 
 def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> tuple[int, ...] | None:
@@ -264,10 +292,9 @@ def _per_expert(index: CheckpointIndex, name: str | None, shape: MoEShape) -> to
 
 
 def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec, shape: MoEShape,
-                ids: tuple[int, ...] | None = None
-                ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool]:
-    """Per-expert [out, in] views of a fused family's stacked tensors, shapes and dtypes checked first
-    (of every expert, or of ``ids`` alone: only their slices are read).
+                ids: tuple[int, ...] | None = None) -> tuple[dict[tuple[str, str], StackedTensor], bool]:
+    """A fused family's stacked tensors as stored, with their layouts, shapes and dtypes checked first (of
+    every expert, or of ``ids`` alone: only their slices are read), and whether they carry biases.
 
     The fused tensors are the scheme's one ``weight`` tensor for every expert at once, so only
     schemes that declare exactly that per projection are read this way. With several declared
@@ -342,32 +369,22 @@ def _read_fused(index: CheckpointIndex, names: LayerNames, layer: int, scheme: S
         have, lack = ("gate_up_bias", "down_bias") if "gate_up_bias" in loaded else ("down_bias", "gate_up_bias")
         raise CheckpointError(f"{fused.of(lack) or 'naming.fused.' + lack}: missing while {fused.of(have)} exists; "
                               "expected a bias on both fused projections or on neither")
-    # Each to [E, out, in] (the nk order of one projection), then gate and up apart.
-    n = e if ids is None else len(ids)
-    w = {what: _to_nk(loaded[what], order(what, layout), n) for what in parts}
-    gate, up = _split_gate_up(w["gate_up"], i, fused.gate_up_order) if "gate_up" in w else (w["gate"], w["up"])
-    down = w["down"]
-    gate_b = up_b = down_b = None
+    split = {"gate_up": 0}
+    parts_out = {(what, "weight"): StackedTensor(loaded[what], what, order(what, layout), split.get(what),
+                                                 fused.gate_up_order) for what in parts}
     if "gate_up_bias" in loaded:
-        gate_b, up_b = _split_gate_up(loaded["gate_up_bias"], i, fused.gate_up_order)
-        down_b = loaded["down_bias"]
-
-    def role(w: torch.Tensor, b: torch.Tensor | None, x: int) -> dict[str, torch.Tensor]:
-        return {"weight": w[x]} if b is None else {"weight": w[x], "bias": b[x]}
-
-    experts = tuple({"gate": role(gate, gate_b, x), "up": role(up, up_b, x), "down": role(down, down_b, x)}
-                    for x in range(n))
-    return experts, "gate_up_bias" in loaded
+        parts_out[("gate_up", "bias")] = StackedTensor(loaded["gate_up_bias"], "gate_up", None, 0, fused.gate_up_order)
+        parts_out[("down", "bias")] = StackedTensor(loaded["down_bias"], "down", None, None)
+    return parts_out, "gate_up_bias" in loaded
 
 
 def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, scheme: SchemeSpec, shape: MoEShape,
                         bindings: Mapping[str, Any], ids: tuple[int, ...] | None = None
-                        ) -> tuple[tuple[Mapping[str, Mapping[str, torch.Tensor]], ...], bool,
-                                   tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]]:
-    """Per-expert tensors of a fused family whose scheme stores every declared tensor stacked over
-    experts (``checkpoint.fused_names``): ``<fused name><template>`` is [E, *shape] with out first, so
-    gate and up are split along dim 1 in the family's gate_up_order; biases as :func:`_read_fused`.
-    With ``ids``, only their slices are read, and every expert's :data:`LAYER_WIDE` tensors (third value)."""
+                        ) -> tuple[dict[tuple[str, str], StackedTensor], bool, dict[tuple[str, str], StackedTensor]]:
+    """The tensors of a fused family whose scheme stores every declared tensor stacked over experts
+    (``checkpoint.fused_names``): ``<fused name><template>`` is [E, *shape] with out first, gate and up along
+    its out dim in the family's gate_up_order; biases as :func:`_read_fused`. With ``ids``, only their slices are
+    read, and every expert's :data:`LAYER_WIDE` tensors whole (third value)."""
     assert names.fused is not None and names.fused.tensor_names is not None
     fused = names.fused
     if fused.gate_up is None:
@@ -405,40 +422,11 @@ def _read_fused_stacked(index: CheckpointIndex, names: LayerNames, layer: int, s
         raise CheckpointError(f"{fused.of(lack + '_bias') or 'naming.fused.' + lack + '_bias'}: missing while "
                               f"{fused.of(have + '_bias')} exists; expected a bias on both fused projections "
                               "or on neither")
-    per_role = _per_role(loaded, i, fused.gate_up_order)
-    if biases:
-        per_role["gate"]["bias"], per_role["up"]["bias"] = _split_gate_up(biases["gate_up"], i, fused.gate_up_order)
-        per_role["down"]["bias"] = biases["down"]
-    experts = tuple({role: {t: v[x] for t, v in tensors.items()} for role, tensors in per_role.items()}
-                    for x in range(e if ids is None else len(ids)))
-    wide_roles = _per_role(wide, i, fused.gate_up_order)
-    layer_wide = tuple({role: {t: v[x] for t, v in tensors.items()} for role, tensors in wide_roles.items()}
-                       for x in range(e)) if ids is not None else ()
-    return experts, bool(biases), layer_wide
+    order = fused.gate_up_order
 
+    def part(what: str, t: torch.Tensor) -> StackedTensor:
+        return StackedTensor(t, what, None, 0 if what == "gate_up" else None, order)
 
-def _per_role(stacked: Mapping[tuple[str, str], torch.Tensor], i: int,
-              order: str) -> dict[str, dict[str, torch.Tensor]]:
-    """(gate_up | down, tensor) -> stacked tensor, as role -> tensor -> stacked tensor (gate and up split)."""
-    per_role: dict[str, dict[str, torch.Tensor]] = {"gate": {}, "up": {}, "down": {}}
-    for (what, tname), t in stacked.items():
-        if what == "gate_up":
-            per_role["gate"][tname], per_role["up"][tname] = _split_gate_up(t, i, order)
-        else:
-            per_role["down"][tname] = t
-    return per_role
-
-
-def _to_nk(t: torch.Tensor, layout: tuple[str, ...], e: int) -> torch.Tensor:
-    """A stacked tensor in ``layout`` (shape already checked) as [E, out, in]."""
-    if layout[0].startswith("E*"):  # 2-D: expert e is rows [e*n, (e+1)*n)
-        t = t.reshape(e, t.shape[0] // e, t.shape[1])
-        layout = ("E", layout[0][2:], layout[1])
-    return t.transpose(1, 2) if layout == ("E", "in", "out") else t
-
-
-def _split_gate_up(t: torch.Tensor, i: int, order: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate and up along dim 1 (out), as the family orders them: halves or even/odd positions."""
-    if order == "interleaved":
-        return t[:, 0::2], t[:, 1::2]
-    return t[:, :i], t[:, i:]
+    out = {key: part(key[0], t) for key, t in loaded.items()}
+    out.update({(what, "bias"): part(what, t) for what, t in biases.items()})
+    return out, bool(biases), {key: part(key[0], t) for key, t in wide.items()}

@@ -14,6 +14,7 @@ import torch
 from moe_registry.checkpoint.read import LAYER_WIDE, LayerTensors
 from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.formats.registry import ConvertContext, Converter
+from moe_registry.formats.stacked import experts_of, layer_wide_of
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
 
@@ -24,9 +25,9 @@ def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext
     rank quantizes activations exactly as the single-process layer does."""
     ids = tensors.expert_ids
     if ids is None:
-        return convert(list(tensors.experts), ctx)
+        return convert(experts_of(tensors), ctx)
     name = ctx.tensor_name
-    weights = convert(list(tensors.experts), replace(ctx, tensor_name=lambda e, role, t: name(ids[e], role, t)))
+    weights = convert(experts_of(tensors), replace(ctx, tensor_name=lambda e, role, t: name(ids[e], role, t)))
     return replace(weights, w13=_layer_wide(weights.w13, tensors, ("gate", "up"), name),
                    w2=_layer_wide(weights.w2, tensors, ("down",), name))
 
@@ -39,7 +40,7 @@ def _layer_wide(proj: ProjectionWeights, tensors: LayerTensors, roles: tuple[str
     if proj.input_scale is None:  # the converter keeps no static activation scale (e.g. weight-only runs)
         return proj
     assert tensors.expert_ids is not None
-    found = {(e, r): t.to(torch.float32).reshape(()) for e, wide in enumerate(tensors.layer_wide) for r in roles
+    found = {(e, r): t.to(torch.float32).reshape(()) for e, wide in enumerate(layer_wide_of(tensors)) for r in roles
              for key, t in wide.get(r, {}).items() if key in LAYER_WIDE}
     for (e, r), v in found.items():
         if not (float(v) > 0 and float(v) != float("inf")):
