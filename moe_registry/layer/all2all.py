@@ -14,7 +14,7 @@ each pair once; it is the simple, synchronisation-free first backend.
 ``AllGatherReduceScatterBatched`` hands the same pairs to experts of the batched format, grouped per local expert.
 The kernel specs that claim it say so (``parallel.all2all``) and the oracle chooses it (and the format:
 ``oracle.predicates.delivered_format``); ``build`` reads only a
-rank's own experts (``model.checkpoint.read_layer(experts=...)``) and ``moe-registry run`` under torchrun runs
+rank's own experts (``checkpoint.read.read_layer(experts=...)``) and ``moe-registry run`` under torchrun runs
 it. ``counters`` (:class:`DispatchCounters`) say what each forward handed to the collectives.
 
 Why not ``all_to_all_single``: it takes per-rank split sizes as host integers, so a forward would have to

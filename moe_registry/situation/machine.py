@@ -1,7 +1,7 @@
 """This machine, probed once per situation: its first accelerator (asked of ``nvidia-smi``, so
 explain never imports torch), the CPU's instruction-set flags, which of the packages the kernel specs
 require are installed and which of the commands they require are on PATH.
-The oracle only reads the result (oracle.runtime.Environment)."""
+The oracle only reads the result (situation.runtime.Environment)."""
 
 from __future__ import annotations
 

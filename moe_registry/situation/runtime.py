@@ -1,7 +1,7 @@
 """The runtime situation a kernel is chosen for: platform, dtype, MoE shape, parallel config.
 
-Built by model.situation from flags (``--platform cuda:9.0 --tp 2``), a runtime YAML/JSON file, a
-model's ``config.json``, or this machine as model.machine probes it once. Values only: nothing
+Built by situation.describe from flags (``--platform cuda:9.0 --tp 2``), a runtime YAML/JSON file, a
+model's ``config.json``, or this machine as situation.machine probes it once. Values only: nothing
 here reads files or probes the machine, so selection stays pure.
 """
 
@@ -23,7 +23,7 @@ class Platform:
     device: str
     capability: tuple[int, int] | None = None
     name: str = ""
-    # a CPU's instruction-set flags as read off this machine (model.machine); None: not probed (--platform cpu)
+    # a CPU's instruction-set flags as read off this machine (situation.machine); None: not probed (--platform cpu)
     cpu_features: frozenset[str] | None = None
 
     def __str__(self) -> str:
@@ -32,7 +32,7 @@ class Platform:
 
 
 def parse_platform(text: str) -> Platform:
-    """Parse ``cpu``, ``cuda:9.0``, ``rocm:9.4``, ``xpu`` (``auto`` is model.machine's to probe)."""
+    """Parse ``cpu``, ``cuda:9.0``, ``rocm:9.4``, ``xpu`` (``auto`` is situation.machine's to probe)."""
     text = text.strip().lower()
     m = _PLATFORM_RE.match(text)
     if not m:
@@ -49,7 +49,7 @@ def parse_platform(text: str) -> Platform:
 
 @dataclass(frozen=True)
 class Environment:
-    """This machine, probed once (model.machine): present in a RuntimeConfig only when the target
+    """This machine, probed once (situation.machine): present in a RuntimeConfig only when the target
     platform is this machine, so a predicate can say what is installed here."""
 
     installed: frozenset[str] = frozenset()  # of the packages the kernel specs require
