@@ -2,7 +2,8 @@
 (tests/fixtures/<producer>/..., each made by its tools/make_fixtures_*.py with the producer itself; versions in each
 VERSIONS.json): ``explain`` names the producer's scheme, its keys and the kernel the oracle picks, and our converted
 weights, rounded to the producer's dtype, are the producer's own dequantisation bit for bit; for the weight-only
-schemes, the built layer matches a float64 MoE on the producer's own weights.
+schemes, the built layer matches a float64 MoE on the producer's own weights; where the producer kept its own
+quantized linears' outputs, the float64 linear on our weights with its activation quantisation reproduces them.
 
 Each producer's module (tests/test_producers_<format>.py) keeps what only its format has: the float64 MoE done
 the producer's way where it quantizes activations, the kernels' paths its codes take, and its bad input.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from activation_qdq import qdq
 from safetensors.torch import load_file
 
 import moe_registry
@@ -286,3 +288,69 @@ def test_triton_kernel_in_the_interpreter_matches_float64_moe_on_the_producers_w
     tol = moe_registry.load_registry().scheme(layer.report.scheme.scheme).tolerance["float16"]
     err = _rel(got, silu_moe_float64(weights, x, ids, topk))
     assert got.dtype == torch.float16 and 0 < err <= tol, f"{case.fixture}: relative error {err:.2e} > {tol}"
+
+
+# ------------------------------------------------------------------------- the producers' own linears
+
+
+@dataclass(frozen=True)
+class Linears:
+    """A fixture whose ref.safetensors holds its producer's own quantized linears' outputs on fixed inputs
+    (``experts.{e}.{role}.output`` for the first ``experts``), and how that linear quantises its 2-D input
+    (``activation_qdq.qdq``'s names; None: weight-only)."""
+
+    fixture: str
+    linear_act: str | None
+    experts: int
+
+
+LINEARS = [
+    Linears("fp8/llmc-fp8", "ct_static", 2),
+    Linears("fp8/llmc-fp8-dynamic", "ct_whole", 2),
+    Linears("fp8/llmc-fp8-block", "ct_group128", 2),
+    Linears("fp8/modelopt-fp8", "modelopt_static", 2),
+    Linears("quark/qwen3-w8a8-int8-channel", "int8_token_bf16_scale", 4),
+    Linears("quark/qwen3-w8a8-int8-tensor", "int8_tensor", 4),
+    Linears("modelopt/qwen3-mxfp8", "mxfp8", 4),
+    Linears("compressed_tensors/qwen3-w8a8-int8", "int8_whole_bf16", 4),
+    Linears("compressed_tensors/qwen3-w4a16", None, 4),
+    Linears("compressed_tensors/qwen3-w4a8", "int8_whole_bf16", 4),
+]
+
+
+@pytest.mark.parametrize("case", LINEARS, ids=[c.fixture for c in LINEARS])
+def test_producer_linears_reproduced_in_float64(case: Linears) -> None:
+    """Each kept expert projection: the producer's own quantized linear on fixed inputs equals the float64 linear
+    on our weights with its activation quantisation (its own static input scale where it has one), to its
+    bfloat16 output rounding. This pins down how each producer quantises activations."""
+    ref = load_file(str(FIXTURES / case.fixture / "ref.safetensors"))
+    stored = {k: v for f in sorted(checkpoint(case.fixture).glob("*.safetensors"))
+              for k, v in load_file(str(f)).items()}
+    ours = our_weights(case.fixture, torch.float64)
+    for e in range(case.experts):
+        for role in ROLES:
+            x = ref["intermediate_states" if role == "down" else "hidden_states"]
+            scale = stored.get(f"model.layers.0.mlp.experts.{e}.{role}_proj.input_scale")
+            got = qdq(case.linear_act, x, scale) @ ours[(e, role)].T
+            want = ref[f"experts.{e}.{role}.output"]
+            assert _rel(got, want) < 5e-3, f"{case.fixture} expert {e} {role}: {_rel(got, want):.2e}"
+
+
+# ------------------------------------------------------------------------------------- the fixtures
+
+
+FIXTURE_BYTES = {  # each producer's fixtures as committed, at most (block-128 fp8 needs 128 x 128 weights: ~230 kB)
+    ("gptqmodel",): 1_500_000,
+    ("autoawq",): 256 * 1024,
+    ("autoround",): 256 * 1024,
+    ("compressed_tensors_presets",): 1024 * 1024,
+    ("fp4",): 1024 * 1024,
+    ("fp8",): 1_750_000,
+    ("quark", "modelopt", "compressed_tensors"): 1024 * 1024,
+}
+
+
+@pytest.mark.parametrize(("folders", "limit"), FIXTURE_BYTES.items(), ids=["+".join(f) for f in FIXTURE_BYTES])
+def test_fixtures_stay_small(folders: tuple[str, ...], limit: int) -> None:
+    total = sum(p.stat().st_size for sub in folders for p in (FIXTURES / sub).rglob("*") if p.is_file())
+    assert 0 < total < limit, total

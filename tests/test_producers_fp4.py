@@ -686,8 +686,3 @@ def test_compressed_tensors_mxfp4_nan_scale_code_is_refused(tmp_path: Path) -> N
     dest = _broken(tmp_path, src, {full: scale})
     with pytest.raises(CheckpointError, match=rf"{re.escape(full)}: 1 of 128 values are 255, the E8M0 NaN encoding"):
         moe_registry.build(dest, platform="cpu", layer=0)
-
-
-def test_fixtures_stay_small() -> None:
-    total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 1024 * 1024, total

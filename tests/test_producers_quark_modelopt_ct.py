@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from activation_qdq import qdq
 from safetensors.torch import load_file, save_file
 
 import moe_registry
@@ -39,7 +40,7 @@ DEQUANT_EXPERTS = 2
 class Case:
     scheme: str
     act: str | None  # the scheme's activation quantisation: int8_token, int8_tensor, mxfp8 or None
-    linear_act: str | None  # what the producer's own quantized linear did to its 2-D input (see _act)
+    linear_act: str | None  # what the producer's own quantized linear did to its 2-D input (activation_qdq.qdq)
     triton: bool  # triton-fused-moe claims the scheme (explain picks it: tests/test_producers.py)
     layer_ref: bool = True  # ref.safetensors has the producer's MoE block output
 
@@ -61,53 +62,6 @@ def _ref(name: str) -> dict[str, torch.Tensor]:
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-# ------------------------------------------------------------ the producers' activation quantisation
-
-
-def _int8_token(x: torch.Tensor) -> torch.Tensor:
-    s = x.abs().amax(-1, keepdim=True) / 127.5
-    return torch.round(x / s).clamp(-128, 127) * s
-
-
-def _int8_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    s = scale.double()
-    return torch.round(x / s).clamp(-128, 127) * s
-
-
-def _mxfp8(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    e = torch.where(amax > 0, torch.ceil(torch.log2(amax / 448.0)), torch.full_like(amax, -127.0)).clamp(-127, 127)
-    q = (blocks / torch.exp2(e)).clamp(-448, 448).to(torch.float8_e4m3fn).double()
-    return (q * torch.exp2(e)).reshape(x.shape)
-
-
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).double()
-
-
-def _act(how: str | None, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
-    """Activation quantisation, float64. ``int8_token``: the schemes' per-token int8. The producers'
-    own linears on a 2-D [tokens, hidden] input: Quark per token with the scale rounded to bfloat16
-    (``int8_token_bf16_scale``); compressed-tensors' 'token' strategy keeps dims 0 and 1, so a 2-D
-    input gets ONE scale, and it divides in bfloat16 (``int8_whole_bf16``)."""
-    x = x.double()
-    if how == "int8_token":
-        return _int8_token(x)
-    if how == "int8_token_bf16_scale":
-        s = _bf16(_bf16(x.abs().amax(-1, keepdim=True)) / 127.5)
-        return torch.round(x / s).clamp(-128, 127) * s
-    if how == "int8_whole_bf16":
-        s = _bf16(x.abs().amax() / 127.5)
-        return torch.round(_bf16(x / s)).clamp(-128, 127) * s
-    if how == "int8_tensor":
-        assert input_scale is not None
-        return _int8_tensor(x, input_scale)
-    if how == "mxfp8":
-        return _mxfp8(x)
-    return x
 
 
 def _input_scales(name: str, e: int) -> dict[str, torch.Tensor | None]:
@@ -136,9 +90,9 @@ def _moe64(case: Case, name: str, w: dict[tuple[int, str], torch.Tensor], x: tor
             continue
         own = scales[e]
         xe = x[tok].double()
-        g = _act(how, xe, own["gate"] if producer else s13) @ w[(e, "gate")].double().T
-        u = _act(how, xe, own["up"] if producer else s13) @ w[(e, "up")].double().T
-        a = _act(how, torch.nn.functional.silu(g) * u, own["down"] if producer else s2)
+        g = qdq(how, xe, own["gate"] if producer else s13) @ w[(e, "gate")].double().T
+        u = qdq(how, xe, own["up"] if producer else s13) @ w[(e, "up")].double().T
+        a = qdq(how, torch.nn.functional.silu(g) * u, own["down"] if producer else s2)
         out.index_add_(0, tok, weights[tok, k].double()[:, None] * (a @ w[(e, "down")].double().T))
     return out
 
@@ -169,21 +123,6 @@ def test_versions_name_the_producers() -> None:
         versions = json.loads((FIXTURES / sub / "VERSIONS.json").read_text())
         assert versions[package] and versions["transformers"].startswith("5.") and versions["torch"]
         assert set(versions["fixtures"]) == {n.split("/")[1] for n in CASES if n.startswith(sub + "/")}
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_producer_linears_reproduced_in_float64(name: str, built) -> None:
-    """Every expert projection (experts 2 and 3 too): the producer's own quantized linear on fixed
-    inputs equals the float64 linear on our weights with its activation quantisation, to its
-    bfloat16 output rounding. This pins down how each producer quantises activations."""
-    case, ref, ours = CASES[name], _ref(name), _ours(built[name])
-    for e in range(E):
-        scales = _input_scales(name, e)
-        for role in ("gate", "up", "down"):
-            x = ref["intermediate_states" if role == "down" else "hidden_states"]
-            want = ref[f"experts.{e}.{role}.output"]
-            got = _act(case.linear_act, x, scales[role]) @ ours[(e, role)].T
-            assert _rel(got, want) < 5e-3, f"{name} expert {e} {role}: {_rel(got, want):.2e}"
 
 
 def _routing(seed: int, m: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,9 +324,3 @@ def test_w4a16_with_activations_is_not_w4a16(tmp_path: Path, capsys) -> None:
     (dest / "config.json").write_text(json.dumps(config))
     assert main(["explain", str(dest), "--platform", "cpu", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["scheme"]["name"] == "compressed-tensors-w4a8-int"
-
-
-def test_fixtures_stay_small() -> None:
-    total = sum(p.stat().st_size for sub in ("quark", "modelopt", "compressed_tensors")
-                for p in (FIXTURES / sub).rglob("*") if p.is_file())
-    assert total < 1024 * 1024, total
