@@ -13,9 +13,10 @@ keeps the exact sums (``--prefer torch-cpu-native``).
 
 Weights are repacked when the layer is built: unsigned codes (int4 nibbles 0..15, int8 bytes 0..255) with a
 float32 scale and a uint8 zero per (row, group) - uint4b8 and uint8b128 get their fixed 8 and 128 - four rows
-interleaved per 64 columns (see the C++ header): one contiguous stream per 64-row task, and each 64-column
-chunk of four rows loaded once for every token of a pass. One call per GEMM covers every (token, expert) pair
-of the layer: the rows are quantised once, then each (expert, 64-row block) is a task in one parallel region.
+interleaved per 64 columns (see the C++ header), in one buffer per projection aligned for huge pages: one
+contiguous stream per 64-row task, and each 64-column chunk of four rows loaded once for every token of a pass.
+One call per GEMM covers every (token, expert) pair of the layer: the rows are quantised once, then each (expert,
+64-row block) is a task in one parallel region.
 
 The library is built per instruction set the CPU has (``avx512vnni``, ``avx2``, as torch's cpuinfo probes say;
 the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is built),
@@ -113,7 +114,9 @@ class Dot8Proj:
     gs: int
 
     @staticmethod
-    def build(proj: ProjectionWeights, key: QuantKey) -> Dot8Proj:
+    def build(proj: ProjectionWeights, key: QuantKey, ops) -> Dot8Proj:
+        """The kernel's layout of ``proj``, its codes in the build's weight buffer (``ops.weight_buffer``: on
+        huge pages where the OS offers them, which the decode's once-per-step stream of the codes wants)."""
         bits = key.dtype.bits
         if key.dtype.is_float or bits not in (4, 8) or key.scale is None or key.scale2 is not None:
             raise ValueError(f"torch-cpu-dot8 runs 4- and 8-bit integer weights with one scale level, got {key}")
@@ -136,17 +139,18 @@ class Dot8Proj:
             zero = proj.zero.to(torch.uint8)
         else:
             zero = torch.full(scale.shape, key.dtype.bias, dtype=torch.uint8)
-        codes = []
+        cb = 32 if bits == 4 else CHUNK
+        codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
             u = unpack_int4(proj.weight[i].view(torch.uint8)) if bits == 4 else proj.weight[i].view(torch.uint8)
             u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
             if bits == 4:  # byte j of a row's 64-column chunk: column j low, column 32 + j high
                 u = u.view(np_ // ROWS, ROWS, kp // CHUNK, 2, 32).permute(0, 2, 1, 3, 4)
-                codes.append((u[..., 0, :] | (u[..., 1, :] << 4)).contiguous())
+                codes[i] = u[..., 0, :] | (u[..., 1, :] << 4)
             else:
-                codes.append(u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3).contiguous())
+                codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
-        return Dot8Proj(torch.stack(codes), torch.nn.functional.pad(scale, rows_pad).contiguous(),
+        return Dot8Proj(codes, torch.nn.functional.pad(scale, rows_pad).contiguous(),
                         torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs)
 
     def nbytes(self) -> int:
@@ -174,8 +178,8 @@ class Dot8Experts(Experts):
             raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
                              f"{weights.activation_key}")
         self._ops = dot8_ops()  # compile (or load) now: a build failure surfaces when the layer is built
-        self.w13 = Dot8Proj.build(weights.w13, weights.weight_key)
-        self.w2 = Dot8Proj.build(weights.w2, weights.weight_key)
+        self.w13 = Dot8Proj.build(weights.w13, weights.weight_key, self._ops)
+        self.w2 = Dot8Proj.build(weights.w2, weights.weight_key, self._ops)
         super().__init__(ExpertWeights(weights.w13.with_stand_ins(*PACKED_FIELDS),
                                        weights.w2.with_stand_ins(*PACKED_FIELDS), weights.weight_key,
                                        weights.activation_key, weights.layout), config)

@@ -115,14 +115,28 @@ def test_refusals_name_what_was_seen_and_wanted() -> None:
     bad = dataclasses.replace(weights.w13, scale=weights.w13.scale[:, :, :2])  # groups of 48 columns
     with pytest.raises(ValueError, match=r"uint4b8 scale:float16:group\(32\):static: 2 scale groups over K=96; "
                                          "torch-cpu-dot8 takes groups of 32 columns or a multiple of 64"):
-        cpu_dot8.Dot8Proj.build(bad, weights.weight_key)
+        cpu_dot8.Dot8Proj.build(bad, weights.weight_key, cpu_dot8.dot8_ops())
     with pytest.raises(ValueError, match="quantises 16- and 32-bit activations itself, got activation key int8"):
         cpu_dot8.Dot8Experts(dataclasses.replace(weights, activation_key=DECLARED), ExpertsConfig())
-    proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key)
+    proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key, cpu_dot8.dot8_ops())
     with pytest.raises(RuntimeError, match=r"experts\[0\] = 4 is outside \[0, 4\)"):
         proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 96), torch.tensor([4]))
     with pytest.raises(RuntimeError, match="a's K = 64 does not match the codes' padded K = 128"):
         proj.gemm(cpu_dot8.dot8_ops(), torch.zeros(1, 64), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_repacked_codes_sit_in_a_huge_page_aligned_buffer_of_their_own(isa: str) -> None:
+    """The codes start on a 2 MiB boundary (where madvise can give them huge pages), hold exactly their bytes and
+    outlive the call that made them."""
+    weights = _layer("uint4b8 scale:float16:group(128):static", 256, 128)
+    proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key, cpu_dot8.dot8_ops(isa))
+    assert proj.codes.data_ptr() % (1 << 21) == 0
+    assert proj.codes.nbytes == 4 * 256 * 256 // 2
+    unpacked = cpu_dot8.unpack_int4(weights.w13.weight[1].view(torch.uint8))  # expert 1, row 5, columns 0..31
+    assert torch.equal(proj.codes[1, 1, 0, 1] & 0xF, unpacked[5, :32])
+    with pytest.raises(RuntimeError, match="nbytes must be >= 0, got -1"):
+        cpu_dot8.dot8_ops(isa).weight_buffer(-1)
 
 
 def test_the_default_build_is_the_best_this_cpu_runs() -> None:

@@ -25,9 +25,14 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -51,10 +56,15 @@ constexpr int64_t RB = 4;          // interleaved rows
 #define DOT8_TASK_BYTES 65536
 #endif
 constexpr int64_t TASK_BYTES = DOT8_TASK_BYTES;  // weight bytes of one expert per task
-#ifndef DOT8_PREFETCH
-#define DOT8_PREFETCH 2048
+#ifndef DOT8_PREFETCH4
+#define DOT8_PREFETCH4 8192
 #endif
-constexpr int64_t PREFETCH = DOT8_PREFETCH;  // bytes of a row group's stream fetched ahead of its dots
+// Bytes of the weight stream fetched (into L2) ahead of the dots, per code width. The 4-bit loop spends more
+// instructions per byte (the unpack), so the hardware prefetchers fall behind it and a software prefetch far
+// ahead keeps it fed; the 8-bit loop runs at the stream's own pace, where software prefetches only compete with
+// the hardware ones (0: none).
+template <int BITS>
+constexpr int64_t prefetch_ahead() { return BITS == 4 ? DOT8_PREFETCH4 : 0; }
 
 #if defined(DOT8_VNNI)
 constexpr int64_t TMAX = 2;  // tokens per pass over a row group (accumulators: 2 x RB x TMAX of 32 registers)
@@ -152,8 +162,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       xd[t] = _mm512_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16);
     }
     const uint8_t* wc = wq + c * RB * cb;
-    for (int64_t l = 0; l < RB * cb; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + l), _MM_HINT_T0);
+    if (prefetch_ahead<BITS>() > 0)
+      for (int64_t l = 0; l < RB * cb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wc + prefetch_ahead<BITS>() + l), _MM_HINT_T1);
     for (int r = 0; r < RB; ++r) {
       __m512i w;
       if (BITS == 4) {
@@ -215,8 +226,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* wc = wq + c * RB * cb;
-    for (int64_t l = 0; l < RB * cb; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wc + PREFETCH + l), _MM_HINT_T0);
+    if (prefetch_ahead<BITS>() > 0)
+      for (int64_t l = 0; l < RB * cb; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(wc + prefetch_ahead<BITS>() + l), _MM_HINT_T1);
     for (int h = 0; h < 2; ++h) {  // the chunk's two 32-column blocks
       __m256i xv[T];
       __m256 xd[T];
@@ -476,6 +488,21 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   return y;
 }
 
+// An uninitialised uint8 buffer of nbytes for the repacked codes, aligned to 2 MiB and marked for transparent huge
+// pages where the kernel offers them (madvise mode): a decode step streams each expert's codes once, and on 4 KiB
+// pages every 4 KiB of that stream is a TLB miss the loads wait on.
+at::Tensor dot8_weight_buffer(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "nbytes must be >= 0, got ", nbytes);
+  constexpr size_t HUGE_PAGE = size_t{1} << 21;
+  const size_t size = std::max<size_t>(1, (static_cast<size_t>(nbytes) + HUGE_PAGE - 1) / HUGE_PAGE) * HUGE_PAGE;
+  void* p = std::aligned_alloc(HUGE_PAGE, size);
+  TORCH_CHECK(p != nullptr, "could not allocate ", size, " bytes for the repacked weights");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  madvise(p, size, MADV_HUGEPAGE);  // advice only: where it is refused the buffer stays on small pages
+#endif
+  return at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+}
+
 std::string dot8_isa() {
 #if defined(DOT8_VNNI)
   return "avx512vnni";
@@ -490,4 +517,5 @@ TORCH_LIBRARY(DOT8_NS, m) {
   m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
         "int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
   m.def("isa() -> str", &dot8_isa);
+  m.def("weight_buffer(int nbytes) -> Tensor", &dot8_weight_buffer);
 }
