@@ -360,7 +360,7 @@ def _expand_full(s: torch.Tensor, group: GroupShape, n: int, k: int) -> torch.Te
     return _expand_blocks(s, group, n, k)
 
 
-def _static_input_scale(key: QuantKey, amax: float) -> torch.Tensor | None:
+def static_input_scale(key: QuantKey, amax: float) -> torch.Tensor | None:
     if not key.quantized or key.scale.dynamic:
         return None
     return torch.tensor([amax / _qmax(key)], dtype=torch.float32)
@@ -381,8 +381,8 @@ def make_random_expert_weights(weight_key: QuantKey, activation_key: QuantKey, *
     w2 = torch.randn(e, h, i, generator=gen) / math.sqrt(i)
     p13 = quantize_weight_to_layout(w13, weight_key, act_order=act_order, generator=gen, dtype=dtype)
     p2 = quantize_weight_to_layout(w2, weight_key, act_order=act_order, generator=gen, dtype=dtype)
-    extra13: dict[str, torch.Tensor | None] = {"input_scale": _static_input_scale(activation_key, 6.0)}
-    extra2: dict[str, torch.Tensor | None] = {"input_scale": _static_input_scale(activation_key, 6.0)}
+    extra13: dict[str, torch.Tensor | None] = {"input_scale": static_input_scale(activation_key, 6.0)}
+    extra2: dict[str, torch.Tensor | None] = {"input_scale": static_input_scale(activation_key, 6.0)}
     if bias:
         extra13["bias"] = 0.1 * torch.randn(e, 2 * i, generator=gen)
         extra2["bias"] = 0.1 * torch.randn(e, h, generator=gen)

@@ -286,7 +286,7 @@ def expected_experts_hit(m: int, top_k: int, experts: int) -> float:
 def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtype, device: torch.device,
                  seed: int) -> ExpertWeights:
     """Random experts quantized on the device (real codes and scales, never zeros)."""
-    from moe_registry_kernels.quant_ref import _static_input_scale, quantize_weight_to_layout
+    from moe_registry_kernels.quant_ref import quantize_weight_to_layout, static_input_scale
 
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = shape.experts, shape.hidden, shape.intermediate
@@ -296,7 +296,7 @@ def make_weights(shape: Shape, wkey: QuantKey, akey: QuantKey, dtype: torch.dtyp
     w2 = torch.randn(e, h, i, generator=gen, device=device) / math.sqrt(i)
     p2 = quantize_weight_to_layout(w2, wkey, dtype=dtype)
     del w2
-    s = _static_input_scale(akey, 6.0)
+    s = static_input_scale(akey, 6.0)
     if s is not None:
         from dataclasses import replace
 

@@ -145,7 +145,7 @@ def _old_class(name: str):
 
 
 def _model_weights(shape: str, scheme: str, seed: int = 0):
-    from moe_registry_kernels.quant_ref import _static_input_scale, quantize_weight_to_layout
+    from moe_registry_kernels.quant_ref import quantize_weight_to_layout, static_input_scale
 
     from moe_registry.core.keys import parse_quant_key
     from moe_registry.formats.weights import ExpertWeights
@@ -157,7 +157,7 @@ def _model_weights(shape: str, scheme: str, seed: int = 0):
                                     dtype=torch.bfloat16)
     p2 = quantize_weight_to_layout(torch.randn(e, h, i, generator=gen, device=DEVICE) / math.sqrt(i), wkey,
                                    dtype=torch.bfloat16)
-    s = _static_input_scale(akey, 6.0)
+    s = static_input_scale(akey, 6.0)
     if s is not None:
         p13, p2 = replace(p13, input_scale=s.to(DEVICE)), replace(p2, input_scale=s.to(DEVICE))
     return ExpertWeights(p13, p2, wkey, akey)
