@@ -1,6 +1,8 @@
 """CPU experts on 8-bit activation codes and integer dot products (``csrc/cpu_dot8.cpp``), for 4- and 8-bit
 integer weights with group or channel scales, symmetric or with zero points (GPTQ, AWQ, compressed-tensors
-W4A16 / W8A16): llama.cpp's way of running a MoE layer on a CPU, on the checkpoints' own codes.
+W4A16 / W8A16) and for FP4 weights (MXFP4, NVFP4: an e2m1 code is twice its value an integer, -12..12, so it
+takes the same dots exactly, as ggml's MXFP4 does): llama.cpp's way of running a MoE layer on a CPU, on the
+checkpoints' own codes.
 
 Why: torch-cpu-native sums ``code x x`` in float32, exact but bound by float FMAs at decode (one
 token: each weight meets one activation); dotting int8 activation codes with the weight codes does 32-64
@@ -33,7 +35,7 @@ from moe_registry_kernels.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, a
 from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, load_extension
 from moe_registry_kernels.cpu_native import cache_root
 from moe_registry_kernels.cpu_packed import FOREIGN_EXPERT, PACKED_FIELDS
-from moe_registry_kernels.dequant import unpack_int4
+from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
 
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import QuantKey
@@ -46,6 +48,7 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_dot8.cpp"
 CHUNK = 64  # columns per weight chunk (K is padded to it); scale groups are multiples of it, or one block
 BLOCK = 32  # activation block (columns per activation scale)
 ROWS = 4  # interleaved rows
+E2M1_ZERO = 12  # the kernel reads an e2m1 code as 12 + twice its value (0..24): unsigned, integer, zero at 12
 # the builds, best first: (name, the torch.cpu probes that must all say yes, compiler flags)
 ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("avx512vnni", ("_is_avx512_supported", "_is_vnni_supported"),
@@ -100,10 +103,22 @@ def dot8_ops(isa: str | None = None):
         return _OPS[name]
 
 
+def e2m1_scale(proj: ProjectionWeights, key: QuantKey) -> torch.Tensor:
+    """An e2m1 projection's scales as the kernel takes them, float32 [E, N, G]: e8m0 read as 2^(e-127), or e4m3
+    times the per-tensor scale2 (their product first, as the reference), halved for the codes' doubling."""
+    scale = e8m0_to_float(proj.scale) if key.scale.dtype.name == "e8m0" else proj.scale.float()
+    if key.scale2 is not None:
+        if proj.scale2 is None:
+            raise ValueError(f"weight key {key} has a second-level scale but the projection has no scale2")
+        scale = scale * proj.scale2.float().reshape(scale.shape[0], scale.shape[1], 1)
+    return scale * 0.5
+
+
 @dataclass(frozen=True)
 class Dot8Proj:
     """One projection of every expert in the kernel's layout: codes [E, Np/4, Kp/64, 4, 32 or 64] uint8,
-    scale [E, Np, G] float32, zero [E, Np, G] uint8; n real rows, k real columns, gs columns per group."""
+    scale [E, Np, G] float32, zero [E, Np, G] uint8; n real rows, k real columns, gs columns per group; e2m1:
+    the 4-bit codes are FP4."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -112,25 +127,28 @@ class Dot8Proj:
     k: int
     bits: int
     gs: int
+    e2m1: bool = False
 
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey, ops) -> Dot8Proj:
         """The kernel's layout of ``proj``, its codes in the build's weight buffer (``ops.weight_buffer``: on
         huge pages where the OS offers them, which the decode's once-per-step stream of the codes wants)."""
-        bits = key.dtype.bits
-        if key.dtype.is_float or bits not in (4, 8) or key.scale is None or key.scale2 is not None:
-            raise ValueError(f"torch-cpu-dot8 runs 4- and 8-bit integer weights with one scale level, got {key}")
+        bits, e2m1 = key.dtype.bits, key.dtype.name == "e2m1"
+        integer = not key.dtype.is_float and bits in (4, 8) and key.scale2 is None
+        if not (integer or e2m1) or key.scale is None:
+            raise ValueError(f"torch-cpu-dot8 runs 4- and 8-bit integer weights with one scale level and e2m1 "
+                             f"weights, got {key}")
         e, n, kw = (int(d) for d in proj.weight.shape)
         k = kw * 2 if bits == 4 else kw
         kp, np_ = -(-k // CHUNK) * CHUNK, -(-n // ROWS) * ROWS
-        scale = proj.scale.float()
+        scale = e2m1_scale(proj, key) if e2m1 else proj.scale.float()
         if scale.dim() != 3 or scale.shape[:2] != (e, n):
             raise ValueError(f"weight key {key}: wanted scales [E={e}, N={n}, groups], got {tuple(scale.shape)}")
         groups = int(scale.shape[2])
         gs = kp if groups == 1 else k // groups
-        if groups > 1 and (gs * groups != k or (gs != BLOCK and gs % CHUNK)):
+        if groups > 1 and (gs * groups != k or (gs not in (BLOCK // 2, BLOCK) and gs % CHUNK)):
             raise ValueError(f"weight key {key}: {groups} scale groups over K={k}; torch-cpu-dot8 takes groups of "
-                             f"{BLOCK} columns or a multiple of {CHUNK}")
+                             f"{BLOCK // 2} or {BLOCK} columns or a multiple of {CHUNK}")
         if key.zero_point == "group":
             if proj.zero is None or tuple(proj.zero.shape) != tuple(scale.shape):
                 got = None if proj.zero is None else tuple(proj.zero.shape)
@@ -138,7 +156,7 @@ class Dot8Proj:
                                  f"got {got}")
             zero = proj.zero.to(torch.uint8)
         else:
-            zero = torch.full(scale.shape, key.dtype.bias, dtype=torch.uint8)
+            zero = torch.full(scale.shape, E2M1_ZERO if e2m1 else key.dtype.bias, dtype=torch.uint8)
         cb = 32 if bits == 4 else CHUNK
         codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
@@ -151,7 +169,7 @@ class Dot8Proj:
                 codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
         return Dot8Proj(codes, torch.nn.functional.pad(scale, rows_pad).contiguous(),
-                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs)
+                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs, e2m1)
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
@@ -161,7 +179,7 @@ class Dot8Proj:
         """Pair i's activation row a[i // row_div] (``act``: act(gate) * up of that [gate | up] row) times expert
         experts[i] (< 0: nothing): [P, N], or with router weights ``combine`` [P] the weighted sum over each
         run of ``per`` pairs, [P / per, N]."""
-        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.gs,
+        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.e2m1, self.gs,
                         ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
 
 

@@ -55,6 +55,8 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     ("uint4 scale:float16:group(64):static zp:group", 128, 192),
     ("uint8b128 scale:float16:group(128):static", 256, 128),
     ("uint8 scale:float16:channel:static zp:group", 96, 112),
+    ("e2m1 scale:e8m0:block(1x32):static", 256, 96),  # MXFP4
+    ("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", 128, 160),  # NVFP4: groups of 16
 ])
 def test_each_build_computes_the_declared_int8_activation_math(isa: str, weight: str, hidden: int,
                                                                inter: int) -> None:
@@ -114,7 +116,7 @@ def test_refusals_name_what_was_seen_and_wanted() -> None:
     weights = _layer("uint4b8 scale:float16:group(32):static", 96, 96)
     bad = dataclasses.replace(weights.w13, scale=weights.w13.scale[:, :, :2])  # groups of 48 columns
     with pytest.raises(ValueError, match=r"uint4b8 scale:float16:group\(32\):static: 2 scale groups over K=96; "
-                                         "torch-cpu-dot8 takes groups of 32 columns or a multiple of 64"):
+                                         "torch-cpu-dot8 takes groups of 16 or 32 columns or a multiple of 64"):
         cpu_dot8.Dot8Proj.build(bad, weights.weight_key, cpu_dot8.dot8_ops())
     with pytest.raises(ValueError, match="quantises 16- and 32-bit activations itself, got activation key int8"):
         cpu_dot8.Dot8Experts(dataclasses.replace(weights, activation_key=DECLARED), ExpertsConfig())

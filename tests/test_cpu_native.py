@@ -301,10 +301,10 @@ def test_explain_cpu_chooses_native_ahead_of_packed_and_reference(tmp_path, caps
 @pytest.mark.parametrize("config,chosen", [
     ("{quant_method: fp8, activation_scheme: dynamic}", "torch-cpu-native"),
     ("{quant_method: gptq, bits: 8, group_size: 128, sym: false, desc_act: false}", "torch-cpu-dot8"),
-    ("{quant_method: mxfp4}", "torch-cpu-native")], ids=["fp8-dynamic", "gptq-w8-asym", "mxfp4"])
+    ("{quant_method: mxfp4}", "torch-cpu-dot8")], ids=["fp8-dynamic", "gptq-w8-asym", "mxfp4"])
 def test_explain_cpu_chooses_native_with_the_reference_behind_it(tmp_path, capsys, config: str, chosen: str) -> None:
     """Schemes only the reference ran on a CPU before (per-tensor dynamic fp8, uint8 zero points, FP4); in
-    bfloat16, uint8 zero points go to torch-cpu-dot8 first, this kernel next."""
+    bfloat16, uint8 zero points and FP4 go to torch-cpu-dot8 first, this kernel next."""
     out = _explain(tmp_path, capsys, config)
     assert f"kernel      {chosen}" in out
     native, ref = (_line(out, k) for k in ("torch-cpu-native", "torch-reference"))

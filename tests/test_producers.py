@@ -88,7 +88,7 @@ GPTQ4 = "uint4b8 scale:float16:group(32):static"
 ZP4 = "uint4 scale:float16:group(32):static zp:group"
 ZP8 = "uint8 scale:float16:group(32):static zp:group"
 TRITON = "triton-fused-moe"
-DOT8 = "torch-cpu-dot8"  # integer weight-only layers at explain's default dtype (bfloat16) on a CPU
+DOT8 = "torch-cpu-dot8"  # integer and FP4 weight-only layers at explain's default dtype (bfloat16) on a CPU
 
 
 def _gptq(fixture: str, scheme: str, key: str, producer: str = "gptqmodel") -> Explained:
@@ -124,7 +124,7 @@ EXPLAINED = [
               "uint4 scale:float16:group(64):static zp:group", DOT8),
     *_presets("w8a16-asym-g32", "compressed-tensors-w8a16-asym", ZP8, DOT8),
     *[Explained("fp4/gpt-oss-mxfp4", platform, "mxfp4", kernel, "e2m1 scale:e8m0:group(32):static", "unquantized",
-                dtype="bfloat16") for platform, kernel in (("cuda:9.0", TRITON), ("cpu", "torch-cpu-native"))],
+                dtype="bfloat16") for platform, kernel in (("cuda:9.0", TRITON), ("cpu", DOT8))],
 ]
 
 

@@ -227,7 +227,7 @@ def _nvfp4_dirs(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("form", [*QWEN_FP4, "modelopt-config-json-only", "modelopt-hf-quant-config-only"])
-@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-cpu-native")])
+@pytest.mark.parametrize(("platform", "kernel"), [("cuda:9.0", "triton-fused-moe"), ("cpu", "torch-cpu-dot8")])
 def test_fp4_explain_reports_exact_keys_and_emulation(form: str, platform: str, kernel: str, tmp_path: Path,
                                                       capsys) -> None:
     """The checkpoint's keys are reported exactly; W4A4 checkpoints run weight-only, and explain says so
@@ -242,8 +242,12 @@ def test_fp4_explain_reports_exact_keys_and_emulation(form: str, platform: str, 
     assert report["chosen_kernel"] == kernel
     assert main(["explain", str(model), "--platform", platform]) == 0
     text = capsys.readouterr().out
-    if checkpoint_act is None:
-        assert scheme["emulation"] is None and "emulation" not in text
+    if checkpoint_act is None:  # a W4A16 checkpoint: only a kernel that quantises the activations itself says so
+        assert scheme["emulation"] is None
+        if kernel == "torch-cpu-dot8":
+            assert "torch-cpu-dot8 runs them as int8\n" in text
+        else:
+            assert "emulation" not in text
         return
     assert "16-bit activation dtype (weight-only emulation)" in scheme["emulation"]
     assert "tensor-core dot before Blackwell" in scheme["emulation"]

@@ -6,9 +6,11 @@
 // d = amax / 127, q = round(x / d) in [-127, 127]; the block's d, and d * sum(q) for the zero-point term.
 // Weights: unsigned codes u (int4: the nibble, 0..15; int8: the byte, 0..255) with a float32 scale s and an
 // integer zero z per (row, group); value = (u - z) * s. uint4b8 is z = 8, uint8b128 z = 128, AWQ / GPTQ-asym
-// the checkpoint's zero. Then
+// the checkpoint's zero. e2m1 (MXFP4, NVFP4) nibbles become u = 12 + 2 * value (0..24, a 16-byte table in one
+// shuffle), z = 12, the scale (e8m0, or e4m3 times the tensor scale) halved. Then
 //   y = sum_g s_g * sum_{b in g} d_b * dot(u, q)_b  -  sum_g s_g * z_g * sum_{b in g} d_b * sum(q)_b,
-// the first an exact int32 dot per 32-column block, the second once per row from per-token sums.
+// the first an exact int32 dot per 32-column block, the second once per row from per-token sums. Groups of 16
+// (NVFP4) split a block: their scales multiply the dot's int32 lanes (4 columns each) before the block's sum.
 // Layout (repacked at load, cpu_dot8.py): rows in groups of RB = 4 interleaved per 64 columns,
 // [N / 4][K / 64][4][CB] bytes, CB = 32 (int4: byte j holds column j in its low nibble and column 32 + j in
 // its high one) or 64 (int8): one pass over the weights reads one contiguous stream, and a loaded 64-column
@@ -52,6 +54,12 @@ namespace {
 constexpr int64_t QB = 32;         // activation block (columns)
 constexpr int64_t CH = 64;         // columns per weight chunk; K is padded to it
 constexpr int64_t RB = 4;          // interleaved rows
+// e2m1 codes (sign bit 3; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) as 12 + twice their value, 0..24: unsigned for
+// the u8 x s8 dots, integers for exact sums; the weight's zero is 12 and the scale carries the 1/2
+constexpr int8_t E2M1_BIASED_TABLE[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+#if defined(__AVX2__)
+#define E2M1_BIASED _mm_loadu_si128(reinterpret_cast<const __m128i*>(E2M1_BIASED_TABLE))
+#endif
 #ifndef DOT8_TASK_BYTES
 #define DOT8_TASK_BYTES 65536
 #endif
@@ -137,17 +145,22 @@ inline void store_quad(__m256 h, int64_t rows, float* y, float w, bool add) {
 #endif
 
 // y[t][r] for the RB rows of row group `quad` and T tokens (T <= TMAX).
-template <int T, int BITS>
+template <int T, int BITS, bool FP4>
 void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, float* const* y, const float* wt) {
+  static_assert(BITS == 4 || !FP4, "e2m1 codes are 4-bit");
   const int64_t cb = BITS == 4 ? 32 : 64;
   const int64_t chunks = p.kp / CH;
-  [[maybe_unused]] const int64_t per_group = p.gs / CH;  // 0: groups of 32
+  [[maybe_unused]] const int64_t per_group = p.gs / CH;  // 0: groups of 32 or 16
+  [[maybe_unused]] const bool lanes = p.gs < QB;  // groups of 16: a scale per 4 int32 lanes, applied per chunk
   const uint8_t* wq = p.w + quad * chunks * RB * cb;
   const int64_t n0 = quad * RB;
   [[maybe_unused]] int zbias = 0;  // the integer the dot already took as the codes' zero
 #if defined(DOT8_VNNI)
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  [[maybe_unused]] const __m512i lut = _mm512_broadcast_i32x4(E2M1_BIASED);
+  // lane l of a chunk's dot covers columns 4l .. 4l + 3: groups of 16 are lanes 4g .. 4g + 3
+  [[maybe_unused]] const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   __m512 f[RB][T];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
@@ -170,8 +183,18 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       if (BITS == 4) {
         const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 32)));
         w = _mm512_and_si512(_mm512_srlv_epi16(b, shifts), low);
+        if (FP4) w = _mm512_shuffle_epi8(lut, w);
       } else {
         w = _mm512_loadu_si512(wc + r * 64);
+      }
+      if (lanes) {  // the four group scales of this chunk, spread over their lanes, join the activation scale
+        const __m512 sv = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_loadu_ps(p.s + (n0 + r) * p.groups + 4 * c)));
+        for (int t = 0; t < T; ++t) {
+          const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[t]);
+          f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xd[t], sv), f[r][t]);
+        }
+        continue;
       }
       for (int t = 0; t < T; ++t) {
         const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[t]);
@@ -179,7 +202,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       }
     }
     // a group ends: its sums times the row's scale (groups of 32: two per chunk, one scale per 8 lanes)
-    if (per_group == 0 || (c + 1) % per_group == 0) {
+    if (!lanes && (per_group == 0 || (c + 1) % per_group == 0)) {
       for (int r = 0; r < RB; ++r) {
         const float* sr = p.s + (n0 + r) * p.groups;
         const __m512 s = per_group == 0
@@ -217,6 +240,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  [[maybe_unused]] const __m256i lut = _mm256_broadcastsi128_si256(E2M1_BIASED);
   if (BITS == 8) zbias = 128;
   __m256 f[RB][T];
   for (int r = 0; r < RB; ++r)
@@ -239,7 +263,17 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       for (int r = 0; r < RB; ++r) {
         if (BITS == 4) {
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 32));
-          const __m256i w = h == 0 ? _mm256_and_si256(b, low) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          __m256i w = h == 0 ? _mm256_and_si256(b, low) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+          if (FP4) w = _mm256_shuffle_epi8(lut, w);  // codes <= 24: the int16 pair sums stay far from saturating
+          if (lanes) {  // lanes 0-3 are the block's first 16 columns, 4-7 its second
+            const float* sg = p.s + (n0 + r) * p.groups + 4 * c + 2 * h;
+            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sg[0])), _mm_set1_ps(sg[1]), 1);
+            for (int t = 0; t < T; ++t) {
+              const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones);
+              f[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(xd[t], sv), f[r][t]);
+            }
+            continue;
+          }
           for (int t = 0; t < T; ++t) {
             const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones);
             acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xd[t], acc[r][t]);
@@ -255,7 +289,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
         }
       }
       // a group ends: after each block for groups of 32, else after its last chunk
-      if (per_group == 0 || (h == 1 && (c + 1) % per_group == 0)) {
+      if (!lanes && (per_group == 0 || (h == 1 && (c + 1) % per_group == 0))) {
         const int64_t g = per_group == 0 ? 2 * c + h : c / per_group;
         for (int r = 0; r < RB; ++r) {
           const __m256 s = _mm256_set1_ps(p.s[(n0 + r) * p.groups + g]);
@@ -297,13 +331,18 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       for (int64_t c = 0; c < chunks; ++c) {
         const uint8_t* wc = wq + (c * RB + r) * cb;
         for (int64_t b = 0; b < 2; ++b) {
-          int32_t dot = 0;
-          for (int64_t j = 0; j < 32; ++j) {
-            const int32_t u = BITS == 4 ? (b == 0 ? wc[j] & 0xF : wc[j] >> 4) : wc[b * 32 + j];
-            dot += u * a.q[tok[t] * a.kp + c * CH + b * 32 + j];
+          const int64_t part = std::min<int64_t>(p.gs, QB);  // columns under one weight scale
+          for (int64_t j0 = 0; j0 < QB; j0 += part) {
+            int32_t dot = 0;
+            for (int64_t j = j0; j < j0 + part; ++j) {
+              int32_t u = BITS == 4 ? (b == 0 ? wc[j] & 0xF : wc[j] >> 4) : wc[b * 32 + j];
+              if (FP4) u = E2M1_BIASED_TABLE[u];
+              dot += u * a.q[tok[t] * a.kp + c * CH + b * 32 + j];
+            }
+            const int64_t g = (c * CH + b * 32 + j0) / p.gs;
+            fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] *
+                  p.s[(n0 + r) * p.groups + g];
           }
-          const int64_t g = (c * CH + b * 32) / p.gs;
-          fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] * p.s[(n0 + r) * p.groups + g];
         }
       }
       res[r][t] = fr;
@@ -321,15 +360,15 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
 
 // The RB-row groups [q0, q1) for ntok pairs (activation rows tok, outputs y; wt: router weights to add the
 // outputs with, null: store them).
-template <int BITS>
+template <int BITS, bool FP4>
 void rows_dot(const Proj& p, int64_t q0, int64_t q1, const Acts& a, const int64_t* tok, int64_t ntok,
               float* const* y, const float* wt) {
   for (int64_t quad = q0; quad < q1; ++quad) {
     int64_t t = 0;
 #if defined(DOT8_VNNI)
-    for (; t + 2 <= ntok; t += 2) quad_dot<2, BITS>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
+    for (; t + 2 <= ntok; t += 2) quad_dot<2, BITS, FP4>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
 #endif
-    for (; t < ntok; ++t) quad_dot<1, BITS>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
+    for (; t < ntok; ++t) quad_dot<1, BITS, FP4>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
   }
 }
 
@@ -363,9 +402,11 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 // expert, so no two threads add into one output - is a task of one parallel region, handed to whichever
 // thread is free.
 at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
-                     at::Tensor zero, int64_t n, int64_t bits, int64_t gs, int64_t act, double alpha, double limit,
-                     c10::optional<at::Tensor> combine, int64_t per) {
+                     at::Tensor zero, int64_t n, int64_t bits, bool e2m1, int64_t gs, int64_t act, double alpha,
+                     double limit, c10::optional<at::Tensor> combine, int64_t per) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
+  const bool fp4 = e2m1;
   TORCH_CHECK(act >= ACT_NONE && act <= ACT_SWIGLUOAI, "act: 0 (none), 1 (silu), 2 (gelu) or 3 (swigluoai)");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
   TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(), "experts: int64 [P]");
@@ -377,8 +418,8 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   const int64_t k = act == ACT_NONE ? a.size(1) : a.size(1) / 2;
   TORCH_CHECK(k <= kp && kp - k < CH, "a's K = ", k, " does not match the codes' padded K = ", kp);
   TORCH_CHECK(n > np - RB && n <= np, "n = ", n, " does not match the codes' ", np, " rows");
-  TORCH_CHECK((gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
-              " must be 32 or a multiple of 64 dividing ", kp);
+  TORCH_CHECK((gs == QB / 2 || gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
+              " must be 16, 32 or a multiple of 64 dividing ", kp);
   const int64_t groups = kp / gs;
   TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
                   scale.size(0) == e && scale.size(1) == np && scale.size(2) == groups,
@@ -422,6 +463,11 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
         quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
         for (int64_t g = 0; g < groups; ++g) {
           float s = 0.0f;
+          if (gs < QB) {  // half a block: its d times the half's codes
+            int32_t sum = 0;
+            for (int64_t c = g * gs; c < (g + 1) * gs; ++c) sum += qp[i * kp + c];
+            s = dp[i * (kp / 4) + g * gs / QB * 8] * static_cast<float>(sum);
+          }
           for (int64_t b = g * (gs / QB); b < (g + 1) * (gs / QB); ++b) s += bp[i * (kp / QB) + b];
           gp[i * groups + g] = s;
         }
@@ -465,8 +511,9 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
     const int64_t q0 = blk * block / RB, q1 = std::min(np, (blk + 1) * block) / RB;
     const int64_t first = start[x], count = start[x + 1] - start[x];
     const float* w = combined ? wt.data() + first : nullptr;
-    if (bits == 4) rows_dot<4>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
-    else rows_dot<8>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
+    if (fp4) rows_dot<4, true>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
+    else if (bits == 4) rows_dot<4, false>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
+    else rows_dot<8, false>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
   };
   auto run = [&](int64_t t) {
     if (combined) {
@@ -515,7 +562,7 @@ std::string dot8_isa() {
 
 TORCH_LIBRARY(DOT8_NS, m) {
   m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
-        "int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
+        "bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
   m.def("isa() -> str", &dot8_isa);
   m.def("weight_buffer(int nbytes) -> Tensor", &dot8_weight_buffer);
 }
