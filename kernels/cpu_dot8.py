@@ -128,6 +128,7 @@ class Dot8Proj:
     bits: int
     gs: int
     e2m1: bool = False
+    zero_const: int = -1  # the one zero of every code (no zero points), or -1: zero holds them
 
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey, ops) -> Dot8Proj:
@@ -154,9 +155,10 @@ class Dot8Proj:
                 got = None if proj.zero is None else tuple(proj.zero.shape)
                 raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
                                  f"got {got}")
-            zero = proj.zero.to(torch.uint8)
+            zero, zero_const = proj.zero.to(torch.uint8), -1
         else:
-            zero = torch.full(scale.shape, E2M1_ZERO if e2m1 else key.dtype.bias, dtype=torch.uint8)
+            zero_const = E2M1_ZERO if e2m1 else key.dtype.bias
+            zero = torch.full(scale.shape, zero_const, dtype=torch.uint8)
         cb = 32 if bits == 4 else CHUNK
         codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
@@ -169,7 +171,8 @@ class Dot8Proj:
                 codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
         return Dot8Proj(codes, torch.nn.functional.pad(scale, rows_pad).contiguous(),
-                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs, e2m1)
+                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs, e2m1,
+                        zero_const)
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
@@ -179,8 +182,8 @@ class Dot8Proj:
         """Pair i's activation row a[i // row_div] (``act``: act(gate) * up of that [gate | up] row) times expert
         experts[i] (< 0: nothing): [P, N], or with router weights ``combine`` [P] the weighted sum over each
         run of ``per`` pairs, [P / per, N]."""
-        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.n, self.bits, self.e2m1, self.gs,
-                        ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
+        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.zero_const, self.n, self.bits,
+                        self.e2m1, self.gs, ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
 
 
 class Dot8Experts(Experts):

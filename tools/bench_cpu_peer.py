@@ -4,16 +4,19 @@ Qwen3-30B-A3B layer's shapes (128 experts, top-8, hidden 2048, intermediate 768)
 ggml, per thread count, per round) so both meet the same load, with the load average read before each figure.
 
 Pairs by bits per weight: int4 group-128 symmetric (GPTQ) against Q4_0, int4 with zero points (AWQ) against Q4_K,
-int8 group-128 against Q8_0; ggml's weights in its repacked CPU layout where it has one (what llama.cpp's loader
-does), ours as our converter repacks them. One layer = ggml's gate/up op twice plus its down op; ours is the whole
-layer (both GEMMs, the activation, the weighted sum). Each cell keeps the best of the rounds on each side.
+int8 group-128 against Q8_0, MXFP4 against ggml's MXFP4, NVFP4 (which ggml lacks) against Q4_0; ggml's weights in
+its repacked CPU layout where it has one (what llama.cpp's loader does), ours as our converter repacks them. One
+layer = ggml's gate/up op twice plus its down op; ours is the whole layer (both GEMMs, the activation, the weighted
+sum). Each cell keeps the best of the rounds on each side. ggml times each op on its own, so at M = 1 one op's
+experts (13 MiB at 8 bits) stay in an L3 of 32 MiB between its runs, where our layer's call (both GEMMs, 37 MiB at 8
+bits) streams from memory: the streaming table is where both meet the memory's floor.
 
 Also the streaming case: M = 1 with each call routed to 8 experts the previous calls did not touch (all 128 in
 turn: far more than the L3 holds), so every call reads its weights from memory, beside the floor that this
 machine's memory bandwidth (a float32 sum over 1 GiB, same threads) puts under it.
 
     python tools/bench_cpu_peer.py PEER [--threads 1,2] [--tokens 1,16] [--rounds 3] [--kernel torch-cpu-dot8]
-                                        [--out docs/bench/cpu-peer.json]
+                                        [--pairs int8,MXFP4] [--out docs/bench/cpu-peer.json]
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ PAIRS = (  # (label, our weight key, ggml type)
     ("int4 g128 sym", "uint4b8 scale:float16:group(128):static", "q4_0"),
     ("int4 g128 + zero points", "uint4 scale:float16:group(128):static zp:group", "q4_K"),
     ("int8 g128", "uint8b128 scale:float16:group(128):static", "q8_0"),
+    ("MXFP4", "e2m1 scale:e8m0:block(1x32):static", "mxfp4"),
+    # ggml has no NVFP4 type: Q4_0 is the nearest by bytes per weight (0.5625 against NVFP4's 0.5625)
+    ("NVFP4", "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", "q4_0"),
 )
 REPACKED = ("q4_0", "q4_K")  # ggml types timed in its CPU_REPACK layout; Q8_0 in its plain one (its repacked
 # setup in the benchmark crashes on AVX-512 machines)
@@ -95,7 +101,7 @@ def peer_layers(peer: Path, threads: int, types: list[str]) -> dict[tuple[str, i
     types, one for the others."""
     out = {}
     for repack in (True, False):
-        chosen = [t for t in types if (t in REPACKED) == repack]
+        chosen = sorted({t for t in types if (t in REPACKED) == repack})
         if chosen:
             out.update(_peer_run(peer, threads, chosen, repack))
     return out
@@ -150,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="our calls per cell and round (median)")
     ap.add_argument("--kernel", default="torch-cpu-dot8")
     ap.add_argument("--distinct", type=int, default=16, help="distinct random experts, copied up to 128")
+    ap.add_argument("--pairs", help="comma-separated starts of the pair labels to run (default: all): "
+                    + ", ".join(label for label, _, _ in PAIRS))
     ap.add_argument("--out", type=Path, help="write the record (JSON) here")
     args = ap.parse_args(argv)
+    pairs = chosen_pairs(args.pairs)
     threads = [int(t) for t in args.threads.split(",")]
     tokens = [int(m) for m in args.tokens.split(",")]
     registry = load_registry()
@@ -162,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                   softmax_topk(torch.randn(m, EXPERTS, generator=gen), TOP_K, True)) for m in tokens}
     unquantized = parse_quant_key("unquantized")
     layers = {}
-    for label, key, _ in PAIRS:
+    for label, key, _ in pairs:
         weights = random_weights(parse_quant_key(key), unquantized, EXPERTS, args.distinct, HIDDEN, INTER,
                                  torch.bfloat16)
         layers[label] = cls(weights, config)
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             torch.set_num_threads(t)
             ours = {}
-            for label, _, _ in PAIRS:
+            for label, _, _ in pairs:
                 for m in tokens:
                     hidden, routing = inputs[m]
                     load = load1()
@@ -183,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                                       args.repeats)
                     ours[(label, m)] = (ms, load)
             load = load1()
-            peer = peer_layers(args.peer, t, [p for _, _, p in PAIRS])
-            for label, _, ptype in PAIRS:
+            peer = peer_layers(args.peer, t, [p for _, _, p in pairs])
+            for label, _, ptype in pairs:
                 for m in tokens:
                     ms, oload = ours[(label, m)]
                     cell = Cell(r, t, m, label, args.kernel, ms, oload, ptype, peer.get((ptype, m), float("nan")), load)
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         torch.set_num_threads(t)
         bw = bandwidth_gbs(t)
-        for label, _, _ in PAIRS:
+        for label, _, _ in pairs:
             layer = layers[label]
             hidden = inputs[tokens[0]][0][:1]
             weights = torch.full((1, TOP_K), 1.0 / TOP_K)
@@ -224,6 +233,18 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text + "\n")
     print(markdown(doc))
     return 0
+
+
+def chosen_pairs(spec: str | None) -> tuple[tuple[str, str, str], ...]:
+    """The pairs whose labels start with one of the comma-separated ``spec`` words (all for None)."""
+    if spec is None:
+        return PAIRS
+    words = [w.strip() for w in spec.split(",") if w.strip()]
+    unknown = [w for w in words if not any(label.startswith(w) for label, _, _ in PAIRS)]
+    if unknown or not words:
+        raise PeerError(f"--pairs {spec!r}: no pair label starts with {', '.join(unknown) or 'nothing'}; labels: "
+                        + ", ".join(label for label, _, _ in PAIRS))
+    return tuple(p for p in PAIRS if any(p[0].startswith(w) for w in words))
 
 
 def best_cells(doc: dict) -> list[dict]:

@@ -107,6 +107,7 @@ struct Proj {
   const float* s;
   const uint8_t* z;
   int64_t n, np, kp, groups, gs, bits;
+  int64_t zc;  // every zero equals zc (no zero points: the type's own), or -1: the zeros in z
   int64_t cb() const { return bits == 4 ? 32 : 64; }
 };
 
@@ -155,12 +156,16 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
   const uint8_t* wq = p.w + quad * chunks * RB * cb;
   const int64_t n0 = quad * RB;
   [[maybe_unused]] int zbias = 0;  // the integer the dot already took as the codes' zero
+  // one zero for the whole projection: the dot starts from -zc * sum(q) over each lane's columns (once per chunk
+  // and token, for all four rows), so it sums (u - zc) * q exactly and no zero term is left for the end
+  [[maybe_unused]] const bool zfold = p.zc >= 0;
 #if defined(DOT8_VNNI)
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   [[maybe_unused]] const __m512i lut = _mm512_broadcast_i32x4(E2M1_BIASED);
   // lane l of a chunk's dot covers columns 4l .. 4l + 3: groups of 16 are lanes 4g .. 4g + 3
   [[maybe_unused]] const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i zcv = _mm512_set1_epi8(static_cast<char>(zfold ? p.zc : 0));
   __m512 f[RB][T];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < T; ++t) f[r][t] = _mm512_setzero_ps();
@@ -174,6 +179,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       xv[t] = _mm512_loadu_si512(a.q + tok[t] * a.kp + c * CH);
       xd[t] = _mm512_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16);
     }
+    __m512i zq[T];
+    for (int t = 0; t < T; ++t)
+      zq[t] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), zcv, xv[t]));
     const uint8_t* wc = wq + c * RB * cb;
     if (prefetch_ahead<BITS>() > 0)
       for (int64_t l = 0; l < RB * cb; l += 64)
@@ -191,13 +199,13 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
         const __m512 sv = _mm512_permutexvar_ps(
             spread, _mm512_castps128_ps512(_mm_loadu_ps(p.s + (n0 + r) * p.groups + 4 * c)));
         for (int t = 0; t < T; ++t) {
-          const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[t]);
+          const __m512i d = _mm512_dpbusd_epi32(zq[t], w, xv[t]);
           f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xd[t], sv), f[r][t]);
         }
         continue;
       }
       for (int t = 0; t < T; ++t) {
-        const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[t]);
+        const __m512i d = _mm512_dpbusd_epi32(zq[t], w, xv[t]);
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), xd[t], acc[r][t]);
       }
     }
@@ -217,7 +225,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     }
   }
   // the zero points' share, lane by lane into the sums before they are reduced: f -= s * z * xg per group
-  for (int64_t g0 = 0; g0 < p.groups; g0 += 16) {
+  for (int64_t g0 = 0; !zfold && g0 < p.groups; g0 += 16) {
     const __mmask16 m = p.groups - g0 >= 16 ? static_cast<__mmask16>(0xFFFF)
                                             : static_cast<__mmask16>((1u << (p.groups - g0)) - 1);
     for (int r = 0; r < RB; ++r) {
@@ -242,6 +250,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   [[maybe_unused]] const __m256i lut = _mm256_broadcastsi128_si256(E2M1_BIASED);
   if (BITS == 8) zbias = 128;
+  // 4-bit codes fold their zero into the dot (above); 8-bit ones take it from 128 already, by the sign trick
+  const bool zdone = BITS == 4 ? zfold : p.zc == 128;
+  const __m256i zcv = _mm256_set1_epi8(static_cast<char>(zfold && BITS == 4 ? p.zc : 0));
   __m256 f[RB][T];
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < T; ++t) f[r][t] = _mm256_setzero_ps();
@@ -260,6 +271,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
         xv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + tok[t] * a.kp + c * CH + h * 32));
         xd[t] = _mm256_loadu_ps(a.dv + tok[t] * (a.kp / 4) + c * 16 + h * 8);
       }
+      __m256i zq[T];
+      for (int t = 0; t < T; ++t) zq[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(zcv, xv[t]), ones);
       for (int r = 0; r < RB; ++r) {
         if (BITS == 4) {
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 32));
@@ -269,13 +282,13 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
             const float* sg = p.s + (n0 + r) * p.groups + 4 * c + 2 * h;
             const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sg[0])), _mm_set1_ps(sg[1]), 1);
             for (int t = 0; t < T; ++t) {
-              const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones);
+              const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones), zq[t]);
               f[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(xd[t], sv), f[r][t]);
             }
             continue;
           }
           for (int t = 0; t < T; ++t) {
-            const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones);
+            const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones), zq[t]);
             acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), xd[t], acc[r][t]);
           }
         } else {
@@ -302,7 +315,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     }
   }
   // the zero points' share, lane by lane into the sums before they are reduced (groups past a multiple of 8: after)
-  int64_t g0 = 0;
+  int64_t g0 = zdone ? p.groups : 0;
   for (; g0 + 8 <= p.groups; g0 += 8) {
     for (int r = 0; r < RB; ++r) {
       const int64_t at = (n0 + r) * p.groups + g0;
@@ -394,19 +407,21 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 
 // The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
 // (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
-// float32, zero [E, Np, G] uint8; n the real rows (Np: n rounded up to 4), bits 4 or 8, gs the columns per scale
-// group (32 or a multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
+// float32, zero [E, Np, G] uint8 (zero_const >= 0: all of them equal it, and the dots fold it in); n the real rows
+// (Np: n rounded up to 4), bits 4 or 8, e2m1: the 4-bit codes are FP4, gs the columns per scale group (16, 32 or a
+// multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
 // is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
 // weights [P]): y [P / per, N], row j = sum over pairs i of token j (i / per) of combine[i] * pair i's output.
 // The rows are quantised once, then each (expert, 64-row block) - with combine, each 32-row block over every
 // expert, so no two threads add into one output - is a task of one parallel region, handed to whichever
 // thread is free.
 at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
-                     at::Tensor zero, int64_t n, int64_t bits, bool e2m1, int64_t gs, int64_t act, double alpha,
-                     double limit, c10::optional<at::Tensor> combine, int64_t per) {
+                     at::Tensor zero, int64_t zero_const, int64_t n, int64_t bits, bool e2m1, int64_t gs, int64_t act,
+                     double alpha, double limit, c10::optional<at::Tensor> combine, int64_t per) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
   const bool fp4 = e2m1;
+  TORCH_CHECK(zero_const >= -1 && zero_const <= 255, "zero_const: the one zero of every code (0..255), or -1");
   TORCH_CHECK(act >= ACT_NONE && act <= ACT_SWIGLUOAI, "act: 0 (none), 1 (silu), 2 (gelu) or 3 (swigluoai)");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
   TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(), "experts: int64 [P]");
@@ -507,7 +522,7 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
 
   auto expert_rows = [&](int64_t x, int64_t blk) {
-    const Proj p{cp + x * expert_bytes, sp + x * np * groups, zp + x * np * groups, n, np, kp, groups, gs, bits};
+    const Proj p{cp + x * expert_bytes, sp + x * np * groups, zp + x * np * groups, n, np, kp, groups, gs, bits, zero_const};
     const int64_t q0 = blk * block / RB, q1 = std::min(np, (blk + 1) * block) / RB;
     const int64_t first = start[x], count = start[x + 1] - start[x];
     const float* w = combined ? wt.data() + first : nullptr;
@@ -561,7 +576,7 @@ std::string dot8_isa() {
 }
 
 TORCH_LIBRARY(DOT8_NS, m) {
-  m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int n, int bits, "
+  m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int zero_const, int n, int bits, "
         "bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
   m.def("isa() -> str", &dot8_isa);
   m.def("weight_buffer(int nbytes) -> Tensor", &dot8_weight_buffer);
