@@ -96,6 +96,12 @@ def read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, sche
     """Check every expert tensor's header of ``layer``, then load its router and the tensors of ``experts``
     (global ids, in that order; default all): per-expert tensors by name, fused ones by slice. With a subset,
     every expert's :data:`LAYER_WIDE` tensors are loaded too (``LayerTensors.layer_wide``)."""
+    with index.held_open():  # each file's header parsed once for the layer, not once per tensor
+        return _read_layer(index, family, layer, scheme, bindings, shape, experts)
+
+
+def _read_layer(index: CheckpointIndex, family: ModelFamilySpec, layer: int, scheme: SchemeSpec,
+                bindings: Mapping[str, Any], shape: MoEShape, experts: Sequence[int] | None) -> LayerTensors:
     ids = _expert_ids(experts, shape.num_experts)
     names = layer_names(family, layer, index)
     if names.fused is not None and scheme.checkpoint.fused_names is not None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open  # the reader without torch (safe_open imports torch at the first tensor read)
 
@@ -46,10 +47,41 @@ class CheckpointIndex:
 
     root: Path
     tensors: Mapping[str, TensorInfo]
+    _held: dict[Path, Any] = field(default_factory=dict, compare=False, repr=False)
+    _depth: list[int] = field(default_factory=lambda: [0], compare=False, repr=False)
+
+    @contextmanager
+    def held_open(self) -> Iterator[None]:
+        """Keep each file opened inside this block open until the outermost such block ends. Opening a
+        safetensors file parses its whole header (thousands of entries in a real checkpoint), so reading a
+        layer's tensors with one open each would parse it once per tensor; when the block ends the files are
+        closed and their maps dropped, so no file stays mapped between layers."""
+        self._depth[0] += 1
+        try:
+            yield
+        finally:
+            self._depth[0] -= 1
+            if not self._depth[0]:
+                handles = list(self._held.values())
+                self._held.clear()
+                for handle in handles:
+                    handle.__exit__(None, None, None)
+
+    @contextmanager
+    def _open(self, file: Path) -> Iterator[Any]:
+        """``file`` opened for reading: the held handle inside :meth:`held_open`, else opened for this read."""
+        if not self._depth[0]:
+            with safe_open(str(file), framework="pt") as f:
+                yield f
+            return
+        handle = self._held.get(file)
+        if handle is None:
+            handle = self._held[file] = safe_open(str(file), framework="pt").__enter__()
+        yield handle
 
     def load(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
-        with safe_open(str(info.file), framework="pt") as f:
+        with self._open(info.file) as f:
             tensor = f.get_tensor(name)
         guards.check_tensor_values(name, tensor)  # NaN/inf, fp8/e8m0 NaN codes: refused at load
         return tensor
@@ -69,7 +101,7 @@ class CheckpointIndex:
         import torch
 
         info = self.tensors[name]
-        with safe_open(str(info.file), framework="pt") as f:
+        with self._open(info.file) as f:
             sl = f.get_slice(name)
             parts = [sl[lo * rows:hi * rows] for lo, hi in runs]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts)

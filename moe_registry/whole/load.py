@@ -218,8 +218,9 @@ def _load_tensors(model: Any, index: CheckpointIndex, plan: _Plan, dtype: torch.
                   device: torch.device) -> tuple[TensorLoad, ...]:
     """Read every non-expert tensor once, cast floating ones to the model's dtype, and put it in its place."""
     how: dict[str, list[str]] = {}
-    for name, ckpt in plan.to_model.items():
-        tensor = index.load(ckpt)
+    with index.held_open():
+        loaded = {name: index.load(ckpt) for name, ckpt in plan.to_model.items()}
+    for name, tensor in loaded.items():
         stored = str(tensor.dtype).removeprefix("torch.")
         want = torch.float32 if _keep_float32(model, name, dtype) else dtype
         if tensor.is_floating_point() and tensor.dtype != want:
@@ -247,7 +248,9 @@ def _dequantize_linears(model: Any, index: CheckpointIndex, plan: _Plan, reports
         m = _LAYER_RE.search(f".{module}.")
         report = reports.get(int(m.group(1)), first) if m else first
         assert report.scheme is not None
-        weight = dequantize_linear(registry, report, {k: index.load(v) for k, v in parts.items()}, module, dtype)
+        with index.held_open():
+            stored = {k: index.load(v) for k, v in parts.items()}
+        weight = dequantize_linear(registry, report, stored, module, dtype)
         owner = model.get_submodule(module)
         want = tuple(owner._parameters["weight"].shape)
         if tuple(weight.shape) != want:
