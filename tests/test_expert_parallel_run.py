@@ -199,6 +199,28 @@ def test_the_reader_gives_the_subset_of_the_whole_layer(model_dir: Path, monkeyp
         assert torch.equal(wide[0]["down"]["input_scale"], every[0]["down"]["input_scale"])
 
 
+@pytest.mark.parametrize("model_dir", [QUARK, GPT_OSS, MXFP4], ids=["per-expert", "fused", "fused-stacked"])
+def test_the_reader_opens_each_file_once_per_layer(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's tensors are read with one open (one header parse) per file, and the files are closed after it:
+    a later read opens its file again."""
+    args = _reader_args(model_dir)
+    opened: list[str] = []
+    real = tensor_index.safe_open
+
+    def counted(path, *a, **k):  # type: ignore[no-untyped-def]
+        opened.append(path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(tensor_index, "safe_open", counted)
+    index = args[0]
+    tensors = read_layer(*args)
+    files = {str(i.file) for i in index.tensors.values()}
+    assert experts_of(tensors) and len(opened) == len(set(opened)) and set(opened) <= files and opened
+    first = opened[0]
+    index.load(next(n for n, i in index.tensors.items() if str(i.file) == first))
+    assert opened.count(first) == 2
+
+
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
     return torchrun(n, "-m", "moe_registry", "run", *args)
 
