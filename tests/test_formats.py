@@ -541,7 +541,7 @@ def test_converters_are_declared_by_format_specs_not_found_by_import() -> None:
     assert set(known_converters()) == {(f, c.layout) for f, s in declared.items() for c in s.converters}
     modules = {c.impl.partition(":")[0] for s in declared.values() for c in s.converters}
     shipped = {f"moe_registry.formats.{p.stem}" for p in FORMATS_DIR.glob("*.py")} - {
-        f"moe_registry.formats.{name}" for name in ("__init__", "assemble", "bitpack", "checks", "registry", "weights")}
+        f"moe_registry.formats.{name}" for name in ("__init__", "assemble", "bitpack", "checks", "layer", "registry", "stacked", "weights")}
     assert modules == shipped
 
 
@@ -579,3 +579,19 @@ def test_a_converter_outside_the_spec_dir_is_refused_before_import(tmp_path: Pat
                                         r"antigravity:fly: module antigravity is neither in moe_registry.formats"):
         load_registry([tmp_path])
     assert "antigravity" not in sys.modules
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_nk_bytes_are_the_codes_unpacked_and_packed_again(bits: int, dim: int) -> None:
+    """Reading the words as bytes equals unpacking every field and packing it into the nk layout, on words
+    with every bit pattern (negative int32 words too)."""
+    from moe_registry.formats.bitpack import nk_bytes, pack_nibbles, unpack_int32
+
+    g = torch.Generator().manual_seed(bits + dim)
+    words = torch.randint(-2**31, 2**31 - 1, (12, 40) if dim == 0 else (40, 12), generator=g, dtype=torch.int32)
+    codes = unpack_int32(words, bits, dim=dim)
+    codes = codes.t() if dim == 0 else codes  # [N, K]
+    want = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8)
+    got = nk_bytes(words, bits, dim)
+    assert got.dtype == torch.uint8 and got.shape == (40, 12 * 4) and torch.equal(got, want)

@@ -4,11 +4,12 @@ of the elements inside a word, so both are parameters here."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["unpack_int32", "pack_int32", "pack_nibbles", "add_to_fields"]
+__all__ = ["unpack_int32", "pack_int32", "pack_nibbles", "nk_bytes", "add_to_fields"]
 
 
 def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: Sequence[int] | None = None) -> torch.Tensor:
@@ -45,6 +46,19 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     k // 2, low nibble for even k."""
     c = codes.to(torch.uint8)
     return (c[..., 0::2] & 0x0F) | ((c[..., 1::2] & 0x0F) << 4)
+
+
+def nk_bytes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding 4- or 8-bit codes low field first, in element order, along ``dim`` (0: [K·bits/32, N]
+    as GPTQ stores them; 1: [N, K·bits/32] as compressed-tensors does) -> the ``nk`` layout's bytes
+    [N, K·bits/8]: the same as unpacking the codes and packing them again (:func:`pack_nibbles`), because a
+    little-endian word's bytes already hold its fields in that order; read as bytes, which takes a fraction of
+    the time of unpacking. On a big-endian machine the codes are unpacked and packed."""
+    rows = (words.t() if dim == 0 else words).contiguous()
+    if sys.byteorder == "little":
+        return rows.view(torch.uint8)
+    codes = unpack_int32(rows, bits, dim=1)
+    return pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
 
 
 def add_to_fields(words: torch.Tensor, bits: int, delta: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ from moe_registry.formats.assemble import (
     group_size,
     layout_scale_dtype,
 )
-from moe_registry.formats.bitpack import pack_nibbles, unpack_int32
+from moe_registry.formats.bitpack import nk_bytes, pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.gptq import act_order_perm
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
@@ -60,8 +60,7 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     packed = require(tensors, "weight_packed", name("weight_packed"))
     scales = require(tensors, "weight_scale", name("weight_scale"))
     check_scales(scales, name("weight_scale"))
-    codes = unpack_int32(packed, bits, dim=1)  # [N, K] codes offset by 2^(bits-1)
-    n, k = int(codes.shape[0]), int(codes.shape[1])
+    n, k = int(packed.shape[0]), int(packed.shape[1]) * 32 // bits  # codes offset by 2^(bits-1)
     zero = None
     if key.zero_point == "group":
         zero = _zero_points(tensors, name, bits, n, int(scales.shape[-1]))
@@ -73,10 +72,13 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
     perm = None
     if "weight_g_idx" in tensors:
         perm = act_order_perm(tensors["weight_g_idx"], k, group_size(key, k), name("weight_g_idx"))
-    if perm is not None:
-        codes = codes[:, perm]
+    if perm is None:
+        weight = nk_bytes(packed, bits, dim=1)
+    else:  # act order: the columns in group order
+        codes = unpack_int32(packed, bits, dim=1)[:, perm]
+        weight = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
     return ProjectionPart(
-        weight=pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous(),
+        weight=weight,
         scale=cast_scales(scales, layout_scale_dtype(key), name("weight_scale")).contiguous(),
         zero=zero,
         perm=perm,

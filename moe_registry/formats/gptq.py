@@ -37,7 +37,7 @@ from moe_registry.formats.assemble import (
     group_size,
     layout_scale_dtype,
 )
-from moe_registry.formats.bitpack import add_to_fields, pack_nibbles, unpack_int32
+from moe_registry.formats.bitpack import add_to_fields, nk_bytes, pack_nibbles, unpack_int32
 from moe_registry.formats.checks import cast_scales, check_scales, require
 from moe_registry.formats.registry import ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights
@@ -114,14 +114,15 @@ def _projection(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: ConvertCo
         zero = _zero_points(qzeros, bits, zero_offset).t().to(torch.uint8).contiguous()  # [N, G]
     else:
         _check_symmetric(unpack_int32(qzeros, bits, dim=1), bits, key.dtype.bias, zero_offset, name("qzeros"))
-    codes = unpack_int32(qweight, bits, dim=0).t()  # [N, K]
-    k = int(codes.shape[1])
+    k = int(qweight.shape[0]) * 32 // bits
     perm = None
     if "g_idx" in tensors:
         perm = act_order_perm(tensors["g_idx"], k, group_size(key, k), name("g_idx"))
-    if perm is not None:
-        codes = codes[:, perm]
-    weight = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
+    if perm is None:
+        weight = nk_bytes(qweight, bits, dim=0)
+    else:  # act order: the columns in group order
+        codes = unpack_int32(qweight, bits, dim=0).t()[:, perm]  # [N, K]
+        weight = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8).contiguous()
     return ProjectionPart(
         weight=weight,
         scale=cast_scales(scales.t(), layout_scale_dtype(key), name("scales")).contiguous(),
