@@ -117,8 +117,8 @@ def e2m1_scale(proj: ProjectionWeights, key: QuantKey) -> torch.Tensor:
 @dataclass(frozen=True)
 class Dot8Proj:
     """One projection of every expert in the kernel's layout: codes [E, Np/4, Kp/64, 4, 32 or 64] uint8,
-    scale [E, Np, G] float32, zero [E, Np, G] uint8; n real rows, k real columns, gs columns per group; e2m1:
-    the 4-bit codes are FP4."""
+    scale [E, Np, G] float32, zero [E, Np, G] uint8 (groups of 16: each chunk's 4 x 4 of a row group side by
+    side); n real rows, k real columns, gs columns per group; e2m1: the 4-bit codes are FP4."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -170,9 +170,11 @@ class Dot8Proj:
             else:
                 codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
-        return Dot8Proj(codes, torch.nn.functional.pad(scale, rows_pad).contiguous(),
-                        torch.nn.functional.pad(zero, rows_pad).contiguous(), n, k, bits, gs, e2m1,
-                        zero_const)
+        scale, zero = (torch.nn.functional.pad(t, rows_pad) for t in (scale, zero))
+        if gs == BLOCK // 2:  # a chunk's 4 x 4 scales of a row group side by side (the C++ sidx)
+            scale, zero = (t.view(e, np_ // ROWS, ROWS, kp // CHUNK, 4).transpose(2, 3).reshape(e, np_, kp // gs)
+                           for t in (scale, zero))
+        return Dot8Proj(codes, scale.contiguous(), zero.contiguous(), n, k, bits, gs, e2m1, zero_const)
 
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes

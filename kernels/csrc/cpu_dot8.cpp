@@ -122,11 +122,17 @@ struct Acts {
 
 
 // The zero point's share, counted from `zbias` (the integer the dot already took as the codes' zero).
+// Where (row, group)'s scale and zero sit: [np][groups]; groups of 16, [np / 4][groups / 4][4 rows][4 groups], so
+// that a chunk's scales for a row group are one 64-byte line, read in step with its codes.
+inline int64_t sidx(const Proj& p, int64_t row, int64_t g) {
+  if (p.gs >= QB) return row * p.groups + g;
+  return ((row / RB * (p.groups / 4) + g / 4) * RB + row % RB) * 4 + g % 4;
+}
+
 inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias, int64_t g0 = 0) {
-  const float* s = p.s + row * p.groups;
-  const uint8_t* z = p.z + row * p.groups;
   float corr = 0.0f;
-  for (int64_t g = g0; g < p.groups; ++g) corr += s[g] * static_cast<float>(static_cast<int32_t>(z[g]) - zbias) * xg[g];
+  for (int64_t g = g0; g < p.groups; ++g)
+    corr += p.s[sidx(p, row, g)] * static_cast<float>(static_cast<int32_t>(p.z[sidx(p, row, g)]) - zbias) * xg[g];
   return corr;
 }
 
@@ -197,7 +203,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       }
       if (lanes) {  // the four group scales of this chunk, spread over their lanes, join the activation scale
         const __m512 sv = _mm512_permutexvar_ps(
-            spread, _mm512_castps128_ps512(_mm_loadu_ps(p.s + (n0 + r) * p.groups + 4 * c)));
+            spread, _mm512_castps128_ps512(_mm_loadu_ps(p.s + sidx(p, n0 + r, 4 * c))));
         for (int t = 0; t < T; ++t) {
           const __m512i d = _mm512_dpbusd_epi32(zq[t], w, xv[t]);
           f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xd[t], sv), f[r][t]);
@@ -279,7 +285,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
           __m256i w = h == 0 ? _mm256_and_si256(b, low) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
           if (FP4) w = _mm256_shuffle_epi8(lut, w);  // codes <= 24: the int16 pair sums stay far from saturating
           if (lanes) {  // lanes 0-3 are the block's first 16 columns, 4-7 its second
-            const float* sg = p.s + (n0 + r) * p.groups + 4 * c + 2 * h;
+            const float* sg = p.s + sidx(p, n0 + r, 4 * c + 2 * h);
             const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sg[0])), _mm_set1_ps(sg[1]), 1);
             for (int t = 0; t < T; ++t) {
               const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones), zq[t]);
@@ -354,7 +360,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
             }
             const int64_t g = (c * CH + b * 32 + j0) / p.gs;
             fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] *
-                  p.s[(n0 + r) * p.groups + g];
+                  p.s[sidx(p, n0 + r, g)];
           }
         }
       }
@@ -407,7 +413,8 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 
 // The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
 // (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
-// float32, zero [E, Np, G] uint8 (zero_const >= 0: all of them equal it, and the dots fold it in); n the real rows
+// float32, zero [E, Np, G] uint8 (zero_const >= 0: all of them equal it, and the dots fold it in; groups of 16:
+// both in sidx's order); n the real rows
 // (Np: n rounded up to 4), bits 4 or 8, e2m1: the 4-bit codes are FP4, gs the columns per scale group (16, 32 or a
 // multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
 // is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
@@ -422,6 +429,7 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
   const bool fp4 = e2m1;
   TORCH_CHECK(zero_const >= -1 && zero_const <= 255, "zero_const: the one zero of every code (0..255), or -1");
+  TORCH_CHECK(gs != QB / 2 || (bits == 4 && zero_const >= 0), "groups of 16 take 4-bit codes with one zero");
   TORCH_CHECK(act >= ACT_NONE && act <= ACT_SWIGLUOAI, "act: 0 (none), 1 (silu), 2 (gelu) or 3 (swigluoai)");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
   TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(), "experts: int64 [P]");
