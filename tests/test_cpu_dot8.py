@@ -190,3 +190,23 @@ def test_a_cpu_without_avx2_turns_it_down_with_the_reason() -> None:
     check = next(c for v in unprobed.kernels if v.kernel == "torch-cpu-dot8" for c in v.checks
                  if c.field == "platform.cpu_features")
     assert check.passed and "not checked" in check.message
+
+
+def test_two_threads_compute_what_one_does_bit_for_bit() -> None:
+    """Every task runs exactly once whichever thread takes it (a task run twice would add its rows twice into the
+    router-weighted sum, one skipped would leave them out)."""
+    weights = _layer("uint4b8 scale:float16:group(128):static", 256, 512, experts=16)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 256, generator=gen)
+    r = softmax_topk(torch.randn(12, 16, generator=gen), 4, True)
+    layer = _experts(weights, BUILDS[0])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer.apply(x, r.topk_weights, r.topk_ids)
+        torch.set_num_threads(2)
+        two = [layer.apply(x, r.topk_weights, r.topk_ids) for _ in range(5)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(one, t) for t in two)
+    assert one.abs().sum() > 0

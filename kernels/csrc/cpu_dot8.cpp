@@ -30,6 +30,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #if defined(__linux__)
@@ -391,6 +393,35 @@ void rows_dot(const Proj& p, int64_t q0, int64_t q1, const Acts& a, const int64_
   }
 }
 
+// Tasks 0 .. tasks - 1, each run once: on the calling thread and on up to at::get_num_threads() - 1 helpers from
+// ATen's inter-op pool, every thread taking the next task as it comes free; returns when all have run. Not
+// at::parallel_for: OpenMP's idle threads spin between regions (libgomp's default wait policy), and where other
+// processes keep the cores busy that spinning takes the time slices our own threads need (a 2-thread layer call
+// then runs an order of magnitude slower than a 1-thread one); the inter-op pool's threads sleep on a condition
+// variable. A helper that starts after the last task is taken takes none and touches nothing of the call, so the
+// caller never waits for a thread the OS has not scheduled, only for tasks under way.
+template <typename F>
+void parallel_tasks(int64_t tasks, const F& fn) {
+  const int64_t threads = std::min<int64_t>(tasks, at::get_num_threads());
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < tasks; ++t) fn(t);
+    return;
+  }
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, tasks, &fn] {
+    for (int64_t t = progress->next.fetch_add(1); t < tasks; t = progress->next.fetch_add(1)) {
+      fn(t);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 1; h < threads; ++h) at::launch(work);
+  work();
+  while (progress->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+}
+
 enum Act : int64_t { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_SWIGLUOAI = 3 };
 
 // act(gate) * up over one row [gate | up] of 2k values, as moe_registry_kernels.activations computes it.
@@ -420,7 +451,7 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 // is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
 // weights [P]): y [P / per, N], row j = sum over pairs i of token j (i / per) of combine[i] * pair i's output.
 // The rows are quantised once, then each (expert, 64-row block) - with combine, each 32-row block over every
-// expert, so no two threads add into one output - is a task of one parallel region, handed to whichever
+// expert, so no two threads add into one output - is a task of one parallel_tasks call, handed to whichever
 // thread is free.
 at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
                      at::Tensor zero, int64_t zero_const, int64_t n, int64_t bits, bool e2m1, int64_t gs, int64_t act,
@@ -475,7 +506,9 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
     float* bp = bs.data_ptr<float>();
     float* gp = xg.data_ptr<float>();
     const int64_t lda = a.size(1);
-    at::parallel_for(0, r, 16, [&](int64_t r0, int64_t r1) {
+    constexpr int64_t ROWS_PER_TASK = 16;
+    parallel_tasks((r + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int64_t task) {
+      const int64_t r0 = task * ROWS_PER_TASK, r1 = std::min(r, r0 + ROWS_PER_TASK);
       std::vector<float> row(act == ACT_NONE ? 0 : k);
       for (int64_t i = r0; i < r1; ++i) {
         const float* x = ap + i * lda;
@@ -545,16 +578,7 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
       expert_rows(used[t / blocks], t % blocks);
     }
   };
-  const int64_t threads = std::min<int64_t>(tasks, at::get_num_threads());
-  if (threads <= 1 || at::in_parallel_region()) {
-    for (int64_t t = 0; t < tasks; ++t) run(t);
-    return y;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i)
-      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) run(t);
-  });
+  parallel_tasks(tasks, run);
   return y;
 }
 
