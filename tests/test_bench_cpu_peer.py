@@ -56,18 +56,20 @@ def test_the_table_keeps_each_sides_best_round_with_its_load() -> None:
          "bandwidth_gbs": 2.0, "floor_ms": 1.0}]}
     text = bench_cpu_peer.markdown(doc)
     assert "| 2 | 1 | int4 g128 sym | Q4_0 | 1.00 (2.0) | 1.00 (5.0) | 1.00 |" in text
+    assert "| 2 | 1 | int4 g128 sym (k) | Q4_0 |" in bench_cpu_peer.markdown({**doc, "kernel": "other"})
     assert "| 2 | int4 g128 sym | 2.00 (0.5) | 2.0 MiB | 2.0 GB/s | 1.00 | 0.50 |" in text
 
 
 def test_a_type_two_pairs_share_is_asked_of_ggml_once(tmp_path: Path) -> None:
     peer = fake_peer(tmp_path)
-    bench_cpu_peer.peer_layers(peer, 1, [p for _, _, p in bench_cpu_peer.chosen_pairs("int4 g128 sym,NVFP4,int8")])
+    bench_cpu_peer.peer_layers(peer, 1, [p.peer for p in bench_cpu_peer.chosen_pairs("int4 g128 sym,NVFP4,int8")])
     assert (peer / "calls").read_text().splitlines() == ["q4_0 repack=1 threads=1", "q8_0 repack=0 threads=1"]
 
 
 def test_pairs_are_chosen_by_the_starts_of_their_labels() -> None:
-    assert [label for label, _, _ in bench_cpu_peer.chosen_pairs("int8,MXFP4")] == ["int8 g128", "MXFP4"]
-    assert [p for _, _, p in bench_cpu_peer.chosen_pairs("NVFP4")] == ["q4_0"]
+    assert [p.label for p in bench_cpu_peer.chosen_pairs("int8,MXFP4")] == ["int8 g128", "MXFP4"]
+    assert [(p.peer, p.kernel) for p in bench_cpu_peer.chosen_pairs("NVFP4,FP8")] == [
+        ("q4_0", None), ("q8_0", "torch-cpu-native"), ("q8_0", "torch-cpu-native")]
     with pytest.raises(bench_cpu_peer.PeerError, match=r"--pairs 'int8,fp5': no pair label starts with fp5; labels: "
                                                        r"int4 g128 sym, "):
         bench_cpu_peer.chosen_pairs("int8,fp5")

@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -45,13 +46,29 @@ from moe_registry.layer.routing import softmax_topk
 from moe_registry.spec.loader import load_registry
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
-PAIRS = (  # (label, our weight key, ggml type)
-    ("int4 g128 sym", "uint4b8 scale:float16:group(128):static", "q4_0"),
-    ("int4 g128 + zero points", "uint4 scale:float16:group(128):static zp:group", "q4_K"),
-    ("int8 g128", "uint8b128 scale:float16:group(128):static", "q8_0"),
-    ("MXFP4", "e2m1 scale:e8m0:block(1x32):static", "mxfp4"),
-    # ggml has no NVFP4 type: Q4_0 is the nearest by bytes per weight (0.5625 against NVFP4's 0.5625)
-    ("NVFP4", "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", "q4_0"),
+class Pair(NamedTuple):
+    """One row of the table: our weight key (with the activation key the scheme runs, on ``kernel``: None for
+    --kernel) beside a ggml type."""
+
+    label: str
+    weight: str
+    peer: str
+    kernel: str | None = None
+    activation: str = "unquantized"
+
+
+PAIRS = (
+    Pair("int4 g128 sym", "uint4b8 scale:float16:group(128):static", "q4_0"),
+    Pair("int4 g128 + zero points", "uint4 scale:float16:group(128):static zp:group", "q4_K"),
+    Pair("int8 g128", "uint8b128 scale:float16:group(128):static", "q8_0"),
+    Pair("MXFP4", "e2m1 scale:e8m0:block(1x32):static", "mxfp4"),
+    # ggml has no NVFP4 or FP8 type: Q4_0 and Q8_0 are the nearest by bytes per weight (0.5625 and 1.0625 against
+    # NVFP4's 0.5625 and FP8's 1.0); FP8 runs where its schemes put it on a CPU, torch-cpu-native
+    Pair("NVFP4", "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", "q4_0"),
+    Pair("FP8 block 128", "fp8e4m3 scale:float32:block(128x128):static", "q8_0", "torch-cpu-native",
+         "fp8e4m3 scale:float32:group(128):dynamic"),
+    Pair("FP8 channel", "fp8e4m3 scale:float32:channel:static", "q8_0", "torch-cpu-native",
+         "fp8e4m3 scale:float32:token:dynamic"),
 )
 REPACKED = ("q4_0", "q4_K")  # ggml types timed in its CPU_REPACK layout; Q8_0 in its plain one (its repacked
 # setup in the benchmark crashes on AVX-512 machines)
@@ -157,33 +174,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel", default="torch-cpu-dot8")
     ap.add_argument("--distinct", type=int, default=16, help="distinct random experts, copied up to 128")
     ap.add_argument("--pairs", help="comma-separated starts of the pair labels to run (default: all): "
-                    + ", ".join(label for label, _, _ in PAIRS))
+                    + ", ".join(p.label for p in PAIRS))
     ap.add_argument("--out", type=Path, help="write the record (JSON) here")
     args = ap.parse_args(argv)
     pairs = chosen_pairs(args.pairs)
     threads = [int(t) for t in args.threads.split(",")]
     tokens = [int(m) for m in args.tokens.split(",")]
     registry = load_registry()
-    cls = experts_class(registry.kernel(args.kernel))
     config = ExpertsConfig("silu")
     gen = torch.Generator().manual_seed(0)
     inputs = {m: (torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16),
                   softmax_topk(torch.randn(m, EXPERTS, generator=gen), TOP_K, True)) for m in tokens}
-    unquantized = parse_quant_key("unquantized")
     layers = {}
-    for label, key, _ in pairs:
-        weights = random_weights(parse_quant_key(key), unquantized, EXPERTS, args.distinct, HIDDEN, INTER,
+    kernel_of = {p.label: p.kernel or args.kernel for p in pairs}
+    for label, key, _, _, act in pairs:
+        cls = experts_class(registry.kernel(kernel_of[label]))
+        weights = random_weights(parse_quant_key(key), parse_quant_key(act), EXPERTS, args.distinct, HIDDEN, INTER,
                                  torch.bfloat16)
         layers[label] = cls(weights, config)
         del weights
-    print(f"built {len(layers)} layers on {args.kernel}; load {load1():.2f}", file=sys.stderr, flush=True)
+    print(f"built {len(layers)} layers on {', '.join(sorted(set(kernel_of.values())))}; load {load1():.2f}",
+          file=sys.stderr, flush=True)
 
     cells: list[Cell] = []
     for r in range(args.rounds):
         for t in threads:
             torch.set_num_threads(t)
             ours = {}
-            for label, _, _ in pairs:
+            for label in kernel_of:
                 for m in tokens:
                     hidden, routing = inputs[m]
                     load = load1()
@@ -192,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                                       args.repeats)
                     ours[(label, m)] = (ms, load)
             load = load1()
-            peer = peer_layers(args.peer, t, [p for _, _, p in pairs])
-            for label, _, ptype in pairs:
+            peer = peer_layers(args.peer, t, [p.peer for p in pairs])
+            for label, _, ptype, _, _ in pairs:
                 for m in tokens:
                     ms, oload = ours[(label, m)]
-                    cell = Cell(r, t, m, label, args.kernel, ms, oload, ptype, peer.get((ptype, m), float("nan")), load)
+                    cell = Cell(r, t, m, label, kernel_of[label], ms, oload, ptype, peer.get((ptype, m), float("nan")),
+                                load)
                     cells.append(cell)
                     print(f"round {r} threads {t} M={m} {label}: ours {ms:.3f} ms (load {oload:.2f}), "
                           f"{ptype} {cell.peer_ms:.3f} ms (load {load:.2f})", file=sys.stderr, flush=True)
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in threads:
         torch.set_num_threads(t)
         bw = bandwidth_gbs(t)
-        for label, _, _ in pairs:
+        for label in kernel_of:
             layer = layers[label]
             hidden = inputs[tokens[0]][0][:1]
             weights = torch.full((1, TOP_K), 1.0 / TOP_K)
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                      for _ in range(2) for ids in calls]
             times.sort()
             ms = times[len(times) // 2] * 1e3
-            streams.append(Stream(t, label, args.kernel, ms, load, per_call, bw, per_call / bw / 1e6))
+            streams.append(Stream(t, label, kernel_of[label], ms, load, per_call, bw, per_call / bw / 1e6))
             print(f"streaming threads {t} {label}: {ms:.3f} ms per call, floor {per_call / bw / 1e6:.3f} ms "
                   f"({per_call / 2**20:.1f} MiB at {bw:.1f} GB/s; load {load:.2f})", file=sys.stderr, flush=True)
 
@@ -235,16 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def chosen_pairs(spec: str | None) -> tuple[tuple[str, str, str], ...]:
+def chosen_pairs(spec: str | None) -> tuple[Pair, ...]:
     """The pairs whose labels start with one of the comma-separated ``spec`` words (all for None)."""
     if spec is None:
         return PAIRS
     words = [w.strip() for w in spec.split(",") if w.strip()]
-    unknown = [w for w in words if not any(label.startswith(w) for label, _, _ in PAIRS)]
+    unknown = [w for w in words if not any(p.label.startswith(w) for p in PAIRS)]
     if unknown or not words:
         raise PeerError(f"--pairs {spec!r}: no pair label starts with {', '.join(unknown) or 'nothing'}; labels: "
-                        + ", ".join(label for label, _, _ in PAIRS))
-    return tuple(p for p in PAIRS if any(p[0].startswith(w) for w in words))
+                        + ", ".join(p.label for p in PAIRS))
+    return tuple(p for p in PAIRS if any(p.label.startswith(w) for w in words))
 
 
 def best_cells(doc: dict) -> list[dict]:
@@ -257,8 +276,13 @@ def best_cells(doc: dict) -> list[dict]:
             b["ours_ms"], b["ours_load"] = c["ours_ms"], c["ours_load"]
         if c["peer_ms"] < b["peer_ms"]:
             b["peer_ms"], b["peer_load"] = c["peer_ms"], c["peer_load"]
-    order = {label: i for i, (label, _, _) in enumerate(PAIRS)}
+    order = {p.label: i for i, p in enumerate(PAIRS)}
     return sorted(best.values(), key=lambda c: (-c["threads"], c["tokens"], order.get(c["pair"], 99)))
+
+
+def _ours(doc: dict, row: dict) -> str:
+    """A row's pair, with its kernel where that is not the run's --kernel."""
+    return row["pair"] if row["kernel"] == doc.get("kernel", row["kernel"]) else f"{row['pair']} ({row['kernel']})"
 
 
 def markdown(doc: dict) -> str:
@@ -266,13 +290,13 @@ def markdown(doc: dict) -> str:
     head = "| threads | M | ours | llama.cpp | ours ms (load) | llama.cpp ms (load) | llama.cpp / ours |"
     lines = [head, "|" + " --- |" * 7]
     for c in best_cells(doc):
-        lines.append(f"| {c['threads']} | {c['tokens']} | {c['pair']} | {c['peer_type'].upper()} "
+        lines.append(f"| {c['threads']} | {c['tokens']} | {_ours(doc, c)} | {c['peer_type'].upper()} "
                      f"| {c['ours_ms']:.2f} ({c['ours_load']:.1f}) | {c['peer_ms']:.2f} ({c['peer_load']:.1f}) "
                      f"| {c['peer_ms'] / c['ours_ms']:.2f} |")
     lines += ["", "| threads | ours | ms per call (load) | weights per call | memory bandwidth | floor ms | "
               "floor / ours |", "|" + " --- |" * 7]
     for s in doc["streaming"]:
-        lines.append(f"| {s['threads']} | {s['pair']} | {s['ms']:.2f} ({s['load']:.1f}) | "
+        lines.append(f"| {s['threads']} | {_ours(doc, s)} | {s['ms']:.2f} ({s['load']:.1f}) | "
                      f"{s['bytes_per_call'] / 2**20:.1f} MiB | {s['bandwidth_gbs']:.1f} GB/s | {s['floor_ms']:.2f} | "
                      f"{s['floor_ms'] / s['ms']:.2f} |")
     return "\n".join(lines) + "\n"
