@@ -176,7 +176,8 @@ def test_mxfp4_router_routes_as_transformers(mxfp4_ref) -> None:
         out = layer(x)
     out = out[0] if isinstance(out, tuple) else out
     want64 = _transformers_moe64(mxfp4_ref, x, mxfp4_ref["layer.topk_ids"], mxfp4_ref["layer.topk_weights"].float())
-    assert _rel(out, want64) < 1e-2
+    # the CPU kernel's own tolerance (its int8 activations add ~1%); one token routed elsewhere is far more
+    assert _rel(out, want64) < layer.build.tolerance, (layer.build.report.chosen, layer.build.tolerance)
 
 
 def test_mxfp4_triton_kernel_matches_float64_moe_float16(mxfp4_built, mxfp4_ref) -> None:

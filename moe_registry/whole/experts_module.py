@@ -69,10 +69,14 @@ class CapturedCall:
 
 class RegistryExperts(torch.nn.Module):
     """One MoE layer's routed experts on the registry's kernel (``report`` says which scheme and kernel);
-    ``graph_tokens``: calls of at most this many tokens on CUDA replay a captured graph (0: never)."""
+    ``graph_tokens``: calls of at most this many tokens on CUDA replay a captured graph (0: never); ``top_k``: the
+    experts each token is routed to (the contract's calls carry it in their ids; a call that does not reads it
+    here)."""
 
-    def __init__(self, kernel: FusedMoEKernel, report: Report, layer: int, graph_tokens: int = 0) -> None:
+    def __init__(self, kernel: FusedMoEKernel, report: Report, layer: int, graph_tokens: int = 0, *,
+                 top_k: int) -> None:
         super().__init__()
+        self.top_k = top_k
         kernel.validate = False  # the router's ids are right by construction: forward checks the layout only
         self.kernel = kernel
         self.report = report

@@ -98,4 +98,4 @@ def _build(module: Any, dtype: torch.dtype, top_k: int) -> RegistryExperts:
                         projections={"gate": "gate", "up": "up", "down": "down"})
     built = build_from_tensors(registry, report, LayerTensors(experts, None, None, names_, False), device=device,
                                tensor_name=names_.tensor)
-    return RegistryExperts(built.kernel, built.report, -1)
+    return RegistryExperts(built.kernel, built.report, -1, top_k=top_k)

@@ -378,8 +378,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
                       device=dev, ep=ep if ep > 1 else None,
                       all2all="allgather_reducescatter" if ep > 1 else None, max_tokens=max_tokens).built
-        module = EXPERTS_CALLS[call][1](built.kernel, built.report, layer, graph_tokens,
-                                        **({"top_k": model_config.shape.top_k} if call == "scaled_rows" else {}))
+        module = EXPERTS_CALLS[call][1](built.kernel, built.report, layer, graph_tokens, top_k=model_config.shape.top_k)
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
         assert built.report.scheme is not None and built.report.chosen is not None

@@ -13,18 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_registry.layer.modular import FusedMoEKernel
-from moe_registry.oracle.contract import Report
 from moe_registry.whole.experts_module import RegistryExperts
 
 
 class ScaledRowsExperts(RegistryExperts):
     """One MoE layer's routed experts on the registry's kernel, called with scaled rows (module docstring)."""
-
-    def __init__(self, kernel: FusedMoEKernel, report: Report, layer: int, graph_tokens: int = 0, *,
-                 top_k: int) -> None:
-        super().__init__(kernel, report, layer, graph_tokens)
-        self.top_k = top_k
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         hidden = hidden_states.shape[-1]
