@@ -55,6 +55,15 @@ def test_weights_and_tensors_are_read_again_and_still_agree(example: Callable[[s
     assert float((out.double() - ref).norm() / ref.norm()) < layer.tolerance
 
 
+def test_a_built_fused_layer_keeps_no_stacked_expert_tensors() -> None:
+    """A fused family's experts are read stacked over experts; the built layer keeps only its router's tensors."""
+    fused = Path(__file__).parent / "fixtures" / "transformers" / "tiny" / "gpt_oss"
+    layer = build(fused, layer=0, platform="cpu", dtype="float32")
+    assert layer.tensors.stacked and layer.router_tensors.router is not None
+    kept = layer.router_tensors
+    assert kept.experts == () and kept.stacked == {} and kept.stacked_wide == {} and kept.layer_wide == ()
+
+
 def test_the_walk_sees_converted_weights_a_kernel_keeps(example: Callable[[str], Path]) -> None:
     """The yardstick is honest: the reference keeps float32 dense weights (8x the int4 bytes), and the
     walk counts them."""

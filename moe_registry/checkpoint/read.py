@@ -71,6 +71,11 @@ class LayerTensors:
     stacked: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
     stacked_wide: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
 
+    def router_only(self) -> LayerTensors:
+        """These tensors without any expert's: what a built layer keeps (its kernel holds its own copy of the
+        experts, and routing needs only the router's tensors and the names)."""
+        return replace(self, experts=(), layer_wide=(), stacked={}, stacked_wide={})
+
 
 def _dims(role: str, shape: MoEShape) -> dict[str, int]:
     if role == "down":

@@ -227,6 +227,6 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         report = select(registry, replace(situation, runtime=runtime), prefer=prefer, pin=kernel)
     built = build_from_tensors(registry, report, tensors, device=device, tensor_name=tensors.names.tensor,
                                reread=None if keep_weights else reread)
-    return LayerBuild(built, model, replace(tensors, experts=()), reread)
+    return LayerBuild(built, model, tensors.router_only(), reread)
 
 
