@@ -411,3 +411,15 @@ def test_kernel_times_leave_cupti_torn_down_after_their_profile(monkeypatch):
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
     bench.kernel_times(lambda: None, 1, torch.device("cpu"), repeats=1)
     assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_prepare_peer_names_a_harness_folder_that_lacks_the_scripts(tmp_path: Path) -> None:
+    """tools/prepare_peer.sh refuses a folder without the harness in one line, before fetching anything."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(["bash", str(root / "tools" / "prepare_peer.sh"), str(tmp_path)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    wanted = f"prepare_peer.sh: {tmp_path}/vllm_peer_bench.py: missing (wanted the peer harness folder)"
+    assert r.stderr.strip() == wanted

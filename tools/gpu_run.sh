@@ -6,6 +6,8 @@
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
 #   bash tools/gpu_run.sh profile [args] # tools/profile_ncu.py with args (Nsight Compute counters per kernel)
+#   bash tools/gpu_run.sh peer triton|marlin "SCHEME_SPEC ..."  # vLLM's own MoE kernels, then tools/bench.py,
+#        on the same GPU in this call, and the ratio table (carry .peer and .whl: tools/prepare_peer.sh makes them)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # a warm machine keeps the wheels installed by an earlier call: use them rather than install again
@@ -52,5 +54,7 @@ case "$what" in
         mkdir -p "$out/configs" && find kernels/configs \( -name '*.json' -o -name '*.partial' \) -newer /tmp/tune-start \
           -exec cp {} "$out/configs/" \;
         exit $rc ;;
-  *) echo "usage: $0 tests|bench|decode|tune|profile" >&2; exit 2 ;;
+  peer) [ -f .peer/side_by_side.sh ] || { echo "gpu_run.sh peer: no .peer/ here (make it with tools/prepare_peer.sh and carry it)" >&2; exit 2; }
+        OUT="$out" bash .peer/side_by_side.sh "$@" ;;
+  *) echo "usage: $0 tests|bench|decode|tune|profile|peer" >&2; exit 2 ;;
 esac
