@@ -65,8 +65,13 @@ SHAPES = {
     "qwen3": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
     "dsv2lite": Shape("DeepSeek-V2-Lite", 64, 6, 2048, 1408),
     "gptoss20b": Shape("gpt-oss-20b", 32, 4, 2880, 2880),  # MXFP4's own model: K not a multiple of 128
+    # shapes no tile table was tuned for: what the kernels' defaults give on models beside the three
+    "dsv3": Shape("DeepSeek-V3", 256, 8, 7168, 2048),
+    "gptoss120b": Shape("gpt-oss-120b", 128, 4, 2880, 2880),
+    "glm45air": Shape("GLM-4.5-Air", 128, 8, 4096, 1408),
+    "qwen3-235b": Shape("Qwen3-235B-A22B", 128, 8, 4096, 1536),
 }
-# what a run without --shapes measures (the tables in docs/bench); gptoss20b is asked for by name
+# what a run without --shapes measures (the tables in docs/bench); the others are asked for by name
 DEFAULT_SHAPES = ["mixtral", "qwen3", "dsv2lite"]
 DRY_SHAPES = {"tiny": Shape("tiny", 8, 2, 128, 128)}
 
