@@ -18,8 +18,7 @@ float32 scale and a uint8 zero per (row, group) - uint4b8 and uint8b128 get thei
 interleaved per 64 columns (see the C++ header), in one buffer per projection aligned for huge pages: one
 contiguous stream per 64-row task, and each 64-column chunk of four rows loaded once for every token of a pass.
 One call per GEMM covers every (token, expert) pair of the layer: the rows are quantised once, then each (expert,
-64-row block) is a task that whichever thread comes free takes (the caller and sleeping helper threads, see
-the C++ parallel_tasks).
+64-row block) is a task of one parallel region, taken by whichever thread comes free.
 
 The library is built per instruction set the CPU has (``avx512vnni``, ``avx2``, as torch's cpuinfo probes say;
 the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is built),

@@ -30,8 +30,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__linux__)
@@ -393,13 +391,9 @@ void rows_dot(const Proj& p, int64_t q0, int64_t q1, const Acts& a, const int64_
   }
 }
 
-// Tasks 0 .. tasks - 1, each run once: on the calling thread and on up to at::get_num_threads() - 1 helpers from
-// ATen's inter-op pool, every thread taking the next task as it comes free; returns when all have run. Not
-// at::parallel_for: OpenMP's idle threads spin between regions (libgomp's default wait policy), and where other
-// processes keep the cores busy that spinning takes the time slices our own threads need (a 2-thread layer call
-// then runs an order of magnitude slower than a 1-thread one); the inter-op pool's threads sleep on a condition
-// variable. A helper that starts after the last task is taken takes none and touches nothing of the call, so the
-// caller never waits for a thread the OS has not scheduled, only for tasks under way.
+// Tasks 0 .. tasks - 1, each run once, in one parallel region of torch's intra-op (OpenMP) pool, every thread
+// taking the next task as it comes free. The pool is the one torch's own ops use: a pool of our own would meet
+// its threads still spinning after the op before (libgomp's default wait policy) and lose the cores to them.
 template <typename F>
 void parallel_tasks(int64_t tasks, const F& fn) {
   const int64_t threads = std::min<int64_t>(tasks, at::get_num_threads());
@@ -407,19 +401,11 @@ void parallel_tasks(int64_t tasks, const F& fn) {
     for (int64_t t = 0; t < tasks; ++t) fn(t);
     return;
   }
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  auto work = [progress, tasks, &fn] {
-    for (int64_t t = progress->next.fetch_add(1); t < tasks; t = progress->next.fetch_add(1)) {
-      fn(t);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 1; h < threads; ++h) at::launch(work);
-  work();
-  while (progress->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i)
+      for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) fn(t);
+  });
 }
 
 enum Act : int64_t { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_SWIGLUOAI = 3 };
