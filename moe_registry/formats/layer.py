@@ -21,7 +21,7 @@ from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 def convert_layer(convert: Converter, tensors: LayerTensors, ctx: ConvertContext) -> ExpertWeights:
     """Convert the experts ``tensors`` holds. Read for a subset of them (an expert-parallel rank), messages
     name experts by their global ids, and the layer-wide ``input_scale`` (the largest over ALL experts in the
-    single-process layer) is taken over every expert's checkpoint scale (``tensors.layer_wide``), so each
+    single-process layer) is taken over every expert's checkpoint scale (:func:`layer_wide_of`), so each
     rank quantizes activations exactly as the single-process layer does."""
     ids = tensors.expert_ids
     if ids is None:
