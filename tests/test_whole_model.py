@@ -460,3 +460,30 @@ def test_experts_implementation_on_cuda(whole) -> None:  # type: ignore[no-untyp
     prompt = _prompt().cuda()
     with torch.no_grad():
         assert _rel(model(prompt).logits, loaded(prompt).logits) < 1e-3
+
+
+def test_load_model_reads_the_config_and_the_headers_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MoE layer is built from the one config and header index load_model read, not read again per layer."""
+    from moe_registry.checkpoint import tensor_index
+    from moe_registry.situation import config as config_module
+
+    d = make_whole_model("qwen3_moe", tmp_path / "qwen3_moe", layers=3)
+    headers: list[Path] = []
+    configs: list[Path] = []
+    real_header, real_config = tensor_index.read_header, config_module.read_model_config
+
+    def header(path: Path):  # type: ignore[no-untyped-def]
+        headers.append(path)
+        return real_header(path)
+
+    def config(*args, **kwargs):  # type: ignore[no-untyped-def]
+        configs.append(args[0])
+        return real_config(*args, **kwargs)
+
+    monkeypatch.setattr(tensor_index, "read_header", header)
+    for module in ("moe_registry.whole.load", "moe_registry.layer.build"):
+        monkeypatch.setattr(f"{module}.read_model_config", config)
+    model = load_model(d)
+    layers = [m for m in model.modules() if isinstance(m, RegistryExperts)]
+    assert len(layers) >= 2 and len(configs) == 1
+    assert sorted(headers) == sorted(set(headers)) and headers

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_registry.checkpoint.read import LayerTensors, read_layer
-from moe_registry.checkpoint.tensor_index import open_checkpoint
+from moe_registry.checkpoint.tensor_index import CheckpointIndex, open_checkpoint
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError
 from moe_registry.formats import get_converter
@@ -190,7 +190,8 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
           dtype: str | None = None, kernel: str | None = None, prefer: str | None = None,
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
           tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
-          all2all: str | None = None, expert_placement: str | None = None, keep_weights: bool = False) -> LayerBuild:
+          all2all: str | None = None, expert_placement: str | None = None, keep_weights: bool = False,
+          model_config: ModelConfig | None = None, index: CheckpointIndex | None = None) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
     SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
@@ -198,7 +199,8 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     torch.distributed process group: each rank's kernel holds its experts (``expert_placement``: contiguous, the
     default, or round_robin) and takes its own tokens. ``keep_weights``: hold the converted weights beside a
     kernel's own copy (for a caller that reads ``.weights`` again, as ``run``'s float64 reference does), instead
-    of converting them again from the checkpoint on each access."""
+    of converting them again from the checkpoint on each access. ``model_config`` / ``index``: this checkpoint's
+    config and header index as the caller already read them (``load_model`` builds every layer from one read)."""
     registry = load_registry(spec_dirs)
     check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
@@ -206,11 +208,12 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
         raise ConfigError(f"{target}: no such file or directory")
     flags = Flags(platform=platform, dtype=dtype, layer=layer, tp=tp, ep=ep, max_tokens=max_tokens, all2all=all2all,
                   expert_placement=expert_placement)
-    model = read_model_config(target, registry)
+    model = model_config if model_config is not None else read_model_config(target, registry)
     situation = situation_for_model(model, registry, flags)
     device_for(situation.runtime.platform, device)  # refuse an absent GPU before reading tensors
     report = select(registry, situation, prefer=prefer, pin=kernel)  # a refusal reads no tensor headers
-    index = open_checkpoint(target if target.is_dir() else target.parent)
+    if index is None:
+        index = open_checkpoint(target if target.is_dir() else target.parent)
     assert report.scheme is not None and situation.layer is not None
     scheme = registry.scheme(report.scheme.scheme)
     family = registry.families[model.family].spec
