@@ -830,3 +830,24 @@ def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
     whole = [(c1.get("ZERO_SUMS"), c2.get("ZERO_SUMS")) for c1, c2 in pairs
              if c1["BLOCK_N"] == c2["BLOCK_N"] == 128 and c1["BLOCK_K"] == c2["BLOCK_K"] == 128]
     assert (None, None) in whole and (True, True) in whole
+
+
+def test_a_device_nobody_tuned_takes_its_stand_ins_tables(caplog):
+    """An H200 (the H100's SMs) runs on the shipped H100 tables, and says so; a device without a stand-in
+    gets the defaults."""
+    import logging
+
+    from moe_registry_kernels.triton import tile_config
+
+    h100 = tile_config.TUNED_STAND_INS["NVIDIA H200"]
+    path = tile_config.config_file(AWQ, "unquantized", h100)
+    table = json.loads(path.read_text())
+    shape = next(iter(table))
+    e, top, n, k = (int(p.lstrip("EtopNK")) for p in shape.split("_"))
+    tokens = next(iter(table[shape]))
+    with caplog.at_level(logging.INFO, logger="moe_registry"):
+        got = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "NVIDIA H200")
+    assert {key: got[key] for key in table[shape][tokens]} == table[shape][tokens]
+    assert f"tuned on {h100}" in caplog.text
+    untuned = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "Some GPU", warn=False)
+    assert untuned == tile_config.default_config(int(tokens), top, e, n, k, AWQ)

@@ -26,8 +26,8 @@ rm -rf .peer && mkdir -p .peer/configs
 cp "$harness"/{vllm_peer_bench.py,marlin_peer_bench.py,compare.py,side_by_side.sh} .peer/
 unzip -p "$wheel" vllm/model_executor/layers/fused_moe/fused_moe.py > .peer/fused_moe.py
 unzip -p "$wheel" vllm/_version.py > .peer/vllm_version.py
-# vLLM's tuned H100 tables, the block-fp8 ones ("...,block_shape=[128,128].json") included
-unzip -j -o -q "$wheel" 'vllm/model_executor/layers/fused_moe/configs/*H100*' -d .peer/configs
+# vLLM's tuned H100 and H200 tables (the GPUs the peer runs on), the block-fp8 ones ("...,block_shape=[128,128].json") included
+unzip -j -o -q "$wheel" 'vllm/model_executor/layers/fused_moe/configs/*H100*' 'vllm/model_executor/layers/fused_moe/configs/*H200*' -d .peer/configs
 sha256sum "$wheel" > .peer/WHEEL_SHA256
 if [ $marlin = 1 ]; then
   mkdir -p .peer/marlin
@@ -39,6 +39,6 @@ ls .whl/pydantic_core-*cp312* >/dev/null 2>&1 || python3 -m pip download -q --no
   --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
   typing-extensions==4.16.0 typing-inspection==0.4.5
-echo "vLLM $version: $(ls .peer/configs | wc -l) tuned H100 tables, marlin $([ $marlin = 1 ] && echo yes || echo no)"
+echo "vLLM $version: $(ls .peer/configs | wc -l) tuned H100 and H200 tables, marlin $([ $marlin = 1 ] && echo yes || echo no)"
 du -sh .peer .whl
 echo "carry [\".peer\", \".whl\"] with: bash tools/gpu_run.sh peer triton|marlin \"SCHEME_SPEC ...\""

@@ -40,6 +40,9 @@ TUNED_REACH = 4.0
 # the SM count where no GPU says one: the interpreter behaves as an H100 would (so CPU tests cover
 # split-K), and so do callers of default_config / get_config that name no count
 INTERPRETER_SMS = 132
+# a device nobody tuned takes the tables of a device with the same SMs (the same die, clocks and SM count;
+# only the memory differs), said once in the log: nearer to its best than the untuned defaults
+TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
 
 
 def _slug(text: str) -> str:
@@ -115,6 +118,12 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
     path = config_file(weight_key, activation_key, device_name)
     table = _load_config_file(path)
+    stand_in = TUNED_STAND_INS.get(device_name)
+    if table is None and stand_in is not None:
+        path = config_file(weight_key, activation_key, stand_in)
+        table = _load_config_file(path)
+        if table is not None and warn:
+            _say_stand_in(device_name, stand_in, path)
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
     if not by_tokens:
@@ -133,6 +142,16 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
 
 
 _WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
+_SAID_STAND_IN: set[Path] = set()
+
+
+def _say_stand_in(device_name: str, stand_in: str, path: Path) -> None:
+    """Say once per table that a device runs on another device's tuned tiles."""
+    if path in _SAID_STAND_IN:
+        return
+    _SAID_STAND_IN.add(path)
+    log.info("MoE tiles for %s: %s, tuned on %s (same SMs; tools/tune.py tunes this device)",
+             device_name, path.name, stand_in)
 
 
 def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str) -> None:
