@@ -111,6 +111,7 @@ EXPLAINED = [
     _gptq("qwen3-gptq-w8-asym", "gptq-w8a16-asym", ZP8),
     _gptq("qwen3-gptq-w8-asym-v2", "gptq-v2-w8a16-asym", ZP8),
     _gptq("qwen3-autoround-w4-sym", "autoround-w4a16", GPTQ4, producer="autoround"),  # auto_round:auto_gptq
+    _gptq("qwen3-autoround-w4-asym", "autoround-w4a16-asym", ZP4, producer="autoround"),
     *[Explained(f, "cuda:9.0", s, TRITON, dtype="float16", num_experts=4) for f, s in (
         ("quark/qwen3-w8a8-int8-channel", "quark-w8a8-int8"),
         ("quark/qwen3-w8a8-int8-tensor", "quark-w8a8-int8-tensor"),
@@ -165,7 +166,8 @@ DEQUANTISED = [
         "qwen3-gptq-w4-sym", "qwen3-gptq-w4-asym", "qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w4-sym-v2",
         "qwen3-gptq-w4-asym-actorder-v2", "mixtral-gptq-w4-sym", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
     Dequantised("autoawq/qwen3-awq-w4-gemm", 4, None, torch.float16, torch.float32),
-    Dequantised("autoround/qwen3-autoround-w4-sym", 4, None, torch.float16, torch.float32),
+    *[Dequantised(f"autoround/{n}", 4, None, torch.float16, torch.float32)
+      for n in ("qwen3-autoround-w4-sym", "qwen3-autoround-w4-asym")],
     Dequantised("quark/qwen3-w8a8-int8-channel", 2, None, torch.bfloat16),
     Dequantised("quark/qwen3-w8a8-int8-tensor", 2, None, torch.bfloat16),
     Dequantised("modelopt/qwen3-mxfp8", 2, None, torch.bfloat16),
@@ -220,6 +222,7 @@ WEIGHT_ONLY = [
       for n in ("qwen3-gptq-w8-sym-actorder", "qwen3-gptq-w8-asym", "qwen3-gptq-w8-asym-v2")],
     WeightOnly("autoawq/qwen3-awq-w4-gemm", "float16"),
     WeightOnly("autoround/qwen3-autoround-w4-sym", "float16", triton=False),
+    WeightOnly("autoround/qwen3-autoround-w4-asym", "float16"),
     *[WeightOnly(f"compressed_tensors_presets/{n}", "float32")
       for n in ("w4a16-g128", "w4a16-channel", "w4a16-asym-g64-actorder-weight", "w8a16-asym-g32")],
     WeightOnly("fp4/modelopt-qwen3-nvfp4", "float32", 1e-4),  # ModelOpt's float32: float32 sums differ only
@@ -342,7 +345,7 @@ def test_producer_linears_reproduced_in_float64(case: Linears) -> None:
 FIXTURE_BYTES = {  # each producer's fixtures as committed, at most (block-128 fp8 needs 128 x 128 weights: ~230 kB)
     ("gptqmodel",): 1_500_000,
     ("autoawq",): 256 * 1024,
-    ("autoround",): 256 * 1024,
+    ("autoround",): 512 * 1024,
     ("compressed_tensors_presets",): 1024 * 1024,
     ("fp4",): 1024 * 1024,
     ("fp8",): 1_750_000,

@@ -47,6 +47,7 @@ CASES = {
     "qwen3-gptq-w8-asym-v2": ("gptqmodel", "gptq-v2-w8a16-asym", "uint8 scale:float16:group(32):static zp:group"),
     # Intel AutoRound's int4 export, packing auto_round:auto_gptq (tools/make_fixtures_autoround.py)
     "qwen3-autoround-w4-sym": ("autoround", "autoround-w4a16", "uint4b8 scale:float16:group(32):static"),
+    "qwen3-autoround-w4-asym": ("autoround", "autoround-w4a16-asym", "uint4 scale:float16:group(32):static zp:group"),
 }
 
 

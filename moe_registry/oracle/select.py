@@ -199,7 +199,9 @@ def claimants_refusal(situation: Situation, verdicts: Sequence[SchemeVerdict]) -
     if not isinstance(method, str) or not claimants:
         return None
     nearest = claimants[0]
-    others = f" ({len(claimants) - 1} other schemes claim it too, --verbose lists them)" if len(claimants) > 1 else ""
+    more = len(claimants) - 1
+    others = (f" ({more} other scheme{' claims' if more == 1 else 's claim'} it too, --verbose lists "
+              f"{'it' if more == 1 else 'them'})") if more else ""
     return (f"quant_method {method!r}: no scheme matches this config; the nearest scheme claiming it, "
             f"{nearest.scheme}, turns it down: {' / '.join(c.message for c in nearest.failures)}{others}")
 
