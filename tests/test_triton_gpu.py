@@ -310,8 +310,8 @@ def test_mx_fp8_tiles_with_folded_scales_are_bit_equal(dtype, shape, m, swap, mo
     experts = TritonExperts(weights, ExpertsConfig())
     real, taken = triton_launch._e4m3_folded, []
 
-    def spy(w, s, d, asm):
-        taken.append(real(w, s, d, asm))
+    def spy(*args):
+        taken.append(real(*args))
         return taken[-1]
 
     tile = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,

@@ -55,7 +55,9 @@ class Case:
 CASES = [  # tol: the measured relative error (comment) with headroom (the why: the module docstring)
     Case("ct-w4a16", 1e-2, "compressed-tensors-w4a16"),  # 3.1e-3: the reference's code x scale rounded to bf16
     Case("ct-w8a8-int8", 3e-2, "compressed-tensors-w8a8-int8"),  # 1.2e-2: per-token int8 inputs of the experts
-    Case("ct-fp8-dynamic", 6e-2, "compressed-tensors-w8a8-fp8-dynamic"),  # 3.3e-2: per-token fp8 inputs
+    # 3.3e-2: per-token fp8 inputs (median 3.2e-2); layer 0 routes position 14 at a near tie (second and third
+    # router logits 6e-4 apart), which 16-bit activations tip to the other expert (0.57 there, 0.12 in all)
+    Case("ct-fp8-dynamic", 1.5e-1, "compressed-tensors-w8a8-fp8-dynamic", typical=5e-2),
     Case("ct-nvfp4", 1.5e-2, "compressed-tensors-nvfp4"),  # 4.4e-3: code x scale x global scale rounded to bf16
     Case("ct-mxfp4", 1.5e-3, "compressed-tensors-mxfp4"),  # 3.5e-4
     # 6.3e-2: fp8 inputs in groups of 128; median 4.4e-2, one near tie (position 4: 0.2)
