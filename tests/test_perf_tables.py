@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ DOC = ROOT / "docs" / "performance.md"
 @pytest.fixture
 def perf_tables(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    for name in ("perf_tables", "per_byte", "bench"):
+    for name in ("perf_tables", "per_byte", "bench", "peer_record"):
         sys.modules.pop(name, None)
     import perf_tables
 
@@ -32,7 +34,8 @@ def test_every_record_in_docs_bench_is_named_by_the_manifest(perf_tables):
     manifest = perf_tables.read_manifest()
     named = {manifest["gpu_layer"]["record"], manifest["cpu_layer"]["record"]}
     named |= {e["record"] for e in manifest["gpu_tuned"]}
-    named |= {manifest[key]["record"] for key in (*perf_tables.WHOLE_MODEL_BLOCKS, "cpu_peer") if key in manifest}
+    keyed = (*perf_tables.WHOLE_MODEL_BLOCKS, "cpu_peer", "gpu_peer")
+    named |= {manifest[key]["record"] for key in keyed if key in manifest}
     present = {p.name for p in (ROOT / "docs" / "bench").iterdir()} - {"records.json"}
     assert present == named
 
@@ -66,7 +69,7 @@ def test_a_block_the_tool_does_not_make_or_a_missing_record_is_one_line(perf_tab
     assert perf_tables.main(["--check", str(doc)]) == 2
     assert capsys.readouterr().err.strip() == (
         "perf_tables.py: generated block 'peers': not one this tool makes (known: gpu-layer, per-byte, tuned, "
-        "cpu-layer, cpu-peer, gpu-whole-model, gpu-whole-model-modes, cpu-whole-model, cpu-whole-model-tiny)")
+        "cpu-layer, cpu-peer, gpu-peer, gpu-whole-model, gpu-whole-model-modes, cpu-whole-model, cpu-whole-model-tiny)")
     manifest = _copy_records(tmp_path)
     (manifest.parent / "h100-layer.jsonl").unlink()
     assert perf_tables.main(["--manifest", str(manifest)]) == 2
@@ -96,3 +99,112 @@ def test_per_byte_markdown_is_one_table_per_shape(perf_tables, tmp_path, capsys)
     assert per_byte.main([str(tmp_path / "run.jsonl"), "--markdown"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "**S**", "", "| scheme | against | M = 1 |", "| --- | --- | --- |", "| `mxfp4` | `gptq-w4a16` | 1.25 |"]
+
+
+def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
+    """Cells and geo-means of the committed side-by-side record, against the harness's own ratios.md of the same
+    runs (peer time / our time: GEMMs, then layer)."""
+    import peer_record
+
+    doc = perf_tables.json_record(perf_tables.read_manifest()["gpu_peer"], ROOT / "docs" / "bench")
+    cells = {(c["peer"], c["shape"], c["scheme"], c["m"]): c for c in doc["cells"]}
+    expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.15", "1.61"),
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.73", "0.81"),
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.58", "2.42"),
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.03", "1.39")}
+    for key, (gemm, layer) in expected.items():
+        assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
+            gemm, layer), key
+    rows = {(s["peer"], s["scheme"], s["bucket"]): s for s in peer_record.summary(doc)}
+    got = {key: (f"{rows[key]['gemm']:.2f}", f"{rows[key]['layer']:.2f}", rows[key]["gemm_below_1"],
+                 rows[key]["layer_below_1"], rows[key]["cells"]) for key in rows}
+    assert got[("Marlin", "all schemes", "all")] == ("0.92", "1.09", 16, 10, 24)
+    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.86", "1.06", 7, 6, 9)
+    assert got[("vLLM-Triton", "all schemes", "prefill, M >= 512")] == ("1.08", "1.78", 3, 0, 12)
+    block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
+    assert "| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.8 | 24.1 | 1.15 | 25.3 | 40.8 | 1.61 |" in block
+    # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 419.0 | 663.8 | 1.58 "
+            "| 580.9 | (1408.5) | (2.42) |") in block
+    assert block.startswith('Commands: `MS="1 8 64 512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
+                            "(Marlin); `bash tools/gpu_run.sh peer triton \"compressed-tensors-w8a8-fp8-dynamic "
+                            'fp8-block128"` (vLLM-Triton)')
+
+
+def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
+    """A tools/gpu_run.sh peer output folder: the peer's files in peer.tgz, ours in ours/bench.jsonl."""
+    (path / "ours").mkdir(parents=True)
+    header = {"env": {"device": "GPU X", "torch": "2.0", "triton": "3.0"}, "ceilings": {}}
+    (path / "ours" / "bench.jsonl").write_text(
+        "\n".join(json.dumps(x) for x in [header, *({"row": r} for r in rows)]) + "\n")
+    (path / "gpu.txt").write_text("GPU X, 1000 MHz\ntorch 2.0\nproject: abc1234\n")
+    with tarfile.open(path / "peer.tgz", "w:gz") as tar:
+        for name, content in files.items():
+            text = (json.dumps(content) if isinstance(content, dict)
+                    else "\n".join(json.dumps(x) for x in content) + "\n").encode()
+            info = tarfile.TarInfo(f"peer/{name}")
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text))
+    return path
+
+
+def _ours(scheme: str, m: int, gemm: float, us: float) -> dict:
+    return {"shape": "Qwen3-30B-A3B", "scheme": scheme, "m": m, "gemm_us": gemm, "us": us, "rel_error": 0.01}
+
+
+def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
+    import peer_record
+
+    time = {"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "fp8_w8a8", "M": 8, "t_gemms_us": 30.0,
+            "t_layer_us": 50.0, "t_align_us": 10.0, "config_src": "tuned:E=128"}
+    triton = _peer_run(tmp_path / "triton", {
+        "times.jsonl": [time, {**time, "M": 64, "config_src": "default"}],
+        "checks.jsonl": [{"kind": "check", "shape": "qwen3-30b-a3b", "scheme": "fp8_w8a8", "M": 8, "rel_err": 0.02,
+                          "ok": False}],
+        "env.json": {"vllm_version": "0.33.0", "vllm_commit": "gabc"}},
+        # M = 512 has no peer time, unquantized no peer scheme in this run: neither is a cell
+        [_ours("compressed-tensors-w8a8-fp8-dynamic", 8, 20.0, 40.0),
+         _ours("compressed-tensors-w8a8-fp8-dynamic", 64, 60.0, 80.0),
+         _ours("compressed-tensors-w8a8-fp8-dynamic", 512, 1.0, 1.0), _ours("unquantized", 8, 1.0, 1.0)])
+    marlin = _peer_run(tmp_path / "marlin", {
+        "marlin.jsonl": [{"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "int4_w4a16_zp", "M": 1,
+                          "t_gemms_us": 9.0, "t_layer_us": 11.0, "t_align_us": 2.0, "t_layer_align_us": 14.0}],
+        "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
+        [_ours("awq-w4a16", 1, 10.0, 12.0)])
+    doc = peer_record.distil([triton, marlin])
+    cells = {(c["peer"], c["scheme"], c["m"]): c for c in doc["cells"]}
+    assert sorted(cells) == [("Marlin", "awq-w4a16", 1), ("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 8),
+                             ("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 64)]
+    t8 = cells[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 8)]
+    # the Triton harness times its glue and its alignment apart: the layer is both
+    assert (peer_record.gemm_ratio(t8), peer_record.layer_ratio(t8)) == (1.5, 1.5)
+    assert (t8["peer_rel_error"], t8["peer_check_ok"], t8["peer_config"]) == (0.02, False, "tuned")
+    assert cells[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 64)]["peer_config"] == "default"
+    marlin_cell = cells[("Marlin", "awq-w4a16", 1)]
+    assert (peer_record.gemm_ratio(marlin_cell), peer_record.layer_ratio(marlin_cell)) == (0.9, 14.0 / 12.0)
+    assert [peer_record.command(r) for r in doc["runs"]] == [
+        'SHAPES="qwen3" MS="8 64" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"',
+        'SHAPES="qwen3" MS="1" bash tools/gpu_run.sh peer marlin "awq-w4a16"']
+    assert peer_record.machine(doc) == "GPU X, 1000 MHz, torch 2.0, Triton 3.0, vLLM 0.33.0 (gabc) (vLLM-Triton); " \
+        "GPU X, 1000 MHz, torch 2.0, Triton 3.0, vLLM 0.33.0 (Marlin)"
+    assert json.loads(peer_record.dumps(doc)) == doc
+    text = peer_record.markdown(doc)
+    assert "| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 8 | 20.0 | 30.0 | 1.50 | 40.0 " \
+           "| (60.0) | (1.50) | 1.0e-02 | 2.0e-02 (failed) | tuned |" in text
+    # Marlin times vLLM's glue with its alignment (t_layer_align_us), and its layer figures are fair: no brackets
+    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.0 | 9.0 | 0.90 | 12.0 | 14.0 | 1.17 | 1.0e-02 | - | - |" \
+        in text
+
+
+def test_peer_record_without_a_shared_cell_is_one_line(perf_tables, tmp_path, capsys):
+    import peer_record
+
+    run = _peer_run(tmp_path / "run", {"times.jsonl": [{"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "bf16",
+                                                         "M": 1, "t_gemms_us": 1.0, "t_layer_us": 1.0,
+                                                         "t_align_us": 0.0}]},
+                    [_ours("awq-w4a16", 1, 1.0, 1.0)])
+    assert peer_record.main([str(run), "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == f"peer_record.py: {run}: no cell timed by both ours and the peer\n"
+    (run / "peer.tgz").unlink()
+    assert peer_record.main([str(run)]) == 2
+    assert capsys.readouterr().err == f"peer_record.py: {run}: no peer/ or peer.tgz\n"

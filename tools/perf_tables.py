@@ -177,6 +177,19 @@ def cpu_peer_block(entry: dict, base: Path) -> str:
             + bench_cpu_peer.markdown(doc))
 
 
+def gpu_peer_block(entry: dict, base: Path) -> str:
+    """A tools/peer_record.py record: vLLM's own MoE kernels beside ours on one GPU, one run per peer."""
+    import peer_record
+
+    doc = json_record(entry, base)
+    commands = "; ".join(f"`{peer_record.command(run)}` ({run['peer']})" for run in doc["runs"])
+    machine = peer_record.machine(doc) + (f" ({entry['note']})" if entry.get("note") else "")
+    return (f"Commands: {commands}, each one GPU call timing the peer, then tools/bench.py, on the same GPU; "
+            f"then `python tools/peer_record.py RUN_DIR ... --out docs/bench/{entry['record']}`. Machine: {machine}. "
+            f"Date: {entry['date']}, code at commit `{entry['commit']}`. Record: `docs/bench/{entry['record']}`.\n\n"
+            + peer_record.markdown(doc))
+
+
 # manifest key -> generated block of a tools/bench_model.py record
 WHOLE_MODEL_BLOCKS = {"gpu_whole": "gpu-whole-model", "gpu_whole_modes": "gpu-whole-model-modes",
                       "cpu_whole": "cpu-whole-model", "cpu_whole_tiny": "cpu-whole-model-tiny"}
@@ -212,6 +225,8 @@ def blocks(manifest: dict, base: Path) -> dict[str, str]:
     }
     if "cpu_peer" in manifest:
         out["cpu-peer"] = cpu_peer_block(manifest["cpu_peer"], base)
+    if "gpu_peer" in manifest:
+        out["gpu-peer"] = gpu_peer_block(manifest["gpu_peer"], base)
     for key, name in WHOLE_MODEL_BLOCKS.items():
         if key in manifest:
             out[name] = whole_model_block(manifest[key], base)
