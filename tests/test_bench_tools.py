@@ -265,8 +265,8 @@ def test_bench_cpu_rows_are_the_quantized_key_pairs_of_the_specs(bench, tmp_path
     registry = load_registry()
     listing = {n for n, loaded in registry.schemes.items() if "torch-cpu-packed" in loaded.spec.kernels}
     assert {n for names in shipped.values() for n in names} == listing  # every one quantized and claimed
-    assert shipped[(AWQ, "unquantized")] == ["awq-w4a16", "compressed-tensors-w4a16-asym", "gptq-v2-w4a16-asym",
-                                             "gptq-w4a16-asym"]
+    assert shipped[(AWQ, "unquantized")] == ["autoround-w4a16-asym", "awq-w4a16", "compressed-tensors-w4a16-asym",
+                                             "gptq-v2-w4a16-asym", "gptq-w4a16-asym"]
     user_spec(tmp_path, monkeypatch, "test-w4a16-channel", USER_SCHEME)
     assert pairs()[("uint4 scale:float16:channel:static zp:group", "unquantized")] == ["test-w4a16-channel"]
 
