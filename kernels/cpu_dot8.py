@@ -14,11 +14,13 @@ schemes' tolerance; the kernel spec declares it (``emulation``: explain and run 
 keeps the exact sums (``--prefer torch-cpu-native``).
 
 Weights are repacked when the layer is built: unsigned codes (int4 nibbles 0..15, int8 bytes 0..255) with a
-float32 scale and a uint8 zero per (row, group) - uint4b8 and uint8b128 get their fixed 8 and 128 - four rows
-interleaved per 64 columns (see the C++ header), in one buffer per projection aligned for huge pages: one
-contiguous stream per 64-row task, and each 64-column chunk of four rows loaded once for every token of a pass.
-One call per GEMM covers every (token, expert) pair of the layer: the rows are quantised once, then each (expert,
-64-row block) is a task of one parallel region, taken by whichever thread comes free.
+float32 scale per (row, group) and a uint8 zero where the checkpoint has zero points (uint4b8 and uint8b128 keep
+none: their fixed 8 and 128 are folded into the dots; NVFP4 keeps its group scales in float16 and its tensor
+scale once per output row), four rows interleaved per 64 columns (see the C++ header), in one buffer per
+projection aligned for huge pages: one contiguous stream per 64-row task, and each 64-column chunk of four rows
+loaded once for every token of a pass. One call per GEMM covers every (token, expert) pair of the layer: the rows
+are quantised once, then each (expert, 64-row block) is a task of one parallel region, taken by whichever thread
+comes free.
 
 The library is built per instruction set the CPU has (``avx512vnni``, ``avx2``, as torch's cpuinfo probes say;
 the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is built),
@@ -103,22 +105,29 @@ def dot8_ops(isa: str | None = None):
         return _OPS[name]
 
 
-def e2m1_scale(proj: ProjectionWeights, key: QuantKey) -> torch.Tensor:
-    """An e2m1 projection's scales as the kernel takes them, float32 [E, N, G]: e8m0 read as 2^(e-127), or e4m3
-    times the per-tensor scale2 (their product first, as the reference), halved for the codes' doubling."""
-    scale = e8m0_to_float(proj.scale) if key.scale.dtype.name == "e8m0" else proj.scale.float()
-    if key.scale2 is not None:
-        if proj.scale2 is None:
-            raise ValueError(f"weight key {key} has a second-level scale but the projection has no scale2")
-        scale = scale * proj.scale2.float().reshape(scale.shape[0], scale.shape[1], 1)
-    return scale * 0.5
+def e2m1_scales(proj: ProjectionWeights, key: QuantKey) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An e2m1 projection's group scales as the kernel takes them, halved for the codes' doubling, and its
+    multiplier per output row: e8m0 read as 2^(e-127), float32 [E, N, G], and none; or (NVFP4) e4m3 in float16
+    [E, N, G] - an e4m3 value halved (2^-10 .. 224, four significant bits) is exact there, two bytes a group
+    where a float32 took four - with the float32 tensor scale2 [E, N] applied to each output once."""
+    if key.scale.dtype.name == "e8m0":
+        if key.scale2 is not None:
+            raise ValueError(f"weight key {key}: torch-cpu-dot8 takes a second-level scale over e4m3 group scales")
+        return e8m0_to_float(proj.scale) * 0.5, None
+    if key.scale2 is None or proj.scale2 is None:
+        raise ValueError(f"weight key {key}: torch-cpu-dot8 takes e4m3 group scales with a float32 second-level "
+                         f"scale (NVFP4), got {'no' if proj.scale2 is None else 'a'} scale2")
+    e, n = int(proj.scale.shape[0]), int(proj.scale.shape[1])
+    return (proj.scale.float() * 0.5).half(), proj.scale2.float().reshape(e, n)
 
 
 @dataclass(frozen=True)
 class Dot8Proj:
     """One projection of every expert in the kernel's layout: codes [E, Np/4, Kp/64, 4, 32 or 64] uint8,
-    scale [E, Np, G] float32, zero [E, Np, G] uint8 (groups of 16: each chunk's 4 x 4 of a row group side by
-    side); n real rows, k real columns, gs columns per group; e2m1: the 4-bit codes are FP4."""
+    scale [E, Np, G] float32 (groups of 16: float16, each chunk's 4 x 4 of a row group side by side), zero
+    [E, Np, G] uint8 where the key has zero points (else empty: every code's zero is ``zero_const``), row_scale
+    [E, Np] float32 multiplying each output row (NVFP4's tensor scale) or None; n real rows, k real columns, gs
+    columns per group; e2m1: the 4-bit codes are FP4."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -129,6 +138,7 @@ class Dot8Proj:
     gs: int
     e2m1: bool = False
     zero_const: int = -1  # the one zero of every code (no zero points), or -1: zero holds them
+    row_scale: torch.Tensor | None = None
 
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey, ops) -> Dot8Proj:
@@ -142,7 +152,7 @@ class Dot8Proj:
         e, n, kw = (int(d) for d in proj.weight.shape)
         k = kw * 2 if bits == 4 else kw
         kp, np_ = -(-k // CHUNK) * CHUNK, -(-n // ROWS) * ROWS
-        scale = e2m1_scale(proj, key) if e2m1 else proj.scale.float()
+        scale, row_scale = e2m1_scales(proj, key) if e2m1 else (proj.scale.float(), None)
         if scale.dim() != 3 or scale.shape[:2] != (e, n):
             raise ValueError(f"weight key {key}: wanted scales [E={e}, N={n}, groups], got {tuple(scale.shape)}")
         groups = int(scale.shape[2])
@@ -150,15 +160,18 @@ class Dot8Proj:
         if groups > 1 and (gs * groups != k or (gs not in (BLOCK // 2, BLOCK) and gs % CHUNK)):
             raise ValueError(f"weight key {key}: {groups} scale groups over K={k}; torch-cpu-dot8 takes groups of "
                              f"{BLOCK // 2} or {BLOCK} columns or a multiple of {CHUNK}")
+        if (gs == BLOCK // 2) != (scale.dtype == torch.float16):
+            raise ValueError(f"weight key {key}: torch-cpu-dot8 takes groups of {BLOCK // 2} with e4m3 scales "
+                             f"(NVFP4) only, got groups of {gs} with {scale.dtype} scales")
         if key.zero_point == "group":
             if proj.zero is None or tuple(proj.zero.shape) != tuple(scale.shape):
                 got = None if proj.zero is None else tuple(proj.zero.shape)
                 raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
                                  f"got {got}")
             zero, zero_const = proj.zero.to(torch.uint8), -1
-        else:
+        else:  # one zero for every code, folded into the dots: none stored
             zero_const = E2M1_ZERO if e2m1 else key.dtype.bias
-            zero = torch.full(scale.shape, zero_const, dtype=torch.uint8)
+            zero = torch.empty(0, dtype=torch.uint8)
         cb = 32 if bits == 4 else CHUNK
         codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
@@ -170,22 +183,26 @@ class Dot8Proj:
             else:
                 codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0
-        scale, zero = (torch.nn.functional.pad(t, rows_pad) for t in (scale, zero))
+        scale = torch.nn.functional.pad(scale, rows_pad)
+        if zero_const < 0:
+            zero = torch.nn.functional.pad(zero, rows_pad).contiguous()
         if gs == BLOCK // 2:  # a chunk's 4 x 4 scales of a row group side by side (the C++ sidx)
-            scale, zero = (t.view(e, np_ // ROWS, ROWS, kp // CHUNK, 4).transpose(2, 3).reshape(e, np_, kp // gs)
-                           for t in (scale, zero))
-        return Dot8Proj(codes, scale.contiguous(), zero.contiguous(), n, k, bits, gs, e2m1, zero_const)
+            scale = scale.view(e, np_ // ROWS, ROWS, kp // CHUNK, 4).transpose(2, 3).reshape(e, np_, kp // gs)
+        if row_scale is not None:
+            row_scale = torch.nn.functional.pad(row_scale, (0, np_ - n)).contiguous()
+        return Dot8Proj(codes, scale.contiguous(), zero, n, k, bits, gs, e2m1, zero_const, row_scale)
 
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+        return sum(t.nbytes for t in (self.codes, self.scale, self.zero, self.row_scale) if t is not None)
 
     def gemm(self, ops, a: torch.Tensor, experts: torch.Tensor, row_div: int = 1, act: str | None = None,
              combine: torch.Tensor | None = None, per: int = 1) -> torch.Tensor:
         """Pair i's activation row a[i // row_div] (``act``: act(gate) * up of that [gate | up] row) times expert
         experts[i] (< 0: nothing): [P, N], or with router weights ``combine`` [P] the weighted sum over each
         run of ``per`` pairs, [P / per, N]."""
-        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.zero_const, self.n, self.bits,
-                        self.e2m1, self.gs, ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
+        return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.zero_const, self.row_scale,
+                        self.n, self.bits, self.e2m1, self.gs, ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
+                        combine, per)
 
 
 class Dot8Experts(Experts):

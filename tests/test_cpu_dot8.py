@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from moe_registry_kernels import cpu_dot8
+from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 
 from moe_registry.core.checks import Reason
 from moe_registry.core.keys import parse_quant_key
 from moe_registry.layer.experts import ExpertsConfig
+from moe_registry.layer.resident import reachable_tensor_bytes
 from moe_registry.layer.routing import softmax_topk
 from moe_registry.oracle.select import select
 from moe_registry.situation.describe import Flags, situation_for
@@ -79,6 +81,69 @@ def test_each_build_computes_the_declared_int8_activation_math(isa: str, weight:
         exact = reference_moe(x, r.topk_weights, r.topk_ids, weights, config, torch.float64)
         assert _rel(out, declared) < 2e-3, (isa, weight, activation)
         assert 1e-3 < _rel(out, exact) < 2e-2  # the quantised activations' error: there, and inside the tolerance
+
+
+NVFP4 = "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static"
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_nvfp4_keeps_float16_group_scales_exactly_and_each_rows_tensor_scale(isa: str) -> None:
+    """NVFP4's e4m3 group scales, halved, are held in float16 bit-exactly (every e4m3 byte but NaN), and its tensor
+    scale multiplies each output row once: with a different scale2 on every row (gate and up have their own in
+    checkpoints) the layer still computes the declared math."""
+    weights = _layer(NVFP4, 128, 96)
+    gen = torch.Generator().manual_seed(9)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3's NaN bytes are refused when a checkpoint loads
+    w13 = weights.w13
+    scale = codes[torch.randint(len(codes), w13.scale.shape, generator=gen)].view(torch.float8_e4m3fn)
+    rows = torch.rand(w13.scale2.shape, generator=gen) * 3 + 0.25
+    weights = dataclasses.replace(weights, w13=dataclasses.replace(w13, scale=scale, scale2=rows))
+    layer = _experts(weights, isa)
+    e, n, g = scale.shape
+    held = layer.w13.scale.view(e, n // 4, g // 4, 4, 4).transpose(2, 3).reshape(e, n, g)  # undo the chunk order
+    assert layer.w13.scale.dtype == torch.float16
+    assert torch.equal(held.double(), scale.double() * 0.5)
+    assert torch.equal(layer.w13.row_scale, rows.reshape(e, n))
+    x = torch.randn(7, 128, generator=gen)
+    r = softmax_topk(torch.randn(7, 4, generator=gen), 2, True)
+    declared = reference_moe(x, r.topk_weights, r.topk_ids, dataclasses.replace(weights, activation_key=DECLARED),
+                             ExpertsConfig(), torch.float64)
+    assert _rel(layer.apply(x, r.topk_weights, r.topk_ids), declared) < 2e-3
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("weight", ["uint4b8 scale:float16:group(128):static",
+                                    "uint8b128 scale:float16:group(32):static", "e2m1 scale:e8m0:block(1x32):static"])
+def test_a_fixed_zero_is_folded_not_stored_and_matches_stored_zeros(isa: str, weight: str) -> None:
+    """Without zero points no zero is stored; the folded zero computes what the same zero stored per group does
+    (the zero-point path), but for float32 rounding."""
+    weights = _layer(weight, 128, 192)
+    ops = cpu_dot8.dot8_ops(isa)
+    folded = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key, ops)
+    assert folded.zero.numel() == 0 and folded.zero_const >= 0
+    stored = dataclasses.replace(folded, zero=torch.full(folded.scale.shape, folded.zero_const, dtype=torch.uint8),
+                                 zero_const=-1)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([0, 3, 1, 1, 2])
+    a, b = folded.gemm(ops, x, ids), stored.gemm(ops, x, ids)
+    assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("weight", [NVFP4, "e2m1 scale:e8m0:block(1x32):static",
+                                    "uint4b8 scale:float16:group(128):static",
+                                    "uint4 scale:float16:group(32):static zp:group",
+                                    "uint8b128 scale:float16:channel:static"])
+def test_resident_bytes_within_a_quarter_of_the_checkpoint(weight: str) -> None:
+    """What the layer keeps reachable (codes, scales, zeros only where the checkpoint has them, NVFP4's float16
+    group scales and row scales) against the checkpoint's packed expert bytes."""
+    w = make_random_expert_weights(parse_quant_key(weight), UNQUANTIZED, num_experts=4, hidden=256,
+                                   intermediate=384, dtype=torch.bfloat16, seed=5)
+    packed = packed_checkpoint_bytes(w)
+    layer = cpu_dot8.Dot8Experts(w, ExpertsConfig())
+    del w
+    for ratio in (layer.resident_weight_bytes() / packed, reachable_tensor_bytes(layer) / packed):
+        assert ratio <= 1.25, f"{weight}: {ratio:.3f}"
 
 
 def test_foreign_experts_add_nothing_and_router_weight_on_input() -> None:

@@ -7,10 +7,12 @@
 // Weights: unsigned codes u (int4: the nibble, 0..15; int8: the byte, 0..255) with a float32 scale s and an
 // integer zero z per (row, group); value = (u - z) * s. uint4b8 is z = 8, uint8b128 z = 128, AWQ / GPTQ-asym
 // the checkpoint's zero. e2m1 (MXFP4, NVFP4) nibbles become u = 12 + 2 * value (0..24, a 16-byte table in one
-// shuffle), z = 12, the scale (e8m0, or e4m3 times the tensor scale) halved. Then
+// shuffle), z = 12, the scale (e8m0, or e4m3) halved; NVFP4's float32 tensor scale multiplies each output row
+// once, and its halved e4m3 group scales are kept in float16, exactly (2^-10 .. 224, four significant bits). Then
 //   y = sum_g s_g * sum_{b in g} d_b * dot(u, q)_b  -  sum_g s_g * z_g * sum_{b in g} d_b * sum(q)_b,
-// the first an exact int32 dot per 32-column block, the second once per row from per-token sums. Groups of 16
-// (NVFP4) split a block: their scales multiply the dot's int32 lanes (4 columns each) before the block's sum.
+// the first an exact int32 dot per 32-column block, the second once per row from per-token sums; where every
+// zero is the type's own (no zero points) none is stored and the dot folds it in. Groups of 16 (NVFP4) split a
+// block: their scales multiply the dot's int32 lanes (4 columns each) before the block's sum.
 // Layout (repacked at load, cpu_dot8.py): rows in groups of RB = 4 interleaved per 64 columns,
 // [N / 4][K / 64][4][CB] bytes, CB = 32 (int4: byte j holds column j in its low nibble and column 32 + j in
 // its high one) or 64 (int8): one pass over the weights reads one contiguous stream, and a loaded 64-column
@@ -104,12 +106,27 @@ void quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float* dv, floa
 // A projection's weights for one expert: codes [np / 4][kp / 64][4][cb], scales and zeros [np][groups].
 struct Proj {
   const uint8_t* w;
-  const float* s;
-  const uint8_t* z;
+  const float* s;      // float32 group scales (groups of 32 or more)
+  const uint16_t* sh;  // float16 group scales (groups of 16: NVFP4's e4m3 halved, exact in float16), else null
+  const float* rs;     // a float32 multiplier per output row [np] (NVFP4's tensor scale), or null
+  const uint8_t* z;    // zero points, or null where zc >= 0
   int64_t n, np, kp, groups, gs, bits;
   int64_t zc;  // every zero equals zc (no zero points: the type's own), or -1: the zeros in z
   int64_t cb() const { return bits == 4 ? 32 : 64; }
 };
+
+// float16 bits -> float32, exact (normals, subnormals, zeros; the scales are finite)
+inline float half_value(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, em = h & 0x7FFFu;
+  if (em < 0x0400u) {  // zero or subnormal: em * 2^-24
+    const float v = static_cast<float>(em) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | ((em << 13) + (112u << 23));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // Quantised activation rows: q [rows][kp], dv [rows][kp / 4], xg [rows][groups] = sum over the group's blocks
 // of d * sum(q).
@@ -129,18 +146,27 @@ inline int64_t sidx(const Proj& p, int64_t row, int64_t g) {
   return ((row / RB * (p.groups / 4) + g / 4) * RB + row % RB) * 4 + g % 4;
 }
 
+inline float scale_of(const Proj& p, int64_t row, int64_t g) {
+  return p.sh ? half_value(p.sh[sidx(p, row, g)]) : p.s[sidx(p, row, g)];
+}
+
+inline int32_t zero_of(const Proj& p, int64_t row, int64_t g) {
+  return p.zc >= 0 ? static_cast<int32_t>(p.zc) : static_cast<int32_t>(p.z[sidx(p, row, g)]);
+}
+
 inline float zero_term(const Proj& p, int64_t row, const float* xg, int zbias, int64_t g0 = 0) {
   float corr = 0.0f;
   for (int64_t g = g0; g < p.groups; ++g)
-    corr += p.s[sidx(p, row, g)] * static_cast<float>(static_cast<int32_t>(p.z[sidx(p, row, g)]) - zbias) * xg[g];
+    corr += scale_of(p, row, g) * static_cast<float>(zero_of(p, row, g) - zbias) * xg[g];
   return corr;
 }
 
 #if defined(DOT8_AVX2)
-// A row group's four sums, the two 128-bit halves of h added (hadd's order), stored into y[0 .. rows) (rows past
-// the layer's end are padding) or added there times w.
-inline void store_quad(__m256 h, int64_t rows, float* y, float w, bool add) {
-  const __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+// A row group's four sums, the two 128-bit halves of h added (hadd's order), times the rows' multipliers rs (null:
+// none), stored into y[0 .. rows) (rows past the layer's end are padding) or added there times w.
+inline void store_quad(__m256 h, const float* rs, int64_t rows, float* y, float w, bool add) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  if (rs) v = _mm_mul_ps(v, _mm_loadu_ps(rs));
   if (rows >= RB) {
     _mm_storeu_ps(y, add ? _mm_fmadd_ps(v, _mm_set1_ps(w), _mm_loadu_ps(y)) : v);
     return;
@@ -192,6 +218,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     if (prefetch_ahead<BITS>() > 0)
       for (int64_t l = 0; l < RB * cb; l += 64)
         _mm_prefetch(reinterpret_cast<const char*>(wc + prefetch_ahead<BITS>() + l), _MM_HINT_T1);
+    // groups of 16: the chunk's 4 rows x 4 group scales, one 32-byte run of float16 (sidx), widened once
+    __m512 sc16 = _mm512_setzero_ps();
+    if (lanes) sc16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.sh + sidx(p, n0, 4 * c))));
     for (int r = 0; r < RB; ++r) {
       __m512i w;
       if (BITS == 4) {
@@ -201,9 +230,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       } else {
         w = _mm512_loadu_si512(wc + r * 64);
       }
-      if (lanes) {  // the four group scales of this chunk, spread over their lanes, join the activation scale
-        const __m512 sv = _mm512_permutexvar_ps(
-            spread, _mm512_castps128_ps512(_mm_loadu_ps(p.s + sidx(p, n0 + r, 4 * c))));
+      if (lanes) {  // the row's four group scales of this chunk, spread over their lanes, join the activation scale
+        const __m512 sv = _mm512_permutexvar_ps(_mm512_add_epi32(spread, _mm512_set1_epi32(4 * r)), sc16);
         for (int t = 0; t < T; ++t) {
           const __m512i d = _mm512_dpbusd_epi32(zq[t], w, xv[t]);
           f[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(xd[t], sv), f[r][t]);
@@ -247,8 +275,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     for (int r = 0; r < RB; ++r)
       x[r] = _mm256_add_ps(_mm512_castps512_ps256(f[r][t]),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f[r][t]), 1)));
-    store_quad(_mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3])), p.n - n0, y[t] + n0,
-               wt ? wt[t] : 0.0f, wt != nullptr);
+    store_quad(_mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3])), p.rs ? p.rs + n0 : nullptr,
+               p.n - n0, y[t] + n0, wt ? wt[t] : 0.0f, wt != nullptr);
   }
 #elif defined(DOT8_AVX2)
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -285,8 +313,9 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
           __m256i w = h == 0 ? _mm256_and_si256(b, low) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
           if (FP4) w = _mm256_shuffle_epi8(lut, w);  // codes <= 24: the int16 pair sums stay far from saturating
           if (lanes) {  // lanes 0-3 are the block's first 16 columns, 4-7 its second
-            const float* sg = p.s + sidx(p, n0 + r, 4 * c + 2 * h);
-            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sg[0])), _mm_set1_ps(sg[1]), 1);
+            const uint16_t* sg = p.sh + sidx(p, n0 + r, 4 * c + 2 * h);
+            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(half_value(sg[0]))),
+                                                   _mm_set1_ps(half_value(sg[1])), 1);
             for (int t = 0; t < T; ++t) {
               const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, xv[t]), ones), zq[t]);
               f[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(xd[t], sv), f[r][t]);
@@ -326,7 +355,8 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
     for (int r = 0; r < RB; ++r) {
       const int64_t at = (n0 + r) * p.groups + g0;
       const __m256 z = _mm256_sub_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.z + at)))),
+          p.zc >= 0 ? _mm256_set1_ps(static_cast<float>(p.zc))
+                    : _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.z + at)))),
           _mm256_set1_ps(static_cast<float>(zbias)));
       const __m256 sz = _mm256_mul_ps(_mm256_loadu_ps(p.s + at), z);
       for (int t = 0; t < T; ++t)
@@ -340,7 +370,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
       for (int r = 0; r < RB; ++r) rest[r] = zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias, g0);
       h = _mm256_sub_ps(h, _mm256_setr_ps(rest[0], rest[1], rest[2], rest[3], 0.0f, 0.0f, 0.0f, 0.0f));
     }
-    store_quad(h, p.n - n0, y[t] + n0, wt ? wt[t] : 0.0f, wt != nullptr);
+    store_quad(h, p.rs ? p.rs + n0 : nullptr, p.n - n0, y[t] + n0, wt ? wt[t] : 0.0f, wt != nullptr);
   }
 #else
   float res[RB][T];
@@ -359,8 +389,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
               dot += u * a.q[tok[t] * a.kp + c * CH + b * 32 + j];
             }
             const int64_t g = (c * CH + b * 32 + j0) / p.gs;
-            fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] *
-                  p.s[sidx(p, n0 + r, g)];
+            fr += static_cast<float>(dot) * a.dv[tok[t] * (a.kp / 4) + (c * 2 + b) * 8] * scale_of(p, n0 + r, g);
           }
         }
       }
@@ -369,7 +398,7 @@ void quad_dot(const Proj& p, int64_t quad, const Acts& a, const int64_t* tok, fl
   for (int r = 0; r < RB; ++r) {
     if (n0 + r >= p.n) break;
     for (int t = 0; t < T; ++t) {
-      const float v = res[r][t] - zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias);
+      const float v = (res[r][t] - zero_term(p, n0 + r, a.xg + tok[t] * a.groups, zbias)) * (p.rs ? p.rs[n0 + r] : 1.0f);
       if (wt) y[t][n0 + r] += wt[t] * v;
       else y[t][n0 + r] = v;
     }
@@ -430,8 +459,8 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 
 // The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
 // (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
-// float32, zero [E, Np, G] uint8 (zero_const >= 0: all of them equal it, and the dots fold it in; groups of 16:
-// both in sidx's order); n the real rows
+// float32 (groups of 16: float16, in sidx's order), zero [E, Np, G] uint8 (zero_const >= 0: empty, every zero is
+// zero_const and the dots fold it in), row_scale [E, Np] float32 multiplying each output row (or none); n the real rows
 // (Np: n rounded up to 4), bits 4 or 8, e2m1: the 4-bit codes are FP4, gs the columns per scale group (16, 32 or a
 // multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
 // is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
@@ -440,8 +469,9 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
 // expert, so no two threads add into one output - is a task of one parallel_tasks call, handed to whichever
 // thread is free.
 at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
-                     at::Tensor zero, int64_t zero_const, int64_t n, int64_t bits, bool e2m1, int64_t gs, int64_t act,
-                     double alpha, double limit, c10::optional<at::Tensor> combine, int64_t per) {
+                     at::Tensor zero, int64_t zero_const, c10::optional<at::Tensor> row_scale, int64_t n, int64_t bits,
+                     bool e2m1, int64_t gs, int64_t act, double alpha, double limit,
+                     c10::optional<at::Tensor> combine, int64_t per) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
   const bool fp4 = e2m1;
@@ -461,11 +491,20 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   TORCH_CHECK((gs == QB / 2 || gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
               " must be 16, 32 or a multiple of 64 dividing ", kp);
   const int64_t groups = kp / gs;
-  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+  const auto sdtype = gs == QB / 2 ? at::kHalf : at::kFloat;
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == sdtype &&
                   scale.size(0) == e && scale.size(1) == np && scale.size(2) == groups,
-              "scale: contiguous float32 [E, Np, G] = [", e, ", ", np, ", ", groups, "]");
-  TORCH_CHECK(zero.sizes() == scale.sizes() && zero.is_contiguous() && zero.scalar_type() == at::kByte,
-              "zero: contiguous uint8 on the scale's grid");
+              "scale: contiguous ", sdtype, " (float16 for groups of 16, else float32) [E, Np, G] = [", e, ", ", np,
+              ", ", groups, "]");
+  const bool zeros = zero_const < 0;  // zero points stored; with one zero for all, none are
+  TORCH_CHECK(zero.is_contiguous() && zero.scalar_type() == at::kByte &&
+                  (zeros ? zero.sizes() == scale.sizes() : zero.numel() == 0),
+              "zero: contiguous uint8 on the scale's grid, or empty with zero_const >= 0");
+  const bool scaled = row_scale.has_value() && row_scale->defined();
+  if (scaled)
+    TORCH_CHECK(row_scale->dim() == 2 && row_scale->is_contiguous() && row_scale->scalar_type() == at::kFloat &&
+                    row_scale->size(0) == e && row_scale->size(1) == np,
+                "row_scale: contiguous float32 [E, Np] = [", e, ", ", np, "]");
   const int64_t r = a.size(0), pairs = experts.size(0);
   TORCH_CHECK(row_div > 0 && (pairs + row_div - 1) / row_div <= r, "row_div = ", row_div, ": ", pairs,
               " pairs need more than a's ", r, " rows");
@@ -540,8 +579,10 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   for (int64_t x = 0; x < e; ++x)
     if (start[x + 1] > start[x]) used.push_back(x);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const uint8_t* zp = zero.data_ptr<uint8_t>();
+  const float* sp = gs == QB / 2 ? nullptr : scale.data_ptr<float>();
+  const uint16_t* shp = gs == QB / 2 ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
+  const float* rsp = scaled ? row_scale->data_ptr<float>() : nullptr;
+  const uint8_t* zp = zeros ? zero.data_ptr<uint8_t>() : nullptr;
   const int64_t expert_bytes = np * kp * bits / 8;
   // rows per task: about TASK_BYTES of one expert's weights, one stream the prefetchers follow
   const int64_t block = std::max<int64_t>(RB, std::min<int64_t>(np, TASK_BYTES / (kp * bits / 8)) / RB * RB);
@@ -549,7 +590,9 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
 
   auto expert_rows = [&](int64_t x, int64_t blk) {
-    const Proj p{cp + x * expert_bytes, sp + x * np * groups, zp + x * np * groups, n, np, kp, groups, gs, bits, zero_const};
+    const Proj p{cp + x * expert_bytes, sp ? sp + x * np * groups : nullptr, shp ? shp + x * np * groups : nullptr,
+                 rsp ? rsp + x * np : nullptr, zp ? zp + x * np * groups : nullptr, n, np, kp, groups, gs, bits,
+                 zero_const};
     const int64_t q0 = blk * block / RB, q1 = std::min(np, (blk + 1) * block) / RB;
     const int64_t first = start[x], count = start[x + 1] - start[x];
     const float* w = combined ? wt.data() + first : nullptr;
@@ -594,8 +637,9 @@ std::string dot8_isa() {
 }
 
 TORCH_LIBRARY(DOT8_NS, m) {
-  m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int zero_const, int n, int bits, "
-        "bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_gemm);
+  m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int zero_const, "
+        "Tensor? row_scale, int n, int bits, bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, "
+        "int per) -> Tensor", &dot8_gemm);
   m.def("isa() -> str", &dot8_isa);
   m.def("weight_buffer(int nbytes) -> Tensor", &dot8_weight_buffer);
 }
