@@ -20,8 +20,8 @@ from moe_registry.spec.loader import SPEC_PATH_ENV
 ROOT = Path(__file__).resolve().parent.parent
 AWQ_CONFIG = str(ROOT / "examples" / "mixtral-8x7b-awq" / "config.json")
 DEEPSEEK = str(ROOT / "examples" / "configs" / "deepseek" / "deepseek-v3")
-KNOWN = ("known: torch-cpu-dot8, torch-cpu-native, torch-cpu-packed, torch-reference, triton-batched-moe, "
-         "triton-fused-moe")
+KNOWN = ("known: torch-cpu-dot8, torch-cpu-grouped, torch-cpu-native, torch-cpu-packed, torch-reference, "
+         "triton-batched-moe, triton-fused-moe")
 NO_GPU = not torch.cuda.is_available()
 
 

@@ -124,14 +124,21 @@ def test_float16_on_the_cpu_int4_path_runs_as_asked_and_the_packed_op_says_what_
     assert (data["chosen_kernel"], data["downgrades"]) == ("torch-cpu-packed", [])
 
 
-def test_run_prints_the_notes_in_text_and_json(capsys, example) -> None:
-    """An unquantized layer on a CPU runs on the reference: run says so, as explain does."""
+def test_run_prints_the_notes_in_text_and_json(capsys, example, tmp_path) -> None:
+    """An unquantized layer on a CPU whose hidden size torch-cpu-grouped (overridden by a user spec) does not
+    take runs on the reference: run says so, as explain does."""
     path = str(example("mixtral-bf16"))
-    flags = ["--platform", "cpu", "--tokens", "2", "--max-tokens", "2", "--repeat", "1", "--threads", "1"]
+    spec = (ROOT / "specs" / "kernels" / "torch-cpu-grouped.yaml").read_text()
+    narrowed = spec.replace("hidden: {multiple_of: 8}", "hidden: {multiple_of: 8, min: 4096}")
+    assert narrowed != spec
+    (tmp_path / "torch-cpu-grouped.yaml").write_text(narrowed)
+    flags = ["--platform", "cpu", "--tokens", "2", "--max-tokens", "2", "--repeat", "1", "--threads", "1",
+             "--spec-dir", str(tmp_path)]
     assert cli.main(["run", path, *flags, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     slow = kinds(data["report"])["slow-path"]
     assert slow["runs"] == "torch-reference"
+    assert "torch-cpu-grouped: hidden = 256; kernel wants at least 4096" in slow["why"]
     assert cli.main(["run", path, *flags]) == 0
     assert slow["message"] in " ".join(capsys.readouterr().out.split())
 

@@ -291,8 +291,9 @@ def test_pin_that_runs(registry):
 def test_pin_unknown_kernel(registry):
     situation = situation_for(CONFIGS / "deepseek/deepseek-v3", registry, Flags(platform="cuda:9.0"))
     with pytest.raises(SelectionError, match="pinned kernel marlin cannot run this: unknown kernel 'marlin'; "
-                                             "known: torch-cpu-dot8, torch-cpu-native, torch-cpu-packed, "
-                                             "torch-reference, triton-batched-moe, triton-fused-moe"):
+                                             "known: torch-cpu-dot8, torch-cpu-grouped, torch-cpu-native, "
+                                             "torch-cpu-packed, torch-reference, triton-batched-moe, "
+                                             "triton-fused-moe"):
         select(registry, situation, pin="marlin")
 
 
