@@ -5,6 +5,7 @@ placed contiguously or round-robin, and experts that receive no tokens."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, replace
@@ -151,7 +152,8 @@ def test_ranks_that_disagree_on_the_layer_fail_together(tmp_path: Path) -> None:
 
 
 FIX = Path(__file__).parent / "fixtures"
-# llm-compressor checkpoints of one shape (4 experts, top-2, hidden 128); each kernel runs the first it can
+# llm-compressor checkpoints of one shape (4 experts, top-2, hidden 128), then an unquantized one of that shape
+# (_unquantized_like); each kernel runs the first it can
 FIXTURES = (FIX / "compressed_tensors_presets" / "w4a16-g128", FIX / "compressed_tensors_presets" / "w8a16-asym-g32",
             FIX / "fp8" / "llmc-fp8-block", FIX / "fp8" / "llmc-fp8-dynamic")
 CLAIMS = {name: k.spec for name, k in load_registry().kernels.items()
@@ -159,9 +161,27 @@ CLAIMS = {name: k.spec for name, k in load_registry().kernels.items()
 EP_KERNELS = sorted(name for name, spec in CLAIMS.items() if any(p.device == "cpu" for p in spec.platforms))
 
 
-def _fixture_for(kernel: str) -> Path:
+def _unquantized_like(fixture: Path, out: Path) -> Path:
+    """``fixture``'s config without its quantization_config, its router and random bfloat16 experts, in ``out``."""
+    config = json.loads((fixture / "config.json").read_text())
+    del config["quantization_config"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(5)
+    h, i = config["hidden_size"], config["moe_intermediate_size"]
+    tensors = {"model.layers.0.mlp.gate.weight": load_file(str(fixture / "model.safetensors"))[
+        "model.layers.0.mlp.gate.weight"]}
+    for e in range(config["num_local_experts"]):
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = (
+                torch.randn(shape, generator=g) / shape[1] ** 0.5).to(torch.bfloat16)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def _fixture_for(kernel: str, work: Path) -> Path:
     registry = load_registry()
-    for path in FIXTURES:
+    for path in (*FIXTURES, _unquantized_like(FIXTURES[0], work / "unquantized")):
         situation = situation_for_model(read_model_config(path, registry), registry, Flags(platform="cpu",
                                                                                             dtype="float32"))
         if select(registry, situation, pin=kernel, raise_on_failure=False).chosen == kernel:
@@ -176,10 +196,10 @@ def _inputs(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return hidden, torch.softmax(torch.randn(m, 2, generator=g), dim=-1), ids
 
 
-def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
+def _rank_builds(rank: int, kernel: str, fixture: str, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     try:
-        layer = moe_registry.build(_fixture_for(kernel), platform="cpu", layer=0, dtype="float32", kernel=kernel, ep=2,
+        layer = moe_registry.build(fixture, platform="cpu", layer=0, dtype="float32", kernel=kernel, ep=2,
                                    all2all="allgather_reducescatter", max_tokens=4)
         hidden, topk_weights, ids = _inputs(7)
         lo, hi = (0, 4) if rank == 0 else (4, 7)
@@ -194,10 +214,12 @@ def _rank_builds(rank: int, kernel: str, init: str, out_dir: str) -> None:
 @pytest.mark.parametrize("kernel", EP_KERNELS)
 def test_every_kernel_claiming_the_backend_runs_it_through_build(kernel: str, tmp_path: Path) -> None:
     """What a kernel spec claims, this runs: build(ep=2, all2all=allgather_reducescatter) in two gloo ranks,
-    on a checkpoint llm-compressor wrote (the first of FIXTURES the kernel runs), equals the single-process layer.
+    on a checkpoint llm-compressor wrote (the first of FIXTURES the kernel runs; an unquantized one of their shape
+    for a kernel of unquantized weights), equals the single-process layer.
     Each rank's experts know the router picks among all 4 (ExpertsConfig.routed_experts); the whole layer's, its own."""
-    mp.spawn(_rank_builds, args=(kernel, f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
-    whole = moe_registry.build(_fixture_for(kernel), platform="cpu", layer=0, dtype="float32", kernel=kernel)
+    fixture = _fixture_for(kernel, tmp_path)
+    mp.spawn(_rank_builds, args=(kernel, str(fixture), f"file://{tmp_path / 'rendezvous'}", str(tmp_path)), nprocs=2)
+    whole = moe_registry.build(fixture, platform="cpu", layer=0, dtype="float32", kernel=kernel)
     expected = whole.kernel(*_inputs(7))
     parts = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]
     assert [int(p["local"]) for p in parts] == [2, 2]  # each rank holds its half of the experts
