@@ -125,7 +125,7 @@ def test_build_logs_chosen_kernel_once(example, caplog) -> None:
         moe_registry.build(example("mixtral-bf16"), platform="cpu", dtype="float32")
         moe_registry.build(example("mixtral-bf16"), platform="cpu", dtype="float32")
     lines = [r.message for r in caplog.records if "runs on kernel" in r.message]
-    assert lines == ["moe-registry: scheme unquantized runs on kernel torch-reference (cpu, float32)"]
+    assert lines == ["moe-registry: scheme unquantized runs on kernel torch-cpu-grouped (cpu, float32)"]
 
 
 def test_kernels_distribution_name_is_not_shadowed() -> None:

@@ -218,7 +218,7 @@ def test_all2all_help_lists_what_runs(capsys):
 def test_run_prints_a_summary_not_the_report(capsys):
     code, out, _ = _cli(capsys, "run", str(TINY / "mixtral"), "--platform", "cpu", "--repeat", "3")
     assert code == 0 and "kernels, in the scheme's order" not in out and "cpu (cpu)" not in out
-    assert out.startswith("ran         unquantized on torch-reference (cpu, ")
+    assert out.startswith("ran         unquantized on torch-cpu-grouped (cpu, ")
     # the line wraps where the figures are wide
     assert re.search(r"^time        [\d.]+ ms per call \(median of 3 after warm-up;\s+middle\s+half\s+[\d.]+-[\d.]+,"
                      r"\s+min\s+[\d.]+,\s+max", out, re.M)
