@@ -79,7 +79,9 @@ class CpuGroupedExperts(Experts):
 
     def _grouped(self, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, gemv: bool) -> torch.Tensor:
         """One grouped GEMM; ``gemv``: every group has at most GEMV_ROWS rows, run on torch's own reduced-precision
-        GEMV instead of oneDNN (bfloat16 only: the flag is read per call and put back at once)."""
+        GEMV instead of oneDNN (bfloat16 only). The flag is process-wide, read per op and put back at once: a GEMM
+        another thread runs in that window takes torch's own path too, which changes its speed, not what it means;
+        a caller who turned oneDNN off keeps it off."""
         if not (gemv and self._dtype == torch.bfloat16 and torch._C._get_mkldnn_enabled()):
             return torch._grouped_mm(x, w, offs=offsets)
         torch._C._set_mkldnn_enabled(False)
