@@ -13,6 +13,13 @@ Q8_0) - GEMM1's input once per token for all its experts, GEMM2's per (token, ex
 schemes' tolerance; the kernel spec declares it (``emulation``: explain and run say it), and torch-cpu-native
 keeps the exact sums (``--prefer torch-cpu-native``).
 
+FP8 W8A8 (128x128 weight blocks with activations per 128 columns, or channel scales with activations per token):
+no emulation - the activations are quantised to e4m3 as the schemes declare (bit-equal to the reference's fake
+quantisation), so weight and activation codes are both e4m3 values, whose products are exact in float32; the
+dots run on AVX-512 BF16 (``vdpbf16ps``: every e4m3 value is a bfloat16) where the CPU has it, else on float32
+FMAs. torch-cpu-native, which runs these schemes in float32 from the dequantised activations, computes the same
+numbers but for float32 rounding order, at a quarter of the speed or less at decode (``tools/bench_cpu_peer.py``).
+
 Weights are repacked when the layer is built: unsigned codes (int4 nibbles 0..15, int8 bytes 0..255) with a
 float32 scale per (row, group) and a uint8 zero where the checkpoint has zero points (uint4b8 and uint8b128 keep
 none: their fixed 8 and 128 are folded into the dots; NVFP4 keeps its group scales in float16 and its tensor
@@ -22,9 +29,9 @@ loaded once for every token of a pass. One call per GEMM covers every (token, ex
 are quantised once, then each (expert, 64-row block) is a task of one parallel region, taken by whichever thread
 comes free.
 
-The library is built per instruction set the CPU has (``avx512vnni``, ``avx2``, as torch's cpuinfo probes say;
-the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is built),
-its op namespace named after it, so two builds load side by side (the tests compare them).
+The library is built per instruction set the CPU has (``avx512bf16``, ``avx512vnni``, ``avx2``, as torch's cpuinfo
+probes say; the oracle checks the kernel spec's ``cpu_features``, AVX2 and FMA, from /proc/cpuinfo before this is
+built), its op namespace named after it, so two builds load side by side (the tests compare them).
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, lo
 from moe_registry_kernels.cpu_native import cache_root
 from moe_registry_kernels.cpu_packed import FOREIGN_EXPERT, PACKED_FIELDS
 from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
+from moe_registry_kernels.quant_ref import AMAX_FLOOR
 
 from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import QuantKey
@@ -50,11 +58,15 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_dot8.cpp"
 CHUNK = 64  # columns per weight chunk (K is padded to it); scale groups are multiples of it, or one block
 BLOCK = 32  # activation block (columns per activation scale)
 ROWS = 4  # interleaved rows
+FP8_GROUP = 128  # fp8 weight blocks and activation groups: 128 columns
 E2M1_ZERO = 12  # the kernel reads an e2m1 code as 12 + twice its value (0..24): unsigned, integer, zero at 12
 # the builds, best first: (name, the torch.cpu probes that must all say yes, compiler flags)
+_VNNI = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("avx512vnni", ("_is_avx512_supported", "_is_vnni_supported"),
-     ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")),
+    # the VNNI build with vdpbf16ps for the fp8 weights' dots
+    ("avx512bf16", ("_is_avx512_supported", "_is_vnni_supported", "_is_avx512_bf16_supported"),
+     (*_VNNI, "-mavx512bf16")),
+    ("avx512vnni", ("_is_avx512_supported", "_is_vnni_supported"), _VNNI),
     ("avx2", ("_is_avx2_supported",), ("-mavx2", "-mfma")),
     ("scalar", (), ()),
 )
@@ -139,11 +151,15 @@ class Dot8Proj:
     e2m1: bool = False
     zero_const: int = -1  # the one zero of every code (no zero points), or -1: zero holds them
     row_scale: torch.Tensor | None = None
+    fp8: bool = False  # e4m3 codes, dotted with e4m3 activation codes per group of gs columns
 
     @staticmethod
-    def build(proj: ProjectionWeights, key: QuantKey, ops) -> Dot8Proj:
+    def build(proj: ProjectionWeights, key: QuantKey, ops, activation: QuantKey | None = None) -> Dot8Proj:
         """The kernel's layout of ``proj``, its codes in the build's weight buffer (``ops.weight_buffer``: on
-        huge pages where the OS offers them, which the decode's once-per-step stream of the codes wants)."""
+        huge pages where the OS offers them, which the decode's once-per-step stream of the codes wants);
+        ``activation``: the activation key the layer runs (fp8 weights take the fp8 one their scheme binds)."""
+        if key.dtype.name == "fp8e4m3":
+            return Dot8Proj._build_fp8(proj, key, activation, ops)
         bits, e2m1 = key.dtype.bits, key.dtype.name == "e2m1"
         integer = not key.dtype.is_float and bits in (4, 8) and key.scale2 is None
         if not (integer or e2m1) or key.scale is None:
@@ -192,6 +208,36 @@ class Dot8Proj:
             row_scale = torch.nn.functional.pad(row_scale, (0, np_ - n)).contiguous()
         return Dot8Proj(codes, scale.contiguous(), zero, n, k, bits, gs, e2m1, zero_const, row_scale)
 
+    @staticmethod
+    def _build_fp8(proj: ProjectionWeights, key: QuantKey, activation: QuantKey | None, ops) -> Dot8Proj:
+        """fp8e4m3 weights with float32 scales per 128x128 block (activations: e4m3 per 128 columns, dynamic) or
+        per channel (activations: e4m3 per token, dynamic): the e4m3 bytes as the int8 layout's, the scales per
+        row [E, Np, G] over groups of FP8_GROUP columns (per channel: one group)."""
+        act = activation
+        wg, ag = key.scale.group, None if act is None or not act.quantized else act.scale.group
+        block = (wg.rows, wg.cols) == (FP8_GROUP, FP8_GROUP) and ag is not None and (ag.rows, ag.cols) == (1, FP8_GROUP)
+        channel = (wg.rows, wg.cols) == (1, -1) and ag is not None and (ag.rows, ag.cols) == (1, -1)
+        if not ((block or channel) and key.scale.dtype.name == "float32" and not key.scale.dynamic
+                and act.dtype.name == "fp8e4m3" and act.scale.dtype.name == "float32" and act.scale.dynamic):
+            raise ValueError(f"torch-cpu-dot8 runs fp8e4m3 weights with float32 scales per 128x128 block or per "
+                             f"channel, their activations fp8e4m3 per 128 columns or per token (dynamic); got "
+                             f"weight key {key}, activation key {activation}")
+        e, n, k = (int(d) for d in proj.weight.shape)
+        kp, np_ = -(-k // CHUNK) * CHUNK, -(-n // ROWS) * ROWS
+        scale = proj.scale.float()
+        want = (e, -(-n // FP8_GROUP), -(-k // FP8_GROUP)) if block else (e, n, 1)
+        if tuple(scale.shape) != want:
+            raise ValueError(f"weight key {key}: wanted scales {list(want)}, got {list(scale.shape)}")
+        if block:
+            scale = scale.repeat_interleave(FP8_GROUP, 1)[:, :n]
+        gs = min(FP8_GROUP, kp) if block else kp
+        codes = ops.weight_buffer(e * np_ * kp).view(e, np_ // ROWS, kp // CHUNK, ROWS, CHUNK)
+        for i in range(e):
+            u = torch.nn.functional.pad(proj.weight[i].view(torch.uint8), (0, kp - k, 0, np_ - n))  # byte 0: +0.0
+            codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
+        scale = torch.nn.functional.pad(scale, (0, 0, 0, np_ - n)).contiguous()
+        return Dot8Proj(codes, scale, torch.empty(0, dtype=torch.uint8), n, k, 8, gs, fp8=True)
+
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.codes, self.scale, self.zero, self.row_scale) if t is not None)
 
@@ -200,6 +246,9 @@ class Dot8Proj:
         """Pair i's activation row a[i // row_div] (``act``: act(gate) * up of that [gate | up] row) times expert
         experts[i] (< 0: nothing): [P, N], or with router weights ``combine`` [P] the weighted sum over each
         run of ``per`` pairs, [P / per, N]."""
+        if self.fp8:
+            return ops.fp8_gemm(a, row_div, experts, self.codes, self.scale, self.n, self.gs, AMAX_FLOOR,
+                                ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
         return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.zero_const, self.row_scale,
                         self.n, self.bits, self.e2m1, self.gs, ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
                         combine, per)
@@ -214,12 +263,12 @@ class Dot8Experts(Experts):
             raise ValueError(f"torch-cpu-dot8 reads layout 'nk', got {weights.layout!r}")
         if weights.device.type != "cpu":
             raise ValueError(f"torch-cpu-dot8 runs on the cpu, the weights are on {weights.device}")
-        if weights.activation_key.quantized:
+        if weights.activation_key.quantized and weights.weight_key.dtype.name != "fp8e4m3":
             raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
                              f"{weights.activation_key}")
         self._ops = dot8_ops()  # compile (or load) now: a build failure surfaces when the layer is built
-        self.w13 = Dot8Proj.build(weights.w13, weights.weight_key, self._ops)
-        self.w2 = Dot8Proj.build(weights.w2, weights.weight_key, self._ops)
+        self.w13 = Dot8Proj.build(weights.w13, weights.weight_key, self._ops, weights.activation_key)
+        self.w2 = Dot8Proj.build(weights.w2, weights.weight_key, self._ops, weights.activation_key)
         super().__init__(ExpertWeights(weights.w13.with_stand_ins(*PACKED_FIELDS),
                                        weights.w2.with_stand_ins(*PACKED_FIELDS), weights.weight_key,
                                        weights.activation_key, weights.layout), config)

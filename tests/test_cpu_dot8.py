@@ -146,6 +146,60 @@ def test_resident_bytes_within_a_quarter_of_the_checkpoint(weight: str) -> None:
         assert ratio <= 1.25, f"{weight}: {ratio:.3f}"
 
 
+FP8_KEYS = [("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic"),
+            ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic")]
+
+
+def _fp8_codes(shape: tuple[int, ...], gen: torch.Generator, subnormal_only: bool = False) -> torch.Tensor:
+    """Random e4m3 bytes over every finite code (subnormals, +-448 and both zeros among them), or over the
+    subnormals 0x01..0x07 and their negatives only."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # NaN bytes are refused when a checkpoint loads
+    if subnormal_only:
+        codes = codes[((codes & 0x78) == 0) & ((codes & 0x07) != 0)]
+    return codes[torch.randint(len(codes), shape, generator=gen)].view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("wkey,akey", FP8_KEYS, ids=["block128", "channel"])
+def test_fp8_runs_the_schemes_own_numbers_subnormals_and_max_codes_included(isa: str, wkey: str, akey: str) -> None:
+    """FP8 W8A8 has no emulation here: against the float64 reference (activations quantised to e4m3 as the scheme
+    declares), only float32 summation order differs. Weight codes over every finite e4m3 byte, activations over
+    16 binary orders of magnitude (so that many quantise to subnormal codes); then weights of subnormal codes only,
+    whose every product a subnormal-flushing dot (bfloat16's) would drop; K and N not multiples of 128; and 1 and
+    2 threads giving the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    for hidden, inter, subnormal in ((320, 192, False), (192, 96, True)):
+        weights = make_random_expert_weights(parse_quant_key(wkey), parse_quant_key(akey), num_experts=4,
+                                             hidden=hidden, intermediate=inter, dtype=torch.float32, seed=8)
+        w13, w2 = (dataclasses.replace(p, weight=_fp8_codes(tuple(p.weight.shape), gen, subnormal))
+                   for p in (weights.w13, weights.w2))
+        weights = dataclasses.replace(weights, w13=w13, w2=w2)
+        x = torch.randn(6, hidden, generator=gen) * torch.exp2(-16 * torch.rand(6, hidden, generator=gen))
+        r = softmax_topk(torch.randn(6, 4, generator=gen), 2, True)
+        layer = _experts(weights, isa)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = layer.apply(x, r.topk_weights, r.topk_ids)
+            torch.set_num_threads(2)
+            two = layer.apply(x, r.topk_weights, r.topk_ids)
+        finally:
+            torch.set_num_threads(before)
+        want = reference_moe(x, r.topk_weights, r.topk_ids, weights, ExpertsConfig(), torch.float64)
+        assert torch.equal(one, two) and want.norm() > 0
+        assert _rel(one, want) < 1e-5, (isa, wkey, subnormal, _rel(one, want))
+
+
+def test_fp8_refuses_what_its_spec_does_not_claim() -> None:
+    weights = make_random_expert_weights(parse_quant_key(FP8_KEYS[0][0]), parse_quant_key(FP8_KEYS[1][1]),
+                                         num_experts=2, hidden=128, intermediate=64, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match=r"torch-cpu-dot8 runs fp8e4m3 weights with float32 scales per 128x128 block "
+                                         r"or per channel, .* got weight key fp8e4m3 scale:float32:block\(128x128\)"
+                                         r":static, activation key fp8e4m3 scale:float32:token:dynamic"):
+        cpu_dot8.Dot8Experts(weights, ExpertsConfig())
+
+
 def test_foreign_experts_add_nothing_and_router_weight_on_input() -> None:
     """A pair routed to another rank's expert (-1) adds nothing, bias included; router weights on the input
     scale GEMM1's rows (quantised per pair then)."""
@@ -209,7 +263,9 @@ def test_repacked_codes_sit_in_a_huge_page_aligned_buffer_of_their_own(isa: str)
 def test_the_default_build_is_the_best_this_cpu_runs() -> None:
     assert cpu_dot8.dot8_ops().isa() == BUILDS[0]
     flags = probe_cpu_features()
-    assert ("avx512_vnni" in flags and "avx512bw" in flags) == (BUILDS[0] == "avx512vnni")
+    vnni = "avx512_vnni" in flags and "avx512bw" in flags
+    assert (vnni and "avx512_bf16" in flags) == (BUILDS[0] == "avx512bf16")
+    assert vnni == (BUILDS[0] in ("avx512bf16", "avx512vnni"))
 
 
 def test_cpu_features_are_read_from_cpuinfo(tmp_path: Path) -> None:

@@ -509,7 +509,8 @@ def test_markdown_output(capsys):
     out = capsys.readouterr().out
     assert "| kernel | status | reasons |\n| --- | --- | --- |" in out
     assert "| `triton-fused-moe` | rejected | platform cpu; kernel runs on cuda >=8.0 |" in out
-    assert "| `torch-cpu-native` | chosen | all constraints met |" in out
+    assert "| `torch-cpu-dot8` | chosen | all constraints met |" in out
+    assert "| `torch-cpu-native` | eligible | all constraints met |" in out
     assert "| `torch-reference` | eligible | all constraints met |" in out
     assert f"| weight | `{FP8_BLOCK}` |" in out
     assert "| `fp8-block128` | yes | matched |" in out

@@ -259,7 +259,7 @@ def test_minimax_m2_fp8_spells_the_format_as_its_torch_dtype(capsys) -> None:
     128x128 block FP8, run by the fp8-block128 kernels."""
     report = _explain_json(capsys, REAL / "minimax-m2-fp8")
     assert report["family"] == "minimax-m2"
-    assert report["scheme"]["name"] == "fp8-block128" and report["chosen_kernel"] == "torch-cpu-native"
+    assert report["scheme"]["name"] == "fp8-block128" and report["chosen_kernel"] == "torch-cpu-dot8"
     fmt = [c for c in report["schemes"][0]["checks"] if c["field"] == "fmt"]
     assert fmt[0]["passed"] and fmt[0]["seen"] == "float8_e4m3fn"
 

@@ -53,7 +53,8 @@ def test_matrix_rows():
     assert w4a8["cells"]["rocm:9.4"] == ["torch-reference"]
     assert w4a8["cells"]["cuda:9.0"] == ["triton-fused-moe", "torch-reference"]
     # fp8-block128 lists the reference before the CPU packed kernel on purpose; the cell keeps that order
-    assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-cpu-native", "torch-reference", "torch-cpu-packed"]
+    assert rows["fp8-block128"]["cells"]["cpu"] == ["torch-cpu-dot8", "torch-cpu-native", "torch-reference",
+                                                    "torch-cpu-packed"]
     for row in rows.values():
         assert list(row["cells"]) == list(MATRIX_PLATFORMS)
         for cell in row["cells"].values():
@@ -75,7 +76,8 @@ def test_matrix_markdown_table():
     for row in table:
         assert row.replace("\\|", "").count("|") == 4 + len(MATRIX_PLATFORMS), row
     assert ("| `fp8-block128` | `fp8e4m3 scale:float32:block(128x128):static` | "
-            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-cpu-native, torch-reference, torch-cpu-packed | "
+            "`fp8e4m3 scale:float32:group(128):dynamic` | torch-cpu-dot8, torch-cpu-native, torch-reference, "
+            "torch-cpu-packed | "
             "triton-fused-moe, torch-reference | "  # before sm_89: weight-only (the key pattern's emulation)
             "triton-fused-moe, torch-reference | triton-fused-moe, torch-reference | torch-reference |") in table
 

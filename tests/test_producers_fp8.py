@@ -259,8 +259,9 @@ def test_explain_picks_triton_on_hopper_and_a_cpu_kernel(name: str, dirs, capsys
     text = json.dumps(report)
     assert case.weight in text and case.activation in text
     assert report["chosen_kernel"] == "triton-fused-moe"
-    # the compiled CPU kernel where the scheme lists it (not per-tensor dynamic activations), else the reference
-    cpu = "torch-cpu-native" if name in NATIVE else "torch-reference"
+    # the compiled CPU kernels where the scheme lists them (not per-tensor dynamic activations; the e4m3 dots first
+    # where they run the scheme's keys), else the reference
+    cpu = next((k for k, names in COMPILED.items() if name in names), "torch-reference")
     assert _explain(dirs[name], "cpu", capsys)["chosen_kernel"] == cpu
 
 
@@ -299,17 +300,18 @@ def test_reference_layer_matches_float64_moe(name: str, built, dirs) -> None:
     assert _rel(got, want) <= 5e-3, f"{name}: {_rel(got, want):.2e}"  # float32 vs float64: rare code flips only
 
 
-NATIVE = sorted(n for n, c in CASES.items()
-                if "torch-cpu-native" in moe_registry.load_registry().scheme(c.scheme).kernels)
+COMPILED = {kernel: sorted(n for n, c in CASES.items()
+                           if kernel in moe_registry.load_registry().scheme(c.scheme).kernels)
+            for kernel in ("torch-cpu-dot8", "torch-cpu-native")}  # the CPU's preference order
 
 
-@pytest.mark.parametrize("name", NATIVE)
-def test_native_cpu_kernel_matches_float64_moe(name: str, dirs) -> None:
-    """The compiled CPU kernel, as the oracle picks it on a CPU, on the files the producer wrote, against the float64
-    MoE on the producer's own dequantisation (equal to ours: test_dequantised_weights_equal_the_producers)."""
+@pytest.mark.parametrize(("name", "kernel"), [(n, k) for k, names in COMPILED.items() for n in names])
+def test_compiled_cpu_kernels_match_float64_moe(name: str, kernel: str, dirs) -> None:
+    """Each compiled CPU kernel the scheme lists, on the files the producer wrote, against the float64 MoE on the
+    producer's own dequantisation (equal to ours: test_dequantised_weights_equal_the_producers)."""
     case = CASES[name]
-    layer = moe_registry.build(dirs[name], platform="cpu", layer=0, dtype="float32")
-    assert layer.report.chosen == "torch-cpu-native"
+    layer = moe_registry.build(dirs[name], platform="cpu", layer=0, dtype="float32", kernel=kernel)
+    assert layer.report.chosen == kernel
     reference = moe_registry.build(dirs[name], platform="cpu", layer=0, dtype="float32", kernel="torch-reference")
     for m in (1, 7):
         ids, w = _routing(5, m)

@@ -34,11 +34,12 @@ EXPECTED_SCHEME = {
 def first_cpu_kernel(scheme: str, dtype: str = "bfloat16") -> str:
     """The kernel the specs put first for ``scheme`` among those that run on cpu; in float16 or float32 a 4-bit
     layer passes over the packed op (it computes them in bfloat16) and an integer weight-only one over
-    torch-cpu-dot8 (its int8 activations' declared error exceeds the scheme's 1e-2) for the compiled kernel."""
+    torch-cpu-dot8 (its int8 activations' declared error exceeds the scheme's 1e-2) for the compiled kernel; fp8
+    W8A8 runs there as declared, in every dtype."""
     registry = load_registry()
     first = next(k for k in registry.scheme(scheme).kernels
                  if any(p.device == "cpu" for p in registry.kernel(k).platforms))
-    if first == "torch-cpu-dot8" and dtype != "bfloat16":
+    if first == "torch-cpu-dot8" and dtype != "bfloat16" and not registry.scheme(scheme).weight.startswith("fp8"):
         return "torch-cpu-native"
     if first == "torch-cpu-packed" and dtype != "bfloat16" and registry.scheme(scheme).weight.startswith("uint4"):
         return "torch-cpu-native"

@@ -23,6 +23,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +46,9 @@
 #if defined(DOT8_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define DOT8_VNNI 1
+#endif
+#if defined(DOT8_VNNI) && defined(__AVX512BF16__)
+#define DOT8_BF16 1
 #endif
 
 #ifndef DOT8_NS
@@ -455,109 +459,241 @@ void act_row(const float* h, int64_t k, int64_t act, float alpha, float limit, f
   }
 }
 
-}  // namespace
+// fp8e4m3 weights times fp8e4m3 activations (fp8_gemm). The activations are quantised as the FP8 W8A8 schemes
+// declare (per 128 columns with 128x128 weight blocks, per token with channel scales; s = max(amax, floor) / 448,
+// q = e4m3(x / s), as quant_ref does), so both sides are e4m3 codes: a product of two has at most 8 significant
+// bits and is exact in float32, each group's dot is exact but for its float32 sums, and
+// y = sum_g s_w,g * s_x,g * dot_g - the reference's numbers but for the order of float32 roundings.
+// AVX-512 BF16: every e4m3 value is a bfloat16 exactly (the subnormals 2^-9 .. 7 * 2^-9 are bfloat16 normals); the
+// codes become bfloat16 bits by a table over their 7 magnitude bits (vpermi2w, two 64-entry halves) with the sign
+// or'ed back, and vdpbf16ps sums pairwise products in float32. Its flushing of bfloat16 subnormal inputs and
+// float32 subnormal results cannot act: no code is below 2^-9, no nonzero product below 2^-18. Other builds:
+// float32 FMAs on the codes' float32 bits (fp8 * 2^-120, exact, subnormals included, as cpu_moe.cpp decodes them)
+// times the activation codes * 2^60; each group's sum is brought back by 2^60.
+#if defined(DOT8_BF16)
+using F8Act = uint16_t;  // the activation code's bfloat16 bits
+#else
+using F8Act = float;  // the activation code * 2^60
+#endif
 
-// The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
-// (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
-// float32 (groups of 16: float16, in sidx's order), zero [E, Np, G] uint8 (zero_const >= 0: empty, every zero is
-// zero_const and the dots fold it in), row_scale [E, Np] float32 multiplying each output row (or none); n the real rows
-// (Np: n rounded up to 4), bits 4 or 8, e2m1: the 4-bit codes are FP4, gs the columns per scale group (16, 32 or a
-// multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input
-// is act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
-// weights [P]): y [P / per, N], row j = sum over pairs i of token j (i / per) of combine[i] * pair i's output.
-// The rows are quantised once, then each (expert, 64-row block) - with combine, each 32-row block over every
-// expert, so no two threads add into one output - is a task of one parallel_tasks call, handed to whichever
-// thread is free.
-at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
-                     at::Tensor zero, int64_t zero_const, c10::optional<at::Tensor> row_scale, int64_t n, int64_t bits,
-                     bool e2m1, int64_t gs, int64_t act, double alpha, double limit,
-                     c10::optional<at::Tensor> combine, int64_t per) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
-  const bool fp4 = e2m1;
-  TORCH_CHECK(zero_const >= -1 && zero_const <= 255, "zero_const: the one zero of every code (0..255), or -1");
-  TORCH_CHECK(gs != QB / 2 || (bits == 4 && zero_const >= 0), "groups of 16 take 4-bit codes with one zero");
+struct F8Proj {
+  const uint8_t* w;  // codes [np / 4][kp / 64][4][64]
+  const float* s;    // scales [np][groups]
+  int64_t n, kp, groups, gs;
+};
+
+struct F8Acts {
+  const F8Act* q;  // [rows][kp]
+  const float* s;  // [rows][groups]
+  int64_t kp, groups;
+};
+
+inline float e4m3_scaled(uint8_t b) {  // fp8 * 2^-120 as float32, exact
+  const int32_t i = (static_cast<int32_t>(static_cast<int8_t>(b)) << 20) & static_cast<int32_t>(0x87FFFFFFu);
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+
+#if defined(DOT8_BF16)
+// bfloat16 bits of every e4m3 magnitude 0..127 (127, NaN, is refused when a checkpoint loads)
+const uint16_t* e4m3_bf16_table() {
+  alignas(64) static uint16_t table[128];
+  static const bool filled = [] {
+    for (int m = 0; m < 128; ++m) {
+      const float v = e4m3_scaled(static_cast<uint8_t>(m)) * 0x1p120f;
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      table[m] = static_cast<uint16_t>(bits >> 16);  // exact: an e4m3 value has 4 significant bits
+    }
+    return true;
+  }();
+  (void)filled;
+  return table;
+}
+#endif
+
+// y[t][r] for the RB rows of row group `quad` and T tokens.
+template <int T>
+void f8_quad(const F8Proj& p, int64_t quad, const F8Acts& a, const int64_t* tok, float* const* y, const float* wt) {
+  const int64_t chunks = p.kp / CH, per_group = p.gs / CH;
+  const uint8_t* wq = p.w + quad * chunks * RB * CH;
+  const int64_t n0 = quad * RB;
+  // a group ends after its last chunk, or the row's (a partial last block)
+  auto ends = [&](int64_t c) { return (c + 1) % per_group == 0 || c + 1 == chunks; };
+  auto factor = [&](int r, int t, int64_t g) { return p.s[(n0 + r) * p.groups + g] * a.s[tok[t] * a.groups + g]; };
+#if defined(DOT8_BF16)
+  const uint16_t* tab = e4m3_bf16_table();
+  const __m512i t0 = _mm512_load_si512(tab), t1 = _mm512_load_si512(tab + 32);
+  const __m512i t2 = _mm512_load_si512(tab + 64), t3 = _mm512_load_si512(tab + 96);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
+  __m512 f[RB][T], acc[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) f[r][t] = acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i xv[T][2];
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) xv[t][h] = _mm512_loadu_si512(a.q + tok[t] * a.kp + c * CH + h * 32);
+    const uint8_t* wc = wq + c * RB * CH;
+    for (int r = 0; r < RB; ++r)
+      for (int h = 0; h < 2; ++h) {
+        // sign-extended: bits 5..0 index a table half, bit 6 picks the half, bit 15 is the sign
+        const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + r * 64 + h * 32)));
+        const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w16, bit6), _mm512_permutex2var_epi16(t0, w16, t1),
+                                                  _mm512_permutex2var_epi16(t2, w16, t3));
+        const __m512i b = _mm512_ternarylogic_epi32(v, w16, sign, 0xF8);  // v | (w16 & sign)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)b, (__m512bh)xv[t][h]);
+      }
+    if (ends(c))
+      for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < T; ++t) {
+          f[r][t] = _mm512_fmadd_ps(acc[r][t], _mm512_set1_ps(factor(r, t, c / per_group)), f[r][t]);
+          acc[r][t] = _mm512_setzero_ps();
+        }
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 x[RB];
+    for (int r = 0; r < RB; ++r)
+      x[r] = _mm256_add_ps(_mm512_castps512_ps256(f[r][t]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f[r][t]), 1)));
+    store_quad(_mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3])), nullptr, p.n - n0, y[t] + n0,
+               wt ? wt[t] : 0.0f, wt != nullptr);
+  }
+#elif defined(DOT8_AVX2)
+  const __m256i keep = _mm256_set1_epi32(static_cast<int32_t>(0x87FFFFFFu));
+  const __m256 back = _mm256_set1_ps(0x1p60f);
+  __m256 f[RB][T], acc[RB][T];
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) f[r][t] = acc[r][t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* wc = wq + c * RB * CH;
+    for (int64_t j = 0; j < CH; j += 8) {
+      __m256 xv[T];
+      for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(a.q + tok[t] * a.kp + c * CH + j);
+      for (int r = 0; r < RB; ++r) {
+        const __m256i i = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wc + r * 64 + j)));
+        const __m256 w = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(i, 20), keep));
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(w, xv[t], acc[r][t]);
+      }
+    }
+    if (ends(c))
+      for (int r = 0; r < RB; ++r)
+        for (int t = 0; t < T; ++t) {
+          f[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(acc[r][t], back), _mm256_set1_ps(factor(r, t, c / per_group)),
+                                    f[r][t]);
+          acc[r][t] = _mm256_setzero_ps();
+        }
+  }
+  for (int t = 0; t < T; ++t)
+    store_quad(_mm256_hadd_ps(_mm256_hadd_ps(f[0][t], f[1][t]), _mm256_hadd_ps(f[2][t], f[3][t])), nullptr, p.n - n0,
+               y[t] + n0, wt ? wt[t] : 0.0f, wt != nullptr);
+#else
+  for (int r = 0; r < RB && n0 + r < p.n; ++r)
+    for (int t = 0; t < T; ++t) {
+      float fr = 0.0f, dot = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t j = 0; j < CH; ++j)
+          dot += e4m3_scaled(wq[(c * RB + r) * CH + j]) * a.q[tok[t] * a.kp + c * CH + j];
+        if (ends(c)) {
+          fr += dot * 0x1p60f * factor(r, t, c / per_group);
+          dot = 0.0f;
+        }
+      }
+      if (wt) y[t][n0 + r] += wt[t] * fr;
+      else y[t][n0 + r] = fr;
+    }
+#endif
+}
+
+void f8_rows(const F8Proj& p, int64_t q0, int64_t q1, const F8Acts& a, const int64_t* tok, int64_t ntok,
+             float* const* y, const float* wt) {
+  for (int64_t quad = q0; quad < q1; ++quad) {
+    int64_t t = 0;
+#if defined(DOT8_BF16)
+    for (; t + 2 <= ntok; t += 2) f8_quad<2>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
+#endif
+    for (; t < ntok; ++t) f8_quad<1>(p, quad, a, tok + t, y + t, wt ? wt + t : nullptr);
+  }
+}
+
+// One activation row quantised to e4m3 per group of gs columns (the last one partial): s [groups], q [kp] (columns
+// past k: 0), bit-equal to quant_ref's fake quantisation (cpu_moe.cpp's fp8_fake_quant computes it alike).
+void f8_quant_row(const float* x, int64_t k, int64_t kp, int64_t gs, float amax_floor, F8Act* q, float* s) {
+  for (int64_t g = 0, c0 = 0; c0 < kp; ++g, c0 += gs) {
+    const int64_t c1 = std::min(k, c0 + gs);
+    float amax = 0.0f;
+    for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float sc = std::max(amax, amax_floor) / 448.0f;
+    s[g] = sc;
+    for (int64_t c = c0; c < std::min(kp, c0 + gs); ++c) {
+      const float v = c < c1 ? static_cast<float>(c10::Float8_e4m3fn(std::min(std::max(x[c] / sc, -448.0f), 448.0f)))
+                             : 0.0f;
+#if defined(DOT8_BF16)
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      q[c] = static_cast<uint16_t>(bits >> 16);  // exact: an e4m3 value
+#else
+      q[c] = v * 0x1p60f;
+#endif
+    }
+  }
+}
+
+// The checks every GEMM op makes of its activation rows a [R, K] (act: [R, 2K]), pairs' experts [P], router
+// weights and output rows; returns K.
+int64_t check_pairs(const at::Tensor& a, int64_t row_div, const at::Tensor& experts, int64_t e, int64_t np,
+                    int64_t kp, int64_t n, int64_t act, const c10::optional<at::Tensor>& combine, int64_t per) {
   TORCH_CHECK(act >= ACT_NONE && act <= ACT_SWIGLUOAI, "act: 0 (none), 1 (silu), 2 (gelu) or 3 (swigluoai)");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == at::kFloat, "a: contiguous float32 [R, K]");
   TORCH_CHECK(experts.dim() == 1 && experts.scalar_type() == at::kLong && experts.is_contiguous(), "experts: int64 [P]");
-  const int64_t cb = bits == 4 ? 32 : 64;
-  TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(3) == RB &&
-                  codes.size(4) == cb, "codes: contiguous uint8 [E, Np/4, Kp/64, 4, ", cb, "]");
-  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH;
   TORCH_CHECK(act == ACT_NONE || a.size(1) % 2 == 0, "a: [gate | up] rows of an even width with an activation");
   const int64_t k = act == ACT_NONE ? a.size(1) : a.size(1) / 2;
   TORCH_CHECK(k <= kp && kp - k < CH, "a's K = ", k, " does not match the codes' padded K = ", kp);
   TORCH_CHECK(n > np - RB && n <= np, "n = ", n, " does not match the codes' ", np, " rows");
-  TORCH_CHECK((gs == QB / 2 || gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
-              " must be 16, 32 or a multiple of 64 dividing ", kp);
-  const int64_t groups = kp / gs;
-  const auto sdtype = gs == QB / 2 ? at::kHalf : at::kFloat;
-  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == sdtype &&
-                  scale.size(0) == e && scale.size(1) == np && scale.size(2) == groups,
-              "scale: contiguous ", sdtype, " (float16 for groups of 16, else float32) [E, Np, G] = [", e, ", ", np,
-              ", ", groups, "]");
-  const bool zeros = zero_const < 0;  // zero points stored; with one zero for all, none are
-  TORCH_CHECK(zero.is_contiguous() && zero.scalar_type() == at::kByte &&
-                  (zeros ? zero.sizes() == scale.sizes() : zero.numel() == 0),
-              "zero: contiguous uint8 on the scale's grid, or empty with zero_const >= 0");
-  const bool scaled = row_scale.has_value() && row_scale->defined();
-  if (scaled)
-    TORCH_CHECK(row_scale->dim() == 2 && row_scale->is_contiguous() && row_scale->scalar_type() == at::kFloat &&
-                    row_scale->size(0) == e && row_scale->size(1) == np,
-                "row_scale: contiguous float32 [E, Np] = [", e, ", ", np, "]");
   const int64_t r = a.size(0), pairs = experts.size(0);
   TORCH_CHECK(row_div > 0 && (pairs + row_div - 1) / row_div <= r, "row_div = ", row_div, ": ", pairs,
               " pairs need more than a's ", r, " rows");
-  const bool combined = combine.has_value() && combine->defined();
-  if (combined)
+  if (combine.has_value() && combine->defined())
     TORCH_CHECK(combine->dim() == 1 && combine->is_contiguous() && combine->scalar_type() == at::kFloat &&
                     combine->size(0) == pairs && per > 0 && pairs % per == 0,
                 "combine: contiguous float32 [P] and per dividing P");
   const int64_t* ep = experts.data_ptr<int64_t>();
   for (int64_t i = 0; i < pairs; ++i)
     TORCH_CHECK(ep[i] < e, "experts[", i, "] = ", ep[i], " is outside [0, ", e, ")");
-  at::Tensor y = at::zeros({combined ? pairs / per : pairs, n}, a.options());
-  if (pairs == 0) return y;
+  return k;
+}
 
-  // the activation rows, quantised once (after the activation function, where one is given)
-  at::Tensor q = at::empty({r, kp}, a.options().dtype(at::kChar));
-  at::Tensor dv = at::empty({r, kp / 4}, a.options());
-  at::Tensor bs = at::empty({r, kp / QB}, a.options());
-  at::Tensor xg = at::empty({r, groups}, a.options());
-  {
-    const float* ap = a.data_ptr<float>();
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* dp = dv.data_ptr<float>();
-    float* bp = bs.data_ptr<float>();
-    float* gp = xg.data_ptr<float>();
-    const int64_t lda = a.size(1);
-    constexpr int64_t ROWS_PER_TASK = 16;
-    parallel_tasks((r + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int64_t task) {
-      const int64_t r0 = task * ROWS_PER_TASK, r1 = std::min(r, r0 + ROWS_PER_TASK);
-      std::vector<float> row(act == ACT_NONE ? 0 : k);
-      for (int64_t i = r0; i < r1; ++i) {
-        const float* x = ap + i * lda;
-        if (act != ACT_NONE) {
-          act_row(x, k, act, static_cast<float>(alpha), static_cast<float>(limit), row.data());
-          x = row.data();
-        }
-        quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
-        for (int64_t g = 0; g < groups; ++g) {
-          float s = 0.0f;
-          if (gs < QB) {  // half a block: its d times the half's codes
-            int32_t sum = 0;
-            for (int64_t c = g * gs; c < (g + 1) * gs; ++c) sum += qp[i * kp + c];
-            s = dp[i * (kp / 4) + g * gs / QB * 8] * static_cast<float>(sum);
-          }
-          for (int64_t b = g * (gs / QB); b < (g + 1) * (gs / QB); ++b) s += bp[i * (kp / QB) + b];
-          gp[i * groups + g] = s;
-        }
+// Each activation row of a once, act(gate) * up where act != 0, handed to quant(row index, its k values); 16 rows a
+// task.
+template <typename F>
+void each_row(const at::Tensor& a, int64_t k, int64_t act, double alpha, double limit, const F& quant) {
+  const float* ap = a.data_ptr<float>();
+  const int64_t r = a.size(0), lda = a.size(1);
+  constexpr int64_t ROWS_PER_TASK = 16;
+  parallel_tasks((r + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int64_t task) {
+    const int64_t r0 = task * ROWS_PER_TASK, r1 = std::min(r, r0 + ROWS_PER_TASK);
+    std::vector<float> row(act == ACT_NONE ? 0 : k);
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* x = ap + i * lda;
+      if (act != ACT_NONE) {
+        act_row(x, k, act, static_cast<float>(alpha), static_cast<float>(limit), row.data());
+        x = row.data();
       }
-    });
-  }
-  const Acts acts{q.data_ptr<int8_t>(), dv.data_ptr<float>(), xg.data_ptr<float>(), kp, groups};
+      quant(i, x);
+    }
+  });
+}
 
-  // pairs grouped by expert (counting sort): their activation rows, output rows and router weights
+// The pairs grouped by expert (counting sort), then rows(expert, first row group, end row group, the pairs'
+// activation rows, their count, their output rows, their router weights or null) for each (expert, block of rows of
+// about TASK_BYTES) - with combine, each block of rows over every expert, so no two threads add into one output - as
+// the tasks of one parallel_tasks call, each handed to whichever thread is free.
+template <typename F>
+void run_pairs(const at::Tensor& experts, int64_t e, int64_t row_div, const c10::optional<at::Tensor>& combine,
+               int64_t per, at::Tensor& y, int64_t np, int64_t row_bytes, const F& rows) {
+  const int64_t pairs = experts.size(0), n = y.size(1);
+  const int64_t* ep = experts.data_ptr<int64_t>();
+  const bool combined = combine.has_value() && combine->defined();
   std::vector<int64_t> start(e + 1, 0);
   for (int64_t i = 0; i < pairs; ++i)
     if (ep[i] >= 0) ++start[ep[i] + 1];
@@ -578,36 +714,150 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
   std::vector<int64_t> used;
   for (int64_t x = 0; x < e; ++x)
     if (start[x + 1] > start[x]) used.push_back(x);
+  // rows per task: about TASK_BYTES of one expert's weights, one stream the prefetchers follow
+  const int64_t block = std::max<int64_t>(RB, std::min<int64_t>(np, TASK_BYTES / row_bytes) / RB * RB);
+  const int64_t blocks = (np + block - 1) / block;
+  const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
+  auto expert_rows = [&](int64_t x, int64_t blk) {
+    const int64_t first = start[x];
+    rows(x, blk * block / RB, std::min(np, (blk + 1) * block) / RB, tok.data() + first, start[x + 1] - first,
+         yrow.data() + first, combined ? wt.data() + first : nullptr);
+  };
+  parallel_tasks(tasks, [&](int64_t t) {
+    if (combined) {
+      for (int64_t x : used) expert_rows(x, t);
+    } else {
+      expert_rows(used[t / blocks], t % blocks);
+    }
+  });
+}
+
+}  // namespace
+
+// The pairs' GEMMs: pair i multiplies activation row i / row_div of a by expert experts[i]'s weights
+// (experts[i] < 0: a foreign expert, it adds nothing). codes [E, Np / 4, Kp / 64, 4, CB] uint8, scale [E, Np, G]
+// float32 (groups of 16: float16, in sidx's order), zero [E, Np, G] uint8 (zero_const >= 0: empty, every zero is
+// zero_const and the dots fold it in), row_scale [E, Np] float32 multiplying each output row (or none); n the real
+// rows (Np: n rounded up to 4), bits 4 or 8, e2m1: the 4-bit codes are FP4, gs the columns per scale group (16, 32
+// or a multiple of 64; per channel: Kp). act != 0: a's rows are [gate | up] of 2K and the GEMM's input is
+// act(gate) * up (silu, gelu, swigluoai with alpha and limit). Without combine: y [P, N]; with combine (router
+// weights [P]): y [P / per, N], row j = sum over pairs i of token j (i / per) of combine[i] * pair i's output.
+// The rows are quantised once, then run_pairs runs the (expert, block of rows) tasks.
+at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
+                     at::Tensor zero, int64_t zero_const, c10::optional<at::Tensor> row_scale, int64_t n, int64_t bits,
+                     bool e2m1, int64_t gs, int64_t act, double alpha, double limit,
+                     c10::optional<at::Tensor> combine, int64_t per) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
+  const bool fp4 = e2m1;
+  TORCH_CHECK(zero_const >= -1 && zero_const <= 255, "zero_const: the one zero of every code (0..255), or -1");
+  TORCH_CHECK(gs != QB / 2 || (bits == 4 && zero_const >= 0), "groups of 16 take 4-bit codes with one zero");
+  const int64_t cb = bits == 4 ? 32 : 64;
+  TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(3) == RB &&
+                  codes.size(4) == cb, "codes: contiguous uint8 [E, Np/4, Kp/64, 4, ", cb, "]");
+  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH;
+  const int64_t k = check_pairs(a, row_div, experts, e, np, kp, n, act, combine, per);
+  TORCH_CHECK((gs == QB / 2 || gs == QB || (gs > 0 && gs % CH == 0)) && kp % gs == 0, "group size ", gs,
+              " must be 16, 32 or a multiple of 64 dividing ", kp);
+  const int64_t groups = kp / gs;
+  const auto sdtype = gs == QB / 2 ? at::kHalf : at::kFloat;
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == sdtype &&
+                  scale.size(0) == e && scale.size(1) == np && scale.size(2) == groups,
+              "scale: contiguous ", sdtype, " (float16 for groups of 16, else float32) [E, Np, G] = [", e, ", ", np,
+              ", ", groups, "]");
+  const bool zeros = zero_const < 0;  // zero points stored; with one zero for all, none are
+  TORCH_CHECK(zero.is_contiguous() && zero.scalar_type() == at::kByte &&
+                  (zeros ? zero.sizes() == scale.sizes() : zero.numel() == 0),
+              "zero: contiguous uint8 on the scale's grid, or empty with zero_const >= 0");
+  const bool scaled = row_scale.has_value() && row_scale->defined();
+  if (scaled)
+    TORCH_CHECK(row_scale->dim() == 2 && row_scale->is_contiguous() && row_scale->scalar_type() == at::kFloat &&
+                    row_scale->size(0) == e && row_scale->size(1) == np,
+                "row_scale: contiguous float32 [E, Np] = [", e, ", ", np, "]");
+  const int64_t r = a.size(0), pairs = experts.size(0);
+  const bool combined = combine.has_value() && combine->defined();
+  at::Tensor y = at::zeros({combined ? pairs / per : pairs, n}, a.options());
+  if (pairs == 0) return y;
+
+  // the activation rows, quantised once (after the activation function, where one is given)
+  at::Tensor q = at::empty({r, kp}, a.options().dtype(at::kChar));
+  at::Tensor dv = at::empty({r, kp / 4}, a.options());
+  at::Tensor bs = at::empty({r, kp / QB}, a.options());
+  at::Tensor xg = at::empty({r, groups}, a.options());
+  {
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* dp = dv.data_ptr<float>();
+    float* bp = bs.data_ptr<float>();
+    float* gp = xg.data_ptr<float>();
+    each_row(a, k, act, alpha, limit, [&](int64_t i, const float* x) {
+      quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
+      for (int64_t g = 0; g < groups; ++g) {
+        float s = 0.0f;
+        if (gs < QB) {  // half a block: its d times the half's codes
+          int32_t sum = 0;
+          for (int64_t c = g * gs; c < (g + 1) * gs; ++c) sum += qp[i * kp + c];
+          s = dp[i * (kp / 4) + g * gs / QB * 8] * static_cast<float>(sum);
+        }
+        for (int64_t b = g * (gs / QB); b < (g + 1) * (gs / QB); ++b) s += bp[i * (kp / QB) + b];
+        gp[i * groups + g] = s;
+      }
+    });
+  }
+  const Acts acts{q.data_ptr<int8_t>(), dv.data_ptr<float>(), xg.data_ptr<float>(), kp, groups};
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = gs == QB / 2 ? nullptr : scale.data_ptr<float>();
   const uint16_t* shp = gs == QB / 2 ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
   const float* rsp = scaled ? row_scale->data_ptr<float>() : nullptr;
   const uint8_t* zp = zeros ? zero.data_ptr<uint8_t>() : nullptr;
   const int64_t expert_bytes = np * kp * bits / 8;
-  // rows per task: about TASK_BYTES of one expert's weights, one stream the prefetchers follow
-  const int64_t block = std::max<int64_t>(RB, std::min<int64_t>(np, TASK_BYTES / (kp * bits / 8)) / RB * RB);
-  const int64_t blocks = (np + block - 1) / block;
-  const int64_t tasks = combined ? blocks : static_cast<int64_t>(used.size()) * blocks;
+  run_pairs(experts, e, row_div, combine, per, y, np, kp * bits / 8,
+            [&](int64_t x, int64_t q0, int64_t q1, const int64_t* tok, int64_t count, float* const* yr, const float* w) {
+              const Proj p{cp + x * expert_bytes, sp ? sp + x * np * groups : nullptr,
+                           shp ? shp + x * np * groups : nullptr, rsp ? rsp + x * np : nullptr,
+                           zp ? zp + x * np * groups : nullptr, n, np, kp, groups, gs, bits, zero_const};
+              if (fp4) rows_dot<4, true>(p, q0, q1, acts, tok, count, yr, w);
+              else if (bits == 4) rows_dot<4, false>(p, q0, q1, acts, tok, count, yr, w);
+              else rows_dot<8, false>(p, q0, q1, acts, tok, count, yr, w);
+            });
+  return y;
+}
 
-  auto expert_rows = [&](int64_t x, int64_t blk) {
-    const Proj p{cp + x * expert_bytes, sp ? sp + x * np * groups : nullptr, shp ? shp + x * np * groups : nullptr,
-                 rsp ? rsp + x * np : nullptr, zp ? zp + x * np * groups : nullptr, n, np, kp, groups, gs, bits,
-                 zero_const};
-    const int64_t q0 = blk * block / RB, q1 = std::min(np, (blk + 1) * block) / RB;
-    const int64_t first = start[x], count = start[x + 1] - start[x];
-    const float* w = combined ? wt.data() + first : nullptr;
-    if (fp4) rows_dot<4, true>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
-    else if (bits == 4) rows_dot<4, false>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
-    else rows_dot<8, false>(p, q0, q1, acts, tok.data() + first, count, yrow.data() + first, w);
-  };
-  auto run = [&](int64_t t) {
-    if (combined) {
-      for (int64_t x : used) expert_rows(x, t);
-    } else {
-      expert_rows(used[t / blocks], t % blocks);
-    }
-  };
-  parallel_tasks(tasks, run);
+// fp8e4m3 weights times fp8e4m3 activations, the pairs as dot8_gemm's: codes [E, Np / 4, Kp / 64, 4, 64] uint8 (the
+// e4m3 bytes), scale [E, Np, G] float32, gs the columns per group of both the weight scales and the activations'
+// (128, or Kp: per channel and per token); each activation row is quantised to e4m3 once per group, with amax_floor
+// under its amax.
+at::Tensor dot8_fp8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
+                         int64_t n, int64_t gs, double amax_floor, int64_t act, double alpha, double limit,
+                         c10::optional<at::Tensor> combine, int64_t per) {
+  TORCH_CHECK(codes.dim() == 5 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(3) == RB &&
+                  codes.size(4) == CH, "codes: contiguous uint8 [E, Np/4, Kp/64, 4, 64]");
+  const int64_t e = codes.size(0), np = codes.size(1) * RB, kp = codes.size(2) * CH;
+  const int64_t k = check_pairs(a, row_div, experts, e, np, kp, n, act, combine, per);
+  TORCH_CHECK(gs > 0 && gs % CH == 0 && gs <= kp, "group size ", gs, " must be a multiple of 64 up to ", kp);
+  const int64_t groups = (kp + gs - 1) / gs;
+  TORCH_CHECK(scale.dim() == 3 && scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.size(0) == e &&
+                  scale.size(1) == np && scale.size(2) == groups,
+              "scale: contiguous float32 [E, Np, G] = [", e, ", ", np, ", ", groups, "]");
+  TORCH_CHECK(amax_floor > 0.0, "amax_floor must be positive");
+  const int64_t r = a.size(0), pairs = experts.size(0);
+  const bool combined = combine.has_value() && combine->defined();
+  at::Tensor y = at::zeros({combined ? pairs / per : pairs, n}, a.options());
+  if (pairs == 0) return y;
+  at::Tensor q = at::empty({r, kp}, a.options().dtype(sizeof(F8Act) == 2 ? at::kShort : at::kFloat));
+  at::Tensor xs = at::empty({r, groups}, a.options());
+  F8Act* qp = reinterpret_cast<F8Act*>(q.data_ptr());
+  float* xsp = xs.data_ptr<float>();
+  each_row(a, k, act, alpha, limit, [&](int64_t i, const float* x) {
+    f8_quant_row(x, k, kp, gs, static_cast<float>(amax_floor), qp + i * kp, xsp + i * groups);
+  });
+  const F8Acts acts{qp, xsp, kp, groups};
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  run_pairs(experts, e, row_div, combine, per, y, np, kp,
+            [&](int64_t x, int64_t q0, int64_t q1, const int64_t* tok, int64_t count, float* const* yr, const float* w) {
+              const F8Proj p{cp + x * np * kp, sp + x * np * groups, n, kp, groups, gs};
+              f8_rows(p, q0, q1, acts, tok, count, yr, w);
+            });
   return y;
 }
 
@@ -627,7 +877,9 @@ at::Tensor dot8_weight_buffer(int64_t nbytes) {
 }
 
 std::string dot8_isa() {
-#if defined(DOT8_VNNI)
+#if defined(DOT8_BF16)
+  return "avx512bf16";
+#elif defined(DOT8_VNNI)
   return "avx512vnni";
 #elif defined(DOT8_AVX2)
   return "avx2";
@@ -640,6 +892,8 @@ TORCH_LIBRARY(DOT8_NS, m) {
   m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int zero_const, "
         "Tensor? row_scale, int n, int bits, bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, "
         "int per) -> Tensor", &dot8_gemm);
+  m.def("fp8_gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, int n, int gs, float amax_floor, "
+        "int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_fp8_gemm);
   m.def("isa() -> str", &dot8_isa);
   m.def("weight_buffer(int nbytes) -> Tensor", &dot8_weight_buffer);
 }
