@@ -63,12 +63,12 @@ PAIRS = (
     Pair("int8 g128", "uint8b128 scale:float16:group(128):static", "q8_0"),
     Pair("MXFP4", "e2m1 scale:e8m0:block(1x32):static", "mxfp4"),
     # ggml has no NVFP4 or FP8 type: Q4_0 and Q8_0 are the nearest by bytes per weight (0.5625 and 1.0625 against
-    # NVFP4's 0.5625 and FP8's 1.0); FP8 runs where its schemes put it on a CPU, torch-cpu-native
+    # NVFP4's 0.5625 and FP8's 1.0); FP8 with the e4m3 activations its schemes declare
     Pair("NVFP4", "e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", "q4_0"),
-    Pair("FP8 block 128", "fp8e4m3 scale:float32:block(128x128):static", "q8_0", "torch-cpu-native",
-         "fp8e4m3 scale:float32:group(128):dynamic"),
-    Pair("FP8 channel", "fp8e4m3 scale:float32:channel:static", "q8_0", "torch-cpu-native",
-         "fp8e4m3 scale:float32:token:dynamic"),
+    Pair("FP8 block 128", "fp8e4m3 scale:float32:block(128x128):static", "q8_0",
+         activation="fp8e4m3 scale:float32:group(128):dynamic"),
+    Pair("FP8 channel", "fp8e4m3 scale:float32:channel:static", "q8_0",
+         activation="fp8e4m3 scale:float32:token:dynamic"),
 )
 REPACKED = ("q4_0", "q4_K")  # ggml types timed in its CPU_REPACK layout; Q8_0 in its plain one (its repacked
 # setup in the benchmark crashes on AVX-512 machines)
