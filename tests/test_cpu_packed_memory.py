@@ -29,7 +29,7 @@ PACKED = ["mixtral-awq", "qwen3-gptq-int4", "qwen3-gptq-int4-actorder", "qwen2-g
 @pytest.mark.parametrize("name", PACKED)
 def test_built_layer_holds_no_more_than_the_packed_weights(example: Callable[[str], Path], name: str) -> None:
     # bfloat16: the packed ops' own dtype, where torch-cpu-dot8 comes first (its codes, float32 scales and a zero
-    # byte per group: 1.04x the checkpoint's bytes at group 128)
+    # byte per group where the checkpoint has zero points: 1.04x the checkpoint's bytes at group 128)
     layer = build(example(name), layer=1, platform="cpu", dtype="bfloat16", prefer="torch-cpu-packed")
     assert layer.report.chosen == "torch-cpu-packed"
     dot8 = build(example(name), layer=1, platform="cpu", dtype="bfloat16")
