@@ -146,7 +146,8 @@ def test_holds_the_checkpoint_tensors_and_nothing_more(dtype: torch.dtype) -> No
 
 
 def test_the_oracle_picks_it_for_an_unquantized_model_on_the_cpu(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["explain", str(ROOT / "examples" / "checkpoints" / "mixtral-bf16"), "--platform", "cpu"]) == 0
+    config = ROOT / "examples" / "configs" / "mixtral" / "mixtral-8x7b-instruct-v0.1"
+    assert cli_main(["explain", str(config), "--platform", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "kernel      torch-cpu-grouped" in out
     assert "+ torch-reference     eligible  all constraints met" in out
