@@ -9,6 +9,7 @@ weight copies so L2 (50 MB on an H100) cannot hold them; H100 copy bandwidth is 
 
     python tools/bench_decode.py                      # M = 1 and 64, every scheme
     python tools/bench_decode.py --m 1 --schemes awq-g128 fp8-block
+    python tools/bench_decode.py --m 1 2 4 8 --schemes gptq4-g128 --compare-gemv --no-align
     bash tools/gpu_run.sh decode [args]               # on the GPU machine
 """
 
@@ -101,8 +102,8 @@ def align_rows() -> list[str]:
     return rows
 
 
-def decode_rows(m: int, schemes: list[str]) -> list[str]:
-    from moe_registry_kernels.triton import api
+def decode_rows(m: int, schemes: list[str], compare_gemv: bool = False) -> list[str]:
+    from moe_registry_kernels.triton import api, launch
 
     dtype = torch.bfloat16
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -115,7 +116,15 @@ def decode_rows(m: int, schemes: list[str]) -> list[str]:
         copies = [api.TritonExperts(_weights(scheme, dtype, seed=s), ExpertsConfig()) for s in range(4)]
         us = graph_time_us(lambda copies=copies: [c.apply(*inputs) for c in copies]) / len(copies)
         gbs = touched * _expert_bytes(copies[0].weights) / (us * 1e-6) / 1e9
-        rows.append(f"{scheme:>18} M={m:<4} {us:8.1f} us  {gbs:7.0f} GB/s  ({touched} experts)")
+        line = f"{scheme:>18} M={m:<4} {us:8.1f} us  {gbs:7.0f} GB/s  ({touched} experts)"
+        if compare_gemv:  # the same layer with the decode GEMVs off: the tile kernels alone
+            launch.DECODE_GEMV = launch.FLOAT_GEMV = False
+            try:
+                tiles = graph_time_us(lambda copies=copies: [c.apply(*inputs) for c in copies]) / len(copies)
+            finally:
+                launch.DECODE_GEMV = launch.FLOAT_GEMV = True
+            line += f"  tiles alone {tiles:8.1f} us ({tiles / us:.2f}x)"
+        rows.append(line)
         del copies
         torch.cuda.empty_cache()
     cache1 = torch.randn(m * TOP_K, 2 * INTER, device=DEVICE, dtype=dtype)
@@ -137,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=list(SCHEMES), metavar="SCHEME",
                         help=f"schemes to time (default: all): {', '.join(SCHEMES)}")
     parser.add_argument("--no-align", dest="align", action="store_false", help="leave out the alignment paths")
+    parser.add_argument("--compare-gemv", action="store_true",
+                        help="also time each layer with the decode GEMVs off (the tile kernels alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA GPU (CUDA graphs time the kernels)", file=sys.stderr)
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.align:
         print("\n".join(align_rows()))
     for m in args.m:
-        print("\n".join(decode_rows(m, args.schemes)))
+        print("\n".join(decode_rows(m, args.schemes, args.compare_gemv)))
     return 0
 
 

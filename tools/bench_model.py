@@ -291,18 +291,25 @@ def prefill_seconds(model: Any, tokens: int, clock: Clock, repeats: int = 3) -> 
     return statistics.median(clock(forward) for _ in range(repeats))
 
 
-def decode_step_seconds(model: Any, batch: int, context: int, new_tokens: int, mode: str,
-                        clock: Clock) -> tuple[float, torch.Tensor]:
-    """Seconds per decode step at ``batch`` (from the first new token to the last, over the steps between, the
-    median of two runs) and the tokens generated."""
-    from moe_registry.cli.generate import TokenClock
-
+def generate_inputs(model: Any, batch: int, context: int, new_tokens: int,
+                    mode: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A random prompt of ``batch`` x ``context`` tokens and greedy ``generate`` arguments for ``mode``."""
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (batch, context),
                         generator=torch.Generator().manual_seed(2)).to(model.device)
     kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0,
                               "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     if mode == "static":
         kwargs["cache_implementation"] = "static"
+    return ids, kwargs
+
+
+def decode_step_seconds(model: Any, batch: int, context: int, new_tokens: int, mode: str,
+                        clock: Clock) -> tuple[float, torch.Tensor]:
+    """Seconds per decode step at ``batch`` (from the first new token to the last, over the steps between, the
+    median of two runs) and the tokens generated."""
+    from moe_registry.cli.generate import TokenClock
+
+    ids, kwargs = generate_inputs(model, batch, context, new_tokens, mode)
     for _ in range(3 if mode == "static" else 1):  # compile, then CUDA graph warm-up and record, then replay
         clock(lambda: model.generate(ids, **kwargs))
     steps, made = [], None
@@ -371,13 +378,22 @@ def _profile(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, An
 
     batch, mode = args.batch[0], "static" if "static" in args.modes else args.modes[-1]
     decode_step_seconds(model, batch, args.context, args.new_tokens, mode, clock)  # warm
+    ids, kwargs = generate_inputs(model, batch, args.context, args.new_tokens, mode)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decode_step_seconds(model, batch, args.context, args.new_tokens, mode, clock)
+        wall = clock(lambda: model.generate(ids, **kwargs))  # one prefill forward, then new_tokens - 1 steps
     name = Path(args.out_file).parent / f"profile-{args.fmt}-{args.side.replace(':', '-')}-{mode}-b{batch}.txt"
     averages = prof.key_averages()
-    name.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
+    name.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\n"
                     + averages.table(sort_by="self_cpu_time_total", row_limit=25))
-    return {"file": name.name, "mode": mode, "batch": batch}
+    # the device's busy time against the step's wall time (a step the device idles through is the host's), and
+    # what torch.compile made of the step: a graph break leaves the code after it to run eagerly
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    counters = torch._dynamo.utils.counters
+    return {"file": name.name, "mode": mode, "batch": batch,
+            "wall_ms_per_forward": wall * 1e3 / args.new_tokens,
+            "device_busy_ms_per_forward": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.new_tokens,
+            "kernels_per_forward": len(kernels) / args.new_tokens,
+            "graph_breaks": dict(counters["graph_break"]), "unique_graphs": counters["stats"]["unique_graphs"]}
 
 
 def _graphs_error(model: Any) -> float:

@@ -172,3 +172,123 @@ def _decode_gemv_kernel(
     _finish_tile(out, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, 0, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, 0, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, False, FUSE_ACT, BLOCK_M,
                  BLOCK_N, c_ptr, 0, "none")
+
+
+# --- 16-bit activations (W4A16, W8A16): the same GEMV on float multiply-adds ----------------------------------
+#
+# A decode GEMM with 16-bit activations reads its weights once a pair, like the int8 GEMV above, but takes the
+# token's values as they are (no quantisation launch, the numbers of the tile kernels' 16-bit dot up to float32
+# summation order): each weight word's codes become exact float32 values in registers and are multiplied with the
+# matching activations, loaded as one vector of a word's columns. A code c becomes 2^23 + c by setting the
+# exponent bits of float32 one (the magic-number conversion, no int-to-float instruction), and one subtraction
+# removes 2^23 and the zero point; group scales multiply each group's sum once a step.
+FLOAT_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23 as float32: an integer below 2^23 ORed in is added
+FLOAT_MAGIC_VALUE = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _float_step(acc, w, x_ptrs, x_mask, x_word, scale_ptrs, zero_ptrs, w0, k_words, stride_sk,
+                CODES: tl.constexpr, W_SCALE: tl.constexpr, GROUP_WORDS: tl.constexpr, ZERO: tl.constexpr,
+                ZERO_CODE: tl.constexpr, MASKED: tl.constexpr):
+    """``acc`` [BM, BN, groups, words] + one K step of the weight words ``w`` [1, BN, groups, words] (from word
+    ``w0``) times the rows' activations there (``x_ptrs`` [BM, 1, groups, words, CODES] at word 0, ``x_mask`` the
+    rows that hold a pair, ``x_word`` [1, 1, groups, words, 1] each word's index in the step). ZERO: "words" (zero
+    points in the scale words' high halves), "tensor" (loaded beside the scales), or "none" (the type's fixed
+    code ZERO_CODE)."""
+    in_k = x_mask
+    if MASKED:
+        in_k = in_k & (w0 + x_word < k_words)
+    x = tl.load(x_ptrs + w0 * CODES, mask=in_k, other=0.0).to(tl.float32)
+    bits = 32 // CODES
+    shifts = tl.arange(0, CODES)[None, None, None, None, :] * bits
+    codes = (w[:, :, :, :, None] >> shifts) & ((1 << bits) - 1)
+    values = (codes | FLOAT_MAGIC).to(tl.float32, bitcast=True)
+    if W_SCALE == "group":
+        first = w0 // GROUP_WORDS
+        if MASKED:
+            group_mask = (first + tl.arange(0, w.shape[2])[None, None, :, None]) * GROUP_WORDS < k_words
+            s = tl.load(scale_ptrs + first * stride_sk, mask=group_mask, other=0)
+        else:
+            s = tl.load(scale_ptrs + first * stride_sk)
+    if ZERO == "words":
+        offset = FLOAT_MAGIC_VALUE + (s >> 16).to(tl.float32)
+    elif ZERO == "tensor":
+        if MASKED:
+            zero = tl.load(zero_ptrs + first * stride_sk, mask=group_mask, other=0)
+        else:
+            zero = tl.load(zero_ptrs + first * stride_sk)
+        offset = FLOAT_MAGIC_VALUE + zero.to(tl.float32)
+    else:
+        offset = FLOAT_MAGIC_VALUE + ZERO_CODE
+    if ZERO == "none":
+        sums = tl.sum((values - offset) * x, axis=4)
+    else:
+        sums = tl.sum((values - offset[:, :, :, :, None]) * x, axis=4)
+    if W_SCALE == "group":
+        acc += sums * _scale_of(s).to(tl.float32)
+    else:
+        acc += sums
+    return acc
+
+
+@triton.jit
+def _decode_gemv_float_kernel(
+        a_ptr, b_ptr, b_scale_ptr, b_zero_ptr, bias_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+        num_post_padded_ptr, N, K, num_valid, num_experts, stride_am, stride_be, stride_bn, stride_se, stride_sn,
+        stride_sk, stride_cm,
+        CODES: tl.constexpr, ZERO: tl.constexpr, ZERO_CODE: tl.constexpr, W_SCALE: tl.constexpr,
+        W_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr,
+        FUSE_ACT: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        STEP_WORDS: tl.constexpr, PDL: tl.constexpr):
+    """C[rows of block ``program_id(0)``, column tile ``program_id(1)``] from 16-bit input rows A [rows, K]
+    (row stride ``stride_am``) and integer weight codes read as 32-bit words of CODES codes (word w of a row:
+    columns CODES*w .. CODES*w + CODES - 1, the lowest bits first), blocks as the int8 GEMV's, through the tile
+    kernels' epilogue. Zero points (ZERO != "none") share the scales' strides."""
+    GROUP_WORDS: tl.constexpr = W_GROUP // CODES if W_SCALE == "group" else STEP_WORDS
+    STEP_GROUPS: tl.constexpr = STEP_WORDS // GROUP_WORDS
+    tl.static_assert(W_SCALE == "channel" or W_SCALE == "group" and W_GROUP % CODES == 0
+                     and STEP_WORDS % GROUP_WORDS == 0, "a step holds whole weight groups of whole words")
+    tl.static_assert(not ONE_PAIR_BLOCKS or BLOCK_M == 1, "one-pair blocks hold one row")
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs, expert = _block_pairs(pid_m, offs_m, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, num_valid,
+                                 num_experts, BLOCK_M, ONE_PAIR_BLOCKS)
+    if expert < 0:
+        return
+    k_words = K // CODES
+    offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    word = (tl.arange(0, STEP_GROUPS)[None, None, :, None] * GROUP_WORDS
+            + tl.arange(0, GROUP_WORDS)[None, None, None, :])  # [1, 1, groups, words]
+    w_ptrs = (b_ptr + expert * stride_be + offs_bn.to(tl.int64)[None, :, None, None] * stride_bn).to(
+        tl.pointer_type(tl.int32)) + word
+    w_next = tl.load(w_ptrs, mask=word < k_words, other=0)
+    grid_wait(PDL)
+    a_rows, c_rows, row_mask, store_rows = _block_rows(offs_m, expert, pairs, num_valid, 0, TOP_K, False)
+    x_ptrs = (a_ptr + a_rows.to(tl.int64)[:, None, None, None, None] * stride_am
+              + word[:, :, :, :, None] * CODES + tl.arange(0, CODES)[None, None, None, None, :])
+    x_mask = row_mask[:, None, None, None, None]
+    x_word = word[:, :, :, :, None]
+    group_offs = (expert * stride_se + offs_bn[None, :, None, None] * stride_sn
+                  + tl.arange(0, STEP_GROUPS)[None, None, :, None] * stride_sk)  # [1, BN, groups, 1]
+    scale_ptrs = b_scale_ptr + group_offs
+    zero_ptrs = b_zero_ptr + group_offs
+
+    whole = k_words // STEP_WORDS * STEP_WORDS
+    acc = tl.zeros([BLOCK_M, BLOCK_N, STEP_GROUPS, GROUP_WORDS], tl.float32)
+    for w0 in tl.range(0, whole, STEP_WORDS, num_stages=1):
+        w = w_next
+        w_next = tl.load(w_ptrs + tl.minimum(w0 + STEP_WORDS, whole - STEP_WORDS))
+        acc = _float_step(acc, w, x_ptrs, x_mask, x_word, scale_ptrs, zero_ptrs, w0, k_words, stride_sk, CODES,
+                          W_SCALE, GROUP_WORDS, ZERO, ZERO_CODE, False)
+    if whole < k_words:
+        w = tl.load(w_ptrs + whole, mask=whole + word < k_words, other=0)
+        acc = _float_step(acc, w, x_ptrs, x_mask, x_word, scale_ptrs, zero_ptrs, whole, k_words, stride_sk, CODES,
+                          W_SCALE, GROUP_WORDS, ZERO, ZERO_CODE, True)
+    grid_release(PDL)
+
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    scale_cols = b_scale_ptr + expert * stride_se + offs_bn[None, :] * stride_sn
+    _finish_tile(out, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, 0, N, scale_cols, bias_ptr,
+                 topk_weights_ptr, c_ptr, stride_cm, 0, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, False, FUSE_ACT, BLOCK_M,
+                 BLOCK_N, c_ptr, 0, "none")
