@@ -191,13 +191,16 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
           device: str | torch.device | None = None, spec_dirs: Iterable[str | Path] = (),
           tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
           all2all: str | None = None, expert_placement: str | None = None, keep_weights: bool = False,
-          model_config: ModelConfig | None = None, index: CheckpointIndex | None = None) -> LayerBuild:
+          model_config: ModelConfig | None = None, index: CheckpointIndex | None = None,
+          ep_rank: int | None = None) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
     SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
     With ``ep`` > 1 and ``all2all="allgather_reducescatter"``, call it in each of ep ranks of an existing
     torch.distributed process group: each rank's kernel holds its experts (``expert_placement``: contiguous, the
-    default, or round_robin) and takes its own tokens. ``keep_weights``: hold the converted weights beside a
+    default, or round_robin) and takes its own tokens. With ``ep`` > 1, no all2all and ``ep_rank``, the kernel holds
+    rank ``ep_rank``'s experts and takes their local ids (the caller moves the tokens: transformers' expert
+    parallelism). ``keep_weights``: hold the converted weights beside a
     kernel's own copy (for a caller that reads ``.weights`` again, as ``run``'s float64 reference does), instead
     of converting them again from the checkpoint on each access. ``model_config`` / ``index``: this checkpoint's
     config and header index as the caller already read them (``load_model`` builds every layer from one read)."""
@@ -219,7 +222,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     family = registry.families[model.family].spec
     shape = situation.runtime.shape
     assert shape is not None
-    placement = placement_for(situation.runtime)  # an expert-parallel rank reads only its own experts
+    placement = placement_for(situation.runtime, ep_rank)  # an expert-parallel rank reads only its own experts
     owned = None if placement is None else tuple(placement.local_experts().tolist())
     reread = functools.partial(read_layer, index, family, situation.layer, scheme, report.scheme.bindings, shape,
                                owned)
