@@ -6,8 +6,9 @@ The router stays transformers' own, so routing (top-k, scoring, correction bias,
 transformers'. Its ids are distinct experts in ``[0, num_experts)`` by construction (a top-k over the experts'
 scores), so the call reads nothing on the host: the kernel's id checks (range, repeats), which read ids back,
 are off, and the inputs' layout is checked from shapes alone on each new input signature. Under transformers'
-expert parallelism (``_is_expert_parallel``, which transformers sets on the module) ids ``>= num_experts`` name
-another rank's expert: such a pair adds nothing (:func:`drop_foreign`, on the device).
+expert parallelism (``_is_expert_parallel``, set where transformers' dispatch calls the module:
+``moe_registry.whole.transformers_ep``) the module holds this rank's experts, ``num_experts`` of them, and ids
+``>= num_experts`` name another rank's expert: such a pair adds nothing (:func:`drop_foreign`, on the device).
 
 With ``graph_tokens`` > 0, a call of at most that many tokens on a CUDA device replays a CUDA graph of this
 layer's experts captured on the first call of its token count (static input and output buffers, a graph memory
@@ -85,6 +86,7 @@ class RegistryExperts(torch.nn.Module):
         self.hidden_dim = kernel.experts.weights.hidden_size
         self.graph_tokens = graph_tokens
         self._is_expert_parallel = False
+        self.expert_parallel = ""  # under expert parallelism: whose experts these are, and what hands them ids
         self._checked: set[tuple] = set()
         self._graphs: dict[tuple, CapturedCall] = {}
         for tensor in reachable_tensors(kernel):
@@ -154,4 +156,5 @@ class RegistryExperts(torch.nn.Module):
     def extra_repr(self) -> str:
         scheme = self.report.scheme.scheme if self.report.scheme else "?"
         return (f"layer={self.layer}, experts={self.num_experts}, scheme={scheme}, kernel={self.report.chosen}"
-                + (f", cuda graphs up to {self.graph_tokens} tokens" if self.graph_tokens else ""))
+                + (f", cuda graphs up to {self.graph_tokens} tokens" if self.graph_tokens else "")
+                + (f", expert parallel: {self.expert_parallel}" if self.expert_parallel else ""))

@@ -4,7 +4,12 @@ at load, or ``model.set_experts_implementation("moe_registry")``), through trans
 
 On its first call an experts module's dense 3-D weights are converted once (gate/up fused, transposed or
 interleaved as transformers' ``use_experts_implementation`` flags say) into the kernel the oracle picks for the
-unquantized scheme on the tensors' device and dtype; the converted kernel is cached on the module."""
+unquantized scheme on the tensors' device and dtype; the converted kernel is cached on the module.
+
+Under transformers' expert parallelism (``distributed_config`` at load, where the installed transformers has its
+expert-parallel dispatch: ``moe_registry.whole.transformers_ep``) the module's weights are this rank's shard of
+the experts, so the kernel holds only those, and takes the local ids transformers' dispatch hands it (an id of
+``num_experts``, another rank's pair, adds nothing); the kernel's report says ``ep`` and the local experts."""
 
 from __future__ import annotations
 
@@ -17,11 +22,12 @@ from moe_registry.checkpoint.tensor_index import LayerNames
 from moe_registry.core.errors import ConfigError
 from moe_registry.layer.build import DTYPES, build_from_tensors
 from moe_registry.oracle.select import select
-from moe_registry.situation.runtime import MoEShape, Platform, RuntimeConfig
+from moe_registry.situation.runtime import MoEShape, ParallelConfig, Platform, RuntimeConfig
 from moe_registry.situation.values import Situation
 from moe_registry.spec.loader import load_registry
 from moe_registry.whole.experts_module import RegistryExperts
 from moe_registry.whole.requirement import require_transformers
+from moe_registry.whole.transformers_ep import STYLE
 
 NAME = "moe_registry"
 _CACHE = "_moe_registry_experts"
@@ -78,6 +84,7 @@ def _dense(module: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _build(module: Any, dtype: torch.dtype, top_k: int) -> RegistryExperts:
     gate, up, down = _dense(module)
     config = module.config
+    ep, dispatch = _expert_parallel(module)
     act = _ACTIVATIONS.get(str(getattr(config, "hidden_act", "silu")))
     if act is None:
         raise ConfigError(f"experts_implementation={NAME!r}: hidden_act {config.hidden_act!r}; the kernels here run "
@@ -85,10 +92,10 @@ def _build(module: Any, dtype: torch.dtype, top_k: int) -> RegistryExperts:
     names = {v: k for k, v in DTYPES.items()}
     if dtype not in names:
         raise ConfigError(f"experts_implementation={NAME!r}: hidden states in {dtype}; wanted one of {list(DTYPES)}")
-    num_experts, intermediate, hidden = gate.shape
-    shape = MoEShape(num_experts, top_k, hidden, intermediate, act)
+    num_experts, intermediate, hidden = gate.shape  # this rank's experts under expert parallelism
+    shape = MoEShape(num_experts * ep, top_k, hidden, intermediate, act)
     device = gate.device
-    runtime = RuntimeConfig(_platform(device), names[dtype], shape)
+    runtime = RuntimeConfig(_platform(device), names[dtype], shape, ParallelConfig(ep=ep))
     registry = load_registry(())
     report = select(registry, Situation(None, runtime, quant_source="a transformers model in memory",
                                         model=type(module).__name__))
@@ -98,4 +105,20 @@ def _build(module: Any, dtype: torch.dtype, top_k: int) -> RegistryExperts:
                         projections={"gate": "gate", "up": "up", "down": "down"})
     built = build_from_tensors(registry, report, LayerTensors(experts, None, None, names_, False), device=device,
                                tensor_name=names_.tensor)
-    return RegistryExperts(built.kernel, built.report, -1, top_k=top_k)
+    experts = RegistryExperts(built.kernel, built.report, -1, top_k=top_k)
+    if getattr(module, "_is_expert_parallel", False):
+        experts._is_expert_parallel = True
+        total = f" of {num_experts * ep}" if ep > 1 else ""
+        experts.expert_parallel = f"{num_experts}{total} experts on this rank, ids from {dispatch}"
+    return experts
+
+
+def _expert_parallel(module: Any) -> tuple[int, str]:
+    """The expert-parallel size transformers split ``module``'s experts over (1 without, or where its config does
+    not say) and its dispatch in words, from the ``distributed_config`` transformers puts on the model's config."""
+    if not getattr(module, "_is_expert_parallel", False):
+        return 1, ""
+    distributed = getattr(module.config, "distributed_config", None)
+    ep, name = getattr(distributed, "ep_size", None), getattr(distributed, "ep_implementation", None)
+    return (ep if isinstance(ep, int) and ep > 1 else 1,
+            f"transformers' {STYLE}" + (f" (ep_implementation {name!r})" if isinstance(name, str) else ""))

@@ -34,6 +34,7 @@ from moe_registry.whole.memory import check_fits
 from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
 from moe_registry.whole.requirement import require_transformers
 from moe_registry.whole.scaled_rows import ScaledRowsExperts
+from moe_registry.whole.transformers_ep import REGISTRY, install, resolve
 
 # decode's token counts (batch sizes) up to this replay captured CUDA graphs of each MoE layer's experts; a
 # longer call (a prefill) is launched as it comes, its launches' host time small beside its GPU time
@@ -298,16 +299,27 @@ def _skeleton(transformers: Any, path: Path, dtype: torch.dtype) -> Any:
         return auto.from_config(config, dtype=dtype)
 
 
-def _check_expert_parallel(ep: int, cuda_graphs: bool | None) -> int:
-    """This rank under ``ep`` ranks (0 without expert parallelism), after checking that the process group the
-    dispatcher needs exists with ``ep`` ranks."""
+def _check_expert_parallel(ep: int, cuda_graphs: bool | None, model: ModelConfig, target: Path) -> None:
+    """``ep`` is a positive integer, the model's experts split evenly over ``ep`` ranks, and no CUDA graphs are
+    asked for with it (checks on the arguments and config.json alone)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"ep={ep!r}: wanted a positive integer")
     if ep == 1:
-        return 0
+        return
+    for experts in sorted({model.shape_at(layer).num_experts for layer in model.moe_layers}):
+        if experts % ep:
+            raise ConfigError(f"ep={ep}: {config_path(target)} gives {experts} experts per MoE layer, which do not "
+                              f"split evenly over {ep} ranks; wanted ep dividing {experts}")
     if cuda_graphs:
         raise ConfigError(f"cuda_graphs=True with ep={ep}: an experts call under expert parallelism runs "
                           "collectives between the ranks, which these graphs do not capture; leave cuda_graphs unset")
+
+
+def _expert_parallel_rank(ep: int) -> int:
+    """This rank under ``ep`` ranks (0 without expert parallelism), after checking that the process group the
+    dispatch needs exists with ``ep`` ranks."""
+    if ep == 1:
+        return 0
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -321,17 +333,21 @@ def _check_expert_parallel(ep: int, cuda_graphs: bool | None) -> int:
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
                platform: str | None = None, kernel: str | None = None, prefer: str | None = None,
-               cuda_graphs: bool | None = None, ep: int = 1, max_tokens: int | None = None) -> Any:
+               cuda_graphs: bool | None = None, ep: int = 1, ep_implementation: str | None = None,
+               max_tokens: int | None = None) -> Any:
     """A transformers ``PreTrainedModel`` (eval mode) for the checkpoint dir ``path``, its MoE layers' routed
     experts on the registry's kernels (the oracle decides per layer; ``kernel`` pins one, ``prefer`` prefers
     one). ``cuda_graphs`` (default: on for a CUDA device): each MoE layer's experts call of at most
     :data:`GRAPH_TOKENS` tokens replays a CUDA graph captured on its token count's first call.
     ``ep`` above 1 (under torchrun, one process per rank, the process group already initialised with ``ep``
-    ranks): each rank holds 1/ep of each layer's experts; each experts call gathers every rank's tokens, runs
-    this rank's experts on them and reduces the sums back (the project's ``allgather_reducescatter``
-    dispatcher), so the ranks may run different prompts but must call the model the same number of times
-    (``generate`` with ``min_new_tokens`` equal to ``max_new_tokens``: no rank stops early at EOS);
-    ``max_tokens`` bounds a rank's tokens per call there.
+    ranks): each rank holds 1/ep of each layer's experts (rank r the r-th contiguous share) and runs its own
+    tokens; the ranks may run different prompts but must call the model the same number of times (``generate``
+    with ``min_new_tokens`` equal to ``max_new_tokens``: no rank stops early at EOS). ``ep_implementation`` says
+    what moves the tokens, named as transformers' ``DistributedConfig`` names it: a dispatch transformers has
+    registered that moves tokens between ranks (``all_to_all``, the default where the installed transformers has
+    it, or ``auto``), or ``moe_registry``, the project's ``allgather_reducescatter`` dispatcher (the default
+    elsewhere: each experts call gathers every rank's tokens padded to ``max_tokens``, runs this rank's experts on
+    them and reduces the sums back; ``max_tokens`` bounds a rank's tokens per call).
     ``model.moe_registry_report`` (a :class:`LoadReport`) says what runs and how each tensor was loaded.
     Raises ConfigError/CheckpointError (one line) on bad input, SelectionError when no kernel runs a layer."""
     transformers = require_transformers()
@@ -345,12 +361,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     torch_dtype = DTYPES[dtype_name]
     platform_text = platform or ("cpu" if str(device).startswith("cpu") else "auto")
     dev = device_for(parse_platform("cpu"), device)  # the device is given: the platform is not read
-    ep_rank = _check_expert_parallel(ep, cuda_graphs)
+    _check_expert_parallel(ep, cuda_graphs, model_config, target)
+    call = registry.families[model_config.family].spec.experts_call
+    dispatch = resolve(ep_implementation, ep, call)
+    ep_rank = _expert_parallel_rank(ep)
+    dispatcher = "allgather_reducescatter" if dispatch == REGISTRY else None
     if cuda_graphs and dev.type != "cuda":
         raise ConfigError(f"cuda_graphs=True: the model is loaded to {dev}; CUDA graphs need a CUDA device")
     graph_tokens = GRAPH_TOKENS if (dev.type == "cuda" and ep == 1 if cuda_graphs is None else cuda_graphs) else 0
     model = _skeleton(transformers, target, torch_dtype)
-    call = registry.families[model_config.family].spec.experts_call
     experts = experts_modules(model, call)
     if not experts:
         others = _other_experts(model)
@@ -376,9 +395,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     plans, reports = [], []
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
-                      device=dev, ep=ep if ep > 1 else None,
-                      all2all="allgather_reducescatter" if ep > 1 else None, max_tokens=max_tokens,
-                      model_config=model_config, index=index).built
+                      device=dev, ep=ep if ep > 1 else None, all2all=dispatcher, max_tokens=max_tokens,
+                      model_config=model_config, index=index,
+                      ep_rank=ep_rank if ep > 1 and dispatcher is None else None).built
         module = EXPERTS_CALLS[call][1](built.kernel, built.report, layer, graph_tokens, top_k=model_config.shape.top_k)
         owner, _, attr = module_path.rpartition(".")
         setattr(model.get_submodule(owner), attr, module)
@@ -390,6 +409,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     loads += _dequantize_linears(model, index, plan, {p.layer: r for p, r in zip(plans, reports, strict=True)},
                                  registry, torch_dtype, dev)
     model.tie_weights()
+    if ep > 1 and dispatcher is None:
+        install(model, experts, ep, dispatch, dev)
     for name, buffer in list(model.named_buffers()):
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._buffers[attr] = buffer.to(dev)
@@ -399,5 +420,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     model.eval()
     model.moe_registry_report = LoadReport(str(target), model_config.family, model.config.model_type,
                                            type(model).__name__, str(dev), dtype_name, tuple(plans), loads,
-                                           plan.ignored, graph_tokens, ep_rank, ep)
+                                           plan.ignored, graph_tokens, ep_rank, ep, dispatch)
     return model

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from moe_registry.whole.transformers_ep import REGISTRY, describe
+
 
 @dataclass(frozen=True)
 class LayerPlan:
@@ -45,6 +47,7 @@ class LoadReport:
     graph_tokens: int = 0  # experts calls of at most this many tokens replay captured CUDA graphs (0: none)
     ep_rank: int = 0  # expert parallelism: this rank, of ep_size, holds 1/ep_size of each layer's experts
     ep_size: int = 1
+    ep_implementation: str = ""  # what moves the tokens between the ranks (transformers_ep.describe says it)
 
     @property
     def experts_resident_bytes(self) -> int:
@@ -77,8 +80,7 @@ class LoadReport:
         lines.append(f"  experts hold {_bytes(resident)} ({whose}: {_bytes(stored)}){ratio}")
         if self.ep_size > 1:
             lines.append(f"  expert parallel: rank {self.ep_rank} of {self.ep_size} holds 1/{self.ep_size} of each "
-                         "layer's experts; every rank's tokens are gathered, and their sums reduced back (the "
-                         "allgather_reducescatter dispatcher)")
+                         f"layer's experts; {describe(self.ep_implementation or REGISTRY)}")
         if self.graph_tokens:
             lines.append(f"  experts calls of 1-{self.graph_tokens} tokens replay a CUDA graph per layer and token "
                          "count, captured on its first call")
