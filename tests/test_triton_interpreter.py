@@ -198,7 +198,6 @@ def test_group_dots_take_each_groups_scale_on_its_result(scheme, block_k, m, mon
     K; gptq4-g32's GEMM1 takes two K steps, each with the scales loaded the step before) takes one
     dot per group with the group's scale on its result: the layer within tolerance, and not the
     per-weight-scale tile's numbers (the launches are watched: both GEMMs took it)."""
-    monkeypatch.setattr(triton_launch, "FLOAT_GEMV", False)  # one token's tiles, not the float GEMV
     seen: list = []
     monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
     if scheme == "gptq4-g32":
@@ -237,7 +236,6 @@ def test_zero_sums_take_zero_points_off_the_rows_results(wkey, block_k, m, monke
     dot per group (GROUP_DOTS). GEMM1's input sums come with the alignment, GEMM2's from GEMM1's
     epilogue in pieces; one token's GEMMs (one-pair blocks) sum their block's one row themselves.
     The launches are watched: both GEMMs took it, with no launch of their own for the sums."""
-    monkeypatch.setattr(triton_launch, "FLOAT_GEMV", False)  # one token's tiles, not the float GEMV
     seen: list = []
     seen_grouped: list = []
     seen_pieces: list = []
@@ -277,7 +275,6 @@ def test_zero_sums_take_each_group_once_over_misaligned_splits(m, monkeypatch):
     each split's terms start at the last multiple of 16 groups (the vector loads' alignment), and
     the groups before its own first one, another split's, add nothing (taken twice, the layer
     would be far off); for sums in GEMM1's pieces, and one token's found from its row."""
-    monkeypatch.setattr(triton_launch, "FLOAT_GEMV", False)  # one token's tiles, not the float GEMV
     launched: list = []
     monkeypatch.setattr(triton_launch, "_fused_moe_kernel", LaunchSpy(triton_gemm._fused_moe_kernel, launched))
     weights = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["awq-g32"][0]), parse_quant_key(UNQ),
@@ -754,7 +751,6 @@ def test_a_tile_reading_the_words_halves_gives_the_words_numbers(m, monkeypatch)
     """AWQ on a non-swapped 128-row tile: the layer reading its words as two halves
     (_word_halves_for) gives bit for bit what the same tile reading the words gives, GEMM2 split
     too, near the reference; the launches are watched: the halves reach the kernel as int16."""
-    monkeypatch.setattr(triton_launch, "FLOAT_GEMV", False)  # one token's tiles, not the float GEMV
     weights = _weights("awq-g32")
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=4)
     tile = {"BLOCK_M": 128, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,

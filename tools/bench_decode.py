@@ -9,7 +9,7 @@ weight copies so L2 (50 MB on an H100) cannot hold them; H100 copy bandwidth is 
 
     python tools/bench_decode.py                      # M = 1 and 64, every scheme
     python tools/bench_decode.py --m 1 --schemes awq-g128 fp8-block
-    python tools/bench_decode.py --m 1 2 4 8 --schemes gptq4-g128 --compare-gemv --no-align
+    python tools/bench_decode.py --m 1 2 4 8 --schemes w8a8-int8-token --compare-gemv --no-align
     bash tools/gpu_run.sh decode [args]               # on the GPU machine
 """
 
@@ -117,12 +117,12 @@ def decode_rows(m: int, schemes: list[str], compare_gemv: bool = False) -> list[
         us = graph_time_us(lambda copies=copies: [c.apply(*inputs) for c in copies]) / len(copies)
         gbs = touched * _expert_bytes(copies[0].weights) / (us * 1e-6) / 1e9
         line = f"{scheme:>18} M={m:<4} {us:8.1f} us  {gbs:7.0f} GB/s  ({touched} experts)"
-        if compare_gemv:  # the same layer with the decode GEMVs off: the tile kernels alone
-            launch.DECODE_GEMV = launch.FLOAT_GEMV = False
+        if compare_gemv:  # the same layer with the decode GEMV off: the tile kernels alone
+            launch.DECODE_GEMV = False
             try:
                 tiles = graph_time_us(lambda copies=copies: [c.apply(*inputs) for c in copies]) / len(copies)
             finally:
-                launch.DECODE_GEMV = launch.FLOAT_GEMV = True
+                launch.DECODE_GEMV = True
             line += f"  tiles alone {tiles:8.1f} us ({tiles / us:.2f}x)"
         rows.append(line)
         del copies
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"schemes to time (default: all): {', '.join(SCHEMES)}")
     parser.add_argument("--no-align", dest="align", action="store_false", help="leave out the alignment paths")
     parser.add_argument("--compare-gemv", action="store_true",
-                        help="also time each layer with the decode GEMVs off (the tile kernels alone)")
+                        help="also time each layer with the decode GEMV off (the tile kernels alone)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA GPU (CUDA graphs time the kernels)", file=sys.stderr)

@@ -18,7 +18,7 @@ from . import activation_quant, dequant_ptx, launch, layout, plan, tile_config
 from .activation_quant import act_quant
 from .align import align, align_quant, align_sizes
 from .chain import plain_launches
-from .decode_gemv import _decode_gemv_float_kernel, _decode_gemv_kernel
+from .decode_gemv import _decode_gemv_kernel
 from .experts import TritonBatchedExperts, TritonExperts
 from .gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .layer import _projections
@@ -41,13 +41,11 @@ __all__ = [
     "act_quant", "align", "align_quant", "align_sizes", "sum_topk", "plain_launches",
     "CONFIG_DIR", "config_file", "config_override", "default_config", "get_config", "group_dot_width", "shape_key",
     "takes_zero_sums", "zero_sums_fit", "fit_config", "fit_pair", "load_config_file", "device_name", "num_sms",
-    "GEMM_KERNEL_NAMES", "DECODE_GEMV_KERNEL_NAMES", "GemmLaunch", "gemm_launches",
+    "GEMM_KERNEL_NAMES", "GemmLaunch", "gemm_launches",
 ]
 
-# the names the GEMM kernels carry in profiles (the tile kernels, the swapped-operand one, the decode GEMVs)
-DECODE_GEMV_KERNELS = (_decode_gemv_kernel, _decode_gemv_float_kernel)
-GEMM_KERNEL_NAMES = tuple(k.fn.__name__ for k in (_fused_moe_kernel, _fused_moe_swap_kernel, *DECODE_GEMV_KERNELS))
-DECODE_GEMV_KERNEL_NAMES = tuple(k.fn.__name__ for k in DECODE_GEMV_KERNELS)
+# the names the GEMM kernels carry in profiles (the tile kernels, the swapped-operand one, the decode GEMV)
+GEMM_KERNEL_NAMES = tuple(k.fn.__name__ for k in (_fused_moe_kernel, _fused_moe_swap_kernel, _decode_gemv_kernel))
 
 
 def fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_swap: bool = True) -> dict:
@@ -143,12 +141,9 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                    (launch, "act_quant", lambda x, activation, quant, *, static_scale=None, **_:
                     activation_quant._fake_quant(x.shape[0], x.shape[1], quant, x, static_scale))]
         patches += [(launch, k, _Recorder(getattr(launch, k), launches))
-                    for k in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel",
-                              "_decode_gemv_float_kernel")]
+                    for k in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
-        if plan._float_gemv_pays(variant, m, top_k, w13, w2):  # 16-bit input: both GEMMs the float GEMV
-            return _float_gemv_launches(launches, variant, w13, w2, m, top_k, e, hidden, activation)
         own = plan._quantised_in_gemm(variant, m, top_k, w13, w2, None)
         config1, config2 = tile_config._layer_configs(m, top_k, e, w13, w2, weight_key, activation_key, variant,
                                                       meta, split_gemm2=True,
@@ -201,40 +196,13 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
             for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
-def _float_gemv_launches(launches: list, variant: KernelVariant, w13, w2, m: int, top_k: int, e: int,
-                         hidden: int, activation: str) -> list[GemmLaunch]:
-    """The two float decode GEMV launches of a layer on 16-bit input (layer._float_gemv_layer), recorded."""
-    pairs, dt = m * top_k, torch.bfloat16
-
-    def ids(*shape: int) -> torch.Tensor:
-        return torch.empty(*shape, dtype=torch.int32, device="meta")
-
-    if m == 1:
-        rows = launch._Rows(expert_ids=ids(top_k), num_valid=top_k, one_pair_blocks=True)
-    else:
-        padded, blocks = align_sizes(pairs, e, launch.GEMV_BLOCK_M)
-        rows = launch._Rows(ids(padded), ids(blocks), ids(1), num_valid=pairs)
-    x = torch.empty(m, hidden, dtype=dt, device="meta")
-    inter = torch.empty(pairs, w13.n // 2, dtype=dt, device="meta")
-    weights = torch.empty(pairs, device="meta")
-    launch._float_gemv(x, w13, variant, inter, rows, top_k=top_k, routed_weight="none", topk_weights=weights,
-                       fuse_act=activation, pdl=True)
-    launch._float_gemv(inter, w2, variant, torch.empty(pairs, w2.n, dtype=dt, device="meta"), rows, top_k=1,
-                       routed_weight="output", topk_weights=weights, fuse_act="none", pdl=True)
-    return [GemmLaunch(fn, args, kwargs, _launch_tile(fn, kwargs, {})) for fn, args, kwargs in launches]
-
-
 def _launch_tile(fn, kwargs: dict, config: dict) -> dict:
-    """The tile a launch runs: its tile config, or a decode GEMV's own (BLOCK_K: the columns of a
+    """The tile a launch runs: its tile config, or the decode GEMV's own (BLOCK_K: the columns of a
     K step), which reads no tile config."""
-    if fn is _decode_gemv_float_kernel:
-        codes = kwargs["CODES"]
-    elif fn is _decode_gemv_kernel:
-        codes = 8 if kwargs["PACKED"] else 4
-    else:
+    if fn is not _decode_gemv_kernel:
         return config
-    return {"BLOCK_M": kwargs["BLOCK_M"], "BLOCK_N": kwargs["BLOCK_N"], "BLOCK_K": kwargs["STEP_WORDS"] * codes,
-            "num_warps": kwargs["num_warps"]}
+    return {"BLOCK_M": kwargs["BLOCK_M"], "BLOCK_N": kwargs["BLOCK_N"],
+            "BLOCK_K": kwargs["STEP_WORDS"] * (8 if kwargs["PACKED"] else 4), "num_warps": kwargs["num_warps"]}
 
 
 def _row_sums(a: torch.Tensor, config: dict, w, variant: KernelVariant, rows):

@@ -15,7 +15,7 @@ import triton.language as tl
 from . import decode_gemv
 from .activation_quant import act_quant
 from .chain import pdl_launch
-from .decode_gemv import _decode_gemv_float_kernel, _decode_gemv_kernel, dp4a_in_ptx
+from .decode_gemv import _decode_gemv_kernel, dp4a_in_ptx
 from .dequant_ptx import _paired_halves, fp8_pair_convert
 from .gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .layout import _Proj, _word_halves_for
@@ -40,10 +40,6 @@ GEMV_BLOCK_M = 1
 GEMV_QUANTS = ("int8_token", "int8_static")
 GEMV_WEIGHTS = {"uint4b8": 8, "int8": 4}  # weight type -> codes per 32-bit word
 GEMV_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# 16-bit activations on integer codes at decode (W4A16, W8A16): both GEMMs as decode_gemv's float GEMV, on the
-# same rule (a pair reads its expert's weights once, a tile kernel's block once for up to BLOCK_M pairs)
-FLOAT_GEMV = True
-FLOAT_GEMV_WEIGHTS = {"uint4b8": 8, "uint4": 8, "uint8b128": 4, "uint8": 4}  # weight type -> codes per word
 
 
 @dataclass(frozen=True)
@@ -292,63 +288,6 @@ def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2), PACKED=variant.packed,
         W_SCALE=variant.weight_scale, W_GROUP=variant.weight_group, HAS_BIAS=w.bias is not None,
         ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act, PTX=dp4a_in_ptx(a.device),
-        ONE_PAIR_BLOCKS=rows.one_pair_blocks, BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M,
-        BLOCK_N=decode_gemv.BLOCK_N, STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS,
-        num_stages=1, **pdl_launch(pdl))
-
-
-def _takes_float_gemv(variant: KernelVariant, w: _Proj) -> bool:
-    """Whether a decode GEMM with 16-bit activations can run as decode_gemv's float GEMV (FLOAT_GEMV): unsigned
-    4- or 8-bit codes in column order, per-channel scales or group scales of whole words a group (at most a
-    step's), zero points only beside group scales (as scale-and-zero words or a tensor of the scales' strides),
-    and weight rows the kernel can read as aligned 32-bit words."""
-    codes = FLOAT_GEMV_WEIGHTS.get(variant.weight_type)
-    if not (FLOAT_GEMV and codes and variant.act_quant == "none" and w.perm is None and w.scale is not None
-            and (w.scale.dtype in GEMV_SCALE_DTYPES or _zero_words(w))):
-        return False
-    if variant.weight_scale == "group":
-        group_words = variant.weight_group // codes
-        if variant.weight_group % codes or decode_gemv.STEP_WORDS % group_words:
-            return False
-        if w.zero is not None and not _zero_words(w) and w.zero.stride() != w.scale.stride():
-            return False
-    elif variant.weight_scale != "channel" or w.zero is not None:
-        return False
-    weight = w.weight
-    return (w.k % codes == 0 and weight.stride(-1) == 1 and weight.data_ptr() % 4 == 0
-            and all(stride * weight.element_size() % 4 == 0 for stride in weight.stride()[:-1]))
-
-
-def _zero_words(w: _Proj) -> bool:
-    """Whether the projection's scales and zero points are one tensor of scale-and-zero words
-    (layout._scale_zero_words)."""
-    return (w.scale is not None and w.zero is not None and w.scale.dtype == torch.int32
-            and w.zero.data_ptr() == w.scale.data_ptr())
-
-
-def _float_gemv(a: torch.Tensor, w: _Proj, variant: KernelVariant, c: torch.Tensor, rows: _Rows, *, top_k: int,
-                routed_weight: str, topk_weights: torch.Tensor | None, fuse_act: str, pdl: bool) -> None:
-    """A decode GEMM on 16-bit input rows A (_takes_float_gemv): decode_gemv's float GEMV writing C [pairs, N]
-    (or [pairs, N / 2] with ``fuse_act``), a program per (row block, column tile): one pair each (one token), or
-    GEMV_BLOCK_M aligned pairs."""
-    if not _takes_float_gemv(variant, w) or rows.batched or a.stride(-1) != 1:
-        raise ValueError("the float decode GEMV takes 16-bit rows on unsigned 4- or 8-bit codes it can read as "
-                         "words, in column order, in the standard format")
-    dummy = w.weight
-    scale = w.scale
-    group = variant.weight_scale == "group"
-    zero = "words" if _zero_words(w) else "tensor" if w.zero is not None else "none"
-    grid = (rows.expert_ids.numel(), _column_tiles(w.n, decode_gemv.BLOCK_N, fuse_act))
-    _decode_gemv_float_kernel[grid](
-        a, w.weight, scale, w.zero if zero == "tensor" else dummy, w.bias if w.bias is not None else dummy, c,
-        topk_weights if topk_weights is not None else dummy,
-        rows.sorted_ids if rows.sorted_ids is not None else dummy, rows.expert_ids,
-        rows.num_post_padded if rows.num_post_padded is not None else dummy, w.n, w.k, rows.num_valid,
-        w.weight.shape[0], a.stride(0), w.weight.stride(0), w.weight.stride(1),
-        scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2),
-        CODES=FLOAT_GEMV_WEIGHTS[variant.weight_type], ZERO=zero, ZERO_CODE=variant.zero_code,
-        W_SCALE=variant.weight_scale, W_GROUP=variant.weight_group, HAS_BIAS=w.bias is not None,
-        ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act,
         ONE_PAIR_BLOCKS=rows.one_pair_blocks, BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M,
         BLOCK_N=decode_gemv.BLOCK_N, STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS,
         num_stages=1, **pdl_launch(pdl))

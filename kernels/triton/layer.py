@@ -51,17 +51,9 @@ from . import launch
 from .align import align, align_quant, align_row_sums
 from .chain import pdl_supported
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_from_pieces
-from .launch import STATIC_QUANTS, _float_gemv, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
+from .launch import STATIC_QUANTS, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
 from .layout import _Proj
-from .plan import (
-    _amax_pieces_shape,
-    _codes_dtype,
-    _float_gemv_pays,
-    _gemm1_sum_pieces,
-    _input_row_sums,
-    _quantised_in_gemm,
-    _quantize,
-)
+from .plan import _amax_pieces_shape, _codes_dtype, _gemm1_sum_pieces, _input_row_sums, _quantised_in_gemm, _quantize
 from .reduce import sum_topk
 from .tile_config import _layer_configs
 from .variant import variant_from_keys
@@ -110,8 +102,6 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     # the layer's launches form one programmatic-dependent-launch chain where the GPU has it: each
     # kernel is scheduled while the one before drains, and waits for its writes before starting
     pdl = pdl_supported(hidden.device)
-    if _float_gemv_pays(variant, m, top_k, w13, w2, routed_experts):
-        return _float_gemv_layer(hidden, weights, topk_ids, w13, w2, variant, activation, on_input, out, pdl)
     # one token whose activations take one scale per token or per tensor: both GEMMs quantise
     # their input themselves (SCALE_IN_GEMM), no quantisation launch; int8 activations on int4 or
     # int8 weights for a few tokens: the decode GEMV, which quantises its input by its own launch
@@ -189,29 +179,6 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     if partial is not out:
         sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids,
                             num_experts=num_experts)
-    return out
-
-
-def _float_gemv_layer(hidden: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor, w13: _Proj, w2: _Proj,
-                      variant, activation: str, on_input: bool, out: torch.Tensor, pdl: bool) -> torch.Tensor:
-    """A few tokens' layer on 16-bit activations as two float decode GEMVs (plan._float_gemv_pays): one token's
-    pairs straight from the router's ids, more tokens' in aligned blocks of launch.GEMV_BLOCK_M pairs; then the
-    sum over the top-k."""
-    m, top_k = topk_ids.shape
-    num_experts = w13.weight.shape[0]
-    if m == 1:
-        rows = _Rows(expert_ids=topk_ids.reshape(-1).contiguous(), num_valid=top_k, one_pair_blocks=True)
-    else:
-        sorted_ids, expert_ids, num_post = align(topk_ids, num_experts, launch.GEMV_BLOCK_M, pdl=pdl)
-        rows = _Rows(sorted_ids, expert_ids, num_post, num_valid=m * top_k)
-    inter = torch.empty(m * top_k, w13.n // 2, dtype=hidden.dtype, device=hidden.device)
-    _float_gemv(hidden, w13, variant, inter, rows, top_k=top_k, routed_weight="input" if on_input else "none",
-                topk_weights=weights, fuse_act=activation, pdl=pdl)
-    partial = out if top_k == 1 else torch.empty(m * top_k, w2.n, dtype=hidden.dtype, device=hidden.device)
-    _float_gemv(inter, w2, variant, partial, rows, top_k=1, routed_weight="none" if on_input else "output",
-                topk_weights=weights, fuse_act="none", pdl=pdl)
-    if partial is not out:
-        sum_topk(partial.view(1, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids, num_experts=num_experts)
     return out
 
 

@@ -10,7 +10,7 @@ import torch
 from .activation_quant import act_quant, prefill_row_chunks
 from .align import row_group_sums
 from .fp8_act import FP8_DYNAMIC_MODES, quant_fp8_dynamic
-from .launch import ONE_TOKEN_QUANTS, _column_tiles, _Rows, _RowSums, _takes_float_gemv, _takes_gemv, _zero_sums
+from .launch import ONE_TOKEN_QUANTS, _column_tiles, _Rows, _RowSums, _takes_gemv, _zero_sums
 from .layout import _Proj
 from .variant import KernelVariant
 
@@ -130,14 +130,6 @@ def _quantised_in_gemm(variant: KernelVariant, tokens: int, top_k: int, w13: _Pr
     gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(variant.act_quant, SCALE_IN_GEMM_MAX_BYTES)
     return _QuantisedInGemm(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
                             gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
-
-
-def _float_gemv_pays(variant: KernelVariant, tokens: int, top_k: int, w13: _Proj, w2: _Proj,
-                     routed_experts: int | None = None) -> bool:
-    """Whether both GEMMs of a layer with 16-bit activations run as the float decode GEMV
-    (launch._takes_float_gemv) for ``tokens`` tokens: where the int8 GEMV would pay (_gemv_pays)."""
-    return (_gemv_pays(tokens, top_k, routed_experts or w13.weight.shape[0])
-            and _takes_float_gemv(variant, w13) and _takes_float_gemv(variant, w2))
 
 
 def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:
