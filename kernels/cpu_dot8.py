@@ -51,6 +51,7 @@ from moe_registry.core.errors import ConfigError
 from moe_registry.core.keys import QuantKey
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
+from moe_registry.layer.linear import Linear
 
 __all__ = ["Dot8Experts", "dot8_ops", "best_isa", "ISA_FLAGS"]
 
@@ -337,3 +338,31 @@ class Dot8Experts(Experts):
         if rows.numel():
             out[rows] = self._pairs(x.reshape(num_experts * t, -1).float().index_select(0, rows), experts)
         return out.view(x.shape).to(x.dtype)
+
+
+class Dot8Linear(Linear):
+    """A model's dense linear stored in a scheme this kernel runs, as one projection of one expert: packed once in
+    the experts' layout, every call one compiled GEMM over the rows (activations quantised as the experts' are);
+    act-order columns gathered first."""
+
+    def __init__(self, weights: ProjectionWeights, weight_key: QuantKey, activation_key: QuantKey) -> None:
+        super().__init__(weights, weight_key, activation_key)
+        if weights.weight.device.type != "cpu" or weights.weight.shape[0] != 1:
+            raise ValueError(f"torch-cpu-dot8's linear takes one projection on the cpu, got weight "
+                             f"{list(weights.weight.shape)} on {weights.weight.device}")
+        if activation_key.quantized and weight_key.dtype.name != "fp8e4m3":
+            raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
+                             f"{activation_key}")
+        self._ops = dot8_ops()
+        self.proj = Dot8Proj.build(weights, weight_key, self._ops, activation_key)
+        self._perm = None if weights.perm is None else weights.perm[0].to(torch.int64)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.float()
+        if self._perm is not None:
+            a = a.index_select(1, self._perm)
+        one_expert = torch.zeros(a.shape[0], dtype=torch.int64)
+        return self.proj.gemm(self._ops, a.contiguous(), one_expert).to(x.dtype)
+
+    def resident_weight_bytes(self) -> int:
+        return self.proj.nbytes()

@@ -219,3 +219,11 @@ def reference_moe_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, weig
                           config: ExpertsConfig, compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Batched-format ground truth, [E, T, H] in ``compute_dtype``."""
     return _moe_batched(dense_experts(weights, compute_dtype), x, expert_num_tokens, config, compute_dtype)
+
+
+def reference_linear(x: torch.Tensor, proj: ProjectionWeights, weight_key: QuantKey, activation_key: QuantKey,
+                     compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Ground truth of a kernel's one-projection form (a Linear): rows x [M, K] quantised as ``activation_key``
+    says, times the dequantised weight of the one-expert projection ``proj``; [M, N] in ``compute_dtype``."""
+    xq = fake_quantize_activation(x, activation_key, proj.input_scale, compute_dtype)
+    return xq @ dequantize(proj, weight_key, dtype=compute_dtype)[0].T

@@ -20,7 +20,7 @@ import torch
 
 from moe_registry.core.keys import QuantKey
 from moe_registry.formats.weights import ExpertWeights
-from moe_registry.layer.build import DTYPES, experts_class
+from moe_registry.layer.build import DTYPES, experts_class, linear_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.spec.loader import load_registry
@@ -55,7 +55,7 @@ def _code_paths(case: Case) -> tuple[tuple, tuple]:
     edge = ("one token" if case.tokens == 1 else "top_k=E" if case.top_k == case.num_experts
             else "idle experts" if case.skip_experts
             else "smallest" if min(case.hidden, case.intermediate) < 128 else "")
-    common = (case.kernel, case.act_order, case.activation_format, case.dtype)
+    common = (case.kernel, case.act_order, case.activation_format, case.dtype, case.linear)
     weight = (*common, str(case.weight_key), str(case.activation_key))
     option = (*common, _key_class(case.weight_key), _key_class(case.activation_key), case.activation, case.bias,
               case.router_weight_on_input, edge)
@@ -137,6 +137,8 @@ def run_case(case: Case, device: torch.device) -> float:
     made = _random_weights(WeightsOf.of(case))  # on the CPU; the case gets its own copy, the cache stays as made
     gen = torch.Generator().manual_seed(_stable_seed(case.id))
     x = torch.randn(case.tokens, case.hidden, generator=gen).to(DTYPES[case.dtype])
+    if case.linear:
+        return _run_linear_case(case, made, x, device)
     ids, topk_w = _routing(case, torch.device("cpu"), gen)
     config = ExpertsConfig(activation=case.activation, apply_router_weight_on_input=case.router_weight_on_input,  # type: ignore[arg-type]
                            activation_format=case.activation_format)  # type: ignore[arg-type]
@@ -153,6 +155,22 @@ def run_case(case: Case, device: torch.device) -> float:
     kernel = FusedMoEKernel(pf, cls(on_device, config))
     out = kernel(*inputs)
     assert out.shape == x.shape and out.dtype == x.dtype
+    assert bool(torch.isfinite(out).all()), "non-finite output"
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _run_linear_case(case: Case, made: ExpertWeights, x: torch.Tensor, device: torch.device) -> float:
+    """The kernel's one-projection form on the one expert's gate/up projection [2I, H]: rows x [M, H] against
+    the float64 reference (the activation quantised as its key says, times the dequantised weight)."""
+    from moe_registry_kernels.reference import reference_linear
+
+    cls = linear_class(REGISTRY.kernel(case.kernel))
+    assert cls is not None, f"kernel {case.kernel} has no linear_impl"
+    proj = copy.deepcopy(made.w13) if device.type == "cpu" else made.w13.to(device)
+    ref = reference_linear(x.to(device), proj, made.weight_key, made.activation_key)
+    assert float(ref.norm()) > 0
+    out = cls(proj, made.weight_key, made.activation_key).apply(x.to(device))
+    assert out.shape == ref.shape and out.dtype == x.dtype
     assert bool(torch.isfinite(out).all()), "non-finite output"
     return float((out.double() - ref).norm() / ref.norm())
 

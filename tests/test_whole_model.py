@@ -406,6 +406,62 @@ def test_gptq_whole_model_default_kernel_holds_packed_experts(whole, tmp_path: P
         assert _rel(ours(prompt).logits, ref(prompt).logits) < 1e-2
 
 
+EMULATED_INT8 = "int8 scale:float32:group(32):dynamic"
+
+
+def test_gptq_attention_runs_packed_on_the_experts_kernel(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A kernel with a one-projection form (torch-cpu-dot8's linear_impl) runs the checkpoint's quantized attention
+    linears too, packed: each is a RegistryLinear holding at most 1.25x its checkpoint bytes, its output the
+    dequantised linear's within the kernel's tolerance (its int8 activations, 2e-2), and the load report says so,
+    activations included; transformers' own bias is added. The model's logits stay within the kernel's tolerance of
+    the dequantised reference's."""
+    from moe_registry.whole.dense_linear import RegistryLinear
+
+    src = whole("qwen3_moe", moe_intermediate_size=32)
+    meant = _gptq_whole(src, tmp_path / "gptq")
+    ours = load_model(tmp_path / "gptq", dtype="float32", kernel="torch-cpu-dot8")
+    report = ours.moe_registry_report
+    packed = [t for t in report.non_expert if t.how.startswith("run packed on torch-cpu-dot8's one-projection form "
+                                                                 "from gptq-w4a16 ")]
+    assert len(packed) == 1 and len(packed[0].names) == 12, report.to_text()
+    assert f"activations quantised to {EMULATED_INT8}" in packed[0].how
+    assert f"12 other tensors {packed[0].how}" in report.to_text()
+    stored = load_file(str(tmp_path / "gptq" / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name in packed[0].names:
+        module = name.removesuffix(".weight")
+        linear = ours.get_submodule(module)
+        assert isinstance(linear, RegistryLinear) and linear.bias is None
+        checkpoint_bytes = sum(t.nbytes for k, t in stored.items() if k.startswith(module + "."))
+        assert 0 < linear.resident_bytes <= 1.25 * checkpoint_bytes
+        x = torch.randn(3, 5, linear.in_features, generator=g)
+        want = x @ meant[name].T
+        assert _rel(linear(x), want) < 2e-2
+    ref = _gptq_reference(src, meant)
+    prompt = _prompt()
+    with torch.no_grad():
+        assert _rel(ours(prompt).logits, ref(prompt).logits) < 2e-2
+
+
+def test_a_linear_the_kernel_refuses_is_dequantised_with_the_reason(whole, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Where the kernel's one-projection form refuses a linear, it is dequantised once instead and the load report
+    carries the refusal; the logits are then the reference's within the experts' tolerance."""
+    from moe_registry_kernels import cpu_dot8
+
+    def refuse(self, weights, weight_key, activation_key):  # type: ignore[no-untyped-def]
+        raise ValueError("no such rows here")
+
+    monkeypatch.setattr(cpu_dot8.Dot8Linear, "__init__", refuse)
+    src = whole("qwen3_moe", moe_intermediate_size=32)
+    meant = _gptq_whole(src, tmp_path / "gptq")
+    ours = load_model(tmp_path / "gptq", dtype="float32", kernel="torch-cpu-dot8")
+    (load,) = [t for t in ours.moe_registry_report.non_expert if "gptq-w4a16" in t.how]
+    assert load.how == ("dequantised once from gptq-w4a16 (weights; activations run unquantized; torch-cpu-dot8's "
+                        "one-projection form refused it: no such rows here)")
+    assert torch.equal(ours.get_submodule("model.layers.0.self_attn.q_proj").weight,
+                       meant["model.layers.0.self_attn.q_proj.weight"])
+
+
 def _gptq_reference(src: Path, meant: dict[str, torch.Tensor]) -> torch.nn.Module:
     """transformers' float32 model of ``src`` holding the dequantised weights ``meant``."""
     ref = _reference(src)

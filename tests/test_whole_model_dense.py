@@ -15,7 +15,7 @@ from moe_registry.checkpoint.tensor_index import open_checkpoint
 from moe_registry.core.errors import CheckpointError
 from moe_registry.layer.build import build
 from moe_registry.spec.loader import load_registry
-from moe_registry.whole.dense_linear import dequantize_linear
+from moe_registry.whole.dense_linear import convert_linear, dequantize_linear
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # one producer fixture per checkpoint format (per-expert tensors)
@@ -38,7 +38,7 @@ def _down_tensors(path: Path) -> tuple[object, dict[str, torch.Tensor], str]:
 @pytest.mark.parametrize("case", CASES)
 def test_linear_dequantises_as_the_experts_do(case: str) -> None:
     layer, tensors, prefix = _down_tensors(FIXTURES / case)
-    got = dequantize_linear(load_registry(()), layer.report, tensors, prefix, torch.float32)  # type: ignore[attr-defined]
+    got = dequantize_linear(convert_linear(load_registry(()), layer.report, tensors, prefix), torch.float32)  # type: ignore[attr-defined]
     want = dequantize(layer.weights.w2, layer.weights.weight_key)[0]  # type: ignore[attr-defined]
     assert got.shape == want.shape and torch.equal(got, want)
 
@@ -48,4 +48,4 @@ def test_linear_not_in_the_schemes_format_names_the_module() -> None:
     tensors.pop("weight_scale")
     with pytest.raises(CheckpointError, match=rf"^{prefix}: its tensors \(.*\) are not stored as scheme modelopt-fp8 "
                                               r"stores them: "):
-        dequantize_linear(load_registry(()), layer.report, tensors, prefix, torch.float32)  # type: ignore[attr-defined]
+        dequantize_linear(convert_linear(load_registry(()), layer.report, tensors, prefix), torch.float32)  # type: ignore[attr-defined]

@@ -55,13 +55,16 @@ class Case:
 CASES = [  # tol: the measured relative error (comment) with headroom (the why: the module docstring)
     Case("ct-w4a16", 1e-2, "compressed-tensors-w4a16"),  # 3.1e-3: the reference's code x scale rounded to bf16
     Case("ct-w8a8-int8", 3e-2, "compressed-tensors-w8a8-int8"),  # 1.2e-2: per-token int8 inputs of the experts
-    # 3.3e-2: per-token fp8 inputs (median 3.2e-2); layer 0 routes position 14 at a near tie (second and third
-    # router logits 6e-4 apart), which 16-bit activations tip to the other expert (0.57 there, 0.12 in all)
-    Case("ct-fp8-dynamic", 1.5e-1, "compressed-tensors-w8a8-fp8-dynamic", typical=5e-2),
+    # 1.56e-1: per-token fp8 inputs of the experts and, as the checkpoint stores them, of the attention linears
+    # (torch-cpu-dot8's one-projection form; transformers' own compressed-tensors forward does the same: 1.50e-1,
+    # 4.4e-2 from ours); median 6.0e-2; layer 0 routes position 14 at a near tie (second and third router logits
+    # 6e-4 apart), which 16-bit activations tip to the other expert (0.60 there; position 19: 0.35)
+    Case("ct-fp8-dynamic", 2e-1, "compressed-tensors-w8a8-fp8-dynamic", typical=8e-2),
     Case("ct-nvfp4", 1.5e-2, "compressed-tensors-nvfp4"),  # 4.4e-3: code x scale x global scale rounded to bf16
     Case("ct-mxfp4", 1.5e-3, "compressed-tensors-mxfp4"),  # 3.5e-4
-    # 6.3e-2: fp8 inputs in groups of 128; median 4.4e-2, one near tie (position 4: 0.2)
-    Case("transformers-fp8-block", 1e-1, "fp8-block128", typical=6e-2),
+    # 9.4e-2: fp8 inputs in groups of 128 in the experts and the attention linears (torch-cpu-dot8's
+    # one-projection form); median 8.5e-2, at most 0.15 at a position
+    Case("transformers-fp8-block", 1.3e-1, "fp8-block128", typical=1.1e-1),
     Case("gpt-oss-mxfp4", 3e-3, "mxfp4"),  # 7.5e-4
     Case("gptqmodel-w4-sym", 3e-3, "gptq-w4a16"),  # 6.1e-4: GPTQModel's float16 dequantisation
     Case("autoawq-w4-gemm", 3e-3, "awq-w4a16"),  # 6.3e-4: AutoAWQ's float16 dequantisation
@@ -252,8 +255,9 @@ def test_transformers_fp8_linears_hold_the_codes(name: str, ours) -> None:  # ty
     """transformers 5 has no ModelOpt quantizer: it loads ModelOpt FP8 codes as the float weights themselves, the
     weight_scale dropped as an unexpected key, so attention and experts are the codes (~1/scale times too large)
     and its logits are garbage. compressed-tensors FP8 dynamic: its attention linears hold the codes beside a
-    weight_scale that its compressed forward applies, with fp8 activations in attention too, 1.5e-1 from the
-    weight-only reference where load_model (fp8 activations in the experts only) is 3.3e-2."""
+    weight_scale that its compressed forward applies, with fp8 activations in attention too, as load_model runs
+    them (torch-cpu-dot8's one-projection form): the two models are 4.4e-2 apart, each 1.5e-1 from the
+    weight-only reference."""
     if name.startswith("ct-"):
         pytest.importorskip("compressed_tensors")
     checkpoint, theirs = _checkpoint(name), _transformers_model(name)
@@ -267,4 +271,4 @@ def test_transformers_fp8_linears_hold_the_codes(name: str, ours) -> None:  # ty
         assert err > 1, err
     else:
         assert isinstance(theirs.get_submodule(q_proj).weight_scale, torch.Tensor) and err <= 2e-1, err
-        assert err >= 3 * _rel(_logits(ours(CASE[name]), ref["greedy"]), ref["logits"]), err
+        assert _rel(_logits(ours(CASE[name]), ref["greedy"]), _logits(theirs, ref["greedy"])) <= 6e-2

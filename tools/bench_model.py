@@ -28,6 +28,7 @@ Every measurement is a JSON line appended to ``--out``/``<device>-whole-model.js
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import platform
@@ -160,9 +161,11 @@ def make_checkpoint(model: str, fmt: str, out: Path, layers: int, vocab: int | N
                          **({"vocab_size": vocab} if vocab else {}))
     elif not (source / "config.json").is_file():
         _random_qwen3(source, layers, vocab, device)
-    if fmt == "bf16":
-        return source
-    return _rewrite(source, out / fmt, fmt, layers, device)
+    path = source if fmt == "bf16" else _rewrite(source, out / fmt, fmt, layers, device)
+    if device.startswith("cuda"):  # the measuring children need the GPU memory this process drew the weights in
+        gc.collect()
+        torch.cuda.empty_cache()
+    return path
 
 
 def _random_qwen3(out: Path, layers: int, vocab: int | None, device: str) -> None:

@@ -24,6 +24,7 @@ from moe_registry.formats.layer import convert_layer
 from moe_registry.formats.registry import ConvertContext
 from moe_registry.formats.weights import BULK_FIELDS, ExpertWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
+from moe_registry.layer.linear import Linear
 from moe_registry.layer.modular import FusedMoEKernel
 from moe_registry.layer.placement import dispatch_for, placement_for
 from moe_registry.oracle.contract import Report
@@ -53,6 +54,21 @@ def experts_class(kernel: KernelSpec) -> type[Experts]:
         raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} cannot be imported: {err}") from None
     if not (isinstance(cls, type) and issubclass(cls, Experts)):
         raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} is not an Experts class")
+    return cls
+
+
+def linear_class(kernel: KernelSpec) -> type[Linear] | None:
+    """Import the kernel's one-projection form (its spec's ``linear_impl``; None: it has none)."""
+    if kernel.linear_impl is None:
+        return None
+    module_name, _, cls_name = kernel.linear_impl.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"kernel {kernel.kernel}: linear_impl {kernel.linear_impl} cannot be imported: {err}") \
+            from None
+    if not (isinstance(cls, type) and issubclass(cls, Linear)):
+        raise ConfigError(f"kernel {kernel.kernel}: linear_impl {kernel.linear_impl} is not a Linear class")
     return cls
 
 

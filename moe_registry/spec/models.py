@@ -486,6 +486,10 @@ class KernelSpec(Strict):
     impl: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description=(
         "module:Class of the Experts implementation, in moe_registry_kernels or (user specs) a package "
         "inside the declaring spec dir; imported only when a layer is built"))
+    linear_impl: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description=(
+        "module:Class of its one-projection form (a Linear): a model's dense linears stored in a scheme it runs "
+        "(attention, shared experts, dense MLPs) run on it, packed, under the same keys, dtypes and platforms; "
+        "absent: such linears are dequantized once at load"))
     platforms: list[PlatformSpec] = Field(min_length=1, description="the devices (and capability ranges) it runs on")
     requires_packages: list[str] = Field(default_factory=list, description=(
         "Python packages that must be installed on the target (e.g. triton); empty: none"))

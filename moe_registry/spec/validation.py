@@ -200,6 +200,12 @@ def _check_kernel(loaded: Loaded[KernelSpec], data: Any, layouts: set[str]) -> l
         guards.check_impl(loaded.spec.impl, f"kernel {loaded.spec.kernel}", loaded.path, loaded.builtin)
     except ConfigError as err:
         problems.append(SpecError(loaded.path, line_of(data, "impl"), str(err), field="impl"))
+    if loaded.spec.linear_impl is not None:
+        try:
+            guards.check_impl(loaded.spec.linear_impl, f"kernel {loaded.spec.kernel} linear", loaded.path,
+                              loaded.builtin)
+        except ConfigError as err:
+            problems.append(SpecError(loaded.path, line_of(data, "linear_impl"), str(err), field="linear_impl"))
     for pattern in loaded.spec.keys:  # key sets expanded: a problem is reported at the kernel's keys
         if pattern.emulation is not None:
             try:

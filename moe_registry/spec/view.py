@@ -214,6 +214,7 @@ class KernelSpec(SpecRecord):
     kernel: str
     summary: str
     impl: str
+    linear_impl: str | None
     platforms: list[PlatformSpec]
     requires_packages: list[str]
     requires_commands: list[str]

@@ -4,8 +4,8 @@
 Every (scheme × kernel × declared option) the specs claim becomes cases, each held to the scheme's tolerance
 (or the kernel's key pattern's, where its numerics differ from the reference's): a base case per binding
 sample, then one case per declared option varied from it (dtype, activation function, bias,
-act-order, activation format, router weight on input), then edge shapes (one token, experts that
-get no tokens, top-k equal to the number of experts, the smallest sizes allowed). An option the
+act-order, activation format, router weight on input, the kernel's one-projection form), then edge shapes
+(one token, experts that get no tokens, top-k equal to the number of experts, the smallest sizes allowed). An option the
 generator cannot produce a case for is a claim that cannot be tested: ``validate`` rejects it.
 """
 
@@ -55,6 +55,9 @@ class Case:
     tolerance: float = 1e-2
     # the platform whose key pattern the case runs, where it is not the one the pair meets first (platform_runs)
     platform: str | None = None
+    # the kernel's one-projection form (its spec's linear_impl): rows [tokens, hidden] times one projection
+    # [intermediate, hidden], no routing
+    linear: bool = False
 
     @property
     def id(self) -> str:
@@ -63,6 +66,8 @@ class Case:
                                        ("rwoi", self.router_weight_on_input)) if on]
         if self.activation_format != "standard":
             opts.append(self.activation_format)
+        if self.linear:
+            opts.append("linear")
         b = ",".join(f"{k}={v}" for k, v in self.bindings)
         shape = f"E{self.num_experts}k{self.top_k}H{self.hidden}I{self.intermediate}M{self.tokens}"
         if self.skip_experts:
@@ -151,6 +156,9 @@ def cases_for(registry: Registry, *, kernels: Iterable[str] | None = None, dtype
                                 platform=platform)
                     first = dtype == kdtypes[0] and n_sample == 0
                     out += [replace(base, tokens=m) for m in (sizes.tokens if first else sizes.tokens[-1:])]
+                    if kernel.linear_impl is not None and n_sample == 0:  # the one-projection form, each dtype
+                        out += [replace(base, linear=True, num_experts=1, top_k=1, tokens=m)
+                                for m in (*sizes.tokens[-1:], 1)]
                     if not first:
                         continue  # vary the other options once: first dtype, first binding sample
                     out += [replace(base, activation=a) for a in kernel.activations if a != "silu"]

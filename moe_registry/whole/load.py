@@ -21,14 +21,17 @@ from typing import Any
 import torch
 
 from moe_registry.checkpoint.tensor_index import CheckpointIndex, TensorInfo, open_checkpoint
-from moe_registry.core.errors import CheckpointError, ConfigError
-from moe_registry.layer.build import DTYPES, build, device_for
+from moe_registry.core.errors import CheckpointError, ConfigError, MoERegistryError
+from moe_registry.formats.weights import ExpertWeights
+from moe_registry.layer.build import DTYPES, build, device_for, linear_class
+from moe_registry.layer.linear import Linear
 from moe_registry.oracle.contract import Report
+from moe_registry.oracle.predicates import matching_pattern
 from moe_registry.situation.config import ModelConfig, config_path, read_model_config
 from moe_registry.situation.describe import check_kernel_names
 from moe_registry.situation.runtime import parse_platform
 from moe_registry.spec.loader import Registry, load_registry
-from moe_registry.whole.dense_linear import dequantize_linear
+from moe_registry.whole.dense_linear import RegistryLinear, convert_linear, dequantize_linear
 from moe_registry.whole.experts_module import RegistryExperts
 from moe_registry.whole.memory import check_fits
 from moe_registry.whole.report import LayerPlan, LoadReport, TensorLoad
@@ -239,27 +242,62 @@ def _load_tensors(model: Any, index: CheckpointIndex, plan: _Plan, dtype: torch.
     return tuple(TensorLoad(k, tuple(v)) for k, v in how.items())
 
 
-def _dequantize_linears(model: Any, index: CheckpointIndex, plan: _Plan, reports: Mapping[int, Report],
-                        registry: Registry, dtype: torch.dtype, device: torch.device) -> tuple[TensorLoad, ...]:
-    """Dequantise every quantized linear once, with the scheme the oracle chose for its decoder layer (the first
-    MoE layer's for a linear outside the decoder layers)."""
+def _load_quantized_linears(model: Any, index: CheckpointIndex, plan: _Plan, reports: Mapping[int, Report],
+                            registry: Registry, dtype: torch.dtype, device: torch.device) -> tuple[TensorLoad, ...]:
+    """Every quantized linear read once with the scheme and kernel the oracle chose for its decoder layer (the first
+    MoE layer's for a linear outside the decoder layers): run packed on that kernel's one-projection form where
+    it has one and takes the linear, else dequantised once (the load report says which, and why)."""
     how: dict[str, list[str]] = {}
     first = reports[min(reports)]
     for module, parts in plan.quantized.items():
         m = _LAYER_RE.search(f".{module}.")
         report = reports.get(int(m.group(1)), first) if m else first
-        assert report.scheme is not None
+        assert report.scheme is not None and report.chosen is not None
         with index.held_open():
             stored = {k: index.load(v) for k, v in parts.items()}
-        weight = dequantize_linear(registry, report, stored, module, dtype)
+        weights = convert_linear(registry, report, stored, module)
         owner = model.get_submodule(module)
         want = tuple(owner._parameters["weight"].shape)
+        linear, why = _kernel_linear(registry, report, weights, device)
+        if linear is not None:  # ``why``: how the kernel runs the activations
+            stored_shape = (weights.hidden_size, int(weights.w2.weight.shape[2]) * 8 // weights.weight_key.dtype.bits)
+            if stored_shape != want:
+                raise CheckpointError(f"{module}: stored as {list(stored_shape)}; config.json wants {list(want)}")
+            runs = RegistryLinear(linear, owner._parameters.get("bias"), want[1], want[0], report.chosen,
+                                  report.scheme.scheme)
+            parent, _, attr = module.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, runs)
+            key = f"run packed on {report.chosen}'s one-projection form from {report.scheme.scheme} ({why})"
+            how.setdefault(key, []).append(f"{module}.weight")
+            continue
+        weight = dequantize_linear(weights, dtype)
         if tuple(weight.shape) != want:
             raise CheckpointError(f"{module}: dequantised to {list(weight.shape)}; config.json wants {list(want)}")
         owner._parameters["weight"] = torch.nn.Parameter(weight.to(device), requires_grad=False)
-        key = f"dequantised once from {report.scheme.scheme} (weights; activations run unquantized)"
+        key = f"dequantised once from {report.scheme.scheme} (weights; activations run unquantized{why})"
         how.setdefault(key, []).append(f"{module}.weight")
     return tuple(TensorLoad(k, tuple(v)) for k, v in how.items())
+
+
+def _kernel_linear(registry: Registry, report: Report, weights: ExpertWeights,
+                   device: torch.device) -> tuple[Linear | None, str]:
+    """The layer's kernel's one-projection form holding the converted linear and how it runs the activations, or
+    None and why not (``; ...``: text for the load report; empty where the kernel has no such form)."""
+    assert report.chosen is not None
+    kernel = registry.kernel(report.chosen)
+    cls = linear_class(kernel)
+    if cls is None:
+        return None, ""
+    try:
+        linear = cls(weights.w2.to(device), weights.weight_key, weights.activation_key)
+    except (ValueError, MoERegistryError) as err:
+        return None, f"; {report.chosen}'s one-projection form refused it: {err}"
+    pattern = matching_pattern(kernel, weights.weight_key, weights.activation_key, None)
+    if pattern is not None and pattern.emulation is not None:
+        return linear, f"activations quantised to {pattern.emulation.activation}, as the kernel's experts run them"
+    if weights.activation_key.quantized:
+        return linear, f"activations quantised to {weights.activation_key}, as the scheme binds them"
+    return linear, "activations unquantized"
 
 
 def _dtype_name(dtype: str | torch.dtype | None, model: ModelConfig) -> str:
@@ -406,7 +444,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         plans.append(LayerPlan(layer, built.report.scheme.scheme, built.report.chosen, module.resident_bytes,
                                plan.expert_bytes[layer] // ep))
     loads = _load_tensors(model, index, plan, torch_dtype, dev)
-    loads += _dequantize_linears(model, index, plan, {p.layer: r for p, r in zip(plans, reports, strict=True)},
+    loads += _load_quantized_linears(model, index, plan, {p.layer: r for p, r in zip(plans, reports, strict=True)},
                                  registry, torch_dtype, dev)
     model.tie_weights()
     if ep > 1 and dispatcher is None:

@@ -24,8 +24,9 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class TensorLoad:
-    """How a group of non-expert tensors was loaded: ``how`` is ``as stored``, ``cast to <dtype>`` or
-    ``dequantised from <scheme>``; ``names`` are the model's parameter names."""
+    """How a group of non-expert tensors was loaded: ``how`` is ``as stored``, ``cast to <dtype>``, ``dequantised
+    once from <scheme>`` or ``run packed on <kernel>'s one-projection form from <scheme>`` (with how its activations
+    run); ``names`` are the model's parameter names."""
 
     how: str
     names: tuple[str, ...]
