@@ -61,6 +61,8 @@ BLOCK = 32  # activation block (columns per activation scale)
 ROWS = 4  # interleaved rows
 FP8_GROUP = 128  # fp8 weight blocks and activation groups: 128 columns
 E2M1_ZERO = 12  # the kernel reads an e2m1 code as 12 + twice its value (0..24): unsigned, integer, zero at 12
+SIGNED_INT8_ZERO = 128  # a signed int8 code is read as offset binary (its top bit flipped): zero at 128
+INT8_PER_TOKEN = "int8 scale:float32:token:dynamic"  # the W8A8 int8 schemes' activations, quantised by the kernel
 # the builds, best first: (name, the torch.cpu probes that must all say yes, compiler flags)
 _VNNI = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 ISA_FLAGS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
@@ -153,6 +155,7 @@ class Dot8Proj:
     zero_const: int = -1  # the one zero of every code (no zero points), or -1: zero holds them
     row_scale: torch.Tensor | None = None
     fp8: bool = False  # e4m3 codes, dotted with e4m3 activation codes per group of gs columns
+    per_token: bool = False  # activations quantised to int8 with one scale a row (W8A8 int8), not one per 32 columns
 
     @staticmethod
     def build(proj: ProjectionWeights, key: QuantKey, ops, activation: QuantKey | None = None) -> Dot8Proj:
@@ -161,6 +164,10 @@ class Dot8Proj:
         ``activation``: the activation key the layer runs (fp8 weights take the fp8 one their scheme binds)."""
         if key.dtype.name == "fp8e4m3":
             return Dot8Proj._build_fp8(proj, key, activation, ops)
+        per_token = activation is not None and activation.quantized
+        if per_token and not (key.dtype.name == "int8" and str(activation) == INT8_PER_TOKEN):
+            raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself (and takes {INT8_PER_TOKEN} "
+                             f"ones on int8 weights), got activation key {activation} on weight key {key}")
         bits, e2m1 = key.dtype.bits, key.dtype.name == "e2m1"
         integer = not key.dtype.is_float and bits in (4, 8) and key.scale2 is None
         if not (integer or e2m1) or key.scale is None:
@@ -186,13 +193,15 @@ class Dot8Proj:
                 raise ValueError(f"weight key {key}: wanted zero points on the scale grid {tuple(scale.shape)}, "
                                  f"got {got}")
             zero, zero_const = proj.zero.to(torch.uint8), -1
-        else:  # one zero for every code, folded into the dots: none stored
-            zero_const = E2M1_ZERO if e2m1 else key.dtype.bias
+        else:  # one zero for every code, folded into the dots: none stored (signed int8: as offset binary)
+            zero_const = E2M1_ZERO if e2m1 else SIGNED_INT8_ZERO if key.dtype.name == "int8" else key.dtype.bias
             zero = torch.empty(0, dtype=torch.uint8)
         cb = 32 if bits == 4 else CHUNK
         codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
             u = unpack_int4(proj.weight[i].view(torch.uint8)) if bits == 4 else proj.weight[i].view(torch.uint8)
+            if key.dtype.name == "int8":  # two's complement to offset binary: the top bit flipped
+                u = u ^ SIGNED_INT8_ZERO
             u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
             if bits == 4:  # byte j of a row's 64-column chunk: column j low, column 32 + j high
                 u = u.view(np_ // ROWS, ROWS, kp // CHUNK, 2, 32).permute(0, 2, 1, 3, 4)
@@ -207,7 +216,8 @@ class Dot8Proj:
             scale = scale.view(e, np_ // ROWS, ROWS, kp // CHUNK, 4).transpose(2, 3).reshape(e, np_, kp // gs)
         if row_scale is not None:
             row_scale = torch.nn.functional.pad(row_scale, (0, np_ - n)).contiguous()
-        return Dot8Proj(codes, scale.contiguous(), zero, n, k, bits, gs, e2m1, zero_const, row_scale)
+        return Dot8Proj(codes, scale.contiguous(), zero, n, k, bits, gs, e2m1, zero_const, row_scale,
+                        per_token=per_token)
 
     @staticmethod
     def _build_fp8(proj: ProjectionWeights, key: QuantKey, activation: QuantKey | None, ops) -> Dot8Proj:
@@ -252,7 +262,7 @@ class Dot8Proj:
                                 ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, combine, per)
         return ops.gemm(a, row_div, experts, self.codes, self.scale, self.zero, self.zero_const, self.row_scale,
                         self.n, self.bits, self.e2m1, self.gs, ACT_CODES[act], SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
-                        combine, per)
+                        combine, per, self.per_token)
 
 
 class Dot8Experts(Experts):
@@ -264,9 +274,6 @@ class Dot8Experts(Experts):
             raise ValueError(f"torch-cpu-dot8 reads layout 'nk', got {weights.layout!r}")
         if weights.device.type != "cpu":
             raise ValueError(f"torch-cpu-dot8 runs on the cpu, the weights are on {weights.device}")
-        if weights.activation_key.quantized and weights.weight_key.dtype.name != "fp8e4m3":
-            raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
-                             f"{weights.activation_key}")
         self._ops = dot8_ops()  # compile (or load) now: a build failure surfaces when the layer is built
         self.w13 = Dot8Proj.build(weights.w13, weights.weight_key, self._ops, weights.activation_key)
         self.w2 = Dot8Proj.build(weights.w2, weights.weight_key, self._ops, weights.activation_key)
@@ -350,9 +357,6 @@ class Dot8Linear(Linear):
         if weights.weight.device.type != "cpu" or weights.weight.shape[0] != 1:
             raise ValueError(f"torch-cpu-dot8's linear takes one projection on the cpu, got weight "
                              f"{list(weights.weight.shape)} on {weights.weight.device}")
-        if activation_key.quantized and weight_key.dtype.name != "fp8e4m3":
-            raise ValueError(f"torch-cpu-dot8 quantises 16- and 32-bit activations itself, got activation key "
-                             f"{activation_key}")
         self._ops = dot8_ops()
         self.proj = Dot8Proj.build(weights, weight_key, self._ops, activation_key)
         self._perm = None if weights.perm is None else weights.perm[0].to(torch.int64)

@@ -237,7 +237,9 @@ def test_refusals_name_what_was_seen_and_wanted() -> None:
     with pytest.raises(ValueError, match=r"uint4b8 scale:float16:group\(32\):static: 2 scale groups over K=96; "
                                          "torch-cpu-dot8 takes groups of 16 or 32 columns or a multiple of 64"):
         cpu_dot8.Dot8Proj.build(bad, weights.weight_key, cpu_dot8.dot8_ops())
-    with pytest.raises(ValueError, match="quantises 16- and 32-bit activations itself, got activation key int8"):
+    with pytest.raises(ValueError, match=r"quantises 16- and 32-bit activations itself \(and takes int8 scale:float32:"
+                                         r"token:dynamic ones on int8 weights\), got activation key int8 scale:float32:"
+                                         r"group\(32\):dynamic on weight key uint4b8"):
         cpu_dot8.Dot8Experts(dataclasses.replace(weights, activation_key=DECLARED), ExpertsConfig())
     proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key, cpu_dot8.dot8_ops())
     with pytest.raises(RuntimeError, match=r"experts\[0\] = 4 is outside \[0, 4\)"):

@@ -87,17 +87,23 @@ constexpr int64_t TMAX = 1;  // AVX2 has 16 registers
 #endif
 
 // One activation row quantised: q [kp] int8, dv [kp / 32 * 8] (each block's d, 8 times: one vector load per
-// block), bs [kp / 32] = d * sum(q). Columns past k are 0.
-void quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float* dv, float* bs) {
+// block), bs [kp / 32] = d * sum(q). Columns past k are 0. per_token: one d for the whole row (amax over its k
+// columns, as the W8A8 int8 schemes quantise: q = round(x / d) with d = amax / 127), else one per block.
+void quant_row(const float* x, int64_t k, int64_t kp, int8_t* q, float* dv, float* bs, bool per_token) {
+  float row_amax = 0.0f;
+  if (per_token)
+    for (int64_t c = 0; c < k; ++c) row_amax = std::max(row_amax, std::fabs(x[c]));
   for (int64_t b = 0; b < kp / QB; ++b) {
     const int64_t c0 = b * QB, c1 = std::min(k, c0 + QB);
-    float amax = 0.0f;
-    for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
+    float amax = row_amax;
+    if (!per_token)
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(x[c]));
     const float d = amax / 127.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int64_t c = c0; c < c0 + QB; ++c) {
-      const float v = c < c1 ? std::nearbyint(x[c] * inv) : 0.0f;
+      // per token: x / d, as the schemes' reference divides (x * (127 / amax) may round the other way at a tie)
+      const float v = c >= c1 || amax == 0.0f ? 0.0f : std::nearbyint(per_token ? x[c] / d : x[c] * inv);
       const int32_t i = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
       q[c] = static_cast<int8_t>(i);
       sum += i;
@@ -746,7 +752,7 @@ void run_pairs(const at::Tensor& experts, int64_t e, int64_t row_div, const c10:
 at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tensor codes, at::Tensor scale,
                      at::Tensor zero, int64_t zero_const, c10::optional<at::Tensor> row_scale, int64_t n, int64_t bits,
                      bool e2m1, int64_t gs, int64_t act, double alpha, double limit,
-                     c10::optional<at::Tensor> combine, int64_t per) {
+                     c10::optional<at::Tensor> combine, int64_t per, bool per_token) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(bits == 4 || !e2m1, "e2m1 codes are 4-bit");
   const bool fp4 = e2m1;
@@ -790,7 +796,7 @@ at::Tensor dot8_gemm(at::Tensor a, int64_t row_div, at::Tensor experts, at::Tens
     float* bp = bs.data_ptr<float>();
     float* gp = xg.data_ptr<float>();
     each_row(a, k, act, alpha, limit, [&](int64_t i, const float* x) {
-      quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB));
+      quant_row(x, k, kp, qp + i * kp, dp + i * (kp / 4), bp + i * (kp / QB), per_token);
       for (int64_t g = 0; g < groups; ++g) {
         float s = 0.0f;
         if (gs < QB) {  // half a block: its d times the half's codes
@@ -891,7 +897,7 @@ std::string dot8_isa() {
 TORCH_LIBRARY(DOT8_NS, m) {
   m.def("gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, Tensor zero, int zero_const, "
         "Tensor? row_scale, int n, int bits, bool e2m1, int gs, int act, float alpha, float limit, Tensor? combine, "
-        "int per) -> Tensor", &dot8_gemm);
+        "int per, bool per_token=False) -> Tensor", &dot8_gemm);
   m.def("fp8_gemm(Tensor a, int row_div, Tensor experts, Tensor codes, Tensor scale, int n, int gs, float amax_floor, "
         "int act, float alpha, float limit, Tensor? combine, int per) -> Tensor", &dot8_fp8_gemm);
   m.def("isa() -> str", &dot8_isa);
