@@ -19,6 +19,7 @@ quantisation), so weight and activation codes are both e4m3 values, whose produc
 dots run on AVX-512 BF16 (``vdpbf16ps``: every e4m3 value is a bfloat16) where the CPU has it, else on float32
 FMAs. torch-cpu-native, which runs these schemes in float32 from the dequantised activations, computes the same
 numbers but for float32 rounding order, at a quarter of the speed or less at decode (``tools/bench_cpu_peer.py``).
+W8A8 int8 (per-channel int8 weights, activations per token): no emulation either - one activation scale a row.
 
 Weights are repacked when the layer is built: unsigned codes (int4 nibbles 0..15, int8 bytes 0..255) with a
 float32 scale per (row, group) and a uint8 zero where the checkpoint has zero points (uint4b8 and uint8b128 keep
