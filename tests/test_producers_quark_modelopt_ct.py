@@ -154,11 +154,30 @@ NATIVE = sorted(n for n, c in CASES.items()
 
 @pytest.mark.parametrize("name", NATIVE)
 def test_native_cpu_kernel_matches_float64_moe_on_the_producers_weights(name: str) -> None:
-    """The compiled CPU kernel, as the oracle picks it on a CPU, on the files Quark / ModelOpt / llm-compressor
-    wrote, against the float64 MoE on the producer library's own dequantised weights."""
+    """The compiled CPU kernel torch-cpu-native on the files Quark / ModelOpt / llm-compressor wrote, against the
+    float64 MoE on the producer library's own dequantised weights."""
+    _compiled_cpu_kernel_matches(name, "torch-cpu-native")
+
+
+W8A8_INT8 = sorted(n for n, c in CASES.items() if c.act == "int8_token"
+                   and "torch-cpu-dot8" in moe_registry.load_registry().scheme(c.scheme).kernels)
+
+
+@pytest.mark.parametrize("name", W8A8_INT8)
+def test_dot8_runs_w8a8_int8_as_the_oracle_picks_it_on_a_cpu(name: str) -> None:
+    """W8A8 int8 (per-channel int8 weights, per-token int8 activations) on a CPU: the oracle picks torch-cpu-dot8,
+    which quantises each token with one scale as the scheme declares; on the producers' files it is the float64
+    MoE of their own dequantised weights within the scheme's tolerance."""
+    assert W8A8_INT8, "no W8A8 int8 producer fixture"
+    assert moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="float32").report.chosen == \
+        "torch-cpu-dot8"
+    _compiled_cpu_kernel_matches(name, "torch-cpu-dot8")
+
+
+def _compiled_cpu_kernel_matches(name: str, kernel: str) -> None:
     case = CASES[name]
-    layer = moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="float32")
-    assert layer.report.chosen == "torch-cpu-native"
+    layer = moe_registry.build(FIXTURES / name, platform="cpu", layer=0, dtype="float32", kernel=kernel)
+    assert layer.report.chosen == kernel
     x = _ref(name)["hidden_states"].float()
     for m in (1, x.shape[0]):
         ids, w = _routing(7, m)
