@@ -24,6 +24,7 @@ from moe_registry.layer.build import DTYPES, experts_class, linear_class
 from moe_registry.layer.experts import ExpertsConfig
 from moe_registry.layer.modular import BatchedLocalPrepareFinalize, FusedMoEKernel, LocalPrepareFinalize
 from moe_registry.spec.loader import load_registry
+from moe_registry.spec.view import KernelSpec
 from moe_registry.testing.conformance import REALISTIC, SMALL, Case, Sizes, cases_for
 
 REGISTRY = load_registry()
@@ -356,3 +357,28 @@ def test_tuned_configs_conform_on_gpu(tuned, record_property) -> None:
         err = run_case(case, torch.device("cuda"))
     _record_case(record_property, case, err)
     assert err <= case.tolerance, f"{case.id} with {config1} / {config2}: relative error {err:.3e}"
+
+
+def test_a_kernels_classes_are_imported_and_checked_against_their_interfaces() -> None:
+    """``impl`` names an Experts class and ``linear_impl`` a Linear one; a class of the other interface, or one
+    that does not import, is one line naming the kernel, the field and the class."""
+    from moe_registry.core.errors import ConfigError
+
+    dot8 = REGISTRY.kernel("torch-cpu-dot8")
+
+    def with_fields(**changed: object) -> KernelSpec:
+        return type(dot8)(**{**{name: getattr(dot8, name) for name in dot8.FIELDS}, **changed})
+
+    assert experts_class(dot8).__name__ == "Dot8Experts" and linear_class(dot8).__name__ == "Dot8Linear"  # type: ignore[union-attr]
+    assert linear_class(REGISTRY.kernel("torch-reference")) is None
+    swapped = with_fields(impl=dot8.linear_impl, linear_impl=dot8.impl)
+    with pytest.raises(ConfigError, match=r"^kernel torch-cpu-dot8: impl moe_registry_kernels\.cpu_dot8:Dot8Linear "
+                                          r"is not an Experts class$"):
+        experts_class(swapped)
+    with pytest.raises(ConfigError, match=r"^kernel torch-cpu-dot8: linear_impl moe_registry_kernels\.cpu_dot8:"
+                                          r"Dot8Experts is not a Linear class$"):
+        linear_class(swapped)
+    missing = with_fields(linear_impl="moe_registry_kernels.cpu_dot8:NoSuchLinear")
+    with pytest.raises(ConfigError, match=r"^kernel torch-cpu-dot8: linear_impl moe_registry_kernels\.cpu_dot8:"
+                                          r"NoSuchLinear cannot be imported: "):
+        linear_class(missing)

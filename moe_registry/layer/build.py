@@ -47,28 +47,26 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def experts_class(kernel: KernelSpec) -> type[Experts]:
     """Import the kernel's implementation (only now: specs never import kernels)."""
-    module_name, _, cls_name = kernel.impl.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} cannot be imported: {err}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Experts)):
-        raise ConfigError(f"kernel {kernel.kernel}: impl {kernel.impl} is not an Experts class")
-    return cls
+    return _impl_class(kernel, "impl", kernel.impl, Experts)
 
 
 def linear_class(kernel: KernelSpec) -> type[Linear] | None:
     """Import the kernel's one-projection form (its spec's ``linear_impl``; None: it has none)."""
     if kernel.linear_impl is None:
         return None
-    module_name, _, cls_name = kernel.linear_impl.partition(":")
+    return _impl_class(kernel, "linear_impl", kernel.linear_impl, Linear)
+
+
+def _impl_class(kernel: KernelSpec, field: str, impl: str, base: type) -> Any:
+    """The class ``impl`` (module:Class) names in the kernel spec's ``field``, checked to subclass ``base``."""
+    module_name, _, cls_name = impl.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
     except (ImportError, AttributeError) as err:
-        raise ConfigError(f"kernel {kernel.kernel}: linear_impl {kernel.linear_impl} cannot be imported: {err}") \
-            from None
-    if not (isinstance(cls, type) and issubclass(cls, Linear)):
-        raise ConfigError(f"kernel {kernel.kernel}: linear_impl {kernel.linear_impl} is not a Linear class")
+        raise ConfigError(f"kernel {kernel.kernel}: {field} {impl} cannot be imported: {err}") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        article = "an" if base.__name__[0] in "AEIOU" else "a"
+        raise ConfigError(f"kernel {kernel.kernel}: {field} {impl} is not {article} {base.__name__} class")
     return cls
 
 
