@@ -178,13 +178,14 @@ def test_ep_on_a_transformers_without_its_dispatch(tmp_path: Path, monkeypatch: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs of one host")
-def test_two_gpus_equal_one_gpu(tmp_path: Path) -> None:
-    """Two GPUs over NCCL, each rank half of each layer's experts on the oracle's GPU kernel in bfloat16: the logits
-    within bfloat16's budget of one GPU's (the same kernel; the sums only differ in order) and the same greedy
-    tokens."""
+@pytest.mark.parametrize("ep_implementation", ["moe_registry", pytest.param("all_to_all", marks=NEEDS_DISPATCH)])
+def test_two_gpus_equal_one_gpu(ep_implementation: str, tmp_path: Path) -> None:
+    """Two GPUs over NCCL, each rank half of each layer's experts on the oracle's GPU kernel in bfloat16, the tokens
+    moved by the project's dispatcher or by transformers' AllToAllEP: the logits within bfloat16's budget of one
+    GPU's (the same kernel; the sums only differ in order) and the same greedy tokens."""
     model_dir = make_whole_model("qwen3_moe", tmp_path / "qwen3_moe", layers=3)
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank, args=(init, str(model_dir), str(tmp_path), True), nprocs=2, join=True)
+    mp.spawn(_rank, args=(init, str(model_dir), str(tmp_path), True, ep_implementation), nprocs=2, join=True)
     single = load_model(model_dir, device="cuda:0")
     for rank in range(2):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
@@ -195,3 +196,5 @@ def test_two_gpus_equal_one_gpu(tmp_path: Path) -> None:
         assert rel < 1e-2, (rank, rel)
         tokens = single.generate(prompt, **GENERATE).cpu()
         assert torch.equal(got["tokens"], tokens), (rank, got["tokens"].tolist(), tokens.tolist())
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["ep_implementation"] == ep_implementation and SAYS[ep_implementation] in report["text"]

@@ -10,6 +10,7 @@ weight copies so L2 (50 MB on an H100) cannot hold them; H100 copy bandwidth is 
     python tools/bench_decode.py                      # M = 1 and 64, every scheme
     python tools/bench_decode.py --m 1 --schemes awq-g128 fp8-block
     python tools/bench_decode.py --m 1 2 4 8 --schemes w8a8-int8-token --compare-gemv --no-align
+    python tools/bench_decode.py --m 1 8 32 --linear --no-align   # attention packed against its bf16 copy
     bash tools/gpu_run.sh decode [args]               # on the GPU machine
 """
 
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from moe_registry.core.keys import parse_quant_key
-from moe_registry.formats.weights import ExpertWeights
+from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 from moe_registry.layer.experts import ExpertsConfig
 
 DEVICE = "cuda"
@@ -43,24 +44,34 @@ SCHEMES = {
     "mxfp8-w8a16": ("fp8e4m3 scale:e8m0:block(1x32):static", UNQ),
     "mxfp8": ("fp8e4m3 scale:e8m0:block(1x32):static", "fp8e4m3 scale:e8m0:block(1x32):dynamic"),
     "fp8-block": ("fp8e4m3 scale:float32:block(128x128):static", "fp8e4m3 scale:float32:group(128):dynamic"),
+    "mxfp4": ("e2m1 scale:e8m0:block(1x32):static", UNQ),
+    "nvfp4": ("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", UNQ),
 }
+# a decoder layer's attention projections at Qwen3-30B-A3B's shapes (N outputs, K inputs): q, k and v, o
+LINEARS = {"q_proj": (4096, 2048), "k_proj": (512, 2048), "v_proj": (512, 2048), "o_proj": (2048, 4096)}
 E, H, INTER, TOP_K = 64, 2048, 1408, 6
 
 
-def _weights(scheme: str, dtype: torch.dtype, seed: int) -> ExpertWeights:
-    """Random experts drawn and quantised on the GPU (the CPU takes minutes at these sizes)."""
+def _projection(scheme: str, experts: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator
+                ) -> ProjectionWeights:
+    """Random weights [experts, n, k] of std 1/sqrt(k) quantised on the GPU (the CPU takes minutes at these
+    sizes); a static activation key's scale covers |x| <= 6."""
     from moe_registry_kernels import quant_ref
 
-    wkey, akey = (parse_quant_key(k) for k in SCHEMES[scheme])
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    p13 = quant_ref.quantize_weight_to_layout(torch.randn(E, 2 * INTER, H, generator=gen, device=DEVICE) / math.sqrt(H),
-                                              wkey, dtype=dtype)
-    p2 = quant_ref.quantize_weight_to_layout(torch.randn(E, H, INTER, generator=gen, device=DEVICE) / math.sqrt(INTER),
-                                             wkey, dtype=dtype)
-    if akey.quantized and not akey.scale.dynamic:  # static scale covering |x| <= 6
+    wkey, akey = (parse_quant_key(key) for key in SCHEMES[scheme])
+    weight = torch.randn(experts, n, k, generator=gen, device=DEVICE) / math.sqrt(k)
+    p = quant_ref.quantize_weight_to_layout(weight, wkey, dtype=dtype)
+    if akey.quantized and not akey.scale.dynamic:
         scale = torch.tensor([6.0 / (127.0 if akey.dtype.name == "int8" else 448.0)], device=DEVICE)
-        p13, p2 = dataclasses.replace(p13, input_scale=scale), dataclasses.replace(p2, input_scale=scale)
-    return ExpertWeights(p13, p2, wkey, akey)
+        p = dataclasses.replace(p, input_scale=scale)
+    return p
+
+
+def _weights(scheme: str, dtype: torch.dtype, seed: int) -> ExpertWeights:
+    """Random experts at the benchmark's layer shape (_projection)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    p13, p2 = _projection(scheme, E, 2 * INTER, H, dtype, gen), _projection(scheme, E, H, INTER, dtype, gen)
+    return ExpertWeights(p13, p2, *(parse_quant_key(key) for key in SCHEMES[scheme]))
 
 
 def _expert_bytes(weights: ExpertWeights) -> float:
@@ -140,6 +151,35 @@ def decode_rows(m: int, schemes: list[str], compare_gemv: bool = False) -> list[
     return rows
 
 
+def linear_rows(m: int, schemes: list[str]) -> list[str]:
+    """Each scheme's attention projections (LINEARS) on the Triton kernel's one-projection form, packed, against
+    the same projections as bf16 weights through torch's linear (what a dequantised load runs): µs each and for
+    the layer's four, replayed over 4 weight copies like the layers."""
+    from moe_registry_kernels.triton.linear import TritonLinear
+
+    dtype = torch.bfloat16
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+    for scheme in schemes:
+        wkey, akey = (parse_quant_key(key) for key in SCHEMES[scheme])
+        packed_total = dense_total = 0.0
+        for name, (n, k) in LINEARS.items():
+            x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+            copies = [TritonLinear(_projection(scheme, 1, n, k, dtype, gen), wkey, akey) for _ in range(4)]
+            dense = [torch.randn(n, k, generator=gen, device=DEVICE).to(dtype) for _ in range(4)]
+            packed = graph_time_us(lambda x=x, copies=copies: [c.apply(x) for c in copies]) / len(copies)
+            plain = graph_time_us(lambda x=x, dense=dense: [torch.nn.functional.linear(x, w) for w in dense]) / 4
+            gbs = copies[0].resident_weight_bytes() / (packed * 1e-6) / 1e9
+            rows.append(f"{scheme:>18} {name} M={m:<4} packed {packed:7.1f} us ({gbs:5.0f} GB/s)  bf16 {plain:7.1f} us"
+                        f"  ({plain / packed:.2f}x)")
+            packed_total, dense_total = packed_total + packed, dense_total + plain
+            del copies, dense
+        rows.append(f"{scheme:>18} attention M={m:<4} packed {packed_total:7.1f} us  bf16 {dense_total:7.1f} us"
+                    f"  ({dense_total / packed_total:.2f}x)")
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--m", nargs="*", type=int, default=[1, 64], help="token counts (default: 1 64)")
@@ -148,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-align", dest="align", action="store_false", help="leave out the alignment paths")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="also time each layer with the decode GEMV off (the tile kernels alone)")
+    parser.add_argument("--linear", action="store_true",
+                        help="time the attention projections (packed one-projection form against bf16) instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA GPU (CUDA graphs time the kernels)", file=sys.stderr)
@@ -155,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.align:
         print("\n".join(align_rows()))
     for m in args.m:
-        print("\n".join(decode_rows(m, args.schemes, args.compare_gemv)))
+        rows = linear_rows(m, args.schemes) if args.linear else decode_rows(m, args.schemes, args.compare_gemv)
+        print("\n".join(rows))
     return 0
 
 

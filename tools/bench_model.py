@@ -28,6 +28,7 @@ Every measurement is a JSON line appended to ``--out``/``<device>-whole-model.js
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import importlib.util
 import json
@@ -392,11 +393,18 @@ def _profile(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, An
     # what torch.compile made of the step: a graph break leaves the code after it to run eagerly
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     counters = torch._dynamo.utils.counters
+    # how the host put the kernels on the device: graph replays (one call runs a captured step) against single
+    # launches (one host call each: a step the host launches kernel by kernel is bound by that count)
+    host_calls = collections.Counter(e.name for e in prof.events() if e.name in _LAUNCH_CALLS)
     return {"file": name.name, "mode": mode, "batch": batch,
+            "host_launch_calls_per_forward": {k: v / args.new_tokens for k, v in sorted(host_calls.items())},
             "wall_ms_per_forward": wall * 1e3 / args.new_tokens,
             "device_busy_ms_per_forward": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.new_tokens,
             "kernels_per_forward": len(kernels) / args.new_tokens,
             "graph_breaks": dict(counters["graph_break"]), "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
+_LAUNCH_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 
 
 def _graphs_error(model: Any) -> float:
