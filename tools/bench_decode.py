@@ -10,7 +10,6 @@ weight copies so L2 (50 MB on an H100) cannot hold them; H100 copy bandwidth is 
     python tools/bench_decode.py                      # M = 1 and 64, every scheme
     python tools/bench_decode.py --m 1 --schemes awq-g128 fp8-block
     python tools/bench_decode.py --m 1 2 4 8 --schemes w8a8-int8-token --compare-gemv --no-align
-    python tools/bench_decode.py --m 1 8 32 --linear --no-align   # attention packed against its bf16 copy
     bash tools/gpu_run.sh decode [args]               # on the GPU machine
 """
 
@@ -47,8 +46,7 @@ SCHEMES = {
     "mxfp4": ("e2m1 scale:e8m0:block(1x32):static", UNQ),
     "nvfp4": ("e2m1 scale:fp8e4m3:group(16):static scale2:float32:tensor:static", UNQ),
 }
-# a decoder layer's attention projections at Qwen3-30B-A3B's shapes (N outputs, K inputs): q, k and v, o
-LINEARS = {"q_proj": (4096, 2048), "k_proj": (512, 2048), "v_proj": (512, 2048), "o_proj": (2048, 4096)}
+
 E, H, INTER, TOP_K = 64, 2048, 1408, 6
 
 
@@ -151,35 +149,6 @@ def decode_rows(m: int, schemes: list[str], compare_gemv: bool = False) -> list[
     return rows
 
 
-def linear_rows(m: int, schemes: list[str]) -> list[str]:
-    """Each scheme's attention projections (LINEARS) on the Triton kernel's one-projection form, packed, against
-    the same projections as bf16 weights through torch's linear (what a dequantised load runs): µs each and for
-    the layer's four, replayed over 4 weight copies like the layers."""
-    from moe_registry_kernels.triton.linear import TritonLinear
-
-    dtype = torch.bfloat16
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    rows = []
-    for scheme in schemes:
-        wkey, akey = (parse_quant_key(key) for key in SCHEMES[scheme])
-        packed_total = dense_total = 0.0
-        for name, (n, k) in LINEARS.items():
-            x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
-            copies = [TritonLinear(_projection(scheme, 1, n, k, dtype, gen), wkey, akey) for _ in range(4)]
-            dense = [torch.randn(n, k, generator=gen, device=DEVICE).to(dtype) for _ in range(4)]
-            packed = graph_time_us(lambda x=x, copies=copies: [c.apply(x) for c in copies]) / len(copies)
-            plain = graph_time_us(lambda x=x, dense=dense: [torch.nn.functional.linear(x, w) for w in dense]) / 4
-            gbs = copies[0].resident_weight_bytes() / (packed * 1e-6) / 1e9
-            rows.append(f"{scheme:>18} {name} M={m:<4} packed {packed:7.1f} us ({gbs:5.0f} GB/s)  bf16 {plain:7.1f} us"
-                        f"  ({plain / packed:.2f}x)")
-            packed_total, dense_total = packed_total + packed, dense_total + plain
-            del copies, dense
-        rows.append(f"{scheme:>18} attention M={m:<4} packed {packed_total:7.1f} us  bf16 {dense_total:7.1f} us"
-                    f"  ({dense_total / packed_total:.2f}x)")
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--m", nargs="*", type=int, default=[1, 64], help="token counts (default: 1 64)")
@@ -188,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-align", dest="align", action="store_false", help="leave out the alignment paths")
     parser.add_argument("--compare-gemv", action="store_true",
                         help="also time each layer with the decode GEMV off (the tile kernels alone)")
-    parser.add_argument("--linear", action="store_true",
-                        help="time the attention projections (packed one-projection form against bf16) instead")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode.py: needs a CUDA GPU (CUDA graphs time the kernels)", file=sys.stderr)
@@ -197,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.align:
         print("\n".join(align_rows()))
     for m in args.m:
-        rows = linear_rows(m, args.schemes) if args.linear else decode_rows(m, args.schemes, args.compare_gemv)
-        print("\n".join(rows))
+        print("\n".join(decode_rows(m, args.schemes, args.compare_gemv)))
     return 0
 
 

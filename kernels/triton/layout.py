@@ -186,13 +186,12 @@ class TritonWeightLayout:
         return ProjectionWeights(weight, scale, zero, perm, bias, input_scale, scale2)
 
 
-def mx_scale_codes(weights: ExpertWeights | ProjectionWeights, variant: KernelVariant) -> list[int] | None:
-    """[lowest, highest] e8m0 code of MX FP4 or fp8 experts' (or one projection's) scales (None for any other
-    key), read once where the weights are set up: the layer's custom ops take it as ``mx_scale_codes``
-    (_e2m1_fold, _e4m3_folded)."""
+def mx_scale_codes(weights: ExpertWeights, variant: KernelVariant) -> list[int] | None:
+    """[lowest, highest] e8m0 code of MX FP4 or fp8 experts' scales (None for any other key), read once
+    where the weights are set up: the layer's custom ops take it as ``mx_scale_codes`` (_e2m1_fold,
+    _e4m3_folded)."""
     if variant.weight_type not in ("e2m1", "fp8e4m3") or variant.weight_scale != "mx":
         return None
-    projections = (weights,) if isinstance(weights, ProjectionWeights) else (weights.w13, weights.w2)
-    codes = torch.cat([p.scale.reshape(-1).view(torch.uint8) for p in projections])
+    codes = torch.cat([p.scale.reshape(-1).view(torch.uint8) for p in (weights.w13, weights.w2)])
     lowest, highest = torch.aminmax(codes)
     return [int(lowest), int(highest)]

@@ -16,7 +16,6 @@ from moe_registry.formats import get_converter
 from moe_registry.formats.registry import ConvertContext
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.layer.linear import Linear
-from moe_registry.layer.resident import reachable_tensors
 from moe_registry.oracle.contract import Report
 from moe_registry.spec.loader import Registry
 
@@ -58,9 +57,6 @@ class RegistryLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self.in_features, self.out_features = in_features, out_features
         self.kernel, self.scheme = kernel, scheme
-        for tensor in reachable_tensors(linear):
-            # as the experts' (RegistryExperts): a compiled forward's CUDA graph reads them where they are
-            torch._dynamo.mark_static_address(tensor)
 
     @property
     def resident_bytes(self) -> int:
