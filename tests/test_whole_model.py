@@ -406,6 +406,31 @@ def test_gptq_whole_model_default_kernel_holds_packed_experts(whole, tmp_path: P
         assert _rel(ours(prompt).logits, ref(prompt).logits) < 1e-2
 
 
+def test_a_compiled_decode_step_holds_each_layers_experts_as_one_op(whole) -> None:  # type: ignore[no-untyped-def]
+    """Under torch.compile (transformers compiles the decode step of its static cache; here on the CPU, as it does
+    when its compile config says every device) each layer's experts are one opaque op: whatever Python the kernel
+    runs, the step is one graph with no break, and its tokens and logits are the eager step's."""
+    from transformers import CompileConfig
+
+    model = load_model(whole("qwen3_moe"), dtype="float32")
+    kw = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static", "return_dict_in_generate": True, "output_logits": True}
+    prompt = _prompt()[:1]
+    eager = model.generate(prompt, disable_compile=True, **kw)
+    every_device = CompileConfig()
+    every_device._compile_all_devices = True
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        compiled = model.generate(prompt, compile_config=every_device, **kw)
+        assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1, dict(counters)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert _rel(torch.stack(compiled.logits), torch.stack(eager.logits)) < 1e-5
+
+
 EMULATED_INT8 = "int8 scale:float32:group(32):dynamic"
 
 
