@@ -149,9 +149,11 @@ def quantization_config(fmt: str, layers: int, in_features: int) -> dict[str, An
     raise ValueError(f"format {fmt!r}: wanted one of {', '.join(FORMATS)}")
 
 
-def make_checkpoint(model: str, fmt: str, out: Path, layers: int, vocab: int | None, device: str = "cpu") -> Path:
+def make_checkpoint(model: str, fmt: str, out: Path, layers: int, vocab: int | None, device: str = "cpu", *,
+                    thin_source: bool = False) -> Path:
     """The benchmark checkpoint in ``fmt``: transformers' save_pretrained of a random bf16 model (made once, under
-    ``out/bf16``), its decoder projections rewritten in ``fmt``; random numbers drawn on ``device``."""
+    ``out/bf16``), its decoder projections rewritten in ``fmt``; random numbers drawn on ``device``.
+    ``thin_source``: thin the source (_thin) before a rewrite; it is then no bf16 checkpoint any more."""
     sys.path.insert(0, str(ROOT / "tools"))
     from make_transformers_whole import make_whole_model
 
@@ -162,6 +164,10 @@ def make_checkpoint(model: str, fmt: str, out: Path, layers: int, vocab: int | N
                          **({"vocab_size": vocab} if vocab else {}))
     elif not (source / "config.json").is_file():
         _random_qwen3(source, layers, vocab, device)
+    if thin_source and fmt != "bf16":
+        _thin(source)
+    elif (source / PROJECTION_SHAPES).is_file() and fmt == "bf16":
+        raise ValueError(f"{source} was thinned for the quantized formats' rewrites; bf16 runs before them")
     path = source if fmt == "bf16" else _rewrite(source, out / fmt, fmt, layers, device)
     if device.startswith("cuda"):  # the measuring children need the GPU memory this process drew the weights in
         gc.collect()
@@ -192,6 +198,36 @@ def _random_qwen3(out: Path, layers: int, vocab: int | None, device: str) -> Non
     model.save_pretrained(str(out))
 
 
+PROJECTION_SHAPES = "projection_shapes.json"  # a thinned source's decoder projections: name -> [shard, shape]
+
+
+def _projection(name: str, shape: list[int]) -> bool:
+    return name.endswith("_proj.weight") and len(shape) == 2
+
+
+def _thin(src: Path) -> None:
+    """The bf16 source reduced to what a rewrite copies from it: every tensor but the decoder projections, whose
+    shards and shapes it records (a rewrite draws their codes at random). The source is no bf16 checkpoint after."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if (src / PROJECTION_SHAPES).is_file() or not (src / "config.json").is_file():
+        return
+    shapes: dict[str, list[Any]] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        kept: dict[str, torch.Tensor] = {}
+        with safe_open(str(f), "pt") as stored:
+            for name in stored.keys():  # noqa: SIM118 (safe_open has no iteration)
+                shape = stored.get_slice(name).get_shape()
+                if _projection(name, shape):
+                    shapes[name] = [f.name, shape]
+                else:
+                    kept[name] = stored.get_tensor(name)
+        save_file(kept, str(f.with_suffix(".thin")), metadata={"format": "pt"})
+        f.with_suffix(".thin").replace(f)
+    (src / PROJECTION_SHAPES).write_text(json.dumps(shapes))
+
+
 def _rewrite(src: Path, dst: Path, fmt: str, layers: int, device: str) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -200,19 +236,22 @@ def _rewrite(src: Path, dst: Path, fmt: str, layers: int, device: str) -> Path:
         return dst
     dst.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device).manual_seed(0)
+    thinned = json.loads((src / PROJECTION_SHAPES).read_text()) if (src / PROJECTION_SHAPES).is_file() else {}
     for f in sorted(src.glob("*.safetensors")):
         tensors: dict[str, torch.Tensor] = {}
         with safe_open(str(f), "pt") as stored:
-            for name in stored.keys():  # noqa: SIM118 (safe_open has no iteration)
-                shape = stored.get_slice(name).get_shape()
-                if name.endswith("_proj.weight") and len(shape) == 2:
+            names = [(name, stored.get_slice(name).get_shape()) for name in stored.keys()]  # noqa: SIM118
+            names += [(name, shape) for name, (shard, shape) in thinned.items() if shard == f.name]
+            for name, shape in sorted(names):
+                if _projection(name, shape):
                     stem = name.removesuffix(".weight")
                     tensors.update({f"{stem}.{k}": v.cpu() for k, v in quantized_tensors(fmt, *shape, gen).items()})
                 else:
                     tensors[name] = stored.get_tensor(name)
         save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
     for other in src.iterdir():
-        if other.suffix != ".safetensors" and other.name != "config.json" and other.is_file():
+        if (other.suffix != ".safetensors" and other.name not in ("config.json", PROJECTION_SHAPES)
+                and other.is_file()):
             shutil.copy(other, dst / other.name)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(fmt, layers, cfg["moe_intermediate_size"])
@@ -484,17 +523,25 @@ def run(args: argparse.Namespace) -> Path:
     with record.open("a") as f:
         f.write(json.dumps({"kind": "header", "settings": settings, "env": environment(args)}) + "\n")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_model_"))
+    # without --work, one checkpoint at a time is on disk beside the bf16 source's non-projection tensors: bf16 runs
+    # first (every other format is rewritten from its source), the source is thinned before the first rewrite
+    # (_thin), and each other format's checkpoint is removed once measured. A 48-layer bf16 Qwen3-30B-A3B is 57 GB, a
+    # GPU machine's disk 64 GiB.
+    formats = sorted(args.format, key=lambda fmt: fmt != "bf16")
     try:
-        for fmt in args.format:
+        for fmt in formats:
             start = time.perf_counter()
             try:
-                path = make_checkpoint(args.model, fmt, work, args.layers, args.vocab, args.device)
+                path = make_checkpoint(args.model, fmt, work, args.layers, args.vocab, args.device,
+                                       thin_source=not args.work)
             except Exception as err:  # noqa: BLE001
                 _append(record, {"kind": "error", "format": fmt, "side": "checkpoint", "error": _one_line(err)})
                 continue
             print(f"{fmt}: checkpoint {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             for side in sides(fmt, args.device, args.transformers_experts):
                 _child(args, path, fmt, side, record)
+            if not args.work and fmt != "bf16":
+                shutil.rmtree(path, ignore_errors=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
