@@ -18,6 +18,7 @@ within the tolerance of each other (a near tie, not a wrong model).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -412,6 +413,8 @@ def test_a_compiled_decode_step_holds_each_layers_experts_as_one_op(whole) -> No
     runs, the step is one graph with no break, and its tokens and logits are the eager step's."""
     from transformers import CompileConfig
 
+    from moe_registry.whole import experts_module
+
     model = load_model(whole("qwen3_moe"), dtype="float32")
     kw = {"max_new_tokens": 5, "min_new_tokens": 5, "do_sample": False, "pad_token_id": 0,
           "cache_implementation": "static", "return_dict_in_generate": True, "output_logits": True}
@@ -429,6 +432,12 @@ def test_a_compiled_decode_step_holds_each_layers_experts_as_one_op(whole) -> No
         torch._dynamo.reset()
     assert torch.equal(compiled.sequences, eager.sequences)
     assert _rel(torch.stack(compiled.logits), torch.stack(eager.logits)) < 1e-5
+    # the op finds a layer's module by its number: a copy's modules answer to numbers of their own
+    layers = [m for m in model.modules() if isinstance(m, RegistryExperts)]
+    copies = [m for m in copy.deepcopy(model).modules() if isinstance(m, RegistryExperts)]
+    assert len(copies) == len(layers) >= 2
+    assert all(c.number != m.number and experts_module._BY_NUMBER[c.number] is c
+               for c, m in zip(copies, layers, strict=True))
 
 
 EMULATED_INT8 = "int8 scale:float32:group(32):dynamic"

@@ -106,6 +106,12 @@ class RegistryExperts(torch.nn.Module):
             # forward's CUDA graph reads them where they are instead of copying them in at every replay
             torch._dynamo.mark_static_address(tensor)
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (copy.deepcopy, pickle) takes a number of its own, so the compiled op calls the copy's kernel."""
+        super().__setstate__(state)
+        self.number = next(_NUMBERS)
+        _BY_NUMBER[self.number] = self
+
     @property
     def resident_bytes(self) -> int:
         """Bytes of every tensor storage the kernel holds (its packed weights, scales and any copies)."""
