@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_registry.layer.modular import FusedMoEKernel
-from moe_registry.layer.resident import reachable_tensor_bytes, reachable_tensors
+from moe_registry.layer.resident import reachable_tensor_bytes
 from moe_registry.oracle.contract import Report
 
 _GRAPH_POOLS: dict[torch.device, tuple[int, int]] = {}
@@ -101,10 +101,6 @@ class RegistryExperts(torch.nn.Module):
         self._graphs: dict[tuple, CapturedCall] = {}
         self.number = next(_NUMBERS)
         _BY_NUMBER[self.number] = self
-        for tensor in reachable_tensors(kernel):
-            # the kernel's tensors are attributes of plain objects, not the module's parameters: marked, a compiled
-            # forward's CUDA graph reads them where they are instead of copying them in at every replay
-            torch._dynamo.mark_static_address(tensor)
 
     def __setstate__(self, state: dict) -> None:
         """A copy (copy.deepcopy, pickle) takes a number of its own, so the compiled op calls the copy's kernel."""
