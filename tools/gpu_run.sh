@@ -17,9 +17,18 @@ if ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
+# a newer transformers than the image's, where .whl-tf/ is carried (tools/prepare_transformers.sh makes it): first on
+# the path for the whole call (the image's huggingface_hub serves it; .whl-tf/hub/ holds a newer one where not)
+if [ -d .whl-tf ]; then
+  [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf .whl-tf/*.whl || exit 1
+  if ! PYTHONPATH="/tmp/tf:${PYTHONPATH:-}" python3 -c "import transformers" 2>/dev/null && [ -d .whl-tf/hub ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/tf .whl-tf/hub/*.whl || exit 1
+  fi
+  export PYTHONPATH="/tmp/tf${PYTHONPATH:+:$PYTHONPATH}"
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 what=${1:-tests}; shift || true
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
