@@ -166,8 +166,6 @@ def make_checkpoint(model: str, fmt: str, out: Path, layers: int, vocab: int | N
         _random_qwen3(source, layers, vocab, device)
     if thin_source and fmt != "bf16":
         _thin(source)
-    elif (source / PROJECTION_SHAPES).is_file() and fmt == "bf16":
-        raise ValueError(f"{source} was thinned for the quantized formats' rewrites; bf16 runs before them")
     path = source if fmt == "bf16" else _rewrite(source, out / fmt, fmt, layers, device)
     if device.startswith("cuda"):  # the measuring children need the GPU memory this process drew the weights in
         gc.collect()
@@ -211,7 +209,7 @@ def _thin(src: Path) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    if (src / PROJECTION_SHAPES).is_file() or not (src / "config.json").is_file():
+    if (src / PROJECTION_SHAPES).is_file():  # thinned for an earlier format
         return
     shapes: dict[str, list[Any]] = {}
     for f in sorted(src.glob("*.safetensors")):
