@@ -682,13 +682,38 @@ def _mode_cell(cell: dict[str, Any]) -> str:
     return f"{cell['tokens_per_s']:.0f}" + (f" ({same:.0%} same tokens)" if same is not None and same < 1 else "")
 
 
+def profile_table(lines: list[dict[str, Any]]) -> str:
+    """Where a profiled decode step's time goes, per side: the wall time of a forward against the device's busy
+    time in it (the rest is the host's and the gaps between kernels), and how the host put the kernels there."""
+    profiles = [c for c in lines if c["kind"] == "profile" and "wall_ms_per_forward" in c]
+    if not profiles:
+        return ""
+    head = ["format", "side", "mode, batch", "wall ms / forward", "device busy ms / forward", "kernels / forward",
+            "graph replays / forward", "single launches / forward"]
+    rows = []
+    for c in profiles:
+        calls = c.get("host_launch_calls_per_forward", {})
+        single = sum(v for k, v in calls.items() if k != "cudaGraphLaunch")
+        rows.append([c["format"], c["side"], f"{c['mode']}, {c['batch']}", f"{c['wall_ms_per_forward']:.2f}",
+                     f"{c['device_busy_ms_per_forward']:.2f}", f"{c['kernels_per_forward']:.0f}",
+                     f"{calls.get('cudaGraphLaunch', 0):.2f}", f"{single:.0f}"])
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    return ("\nOne profiled `generate` per side (a forward is the prefill or one decode step; the profiler's own "
+            "cost is in the wall time):\n\n" + "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n")
+
+
 def markdown(path: Path) -> str:
     header, lines = read_record(path)
     settings = header.get("settings", {})
     batches = settings.get("batch") or sorted({c["batch"] for c in lines if c["kind"] == "decode"})
     prefills = settings.get("prefill") or sorted({c["tokens"] for c in lines if c["kind"] == "prefill"})
-    return (table(lines, batches, prefills) + "\nThe registry's decode by mode (tok/s):\n\n"
-            + modes_table(lines, batches))
+    modes = {c["mode"] for c in lines if c["kind"] == "decode" and c["side"] == "registry"}
+    by_mode = modes_table(lines, batches)
+    if len(modes) > 1:
+        by_mode = "\nThe registry's decode by mode (tok/s):\n\n" + by_mode
+    else:  # the main table holds the one mode's cells already: only the note after the table stays
+        by_mode = by_mode[by_mode.index("\n\n") + 1:] if "\n\n" in by_mode else ""
+    return table(lines, batches, prefills) + by_mode + profile_table(lines)
 
 
 def command(settings: dict[str, Any], formats: list[str]) -> str:
