@@ -67,8 +67,13 @@ def test_awq_with_layer0_excluded_is_headlined_awq_and_names_the_rule(capsys, aw
     assert "(mixtral, layer 0)" in " ".join(layer0.split())
 
 
-def test_a_uniform_model_keeps_the_one_layer_report(capsys):
+def test_a_uniform_model_keeps_the_one_layer_report_and_says_every_layer_is_alike(capsys):
     text = _explain(capsys, str(CONFIGS / "mixtral/mixtral-8x7b-instruct-v0.1-awq"))
-    assert "(mixtral, layer 0) runtime" in " ".join(text.split()) and "\nlayers " not in text
+    assert "(mixtral, layer 0 of 32 MoE layers, all alike) runtime" in " ".join(text.split())
+    assert "\nlayers " not in text
     data = json.loads(_explain(capsys, str(CONFIGS / "mixtral/mixtral-8x7b-instruct-v0.1-awq"), "--json"))
-    assert data["layers"] == [] and data["layer"] == 0
+    assert data["layers"] == [{"first": 0, "last": 31, "count": 32, "scheme": "awq-w4a16",
+                               "kernel": "triton-fused-moe", "excluded": None}] and data["layer"] == 0
+    # a dense first layer is no MoE layer: DeepSeek-V2-Lite's plan starts at layer 1
+    data = json.loads(_explain(capsys, str(CONFIGS / "deepseek/deepseek-v2-lite"), "--json"))
+    assert [(r["first"], r["last"], r["count"]) for r in data["layers"]] == [(1, 26, 26)] and data["layer"] == 1

@@ -73,8 +73,10 @@ def head_rows(report: ReportView) -> list[tuple[str, str]]:
     rows = []
     if s.model:
         layer = f", layer {s.layer}" if s.layer is not None else ""
-        if report.layers:
+        if len(report.layers) > 1:
             layer += f" of {len(s.moe_layers)} MoE layers, which differ: see layers"
+        elif report.layers:
+            layer += f" of {len(s.moe_layers)} MoE layers, all alike"
         rows.append(("model", f"{s.model} ({s.family or 'unknown family'}{layer})"))
         rows += layer_rows(report)
     plat = platform_text(rt.platform)
@@ -159,9 +161,9 @@ SITUATION_LABELS = frozenset({"model", "layers", "runtime", "shape", "shared", "
 
 def layer_rows(report: ReportView) -> list[tuple[str, str]]:
     """One row per run of alike MoE layers: ``layers 1-47  awq-w4a16  triton-fused-moe`` (and the rule that
-    excluded a run); none when every layer is decided alike."""
+    excluded a run); none when every layer is decided alike (the head says so)."""
     runs = report.layers
-    if not runs:
+    if len(runs) < 2:
         return []
     sw = max(len(r.span) for r in runs)
     cw = max(len(r.scheme or "no scheme") for r in runs)

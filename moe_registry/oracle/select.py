@@ -52,10 +52,14 @@ def select_model(registry: Registry, situation: Situation, *, prefer: str | None
                  pin: str | None = None, raise_on_failure: bool = True) -> Report:
     """``select`` for a whole model (explain). A model whose MoE
     layers are not all decided alike (an excluded layer, GPTQ ``dynamic``, mixed precision) is reported on
-    the first layer of its largest run of alike layers, with every run in ``Report.layers``; a layer the
-    situation names (``--layer``) is reported alone."""
+    the first layer of its largest run of alike layers; every run is in ``Report.layers`` (one run where all are
+    alike: the plan covers the whole model either way); a layer the situation names (``--layer``) is reported
+    alone."""
     if len(situation.moe_layers) > 1 and not situation.layer_asked and situation.family in registry.families:
         runs = layer_runs(registry, situation, prefer=prefer, pin=pin)
+        if len(runs) == 1:
+            return replace(select(registry, situation, prefer=prefer, pin=pin, raise_on_failure=raise_on_failure),
+                           layers=runs)
         if len(runs) > 1:
             shown = max(runs, key=lambda r: r.count).first  # max keeps the first of equal runs
             one = _for_layer(registry, situation, shown)
