@@ -596,3 +596,40 @@ def test_nk_bytes_are_the_codes_unpacked_and_packed_again(bits: int, dim: int) -
     want = pack_nibbles(codes) if bits == 4 else codes.to(torch.uint8)
     got = nk_bytes(words, bits, dim)
     assert got.dtype == torch.uint8 and got.shape == (40, 12 * 4) and torch.equal(got, want)
+
+
+def test_stacking_fused_rows_equals_torch_stack_of_cat() -> None:
+    """Fusing gate and up and stacking over experts writes each byte once; the result is torch.stack of
+    torch.cat's, promotion of differing dtypes included, and pieces torch.stack refuses are refused alike."""
+    from moe_registry.formats.assemble import _stack_rows
+
+    gen = torch.Generator().manual_seed(0)
+    pieces = [(torch.randn(6, 4, generator=gen).to(torch.bfloat16), torch.randn(6, 4, generator=gen).to(torch.bfloat16))
+              for _ in range(5)]
+    want = torch.stack([torch.cat(p) for p in pieces])
+    got = _stack_rows(pieces)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    single = [(p[0],) for p in pieces]  # w2: one piece an expert
+    assert torch.equal(_stack_rows(single), torch.stack([p[0] for p in pieces]))
+    mixed = [(a.float(), b) for a, b in pieces]  # gate in float32, up in bfloat16: promoted as torch.cat does
+    got = _stack_rows(mixed)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.stack([torch.cat(p) for p in mixed]))
+    ragged = [*pieces[:-1], (pieces[-1][0][:5], pieces[-1][1])]
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        _stack_rows(ragged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_a_nan_or_infinity_anywhere_in_a_float_tensor_is_refused(dtype: torch.dtype) -> None:
+    """The check reads min and max, which NaN reaches and an infinity is: every bad value at every place."""
+    from moe_registry.core.guards import check_tensor_values
+
+    n = 100_003  # past every vector width, with a tail
+    check_tensor_values("w", torch.randn(n).to(dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, n // 2, n - 1):
+            t = torch.randn(n).to(dtype)
+            t[at] = bad
+            with pytest.raises(CheckpointError, match=rf"^w: 1 of {n} values are NaN or infinite \(first at "
+                                                      rf"\[{at}\] = {bad}\); expected finite values$"):
+                check_tensor_values("w", t)

@@ -106,12 +106,13 @@ def assemble(experts: Sequence[ExpertTensors], ctx: ConvertContext, convert_role
         raise CheckpointError("no experts to convert: the checkpoint layer has zero expert tensors")
     _check_bias_presence(experts, ctx, ("gate", "up"))
     _check_bias_presence(experts, ctx, ("down",))
-    w13: list[ProjectionPart] = []
-    w2: list[ProjectionPart] = []
+    w13: list[_Rows] = []
+    w2: list[_Rows] = []
     for e, tensors in enumerate(experts):
         parts = {role: _convert_one(tensors, e, role, ctx, convert_role) for role in ROLES}
         w13.append(_fuse(parts["gate"], parts["up"], _namer(ctx, e, "gate"), _namer(ctx, e, "up")))
-        w2.append(parts["down"])
+        w2.append(_Rows({f: None if getattr(parts["down"], f) is None else (getattr(parts["down"], f),)
+                         for f in ROW_FIELDS}, parts["down"].perm, parts["down"].input_scale))
     return ExpertWeights(_stack(w13), _stack(w2), ctx.weight_key, ctx.activation_key, "nk")
 
 
@@ -149,11 +150,21 @@ def _check_bias_presence(experts: Sequence[ExpertTensors], ctx: ConvertContext, 
     )
 
 
-def _cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    return None if a is None or b is None else torch.cat((a, b), dim=0)
+ROW_FIELDS = ("weight", "scale", "zero", "bias", "scale2")  # the fields w13 fuses and every projection stacks
 
 
-def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: Namer) -> ProjectionPart:
+@dataclass(frozen=True)
+class _Rows:
+    """One expert's projection as its stacked weights will hold it: each of :data:`ROW_FIELDS` as the tensors its
+    rows concatenate (gate's then up's for w13; None where a part has none), so that fusing and stacking copy
+    each byte once."""
+
+    fields: dict[str, tuple[torch.Tensor, ...] | None]
+    perm: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+
+def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: Namer) -> _Rows:
     """w13 = gate rows then up rows. Gate and up read the same input, so act-order must agree."""
     perm = gate.perm
     if gate.perm is not None or up.perm is not None:
@@ -171,24 +182,38 @@ def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: N
             )
         perm = g
     scales = [s for s in (gate.input_scale, up.input_scale) if s is not None]
-    return ProjectionPart(
-        weight=torch.cat((gate.weight, up.weight), dim=0),
-        scale=_cat(gate.scale, up.scale),
-        zero=_cat(gate.zero, up.zero),
-        perm=perm,
-        perm_tensor=gate.perm_tensor or up.perm_tensor,
-        bias=_cat(gate.bias, up.bias),
-        input_scale=torch.stack(scales).max() if scales else None,
-        scale2=_cat(gate.scale2, up.scale2),
-    )
+    fields = {f: None if getattr(gate, f) is None or getattr(up, f) is None else (getattr(gate, f), getattr(up, f))
+              for f in ROW_FIELDS}
+    return _Rows(fields, perm, torch.stack(scales).max() if scales else None)
 
 
-def _stack(parts: list[ProjectionPart]) -> ProjectionWeights:
+def _stack_rows(pieces: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """[experts, rows, ...]: expert e's rows the concatenation of ``pieces[e]`` along dim 0, written into one
+    tensor (torch.stack of torch.cat copies every byte twice, the larger part of loading a 16-bit layer).
+    Pieces that torch.stack would not take as they are (shapes or dtypes differing) go through it anyway, for
+    its promotion or its error."""
+    first = pieces[0]
+    like = first[0]
+    if not all(t.dim() >= 1 and t.dtype == like.dtype and t.shape[1:] == like.shape[1:] for t in first) or any(
+            len(p) != len(first) or any(t.dtype != f.dtype or t.shape != f.shape for t, f in zip(p, first, strict=True))
+            for p in pieces):
+        return torch.stack([torch.cat(p, dim=0) if len(p) > 1 else p[0] for p in pieces])
+    out = torch.empty((len(pieces), sum(t.shape[0] for t in first), *like.shape[1:]), dtype=like.dtype,
+                      device=like.device)
+    for e, p in enumerate(pieces):
+        row = 0
+        for t in p:
+            out[e, row:row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+    return out
+
+
+def _stack(parts: list[_Rows]) -> ProjectionWeights:
     """Stack over experts; experts without act-order get the identity permutation."""
 
     def stacked(field: str) -> torch.Tensor | None:
-        values = [getattr(p, field) for p in parts]
-        return None if any(v is None for v in values) else torch.stack(values)
+        values = [p.fields[field] for p in parts]
+        return None if any(v is None for v in values) else _stack_rows(values)  # type: ignore[arg-type]
 
     perm = None
     if any(p.perm is not None for p in parts):
@@ -196,8 +221,10 @@ def _stack(parts: list[ProjectionPart]) -> ProjectionWeights:
         perm = torch.stack([torch.arange(k) if p.perm is None else p.perm for p in parts]).to(torch.int32)
     scales = [p.input_scale for p in parts if p.input_scale is not None]
     input_scale = torch.stack(scales).max().reshape(1).to(torch.float32) if scales else None
+    weight = stacked("weight")
+    assert weight is not None  # every converted part has a weight
     return ProjectionWeights(
-        weight=torch.stack([p.weight for p in parts]),
+        weight=weight,
         scale=stacked("scale"),
         zero=stacked("zero"),
         perm=perm,
