@@ -151,6 +151,7 @@ def test_whitelist_rejections(text, message):
     ([1], "expected an integer or expression string, got list"),
 ])
 def test_non_expression_inputs(value, message):
+    parse_expr(1)  # cached: True, equal to 1 as a key, must still be refused
     with pytest.raises(ExprError, match=message.replace("(", r"\(")):
         parse_expr(value)
 

@@ -9,6 +9,7 @@ shape that does not divide is an error, not a silently truncated size.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import re
 import warnings
@@ -45,7 +46,19 @@ class Expr:
 
 
 def parse_expr(text: str | int) -> Expr:
-    """Validate ``text`` against the whitelist; ints are accepted as constants."""
+    """Validate ``text`` against the whitelist; ints are accepted as constants. Cached: a load checks every
+    expert's tensor shapes against the same few expressions (an Expr is immutable)."""
+    if isinstance(text, (str, int)):
+        return _parse_cached(text)
+    return _parse(text)  # refused with the type's name (a list is no cache key)
+
+
+@functools.lru_cache(maxsize=4096, typed=True)  # typed: True is refused where 1 is taken
+def _parse_cached(text: str | int) -> Expr:
+    return _parse(text)
+
+
+def _parse(text: str | int) -> Expr:
     if isinstance(text, bool):
         raise ExprError(f"expected an integer or expression, got {text!r}")
     if isinstance(text, int):
