@@ -597,12 +597,12 @@ def _best(cells: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
 def table(lines: list[dict[str, Any]], batches: list[int], prefills: list[int]) -> str:
     """Markdown: a row per format and side (transformers' experts kernels folded into its best per cell), decode
-    tok/s per batch (best mode, named), prefill tok/s, peak memory, experts' bytes; the registry's decode cells
-    carry their ratio to transformers' best on the same checkpoint, or, where transformers cannot load it, to
-    transformers' best on the bf16 checkpoint (marked bf16)."""
+    tok/s per batch (best mode, named), prefill tok/s, peak memory, load seconds, experts' bytes; the registry's
+    decode cells carry their ratio to transformers' best on the same checkpoint, or, where transformers cannot
+    load it, to transformers' best on the bf16 checkpoint (marked bf16)."""
     formats = list(dict.fromkeys(line["format"] for line in lines))
     head = (["format", "loaded by"] + [f"decode tok/s, batch {b}" for b in batches]
-            + [f"prefill tok/s, {p}" for p in prefills] + ["peak memory", "experts resident / checkpoint"])
+            + [f"prefill tok/s, {p}" for p in prefills] + ["peak memory", "load", "experts resident / checkpoint"])
     rows = []
 
     def cells(fmt: str, registry: bool, kind: str, **key: Any) -> list[dict[str, Any]]:
@@ -647,6 +647,7 @@ def table(lines: list[dict[str, Any]], batches: list[int], prefills: list[int]) 
                      for c in cells(fmt, registry, "end")]
             row.append(", ".join(f"{b / 2**30:.2f} GiB" + (f" {impl}" if impl and len(peaks) > 1 else "")
                                  for b, impl in peaks) or "-")
+            row.append(", ".join(f"{c['load_s']:.1f} s" for c in loads if "load_s" in c) or "-")
             held = next((c for c in loads if "experts_resident_bytes" in c), None)
             row.append(f"{_mib(held['experts_resident_bytes'])} / {_mib(held['experts_checkpoint_bytes'])} MiB "
                        f"({', '.join(held['kernels'])})" if held else "")
