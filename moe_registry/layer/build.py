@@ -206,7 +206,7 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
           tp: int | None = None, ep: int | None = None, max_tokens: int | None = None,
           all2all: str | None = None, expert_placement: str | None = None, keep_weights: bool = False,
           model_config: ModelConfig | None = None, index: CheckpointIndex | None = None,
-          ep_rank: int | None = None) -> LayerBuild:
+          ep_rank: int | None = None, registry: Registry | None = None) -> LayerBuild:
     """Explain, load, convert and build one MoE layer of a checkpoint. Returns a LayerBuild
     (``.report``, ``.weights``, ``.kernel``, ``.tolerance``, ``.model``, ``.tensors``); raises
     SelectionError (with the report) when nothing can run it, ConfigError/CheckpointError on bad input.
@@ -216,9 +216,11 @@ def build(model_dir: str | Path, *, layer: int | None = None, platform: str | No
     rank ``ep_rank``'s experts and takes their local ids (the caller moves the tokens: transformers' expert
     parallelism). ``keep_weights``: hold the converted weights beside a
     kernel's own copy (for a caller that reads ``.weights`` again, as ``run``'s float64 reference does), instead
-    of converting them again from the checkpoint on each access. ``model_config`` / ``index``: this checkpoint's
-    config and header index as the caller already read them (``load_model`` builds every layer from one read)."""
-    registry = load_registry(spec_dirs)
+    of converting them again from the checkpoint on each access. ``model_config`` / ``index`` / ``registry``: this
+    checkpoint's config and header index, and the specs (of ``spec_dirs``), as the caller already read them
+    (``load_model`` builds every layer from one read)."""
+    if registry is None:
+        registry = load_registry(spec_dirs)
     check_kernel_names(registry, kernel=kernel, prefer=prefer)
     target = Path(model_dir)
     if not target.exists():

@@ -434,7 +434,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
                       device=dev, ep=ep if ep > 1 else None, all2all=dispatcher, max_tokens=max_tokens,
-                      model_config=model_config, index=index,
+                      model_config=model_config, index=index, registry=registry,
                       ep_rank=ep_rank if ep > 1 and dispatcher is None else None).built
         module = EXPERTS_CALLS[call][1](built.kernel, built.report, layer, graph_tokens, top_k=model_config.shape.top_k)
         owner, _, attr = module_path.rpartition(".")
