@@ -45,7 +45,7 @@ from moe_registry_kernels.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, a
 from moe_registry_kernels.cpu_build import BuildError, ExtensionError, Flags, load_extension
 from moe_registry_kernels.cpu_native import cache_root
 from moe_registry_kernels.cpu_packed import FOREIGN_EXPERT, PACKED_FIELDS
-from moe_registry_kernels.dequant import e8m0_to_float, unpack_int4
+from moe_registry_kernels.dequant import e8m0_to_float
 from moe_registry_kernels.quant_ref import AMAX_FLOOR
 
 from moe_registry.core.errors import ConfigError
@@ -200,13 +200,20 @@ class Dot8Proj:
         cb = 32 if bits == 4 else CHUNK
         codes = ops.weight_buffer(e * np_ * kp * bits // 8).view(e, np_ // ROWS, kp // CHUNK, ROWS, cb)
         for i in range(e):
-            u = unpack_int4(proj.weight[i].view(torch.uint8)) if bits == 4 else proj.weight[i].view(torch.uint8)
+            u = proj.weight[i].view(torch.uint8)
             if key.dtype.name == "int8":  # two's complement to offset binary: the top bit flipped
                 u = u ^ SIGNED_INT8_ZERO
-            u = torch.nn.functional.pad(u, (0, kp - k, 0, np_ - n))
-            if bits == 4:  # byte j of a row's 64-column chunk: column j low, column 32 + j high
-                u = u.view(np_ // ROWS, ROWS, kp // CHUNK, 2, 32).permute(0, 2, 1, 3, 4)
-                codes[i] = u[..., 0, :] | (u[..., 1, :] << 4)
+            if kp != k or np_ != n:
+                u = torch.nn.functional.pad(u, (0, (kp - k) * bits // 8, 0, np_ - n))
+            if bits == 4:
+                # byte j of a row's 64-column chunk: column j low, column 32 + j high. Made from the stored bytes
+                # (byte b: column 2b low, 2b + 1 high) without unpacking: a chunk's bytes b and 16 + b give its
+                # bytes 2b (both low nibbles) and 2b + 1 (both high ones)
+                x = u.view(np_ // ROWS, ROWS, kp // CHUNK, 2, 16).permute(0, 2, 1, 3, 4)
+                a, b = x[..., 0, :], x[..., 1, :]
+                pair = codes[i].view(np_ // ROWS, kp // CHUNK, ROWS, 16, 2)
+                pair[..., 0].copy_((a & 0x0F) | (b << 4))
+                pair[..., 1].copy_((a >> 4) | (b & 0xF0))
             else:
                 codes[i] = u.view(np_ // ROWS, ROWS, kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
         rows_pad = (0, kp // gs - groups, 0, np_ - n)  # padded rows, and groups of the padded columns: scale 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 from moe_registry_kernels import cpu_dot8
 from moe_registry_kernels.cpu_packed import packed_checkpoint_bytes
+from moe_registry_kernels.dequant import unpack_int4
 from moe_registry_kernels.quant_ref import make_random_expert_weights
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 
@@ -256,8 +257,9 @@ def test_repacked_codes_sit_in_a_huge_page_aligned_buffer_of_their_own(isa: str)
     proj = cpu_dot8.Dot8Proj.build(weights.w13, weights.weight_key, cpu_dot8.dot8_ops(isa))
     assert proj.codes.data_ptr() % (1 << 21) == 0
     assert proj.codes.nbytes == 4 * 256 * 256 // 2
-    unpacked = cpu_dot8.unpack_int4(weights.w13.weight[1].view(torch.uint8))  # expert 1, row 5, columns 0..31
-    assert torch.equal(proj.codes[1, 1, 0, 1] & 0xF, unpacked[5, :32])
+    unpacked = unpack_int4(weights.w13.weight[1].view(torch.uint8))  # expert 1, row 5: columns 0..31 low nibbles,
+    assert torch.equal(proj.codes[1, 1, 0, 1] & 0xF, unpacked[5, :32])  # 32..63 high ones
+    assert torch.equal(proj.codes[1, 1, 0, 1] >> 4, unpacked[5, 32:64])
     with pytest.raises(RuntimeError, match="nbytes must be >= 0, got -1"):
         cpu_dot8.dot8_ops(isa).weight_buffer(-1)
 
