@@ -671,10 +671,14 @@ def modes_table(lines: list[dict[str, Any]], batches: list[int]) -> str:
             if got:
                 rows.append([fmt, mode] + [_mode_cell(got[b]) if b in got else "-" for b in batches])
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def graphs_note(lines: list[dict[str, Any]]) -> str:
+    """The per-layer experts graphs' check: logits with them against without them."""
     checks = [c["graphs_vs_direct_logits_rel_err"] for c in lines if c["kind"] == "check"]
-    note = (f"\nLogits with the per-layer experts graphs against without them: relative error at most "
+    return (f"\nLogits with the per-layer experts graphs against without them: relative error at most "
             f"{max(checks):.1e}.\n" if checks else "")
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n" + note
 
 
 def _mode_cell(cell: dict[str, Any]) -> str:
@@ -709,12 +713,9 @@ def markdown(path: Path) -> str:
     batches = settings.get("batch") or sorted({c["batch"] for c in lines if c["kind"] == "decode"})
     prefills = settings.get("prefill") or sorted({c["tokens"] for c in lines if c["kind"] == "prefill"})
     modes = {c["mode"] for c in lines if c["kind"] == "decode" and c["side"] == "registry"}
-    by_mode = modes_table(lines, batches)
-    if len(modes) > 1:
-        by_mode = "\nThe registry's decode by mode (tok/s):\n\n" + by_mode
-    else:  # the main table holds the one mode's cells already: only the note after the table stays
-        by_mode = by_mode[by_mode.index("\n\n") + 1:] if "\n\n" in by_mode else ""
-    return table(lines, batches, prefills) + by_mode + profile_table(lines)
+    by_mode = ("\nThe registry's decode by mode (tok/s):\n\n" + modes_table(lines, batches)
+               if len(modes) > 1 else "")  # with one mode, the main table holds its cells already
+    return table(lines, batches, prefills) + by_mode + graphs_note(lines) + profile_table(lines)
 
 
 def command(settings: dict[str, Any], formats: list[str]) -> str:

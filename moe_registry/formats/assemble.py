@@ -111,8 +111,7 @@ def assemble(experts: Sequence[ExpertTensors], ctx: ConvertContext, convert_role
     for e, tensors in enumerate(experts):
         parts = {role: _convert_one(tensors, e, role, ctx, convert_role) for role in ROLES}
         w13.append(_fuse(parts["gate"], parts["up"], _namer(ctx, e, "gate"), _namer(ctx, e, "up")))
-        w2.append(_Rows({f: None if getattr(parts["down"], f) is None else (getattr(parts["down"], f),)
-                         for f in ROW_FIELDS}, parts["down"].perm, parts["down"].input_scale))
+        w2.append(_Rows.of(parts["down"]))
     return ExpertWeights(_stack(w13), _stack(w2), ctx.weight_key, ctx.activation_key, "nk")
 
 
@@ -162,6 +161,12 @@ class _Rows:
     fields: dict[str, tuple[torch.Tensor, ...] | None]
     perm: torch.Tensor | None
     input_scale: torch.Tensor | None
+
+    @classmethod
+    def of(cls, part: ProjectionPart) -> _Rows:
+        """A projection that is stacked alone (w2)."""
+        fields = {f: None if getattr(part, f) is None else (getattr(part, f),) for f in ROW_FIELDS}
+        return cls(fields, part.perm, part.input_scale)
 
 
 def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: Namer) -> _Rows:
