@@ -33,5 +33,6 @@ def test_load_memory_counts_the_checkpoints_experts_and_keeps_to_its_limit(tmp_p
     assert r["experts_checkpoint_bytes"] == expert_bytes
     assert r["experts_resident_bytes"] >= expert_bytes  # the kernel holds every expert (bf16 as stored, or wider)
     assert r["peak_over_packed"] == pytest.approx(r["peak_bytes"] / (expert_bytes + r["kept_other_bytes"]))
+    assert 0 < r["load_s"] < 60  # the measured load's own wall time, not the child process's
     rc, r = _run(path, 1e-6)
     assert rc == 1 and not r["within_limit"]

@@ -12,6 +12,8 @@ checkpoint takes:
   count while they are resident.
 - CUDA: ``torch.cuda.max_memory_allocated`` over the load (nothing is on the device before it).
 
+The second load's wall time is reported too (``load_s``: the checkpoint's files in the page cache by then).
+
     python tools/load_memory.py MODEL_DIR                  # CPU
     python tools/load_memory.py MODEL_DIR --device cuda --json
 
@@ -25,6 +27,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +95,15 @@ def measure(path: Path, device: str) -> dict[str, Any]:
     else:
         _reset_peak()
         before = _status("VmRSS")
+    start = time.perf_counter()
     model = load_model(path, device=device)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")) - before
     other, experts = kept_bytes(model)
     stored = model.moe_registry_report.experts_checkpoint_bytes
-    return {"path": str(path), "device": device, "peak_bytes": peak, "kept_other_bytes": other,
+    return {"path": str(path), "device": device, "load_s": seconds, "peak_bytes": peak, "kept_other_bytes": other,
             "experts_resident_bytes": experts, "experts_checkpoint_bytes": stored,
             "peak_over_packed": peak / (stored + other), "peak_over_kept": peak / (experts + other),
             "kernels": sorted({p.kernel for p in model.moe_registry_report.layers})}
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['path']} on {r['device']} ({', '.join(r['kernels'])}): peak during load "
               f"{r['peak_bytes'] / mib:.1f} MiB; experts packed {r['experts_checkpoint_bytes'] / mib:.1f} MiB "
               f"(held {r['experts_resident_bytes'] / mib:.1f}) + other tensors {r['kept_other_bytes'] / mib:.1f} MiB; "
-              f"peak / (packed + other) = {r['peak_over_packed']:.2f} (limit {args.limit})")
+              f"peak / (packed + other) = {r['peak_over_packed']:.2f} (limit {args.limit}); the load took "
+              f"{r['load_s']:.2f} s")
     return 0 if r["within_limit"] else 1
 
 
