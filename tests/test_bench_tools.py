@@ -241,6 +241,30 @@ def test_a_cells_tokens_and_routing_are_the_same_resumed_or_not(bench, tmp_path,
     assert not bench.torch.equal(seen["whole"][1][1], ti_whole[:1])  # (M = 1 is a draw of its own)
 
 
+def test_the_reference_over_the_experts_hit_alone_is_the_whole_layers(bench):
+    # the tools' reference dequantises only the experts a routing reaches (DeepSeek-V3's 256 in float32 would
+    # not fit beside the kernel's copies): its output is the whole layer's, on ids that skip experts
+    from moe_registry_kernels.reference import ReferenceExperts
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.layer.experts import ExpertsConfig
+
+    torch = bench.torch
+    shape = bench.Shape("gappy", 16, 2, 128, 64)
+    base = bench.make_weights(shape, parse_quant_key(AWQ), parse_quant_key("unquantized"), torch.float32,
+                              torch.device("cpu"), seed=0)
+    x = torch.randn(6, 128)
+    tw = torch.rand(6, 2)
+    ti = torch.tensor([[3, 11], [11, 14], [0, 3], [14, 7], [7, 0], [3, 14]], dtype=torch.int32)
+    want = ReferenceExperts(base, ExpertsConfig()).apply(x, tw, ti).float()
+    for chunk in (32, 2):  # the five experts hit at once, and two at a time
+        got = bench.reference_output(base, ExpertsConfig(), x, tw, ti, chunk=chunk)
+        assert float((got - want).norm() / want.norm()) < 1e-6
+    # the ids are really mapped: the same routing read as local ids would be another output
+    wrong = ReferenceExperts(base.subset(torch.arange(5)), ExpertsConfig()).apply(x, tw, ti % 5).float()
+    assert float((wrong - want).norm() / want.norm()) > 0.1
+
+
 def test_resume_refuses_cells_measured_on_another_device(bench, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -423,3 +447,30 @@ def test_prepare_peer_names_a_harness_folder_that_lacks_the_scripts(tmp_path: Pa
     assert r.returncode == 2 and r.stdout == ""
     wanted = f"prepare_peer.sh: {tmp_path}/vllm_peer_bench.py: missing (wanted the peer harness folder)"
     assert r.stderr.strip() == wanted
+
+
+def test_bench_untuned_times_each_tile_choice_and_names_the_one_the_kernel_picks(tmp_path, monkeypatch, capsys):
+    # a dry run on the tiny shape: the defaults, and a tuned entry for this very shape (another tile), each timed;
+    # the kernel's own pick there is the defaults (no table for the device), and the table says so
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_untuned
+    from moe_registry_kernels.triton.api import config_file, shape_key
+
+    shape = bench_untuned.bench.DRY_SHAPES["tiny"]
+    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    table = {shape_key(shape.experts, shape.top_k, n, k): {"1": tile}
+             for n, k in ((2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate))}
+    gptq = bench_untuned.bench.registry_schemes()["gptq-w4a16"]
+    (tuned / config_file(gptq.weight, gptq.activation, "dry-run").name).write_text(json.dumps(table))
+    assert bench_untuned.main(["--dry-run", "--schemes", "gptq-w4a16", "--m", "1", "--tuned", str(tuned),
+                               "--out", str(tmp_path)]) == 0
+    [row] = [json.loads(line) for line in (tmp_path / "untuned.jsonl").read_text().splitlines()]
+    assert set(row["us"]) == {"defaults", "picked", "tuned"} and row["us"]["picked"] == row["us"]["defaults"]
+    assert row["configs"]["tuned"][0]["BLOCK_N"] == 32 != row["configs"]["defaults"][0]["BLOCK_N"]
+    assert all(err < 1e-2 for err in row["rel_err"].values())
+    assert "| tiny | `gptq-w4a16` | 1 | 0.25 |" in capsys.readouterr().out
+    assert bench_untuned.runs_now(row) == "defaults"
+    row["configs"] = {name: row["configs"]["tuned"] for name in row["configs"]}  # none is this code's pick
+    assert bench_untuned.runs_now(row) is None and "| other tiles | - |" in bench_untuned.markdown_row(row)

@@ -34,7 +34,7 @@ def test_every_record_in_docs_bench_is_named_by_the_manifest(perf_tables):
     manifest = perf_tables.read_manifest()
     named = {manifest["gpu_layer"]["record"], manifest["cpu_layer"]["record"]}
     named |= {e["record"] for e in manifest["gpu_tuned"]}
-    keyed = (*perf_tables.WHOLE_MODEL_BLOCKS, "cpu_peer", "gpu_peer")
+    keyed = (*perf_tables.WHOLE_MODEL_BLOCKS, "cpu_peer", "gpu_peer", "gpu_untuned")
     named |= {manifest[key]["record"] for key in keyed if key in manifest}
     present = {p.name for p in (ROOT / "docs" / "bench").iterdir()} - {"records.json"}
     assert present == named
@@ -69,7 +69,7 @@ def test_a_block_the_tool_does_not_make_or_a_missing_record_is_one_line(perf_tab
     assert perf_tables.main(["--check", str(doc)]) == 2
     assert capsys.readouterr().err.strip() == (
         "perf_tables.py: generated block 'peers': not one this tool makes (known: gpu-layer, per-byte, tuned, "
-        "cpu-layer, cpu-peer, gpu-peer, gpu-whole-model, gpu-whole-model-deep, gpu-whole-model-profile, "
+        "cpu-layer, cpu-peer, gpu-peer, gpu-untuned-shapes, gpu-whole-model, gpu-whole-model-deep, gpu-whole-model-profile, "
         "gpu-whole-model-modes, cpu-whole-model, cpu-whole-model-tiny)")
     manifest = _copy_records(tmp_path)
     (manifest.parent / "h100-layer.jsonl").unlink()

@@ -871,10 +871,40 @@ def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, mo
         # too far from any tuned count (512 is 8x from 64): defaults
         far = get_config(512, 2, 8, 2 * INTER, H, AWQ, UNQ, "Test GPU")
         assert far == default_config(512, 2, 8, 2 * INTER, H, AWQ) and far["num_stages"] != 2
-        # another activation key, device or shape: defaults
+        # another activation key or device: defaults
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU")["BLOCK_N"] == 64
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")["BLOCK_N"] == 64
-        assert get_config(2, 2, 16, 2 * INTER, H, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 64
+    finally:
+        tile_config._load_config_file.cache_clear()
+
+
+def test_an_untuned_shape_takes_the_nearest_tuned_shapes_tiles(tmp_path, monkeypatch, caplog):
+    """A shape the device's table lacks runs the tiles tuned for the shape nearest it (rows an expert sees,
+    then K and N), its split-K redone for its own programs, and says which; rows no entry is near: defaults."""
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tile_config, "_WARNED_DEFAULT", set())
+    tile_config._load_config_file.cache_clear()
+    decode = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "SPLIT_K": 4}
+    table = {shape_key(8, 2, 28672, 4096): {"1": {**decode, "BLOCK_N": 32}},  # Mixtral-like: far in K and N
+             shape_key(128, 8, 1536, 2048): {"8": decode, "64": {**decode, "BLOCK_N": 64}}}  # Qwen3-like
+    config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
+    caplog.set_level("WARNING", logger="moe_registry")
+    try:
+        # Qwen3-235B's GEMM1 at 8 tokens: 0.5 rows an expert, as Qwen3's at 8; Mixtral's at 1 token has 0.25
+        got = get_config(8, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU", num_sms=132)
+        assert {k: got[k] for k in ("BLOCK_N", "BLOCK_K", "num_stages")} == {"BLOCK_N": 128, "BLOCK_K": 256,
+                                                                             "num_stages": 3}
+        assert got["SPLIT_K"] == 1  # 64 row blocks x 24 column tiles fill 132 SMs: no split, whatever the entry's
+        assert "taking its E128_top8_N1536_K2048 tiles tuned at 8 tokens" in caplog.text
+        assert get_config(64, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU", num_sms=132)["BLOCK_N"] == 64
+        # 1 token: a sixteenth of a row an expert, below TRANSFER_ROWS: the decode defaults, though an entry is near
+        table[shape_key(128, 8, 1536, 2048)]["1"] = {**decode, "BLOCK_N": 32}
+        config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
+        tile_config._load_config_file.cache_clear()
+        assert get_config(1, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU") == default_config(1, 8, 128, 3072, 4096, AWQ)
+        # 4096 tokens: 256 rows an expert, no entry within reach: the defaults
+        assert get_config(4096, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU") == default_config(4096, 8, 128, 3072,
+                                                                                             4096, AWQ)
     finally:
         tile_config._load_config_file.cache_clear()
 

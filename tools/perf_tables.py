@@ -190,6 +190,34 @@ def gpu_peer_block(entry: dict, base: Path) -> str:
             + peer_record.markdown(doc))
 
 
+def untuned_block(entry: dict, base: Path) -> str:
+    """A tools/bench_untuned.py record: the tiles the kernel picks on shapes nobody tuned, beside tuned ones."""
+    import bench_untuned
+
+    path = base / entry["record"]
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as e:
+        raise TablesError(f"{path}: {e}") from None
+    if not rows:
+        raise TablesError(f"{path}: no tools/bench_untuned.py rows in it")
+
+    def listed(key: str) -> str:
+        return " ".join(str(v) for v in dict.fromkeys(r[key] for r in rows))
+
+    command = (f"python tools/bench_untuned.py --shapes {listed('shape')} --schemes {listed('scheme')} --m "
+               f"{' '.join(map(str, sorted({r['m'] for r in rows})))} --tuned TUNED_DIR")
+    return (provenance(command, entry["machine"], entry) + f" TUNED_DIR: `{entry['tuned']}`.\n\n"
+            + "Each cell times the layer (both GEMMs) under each tile choice in alternation: the hand-written "
+              "`defaults`; the tiles tuned for the nearest tuned shape of the same scheme (rows an expert sees, "
+              "then K and N) on this GPU's tables, split-K redone; and, where tools/tune.py tuned this very shape, "
+              "its entry. `runs` names the choice whose tiles this code picks there (a shape nobody tuned takes "
+              "the nearest tuned shape's from half a row an expert up, the defaults below), with its speed as a "
+              "share of the fastest choice measured at the cell. Every choice's output was within the scheme's "
+              "tolerance of the float32 reference first.\n\n"
+            + bench_untuned.markdown(rows) + "\n")
+
+
 # manifest key -> generated block of a tools/bench_model.py record
 WHOLE_MODEL_BLOCKS = {"gpu_whole": "gpu-whole-model", "gpu_whole_deep": "gpu-whole-model-deep",
                       "gpu_whole_profile": "gpu-whole-model-profile", "gpu_whole_modes": "gpu-whole-model-modes",
@@ -228,6 +256,8 @@ def blocks(manifest: dict, base: Path) -> dict[str, str]:
         out["cpu-peer"] = cpu_peer_block(manifest["cpu_peer"], base)
     if "gpu_peer" in manifest:
         out["gpu-peer"] = gpu_peer_block(manifest["gpu_peer"], base)
+    if "gpu_untuned" in manifest:
+        out["gpu-untuned-shapes"] = untuned_block(manifest["gpu_untuned"], base)
     for key, name in WHOLE_MODEL_BLOCKS.items():
         if key in manifest:
             out[name] = whole_model_block(manifest[key], base)

@@ -202,9 +202,7 @@ class Layer:
         return self.kernels[:want]
 
     def reference(self, x, tw, ti) -> torch.Tensor:
-        from moe_registry_kernels.reference import ReferenceExperts
-
-        return ReferenceExperts(self.base, ExpertsConfig()).apply(x.float(), tw, ti).float()
+        return bench.reference_output(self.base, ExpertsConfig(), x, tw, ti)
 
     def error(self, configs: tuple[dict | None, dict | None], x, tw, ti, ref: torch.Tensor) -> float:
         from moe_registry_kernels.triton.api import config_override
@@ -802,6 +800,9 @@ def main(argv: list[str] | None = None) -> int:
             done += 1
             refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
             summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, refused))
+            # each entry's figures as it ends: a run cut off by a time limit keeps what it measured
+            print(f"{label}: before {base_t * 1e6:.1f} us, tuned {t * 1e6:.1f} us ({base_t / t:.2f}x), "
+                  f"{refused} refused", flush=True)
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -40,6 +40,10 @@ TUNED_REACH = 4.0
 # the SM count where no GPU says one: the interpreter behaves as an H100 would (so CPU tests cover
 # split-K), and so do callers of default_config / get_config that name no count
 INTERPRETER_SMS = 132
+# a shape nobody tuned takes the nearest tuned shape's tiles from this many rows an expert up (mean rows: tokens x
+# top-k / experts); below, few experts see a token each and the hand-written decode tiles were faster (H200, four
+# untuned shapes: at 1 token on every one, at 8 on DeepSeek-V3's and gpt-oss-120b's, a quarter of a row)
+TRANSFER_ROWS = 0.5
 # a device nobody tuned takes the tables of a device with the same SMs (the same die, clocks and SM count;
 # only the memory differs), said once in the log: nearer to its best than the untuned defaults
 TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
@@ -95,13 +99,43 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
     else:
         config = {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": gm,
                   "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
-    blocks = min(pairs, num_experts) + pairs // bm  # row blocks: about one per expert hit, + full ones
-    tiles = blocks * triton.cdiv(n, config["BLOCK_N"])
-    split = 1
-    if tiles < num_sms:  # too few programs to keep every SM streaming weights: cut K into pieces
-        split = min(_pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * bk)), 8)
-    config["SPLIT_K"] = max(split, 1)
+    config["SPLIT_K"] = _split_k(pairs, num_experts, n, k, config, num_sms)
     return config
+
+
+def _split_k(pairs: int, num_experts: int, n: int, k: int, config: dict, num_sms: int) -> int:
+    """K pieces for a decode tile (BLOCK_M <= 32) that leaves most SMs idle: about two programs an SM."""
+    if config["BLOCK_M"] > 32:
+        return 1
+    blocks = min(pairs, num_experts) + pairs // config["BLOCK_M"]  # about one per expert hit, + full ones
+    tiles = blocks * triton.cdiv(n, config["BLOCK_N"])
+    if tiles >= num_sms:
+        return 1
+    return max(min(_pow2_floor(2 * num_sms // tiles), _pow2_floor(k // (4 * config["BLOCK_K"])), 8), 1)
+
+
+def _rows(tokens: int, top_k: int, num_experts: int) -> float:
+    return max(tokens * top_k, 1) / num_experts
+
+
+def _nearest_shape(table: dict, tokens: int, top_k: int, num_experts: int, n: int, k: int) -> tuple[str, str] | None:
+    """The tuned entry (shape key, token count) of another shape whose GEMM is nearest this one: rows an expert
+    sees (what BLOCK_M and the tile's reuse follow) within TUNED_REACH, then K and N (how long each program
+    streams, how many programs there are), by ratio. None where no entry's rows are that near."""
+    rows, best, best_d = _rows(tokens, top_k, num_experts), None, math.inf
+    for shape, by_tokens in table.items():
+        dims = re.fullmatch(r"E(\d+)_top(\d+)_N(\d+)_K(\d+)", shape)
+        if dims is None or not isinstance(by_tokens, dict):
+            continue
+        e, top, tn, tk = map(int, dims.groups())
+        for t in by_tokens:
+            d_rows = abs(math.log(rows / _rows(int(t), top, e)))
+            if d_rows > math.log(TUNED_REACH):
+                continue
+            d = d_rows + 0.5 * (abs(math.log(k / tk)) + abs(math.log(n / tn)))
+            if d < best_d:
+                best, best_d = (shape, t), d
+    return best
 
 
 def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
@@ -112,8 +146,10 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
 
     A tuned file (:func:`config_file`) maps :func:`shape_key` to ``{"<tokens>": config}``; the
     entry with the nearest token count (by ratio, within TUNED_REACH) wins and its keys override
-    :func:`default_config`. Shapes and token counts nobody tuned get the defaults, with a warning
-    unless ``warn`` is False (a caller whose launch reads no tile).
+    :func:`default_config`. A shape the file has no table for takes the entry of the nearest tuned
+    shape (:func:`_nearest_shape`), split-K redone for its own programs, from TRANSFER_ROWS rows an
+    expert up; below that, token counts nobody tuned, and devices without a file get the defaults.
+    Both say so once, unless ``warn`` is False (a caller whose launch reads no tile).
     """
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
     path = config_file(weight_key, activation_key, device_name)
@@ -127,8 +163,17 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
     if not by_tokens:
+        # a shape nobody tuned takes the tiles tuned for the nearest shape of this scheme on this device (the
+        # table knows the scheme's loop on this GPU, the hand-written defaults only its kind), split-K redone
+        # for its own programs
+        near = (_nearest_shape(table, tokens, top_k, num_experts, n, k)
+                if table and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS else None)
+        if near is not None:
+            config.update(table[near[0]][near[1]])
+            config["SPLIT_K"] = _split_k(max(tokens * top_k, 1), num_experts, n, k, config, num_sms)
         if warn:
-            why = f"{path.name} has no {shape} table" if table else f"no tuned config file {path}"
+            why = (f"{path.name} has no {shape} table; taking its {near[0]} tiles tuned at {near[1]} tokens"
+                   if near else f"{path.name} has no {shape} table" if table else f"no tuned config file {path}")
             _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
         return config
     distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
