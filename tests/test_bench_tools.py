@@ -474,3 +474,13 @@ def test_bench_untuned_times_each_tile_choice_and_names_the_one_the_kernel_picks
     assert bench_untuned.runs_now(row) == "defaults"
     row["configs"] = {name: row["configs"]["tuned"] for name in row["configs"]}  # none is this code's pick
     assert bench_untuned.runs_now(row) is None and "| other tiles | - |" in bench_untuned.markdown_row(row)
+
+
+def test_bench_untuned_names_a_missing_tuned_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import bench_untuned
+
+    assert bench_untuned.main(["--dry-run", "--tuned", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (f"bench_untuned.py: --tuned {tmp_path / 'nowhere'}: no such directory "
+                                               "(wanted a tools/tune.py run's --out)")
+    assert not (tmp_path / "untuned.jsonl").exists()

@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"bench_untuned.py: {bad}", file=sys.stderr)
         return 2
+    if args.tuned is not None and not args.tuned.is_dir():
+        print(f"bench_untuned.py: --tuned {args.tuned}: no such directory (wanted a tools/tune.py run's --out)",
+              file=sys.stderr)
+        return 2
     dry = args.dry_run or not torch.cuda.is_available()
     if dry:
         os.environ.setdefault("TRITON_INTERPRET", "1")
