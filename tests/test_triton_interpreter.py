@@ -902,6 +902,9 @@ def test_an_untuned_shape_takes_the_nearest_tuned_shapes_tiles(tmp_path, monkeyp
         config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
         tile_config._load_config_file.cache_clear()
         assert get_config(1, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU") == default_config(1, 8, 128, 3072, 4096, AWQ)
+        # ... which tools/bench_untuned.py still times beside them
+        assert tile_config.nearest_shape_config(1, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU")["BLOCK_N"] == 32
+        assert tile_config.nearest_shape_config(4096, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU") is None
         # 4096 tokens: 256 rows an expert, no entry within reach: the defaults
         assert get_config(4096, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU") == default_config(4096, 8, 128, 3072,
                                                                                              4096, AWQ)

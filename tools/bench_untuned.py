@@ -5,8 +5,9 @@ rotated out of L2), under up to three tile choices in alternation, so that all s
 
 - ``defaults``: the hand-written heuristics alone (``tile_config.default_config``), what a device without any
   tuned table runs;
-- ``picked``: what the kernel picks on this device (``get_config``): a shape its tables lack takes the tiles
-  tuned for the nearest tuned shape of the same scheme, where an expert sees enough rows (``TRANSFER_ROWS``);
+- ``nearest``: the tiles tuned for the nearest tuned shape of the same scheme on this device's tables
+  (``nearest_shape_config``), which the kernel takes for a shape its tables lack where an expert sees enough rows
+  (``TRANSFER_ROWS``);
 - ``tuned``: the entry a tools/tune.py run tuned for this very shape (``--tuned DIR``: that run's ``--out``).
 
 Each choice's output is checked against the float32 reference within the scheme's tolerance first. Rows go to
@@ -35,7 +36,7 @@ import bench  # noqa: E402
 import torch  # noqa: E402
 import tune  # noqa: E402
 
-CHOICES = ("defaults", "picked", "tuned")
+CHOICES = ("defaults", "nearest", "tuned")
 ROUNDS = 3
 
 
@@ -57,18 +58,18 @@ def tuned_pair(tuned_dir: Path | None, shape: bench.Shape, scheme: bench.Scheme,
 
 def cell_configs(shape: bench.Shape, scheme: bench.Scheme, m: int, device_name: str, sms: int,
                  tuned_dir: Path | None) -> dict[str, tuple[dict, dict]]:
-    """The tile choices at one cell, by name (CHOICES; ``tuned`` only where the tuned run has this cell), fitted
-    as the layer fits them."""
-    from moe_registry_kernels.triton.api import default_config, fit_pair, variant_from_keys
+    """The tile choices at one cell, by name (CHOICES; ``nearest`` only where the device's tables have an entry in
+    reach for both GEMMs, ``tuned`` only where the tuned run has this cell), fitted as the layer fits them."""
+    from moe_registry_kernels.triton.api import default_config, fit_pair, nearest_shape_config, variant_from_keys
 
     variant = variant_from_keys(*scheme.keys)
-    h, i = shape.hidden, shape.intermediate
-    defaults = (default_config(m, shape.top_k, shape.experts, 2 * i, h, scheme.weight, sms),
-                default_config(m, shape.top_k, shape.experts, h, i, scheme.weight, sms))
-    picked = tune.todays_configs(shape, scheme.keys, m, device_name, sms)
+    gemms = [(2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]
+    defaults = tuple(default_config(m, shape.top_k, shape.experts, n, k, scheme.weight, sms) for n, k in gemms)
+    nearest = tuple(nearest_shape_config(m, shape.top_k, shape.experts, n, k, *scheme.keys, device_name, sms)
+                    for n, k in gemms)
     tuned = tuned_pair(tuned_dir, shape, scheme, m, device_name)
     out: dict[str, tuple[dict, dict]] = {}
-    for name, pair in zip(CHOICES, (defaults, picked, tuned), strict=True):
+    for name, pair in zip(CHOICES, (defaults, None if None in nearest else nearest, tuned), strict=True):
         if pair is not None:
             out[name] = fit_pair(*pair, variant)
     return out
@@ -162,13 +163,17 @@ HEADER = ("| shape | scheme | M | rows an expert | defaults µs | nearest tuned 
 
 def runs_now(row: dict) -> str | None:
     """Which measured choice holds the tiles this code picks at the row's cell (None: none of them)."""
+    from moe_registry_kernels.triton.api import fit_pair, variant_from_keys
+
     shape = bench.SHAPES.get(row["shape"]) or bench.DRY_SHAPES[row["shape"]]
     schemes = bench.registry_schemes()
     quiet = logging.getLogger("moe_registry")  # not a word on the untuned shapes: the table is about them
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        picked = cell_configs(shape, schemes[row["scheme"]], row["m"], row["device"], row["sms"], None)["picked"]
+        scheme = schemes[row["scheme"]]
+        picked = fit_pair(*tune.todays_configs(shape, scheme.keys, row["m"], row["device"], row["sms"]),
+                          variant_from_keys(*scheme.keys))
     finally:
         quiet.setLevel(level)
     now = json.dumps(list(picked), sort_keys=True)
@@ -176,7 +181,7 @@ def runs_now(row: dict) -> str | None:
 
 
 def markdown_row(row: dict) -> str:
-    """One cell; ``picked`` is reported as what it was when measured: the nearest tuned shape's tiles."""
+    """One cell as a table row."""
     us = row["us"]
     shape = bench.SHAPES.get(row["shape"]) or bench.DRY_SHAPES[row["shape"]]
     runs = runs_now(row)
@@ -185,9 +190,9 @@ def markdown_row(row: dict) -> str:
         return f"{us[name]:.1f}" if name in us else "-"
 
     share_now = share(row, runs) if runs else None
-    said = {"picked": "nearest tuned shape's", None: "other tiles"}.get(runs, runs)
+    said = {"nearest": "nearest tuned shape's", None: "other tiles"}.get(runs, runs)
     return (f"| {shape.name} | `{row['scheme']}` | {row['m']} | {row['m'] * shape.top_k / shape.experts:.3g} | "
-            f"{t('defaults')} | {t('picked')} | {t('tuned')} | {said} | "
+            f"{t('defaults')} | {t('nearest')} | {t('tuned')} | {said} | "
             f"{'-' if share_now is None else f'{share_now:.2f}'} |")
 
 

@@ -30,6 +30,7 @@ from .tile_config import (
     default_config,
     get_config,
     group_dot_width,
+    nearest_shape_config,
     shape_key,
     takes_zero_sums,
     zero_sums_fit,
@@ -39,7 +40,8 @@ from .variant import KernelVariant, swappable, variant_from_keys
 __all__ = [
     "TritonExperts", "TritonBatchedExperts", "KernelVariant", "variant_from_keys", "swappable",
     "act_quant", "align", "align_quant", "align_sizes", "sum_topk", "plain_launches",
-    "CONFIG_DIR", "config_file", "config_override", "default_config", "get_config", "group_dot_width", "shape_key",
+    "CONFIG_DIR", "config_file", "config_override", "default_config", "get_config", "nearest_shape_config",
+    "group_dot_width", "shape_key",
     "takes_zero_sums", "zero_sums_fit", "fit_config", "fit_pair", "load_config_file", "device_name", "num_sms",
     "GEMM_KERNEL_NAMES", "GemmLaunch", "gemm_launches",
 ]

@@ -28,8 +28,8 @@ from moe_registry.core.keys import QuantKey, parse_quant_key
 
 from .variant import KernelVariant, swappable
 
-__all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "config_override",
-           "group_dot_width", "takes_zero_sums", "zero_sums_fit"]
+__all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "nearest_shape_config",
+           "config_override", "group_dot_width", "takes_zero_sums", "zero_sums_fit"]
 
 log = logging.getLogger("moe_registry")
 # the tuned tables ship beside the package root (moe_registry_kernels.configs), where tools/tune.py writes them
@@ -152,25 +152,17 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     Both say so once, unless ``warn`` is False (a caller whose launch reads no tile).
     """
     config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
-    path = config_file(weight_key, activation_key, device_name)
-    table = _load_config_file(path)
-    stand_in = TUNED_STAND_INS.get(device_name)
-    if table is None and stand_in is not None:
-        path = config_file(weight_key, activation_key, stand_in)
-        table = _load_config_file(path)
-        if table is not None and warn:
-            _say_stand_in(device_name, stand_in, path)
+    path, table = _device_table(weight_key, activation_key, device_name, warn)
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
     if not by_tokens:
         # a shape nobody tuned takes the tiles tuned for the nearest shape of this scheme on this device (the
-        # table knows the scheme's loop on this GPU, the hand-written defaults only its kind), split-K redone
-        # for its own programs
-        near = (_nearest_shape(table, tokens, top_k, num_experts, n, k)
-                if table and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS else None)
-        if near is not None:
-            config.update(table[near[0]][near[1]])
-            config["SPLIT_K"] = _split_k(max(tokens * top_k, 1), num_experts, n, k, config, num_sms)
+        # table knows the scheme's loop on this GPU, the hand-written defaults only its kind)
+        near = _nearest_shape(table, tokens, top_k, num_experts, n, k) if table else None
+        if near is not None and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS:
+            config = _transferred(table, near, tokens, top_k, num_experts, n, k, weight_key, num_sms)
+        else:
+            near = None
         if warn:
             why = (f"{path.name} has no {shape} table; taking its {near[0]} tiles tuned at {near[1]} tokens"
                    if near else f"{path.name} has no {shape} table" if table else f"no tuned config file {path}")
@@ -184,6 +176,41 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
         why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
         _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
     return config
+
+
+def _device_table(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str,
+                  warn: bool) -> tuple[Path, dict | None]:
+    """The device's tuned table for the key pair (or its stand-in's, said once), and its path."""
+    path = config_file(weight_key, activation_key, device_name)
+    table = _load_config_file(path)
+    stand_in = TUNED_STAND_INS.get(device_name)
+    if table is None and stand_in is not None:
+        path = config_file(weight_key, activation_key, stand_in)
+        table = _load_config_file(path)
+        if table is not None and warn:
+            _say_stand_in(device_name, stand_in, path)
+    return path, table
+
+
+def _transferred(table: dict, near: tuple[str, str], tokens: int, top_k: int, num_experts: int, n: int, k: int,
+                 weight_key: QuantKey | str, num_sms: int) -> dict:
+    """The defaults under the tuned entry ``near`` (shape key, token count), split-K redone for this GEMM's own
+    programs."""
+    config = {**default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms), **table[near[0]][near[1]]}
+    config["SPLIT_K"] = _split_k(max(tokens * top_k, 1), num_experts, n, k, config, num_sms)
+    return config
+
+
+def nearest_shape_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
+                         activation_key: QuantKey | str, device_name: str,
+                         num_sms: int = INTERPRETER_SMS) -> dict | None:
+    """What the nearest tuned shape's entry gives this GEMM, whatever the rows an expert sees (get_config takes it
+    from TRANSFER_ROWS up, for a shape the table lacks; tools/bench_untuned.py times it everywhere); None where
+    the device has no table or no entry's rows are in reach."""
+    _, table = _device_table(weight_key, activation_key, device_name, False)
+    near = _nearest_shape(table, tokens, top_k, num_experts, n, k) if table else None
+    return None if near is None else _transferred(table, near, tokens, top_k, num_experts, n, k, weight_key,
+                                                  num_sms)
 
 
 _WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
