@@ -158,11 +158,10 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     if not by_tokens:
         # a shape nobody tuned takes the tiles tuned for the nearest shape of this scheme on this device (the
         # table knows the scheme's loop on this GPU, the hand-written defaults only its kind)
-        near = _nearest_shape(table, tokens, top_k, num_experts, n, k) if table else None
-        if near is not None and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS:
-            config = _transferred(table, near, tokens, top_k, num_experts, n, k, weight_key, num_sms)
-        else:
-            near = None
+        near = (_nearest_shape(table, tokens, top_k, num_experts, n, k)
+                if table and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS else None)
+        if near is not None:
+            config = _transferred(config, table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
         if warn:
             why = (f"{path.name} has no {shape} table; taking its {near[0]} tiles tuned at {near[1]} tokens"
                    if near else f"{path.name} has no {shape} table" if table else f"no tuned config file {path}")
@@ -192,11 +191,10 @@ def _device_table(weight_key: QuantKey | str, activation_key: QuantKey | str, de
     return path, table
 
 
-def _transferred(table: dict, near: tuple[str, str], tokens: int, top_k: int, num_experts: int, n: int, k: int,
-                 weight_key: QuantKey | str, num_sms: int) -> dict:
-    """The defaults under the tuned entry ``near`` (shape key, token count), split-K redone for this GEMM's own
-    programs."""
-    config = {**default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms), **table[near[0]][near[1]]}
+def _transferred(defaults: dict, entry: dict, tokens: int, top_k: int, num_experts: int, n: int, k: int,
+                 num_sms: int) -> dict:
+    """Another shape's tuned ``entry`` over this GEMM's defaults, split-K redone for this GEMM's own programs."""
+    config = {**defaults, **entry}
     config["SPLIT_K"] = _split_k(max(tokens * top_k, 1), num_experts, n, k, config, num_sms)
     return config
 
@@ -209,8 +207,10 @@ def nearest_shape_config(tokens: int, top_k: int, num_experts: int, n: int, k: i
     the device has no table or no entry's rows are in reach."""
     _, table = _device_table(weight_key, activation_key, device_name, False)
     near = _nearest_shape(table, tokens, top_k, num_experts, n, k) if table else None
-    return None if near is None else _transferred(table, near, tokens, top_k, num_experts, n, k, weight_key,
-                                                  num_sms)
+    if near is None:
+        return None
+    defaults = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
+    return _transferred(defaults, table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
 
 
 _WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
