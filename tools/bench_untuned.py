@@ -23,6 +23,7 @@ the fastest one measured there.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -161,12 +162,18 @@ HEADER = ("| shape | scheme | M | rows an expert | defaults µs | nearest tuned 
           "its share of the fastest |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
+@functools.cache
+def _schemes() -> dict[str, bench.Scheme]:
+    """The registry's schemes, read once for a table's rows."""
+    return bench.registry_schemes()
+
+
 def runs_now(row: dict) -> str | None:
     """Which measured choice holds the tiles this code picks at the row's cell (None: none of them)."""
     from moe_registry_kernels.triton.api import fit_pair, variant_from_keys
 
     shape = bench.SHAPES.get(row["shape"]) or bench.DRY_SHAPES[row["shape"]]
-    schemes = bench.registry_schemes()
+    schemes = _schemes()
     quiet = logging.getLogger("moe_registry")  # not a word on the untuned shapes: the table is about them
     level = quiet.level
     quiet.setLevel(logging.ERROR)
