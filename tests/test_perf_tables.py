@@ -18,7 +18,9 @@ DOC = ROOT / "docs" / "performance.md"
 @pytest.fixture
 def perf_tables(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    for name in ("perf_tables", "per_byte", "bench", "peer_record"):
+    # every tool module that holds tools/bench.py goes with it: a tune module kept would time with the bench module
+    # dropped here, where a later test patches the new one's timer (tools/bench_untuned.py imports tune)
+    for name in ("perf_tables", "per_byte", "bench", "peer_record", "tune", "bench_untuned"):
         sys.modules.pop(name, None)
     import perf_tables
 
