@@ -456,6 +456,9 @@ def test_bench_untuned_times_each_tile_choice_and_names_the_one_the_kernel_picks
     import bench_untuned
     from moe_registry_kernels.triton.api import config_file, shape_key
 
+    # each choice still runs (the reference check, the timing's call); the interpreter's times say nothing
+    monkeypatch.setattr(bench_untuned.tune.bench, "_median_time", lambda fn, *args, **kwargs: (fn(), 1e-3)[1])
+
     shape = bench_untuned.bench.DRY_SHAPES["tiny"]
     tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
     tuned = tmp_path / "tuned"
