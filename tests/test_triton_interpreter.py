@@ -895,7 +895,8 @@ def test_an_untuned_shape_takes_the_nearest_tuned_shapes_tiles(tmp_path, monkeyp
         assert {k: got[k] for k in ("BLOCK_N", "BLOCK_K", "num_stages")} == {"BLOCK_N": 128, "BLOCK_K": 256,
                                                                              "num_stages": 3}
         assert got["SPLIT_K"] == 1  # 64 row blocks x 24 column tiles fill 132 SMs: no split, whatever the entry's
-        assert "taking its E128_top8_N1536_K2048 tiles tuned at 8 tokens" in caplog.text
+        assert ("Using another shape's tuned MoE config for E128_top8_N3072_K4096 on Test GPU" in caplog.text
+                and "taking its E128_top8_N1536_K2048 tiles tuned at 8 tokens" in caplog.text)
         assert get_config(64, 8, 128, 3072, 4096, AWQ, UNQ, "Test GPU", num_sms=132)["BLOCK_N"] == 64
         # 1 token: a sixteenth of a row an expert, below TRANSFER_ROWS: the decode defaults, though an entry is near
         table[shape_key(128, 8, 1536, 2048)]["1"] = {**decode, "BLOCK_N": 32}

@@ -165,7 +165,8 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
         if warn:
             why = (f"{path.name} has no {shape} table; taking its {near[0]} tiles tuned at {near[1]} tokens"
                    if near else f"{path.name} has no {shape} table" if table else f"no tuned config file {path}")
-            _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
+            _warn_default(device_name, str(weight_key), str(activation_key), shape, why,
+                          "Using another shape's tuned MoE config" if near else "Using default MoE config")
         return config
     distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
     nearest = min(distance, key=distance.__getitem__)
@@ -226,15 +227,17 @@ def _say_stand_in(device_name: str, stand_in: str, path: Path) -> None:
              device_name, path.name, stand_in)
 
 
-def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str) -> None:
-    """Say once per (device, keys, shape) that a GEMM runs on untuned tiles (as vLLM's "Using
-    default MoE config"): a shape nobody tuned is often several times slower than a tuned one."""
+def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str,
+                  what: str = "Using default MoE config") -> None:
+    """Say once per (device, keys, shape) that a GEMM runs on tiles not tuned for it (as vLLM's "Using
+    default MoE config"): a shape nobody tuned is often several times slower than a tuned one. ``what``:
+    which tiles it runs instead."""
     seen = (device_name, weight_key, activation_key, shape)
     if seen in _WARNED_DEFAULT:
         return
     _WARNED_DEFAULT.add(seen)
-    log.warning("Using default MoE config for %s on %s (weight %s, activation %s): %s; performance might be "
-                "sub-optimal (tools/tune.py tunes it)", shape, device_name, weight_key, activation_key, why)
+    log.warning("%s for %s on %s (weight %s, activation %s): %s; performance might be sub-optimal (tools/tune.py "
+                "tunes it)", what, shape, device_name, weight_key, activation_key, why)
 
 
 _OVERRIDE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("moe_config_override", default=None)
