@@ -45,3 +45,27 @@ def test_producer_checkpoint_on_the_gpu(path: Path, dtype: str, tokens: int) -> 
     err = float((out.cpu().double() - ref).norm() / ref.norm())
     assert torch.isfinite(out).all()
     assert err <= layer.tolerance, f"{_id(path)} {dtype} M={tokens} on {layer.report.chosen}: {err:.3e}"
+
+
+@pytest.mark.parametrize("path", CHECKPOINTS, ids=[_id(p) for p in CHECKPOINTS])
+def test_converted_on_the_gpu_as_on_the_cpu(path: Path) -> None:
+    """A layer built for the GPU is converted there (build moves the checkpoint's tensors first): its
+    converted weights must be bit-equal to the same converter's on the CPU, for the same chosen kernel."""
+    from moe_registry.formats.weights import ProjectionWeights
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gpu = moe_registry.build(path, platform="auto", dtype="bfloat16", device="cuda", keep_weights=True)
+    platform = str(gpu.report.situation.runtime.platform)
+    cpu = moe_registry.build(path, platform=platform, dtype="bfloat16", device="cpu", keep_weights=True)
+    assert cpu.report.chosen == gpu.report.chosen
+    assert gpu.weights.device.type == "cuda" and cpu.weights.device.type == "cpu"
+    for proj in ("w13", "w2"):
+        on_gpu, on_cpu = getattr(gpu.weights, proj), getattr(cpu.weights, proj)
+        for field in ProjectionWeights.__dataclass_fields__:
+            a, b = getattr(on_gpu, field), getattr(on_cpu, field)
+            assert (a is None) == (b is None), f"{_id(path)} {proj}.{field}"
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape, f"{_id(path)} {proj}.{field}"
+                bits = (a.cpu().contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # fp8 and NaN too
+                assert torch.equal(*bits), f"{_id(path)} {proj}.{field} differs"

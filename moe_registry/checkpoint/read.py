@@ -71,6 +71,18 @@ class LayerTensors:
     stacked: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
     stacked_wide: Mapping[tuple[str, str], StackedTensor] = field(default_factory=dict)
 
+    def experts_to(self, device: torch.device) -> LayerTensors:
+        """These tensors with every expert's (stacked and layer-wide ones included) on ``device``, the router's
+        where they are: what a layer converted where its kernel runs reads."""
+        def moved(maps: tuple[Mapping[str, Mapping[str, torch.Tensor]], ...]) -> tuple[dict, ...]:
+            return tuple({role: {name: t.to(device) for name, t in by_name.items()} for role, by_name in m.items()}
+                         for m in maps)
+
+        def moved_stacked(stacked: Mapping[tuple[str, str], StackedTensor]) -> dict:
+            return {key: replace(st, tensor=st.tensor.to(device)) for key, st in stacked.items()}
+        return replace(self, experts=moved(self.experts), layer_wide=moved(self.layer_wide),
+                       stacked=moved_stacked(self.stacked), stacked_wide=moved_stacked(self.stacked_wide))
+
     def router_only(self) -> LayerTensors:
         """These tensors without any expert's: what a built layer keeps (its kernel holds its own copy of the
         experts, and routing needs only the router's tensors and the names)."""

@@ -173,9 +173,10 @@ def _fuse(gate: ProjectionPart, up: ProjectionPart, gate_name: Namer, up_name: N
     """w13 = gate rows then up rows. Gate and up read the same input, so act-order must agree."""
     perm = gate.perm
     if gate.perm is not None or up.perm is not None:
-        k = int((gate.perm if gate.perm is not None else up.perm).numel())
-        g = gate.perm if gate.perm is not None else torch.arange(k)
-        u = up.perm if up.perm is not None else torch.arange(k)
+        known = gate.perm if gate.perm is not None else up.perm
+        assert known is not None
+        g = gate.perm if gate.perm is not None else torch.arange(known.numel(), device=known.device)
+        u = up.perm if up.perm is not None else torch.arange(known.numel(), device=known.device)
         if not torch.equal(g, u):
             j = int((g != u).nonzero()[0, 0])
             gate_src = gate_name(gate.perm_tensor or up.perm_tensor or "perm")
@@ -222,8 +223,9 @@ def _stack(parts: list[_Rows]) -> ProjectionWeights:
 
     perm = None
     if any(p.perm is not None for p in parts):
-        k = next(int(p.perm.numel()) for p in parts if p.perm is not None)
-        perm = torch.stack([torch.arange(k) if p.perm is None else p.perm for p in parts]).to(torch.int32)
+        known = next(p.perm for p in parts if p.perm is not None)
+        perm = torch.stack([torch.arange(known.numel(), device=known.device) if p.perm is None else p.perm
+                            for p in parts]).to(torch.int32)
     scales = [p.input_scale for p in parts if p.input_scale is not None]
     input_scale = torch.stack(scales).max().reshape(1).to(torch.float32) if scales else None
     weight = stacked("weight")

@@ -18,7 +18,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int, order: Sequence[int] 
     Field i of a word (bits [bits·i, bits·i + bits), low first) is element ``order[i]`` of the
     word's run of ``32/bits`` elements; ``order=None`` means field i is element i.
     """
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
     moved = words.movedim(dim, -1).to(torch.int32)
     fields = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., W, field]
     if order is not None:
@@ -35,7 +35,7 @@ def pack_int32(codes: torch.Tensor, bits: int, dim: int, order: Sequence[int] | 
     runs = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_word, per_word)  # [..., W, element]
     if order is not None:
         runs = runs[..., list(order)]  # [..., W, field]
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
     words = ((runs & ((1 << bits) - 1)) << shifts).sum(-1)
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     return words.movedim(-1, dim).contiguous()

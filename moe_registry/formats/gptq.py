@@ -78,7 +78,7 @@ def _zero_points(qzeros: torch.Tensor, bits: int, offset: int) -> torch.Tensor:
 def act_order_perm(g_idx: torch.Tensor, k: int, group: int, full_name: str) -> torch.Tensor | None:
     """None for the trivial g_idx (i // g); otherwise the stable argsort of g_idx (int64 [K]),
     checked to put exactly ``group`` columns in each group, in group order."""
-    trivial = torch.arange(k) // group
+    trivial = torch.arange(k, device=g_idx.device) // group
     g = g_idx.to(torch.int64).reshape(-1)
     if torch.equal(g, trivial):
         return None

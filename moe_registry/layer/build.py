@@ -126,7 +126,10 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
     handed = handed_activation(bound, matching_pattern(kernel_spec, weight_key, bound, runtime.platform))
     ctx = ConvertContext(weight_key, handed, DTYPES[runtime.dtype], dict(report.scheme.bindings),
                          **({"tensor_name": tensor_name} if tensor_name else {}))
-    full = convert_layer(convert, tensors, ctx)
+    dev = device_for(runtime.platform, device)
+    # converted where the kernel runs: a GPU transposes and repacks a layer in milliseconds where the CPU
+    # takes a large share of a model's load time, and the layer crosses to it once, at its checkpoint size
+    full = convert_layer(convert, tensors.experts_to(dev), ctx)
     fmt = delivered_format(runtime.parallel.all2all, kernel_spec)
     assert fmt is not None  # the oracle chose the kernel for a format the backend delivers
     prepare_finalize, weights = dispatch_for(report, full, fmt, tensors.expert_ids)
@@ -140,7 +143,6 @@ def build_from_tensors(registry: Registry, report: Report, tensors: LayerTensors
                            apply_router_weight_on_input=runtime.router_weight_on_input,
                            activation_format=fmt,  # type: ignore[arg-type]
                            routed_experts=routed if routed != weights.num_experts else None)
-    dev = device_for(runtime.platform, device)
     experts = cls(weights.to(dev), config)
     key = (scheme.scheme, kernel_spec.kernel, str(runtime.platform), runtime.dtype)
     if key not in _LOGGED:

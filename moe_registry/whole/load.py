@@ -428,8 +428,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     wanted = non_expert_tensors(model, experts)
     other = sum(_nbytes(index.tensors[c]) for c in plan.to_model.values()) + sum(
         wanted[f"{m}.weight"].numel() * torch_dtype.itemsize for m in plan.quantized)
+    # a layer is converted on the device: its checkpoint tensors and its converted copy (with the
+    # converter's transposes) beside the layers already loaded
     check_fits(other * max(1, torch_dtype.itemsize // 2) + (sum(plan.expert_bytes.values())
-               + max(plan.expert_bytes.values())) // ep, dev, f"loading {target}")
+               + 2 * max(plan.expert_bytes.values())) // ep, dev, f"loading {target}")
     plans, reports = [], []
     for layer, module_path in sorted(experts.items()):
         built = build(target, layer=layer, platform=platform_text, dtype=dtype_name, kernel=kernel, prefer=prefer,
