@@ -112,10 +112,12 @@ def test_the_k_loop_is_reported_where_a_zero_sums_tile_has_a_longer_loop_after_i
     """AWQ on a ZERO_SUMS tile at Qwen3's shape: GEMM2's K (768) holds 6 groups, and the zero-point
     terms' loop after the K loop (no pipelining; shared-memory stores converting its operands) has
     more instructions than a K step. The report reads the pipelined K loop (cp.async copies ahead),
-    not that one (none)."""
+    not that one (none). In bfloat16 that loop dots the raw codes (RAW_CODES): no paired subtract a weight pair."""
     done = _run("--scheme", "awq-w4a16", "--shape", "qwen3", "--m", "8", "--config",
                 '{"ZERO_SUMS": true, "BLOCK_K": 128, "BLOCK_N": 128, "maxnreg": 0}', "--json")
     assert done.returncode == 0, done.stderr
     for r in json.loads(done.stdout):
         assert r["config"].get("ZERO_SUMS") is True
         assert r["loop_async_copies"] >= 2 and r["loop_opcodes"]["HMMA"] > 0, r
+        ops = r["loop_opcodes"]  # a subtract a weight pair would be two paired adds a dot
+        assert 10 * ops.get("HADD2", 0) < ops["HMMA"] and "HMUL2" not in ops, ops

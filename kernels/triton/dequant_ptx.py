@@ -97,14 +97,15 @@ def _e8m0(e):
 
 
 @triton.constexpr_function
-def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
+def _nibble_asm(half: str, signed: bool, scaled: bool = True, raw: bool = False) -> str:
     """PTX turning 4 packed bytes (8 4-bit codes) into (code - zero) * scale for the low and the
     high nibbles, two at a time in 16-bit pairs: bytes are spread into the halves of a word
     (prmt), each nibble OR-ed into the mantissa of the pair's magic number (lop3; 128 + code in
     bf16, 1024 + code in fp16), then one paired subtract of the offset zero and one paired
     multiply by the scale. Operands: $0 $1 low pairs, $2 $3 high pairs, $4 the bytes, $5 $6 offset
     zeros, $7 $8 scales (Triton's pack=4 register order). Not ``scaled``: code - zero only (no
-    scale operands), for kernels that apply the scale to the dot's result."""
+    scale operands), for kernels that apply the scale to the dot's result. ``raw``: OFFSET + code
+    (the lop3's halves; no zero operand), for dots whose zero and offset come off after the loop."""
     magic = BF16_NIBBLE_PAIR if half == "bf16" else FP16_NIBBLE_PAIR
     flip = f"xor.b32 w, $4, {INT4_SIGN_FLIP_WORD};" if signed else "mov.b32 w, $4;"
     lines = ["{", ".reg .b32 w, z, t0, t1, u0, u1;", flip, "mov.b32 z, 0;",
@@ -112,6 +113,10 @@ def _nibble_asm(half: str, signed: bool, scaled: bool = True) -> str:
     for out, shift in ((0, False), (2, True)):
         if shift:
             lines += ["shr.b32 t0, t0, 4;", "shr.b32 t1, t1, 4;"]
+        if raw:
+            lines += [f"lop3.b32 ${out}, t0, {NIBBLE_MASK_PAIR}, {magic}, 0xEA;",
+                      f"lop3.b32 ${out + 1}, t1, {NIBBLE_MASK_PAIR}, {magic}, 0xEA;"]
+            continue
         lines += [f"lop3.b32 u0, t0, {NIBBLE_MASK_PAIR}, {magic}, 0xEA;",
                   f"lop3.b32 u1, t1, {NIBBLE_MASK_PAIR}, {magic}, 0xEA;"]
         if scaled:
@@ -214,6 +219,25 @@ def _dequant_nibbles(packed, tile_zero, scale, dtype, SIGNED: tl.constexpr, ASM:
         if SCALED:
             low, high = low * scale, high * scale
         low, high = low.to(dtype), high.to(dtype)
+    return low, high
+
+
+@triton.jit
+def _raw_nibbles(packed, dtype, SIGNED: tl.constexpr, ASM: tl.constexpr):
+    """(low, high): OFFSET + code (:func:`_offset_codes`, exact) of a packed 4-bit tile's even- and odd-column
+    codes in the 16-bit ``dtype``: the lop3 of :func:`_nibble_asm` without the paired subtract of the zero,
+    for a dot whose zero and OFFSET come off after the loop with the input's sums (``ZERO_SUMS``: the
+    RAW_CODES of the GEMM kernel). ASM: the PTX (GPU); else plain Triton (the same values)."""
+    if ASM:
+        program: tl.constexpr = _nibble_asm("bf16" if dtype == tl.bfloat16 else "f16", SIGNED, False, True)
+        result: tl.constexpr = _asm_result_dtype(dtype, 2)
+        low, high = tl.inline_asm_elementwise(program, _asm_constraints(4, 2, (8,)), [packed], dtype=result.value,
+                                              is_pure=True, pack=4)
+    else:
+        if SIGNED:  # two's complement nibbles -> offset binary around 8
+            packed = packed ^ INT4_SIGN_FLIP
+        low = _offset_codes(packed & NIBBLE_MASK, dtype, True)
+        high = _offset_codes(packed >> 4, dtype, True)
     return low, high
 
 
