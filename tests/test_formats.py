@@ -633,3 +633,22 @@ def test_a_nan_or_infinity_anywhere_in_a_float_tensor_is_refused(dtype: torch.dt
             with pytest.raises(CheckpointError, match=rf"^w: 1 of {n} values are NaN or infinite \(first at "
                                                       rf"\[{at}\] = {bad}\); expected finite values$"):
                 check_tensor_values("w", t)
+
+
+@pytest.mark.parametrize(("value", "signed", "what"), [
+    (-0.5, True, None), (0.0, True, "are zero"), (float("nan"), True, "are NaN"), (float("-inf"), True, "are infinite"),
+    (-0.5, False, "are negative"), (float("inf"), False, "are infinite"), (6e-5, False, None)])
+def test_check_scales_refuses_what_the_scheme_refuses(value, signed, what):
+    """Scales are checked in one pass, the message found only for a bad tensor: ``signed_scales`` (AutoRound's
+    symmetric int4) takes a negative scale and refuses zero, NaN and infinity; unsigned ones refuse any value
+    that is not finite and > 0, wherever it sits."""
+    from moe_registry.formats.checks import check_scales
+
+    scales = torch.full((4, 6), 0.25, dtype=torch.float16)
+    scales[3, 5] = value
+    if what is None:
+        check_scales(scales, "model.layers.0.mlp.experts.0.gate_proj.scales", signed=signed)
+        return
+    wanted = rf"experts\.0\.gate_proj\.scales: 1 of 24 values {what} \(first at \[3, 5\]"
+    with pytest.raises(CheckpointError, match=wanted):
+        check_scales(scales, "model.layers.0.mlp.experts.0.gate_proj.scales", signed=signed)
