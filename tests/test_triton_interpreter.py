@@ -19,6 +19,7 @@ activations the same way):
 import contextlib
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -874,6 +875,40 @@ def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, mo
         # another activation key or device: defaults
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, INT8_TOKEN, "Test GPU")["BLOCK_N"] == 64
         assert get_config(2, 2, 8, 2 * INTER, H, AWQ, UNQ, "Other GPU")["BLOCK_N"] == 64
+    finally:
+        tile_config._load_config_file.cache_clear()
+
+
+def test_a_layer_calls_configs_are_kept_until_its_table_is_read_again(tmp_path, monkeypatch):
+    """A layer call's fitted configs are kept per call (a model's every layer asks for the same ones each step), handed
+    out as copies, and follow the device's table: a table read again (another dir, or the file rewritten and the
+    reader's cache cleared) gives its own tiles, not the kept ones; an override is never kept."""
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(tile_config, "_device_name", lambda device: "Test GPU")
+    tile_config._load_config_file.cache_clear()
+    variant = variant_from_keys(AWQ, UNQ)
+    w13, w2 = SimpleNamespace(n=2 * INTER, k=H), SimpleNamespace(n=H, k=INTER)
+
+    def configs() -> tuple[dict, dict]:
+        return tile_config._layer_configs(2, 2, 8, w13, w2, AWQ, UNQ, variant, torch.device("cpu"), split_gemm2=True)
+
+    def write(block_n: int) -> None:
+        table = {shape_key(8, 2, 2 * INTER, H): {"2": {"BLOCK_N": block_n}}, shape_key(8, 2, H, INTER): {"2": {}}}
+        config_file(AWQ, UNQ, "Test GPU").write_text(json.dumps(table))
+        tile_config._load_config_file.cache_clear()
+
+    try:
+        write(32)
+        first = configs()
+        assert first[0]["BLOCK_N"] == 32 and configs() == first
+        for pair in (first, configs()):  # a caller's copy, made or kept: the kept pair is not changed through it
+            pair[0]["BLOCK_N"] = 999
+            assert configs()[0]["BLOCK_N"] == 32
+        write(128)
+        assert configs()[0]["BLOCK_N"] == 128
+        with tile_config.config_override({**first[0], "BLOCK_N": 64}, None):
+            assert configs()[0]["BLOCK_N"] == 64
+        assert configs()[0]["BLOCK_N"] == 128
     finally:
         tile_config._load_config_file.cache_clear()
 

@@ -12,6 +12,7 @@ config legal for a variant (what the kernels' ``tl.static_assert`` calls check),
 heuristics aim at is the device's own (:func:`_num_sms`).
 """
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -49,6 +50,7 @@ TRANSFER_ROWS = 0.5
 TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
 
 
+@functools.cache  # a layer call names its table by these on every call
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")
 
@@ -318,20 +320,41 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
     return config
 
 
+# the fitted (GEMM1, GEMM2) configs of recent layer calls, with the table they came from: every layer of a model asks
+# for the same few token counts at each step, and finding a pair again took longer than launching a decode GEMM
+# (about 60 us a layer on a 2-vCPU host)
+_LAYER_CONFIGS: collections.OrderedDict = collections.OrderedDict()
+LAYER_CONFIGS_KEPT = 1024
+
+
 def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_key: str,
                    activation_key: str, variant: KernelVariant, device: torch.device, *,
                    split_gemm2: bool, tiles_read: tuple[bool, bool] = (True, True)) -> tuple[dict, dict]:
     """GEMM1 and GEMM2 configs (overridden, tuned or default), fitted; GEMM2 shares BLOCK_M.
     ``w13`` and ``w2`` give each GEMM's shape as ``n`` outputs and ``k`` inputs. ``tiles_read``:
     whether each GEMM's launch reads its tile config (not the decode GEMV's): an untuned one that is
-    not read is not warned about."""
+    not read is not warned about. Kept per call's arguments and the device's table (a table read again is
+    another key); an override is never kept."""
     name, sms = _device_name(device), _num_sms(device)
     override = _OVERRIDE.get() or {}
+    if not override:
+        path, table = _device_table(weight_key, activation_key, name, False)
+        key = (tokens, top_k, num_experts, w13.n, w13.k, w2.n, w2.k, str(weight_key), str(activation_key), variant,
+               name, sms, split_gemm2, tiles_read, path, id(table))
+        kept = _LAYER_CONFIGS.get(key)
+        if kept is not None and kept[0] is table:
+            _LAYER_CONFIGS.move_to_end(key)
+            return dict(kept[1]), dict(kept[2])
     config1 = override.get("gemm1") or get_config(tokens, top_k, num_experts, w13.n, w13.k, weight_key,
                                                   activation_key, name, sms, warn=tiles_read[0])
     config2 = override.get("gemm2") or get_config(tokens, top_k, num_experts, w2.n, w2.k, weight_key,
                                                   activation_key, name, sms, warn=tiles_read[1])
-    return _fit_pair(config1, config2, variant, split_gemm2=split_gemm2)
+    fitted = _fit_pair(config1, config2, variant, split_gemm2=split_gemm2)
+    if not override:
+        _LAYER_CONFIGS[key] = (table, *fitted)  # the table held: its id names no other while kept
+        if len(_LAYER_CONFIGS) > LAYER_CONFIGS_KEPT:
+            _LAYER_CONFIGS.popitem(last=False)
+    return dict(fitted[0]), dict(fitted[1])
 
 
 def _fit_pair(config1: dict, config2: dict, variant: KernelVariant, *, split_gemm2: bool = True) -> tuple[dict, dict]:
