@@ -8,6 +8,7 @@ PTX dp4a at a model's sizes."""
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -113,6 +114,8 @@ def test_decode_gemv_layers_do_not_warn_about_tiles_they_do_not_read(monkeypatch
     from moe_registry_kernels.triton import launch as triton_launch
 
     monkeypatch.setattr(tile_config, "_WARNED_DEFAULT", set())
+    # (and no layer call's configs kept from an earlier test: a kept pair is served without asking for tiles again)
+    monkeypatch.setattr(tile_config, "_LAYER_CONFIGS", collections.OrderedDict())
     caplog.set_level("WARNING", logger="moe_registry")
     weights, x, router, ids = _layer("w4a8-g128-bf16", *CPU_SIZES, "cpu")
     experts = TritonExperts(weights, ExpertsConfig())
