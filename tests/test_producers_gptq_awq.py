@@ -149,22 +149,25 @@ def test_projection_outputs_match_the_library_linear(name: str) -> None:
 # ---------------------------------------------------------------- the layer
 
 
-def _triton_against_library(name: str, tokens: int, seeds: tuple[int, int], tile: dict | None = None):
-    """(relative error, the scheme's float16 tolerance) of the Triton layer (interpreter; ``tile``: both
-    GEMMs' configs) on our conversion of the fixture, against the float64 MoE on the library's weights."""
+def _triton_against_library(name: str, tokens: int, seeds: tuple[int, int], tile: dict | None = None,
+                            dtype: str = "float16", device: str = "cpu"):
+    """(relative error, the scheme's ``dtype`` tolerance) of the Triton layer (the interpreter on the CPU;
+    ``tile``: both GEMMs' configs) on our conversion of the fixture, against the float64 MoE on the
+    library's weights."""
     from moe_registry_kernels.triton import experts as triton_experts
     from moe_registry_kernels.triton import tile_config
 
     _, lib = library_weights(name)
     layer = build(name)
     gen = torch.Generator().manual_seed(seeds[0])
-    x = torch.randn(tokens, 64, generator=gen).to(torch.float16)
+    x = torch.randn(tokens, 64, generator=gen).to(getattr(torch, dtype))
     topk_w, topk_ids = routing(tokens, 4, 2, seed=seeds[1])
+    experts = triton_experts.TritonExperts(layer.built.weights.to(device), ExpertsConfig())
     with tile_config.config_override(tile, tile):
-        out = triton_experts.TritonExperts(layer.built.weights, ExpertsConfig()).apply(x, topk_w, topk_ids)
-    assert out.dtype == torch.float16
+        out = experts.apply(x.to(device), topk_w.to(device), topk_ids.to(device))
+    assert out.dtype == x.dtype
     scheme = moe_registry.load_registry().scheme(CASES[name][1])
-    return rel_err(out, moe_float64(x, topk_w, topk_ids, lib)), scheme.tolerance["float16"]
+    return rel_err(out.cpu(), moe_float64(x, topk_w, topk_ids, lib)), scheme.tolerance[dtype]
 
 
 @pytest.mark.parametrize("name", ["qwen3-gptq-w4-sym", "qwen3-gptq-w4-sym-v2", "mixtral-gptq-w4-sym"])
@@ -204,11 +207,38 @@ def test_triton_zero_sums_match_float64_moe_on_library_weights(name: str, groupe
 
     seen: list = []
     monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
-    tile = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64 if grouped else 32, "GROUP_M": 1, "SPLIT_K": 1,
-            "num_warps": 4, "num_stages": 2, "ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})
-    err, tolerance = _triton_against_library(name, tokens, (11, 12), tile)
+    err, tolerance = _triton_against_library(name, tokens, (11, 12), _zero_sums_tile(grouped))
     assert seen == [True, True]
     assert 0 < err <= tolerance, f"{name}: relative error {err:.2e}"
+
+
+def _zero_sums_tile(grouped: bool) -> dict:
+    return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64 if grouped else 32, "GROUP_M": 1, "SPLIT_K": 1,
+            "num_warps": 4, "num_stages": 2, "ZERO_SUMS": True} | ({"GROUP_DOTS": True} if grouped else {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name,grouped,tokens", [
+    ("qwen3-awq-w4-gemm", False, 3), ("qwen3-awq-w4-gemm", True, 3), ("qwen3-awq-w4-gemm", True, 1),
+    ("qwen3-gptq-w4-asym", True, 3), ("qwen3-autoround-w4-asym", False, 3), ("qwen3-gptq-w8-asym", False, 3)])
+def test_gpu_zero_sums_match_float64_moe_on_library_weights(name: str, grouped: bool, tokens: int, dtype: str,
+                                                            monkeypatch) -> None:
+    """The same files and tiles compiled for the GPU, where bfloat16 4-bit tiles dot the raw codes
+    (128 + code, the zero points' terms then carrying the 128) and float16 ones the codes less 8;
+    the interpreter cannot run bfloat16 dots, so only the GPU holds the raw-code path to a
+    producer's own weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from launch_spy import KwargSpy
+    from moe_registry_kernels.triton import gemm as triton_gemm
+    from moe_registry_kernels.triton import launch as triton_launch
+
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
+    err, tolerance = _triton_against_library(name, tokens, (15, 16), _zero_sums_tile(grouped), dtype, "cuda")
+    assert seen == [True, True]
+    assert 0 < err <= tolerance, f"{name} {dtype}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("name", ["qwen3-awq-w4-gemm", "qwen3-gptq-w4-asym"])

@@ -395,6 +395,8 @@ def measure(args: argparse.Namespace) -> None:
                       lambda b=batch, m=mode: _decode_cell(model, b, args, m, clock, eager_tokens))
         if args.profile:
             _cell(emit, "profile", {}, lambda: _profile(model, args, clock))
+            if args.prefill:
+                _cell(emit, "profile", {}, lambda: _profile_prefill(model, args, clock))
     end = {"peak_bytes": torch.cuda.max_memory_allocated()} if args.device.startswith("cuda") else {}
     emit("end", run_peak_rss_bytes=_rss_peak(), **end)
 
@@ -415,30 +417,50 @@ def _decode_cell(model: Any, batch: int, args: argparse.Namespace, mode: str, cl
 def _profile(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     """torch.profiler over one greedy generate (static mode where measured, else the last) at the first batch:
     the kernels' and the host's time per operator, written beside the record."""
-    from torch.profiler import ProfilerActivity, profile
-
     batch, mode = args.batch[0], "static" if "static" in args.modes else args.modes[-1]
     decode_step_seconds(model, batch, args.context, args.new_tokens, mode, clock)  # warm
     ids, kwargs = generate_inputs(model, batch, args.context, args.new_tokens, mode)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = clock(lambda: model.generate(ids, **kwargs))  # one prefill forward, then new_tokens - 1 steps
     name = Path(args.out_file).parent / f"profile-{args.fmt}-{args.side.replace(':', '-')}-{mode}-b{batch}.txt"
+    # one prefill forward, then new_tokens - 1 steps
+    found = _profiled(lambda: model.generate(ids, **kwargs), name, args.new_tokens, clock)
+    counters = torch._dynamo.utils.counters  # what torch.compile made of the step: a break runs the rest eagerly
+    return {"mode": mode, "batch": batch, **found, "graph_breaks": dict(counters["graph_break"]),
+            "unique_graphs": counters["stats"]["unique_graphs"]}
+
+
+def _profile_prefill(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """torch.profiler over one prefill forward of the first prefill count, as ``prefill_seconds`` times it."""
+    tokens = args.prefill[0]
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(1)).to(model.device)
+
+    def forward() -> None:
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    clock(forward)  # warm
+    name = Path(args.out_file).parent / f"profile-{args.fmt}-{args.side.replace(':', '-')}-prefill{tokens}.txt"
+    return {"mode": "prefill", "batch": tokens, **_profiled(forward, name, 1, clock)}
+
+
+def _profiled(fn: Callable[[], Any], name: Path, forwards: int, clock: Clock) -> dict[str, Any]:
+    """Run ``fn`` (``forwards`` model forwards) under torch.profiler; the per-operator tables go to ``name``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = clock(fn)
     averages = prof.key_averages()
     name.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40) + "\n\n"
                     + averages.table(sort_by="self_cpu_time_total", row_limit=25))
-    # the device's busy time against the step's wall time (a step the device idles through is the host's), and
-    # what torch.compile made of the step: a graph break leaves the code after it to run eagerly
+    # the device's busy time against the wall time (a forward the device idles through is the host's)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    counters = torch._dynamo.utils.counters
     # how the host put the kernels on the device: graph replays (one call runs a captured step) against single
     # launches (one host call each: a step the host launches kernel by kernel is bound by that count)
     host_calls = collections.Counter(e.name for e in prof.events() if e.name in _LAUNCH_CALLS)
-    return {"file": name.name, "mode": mode, "batch": batch,
-            "host_launch_calls_per_forward": {k: v / args.new_tokens for k, v in sorted(host_calls.items())},
-            "wall_ms_per_forward": wall * 1e3 / args.new_tokens,
-            "device_busy_ms_per_forward": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / args.new_tokens,
-            "kernels_per_forward": len(kernels) / args.new_tokens,
-            "graph_breaks": dict(counters["graph_break"]), "unique_graphs": counters["stats"]["unique_graphs"]}
+    calls = {k: v / forwards for k, v in sorted(host_calls.items())}
+    return {"file": name.name, "host_launch_calls_per_forward": calls,
+            "wall_ms_per_forward": wall * 1e3 / forwards,
+            "device_busy_ms_per_forward": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / forwards,
+            "kernels_per_forward": len(kernels) / forwards}
 
 
 _LAUNCH_CALLS = ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
@@ -688,13 +710,13 @@ def _mode_cell(cell: dict[str, Any]) -> str:
 
 
 def profile_table(lines: list[dict[str, Any]]) -> str:
-    """Where a profiled decode step's time goes, per side: the wall time of a forward against the device's busy
+    """Where a profiled forward's time goes, per side: the wall time of a forward against the device's busy
     time in it (the rest is the host's and the gaps between kernels), and how the host put the kernels there."""
     profiles = [c for c in lines if c["kind"] == "profile" and "wall_ms_per_forward" in c]
     if not profiles:
         return ""
-    head = ["format", "side", "mode, batch", "wall ms / forward", "device busy ms / forward", "kernels / forward",
-            "graph replays / forward", "single launches / forward"]
+    head = ["format", "side", "mode, batch or tokens", "wall ms / forward", "device busy ms / forward",
+            "kernels / forward", "graph replays / forward", "single launches / forward"]
     rows = []
     for c in profiles:
         calls = c.get("host_launch_calls_per_forward", {})
@@ -703,8 +725,9 @@ def profile_table(lines: list[dict[str, Any]]) -> str:
                      f"{c['device_busy_ms_per_forward']:.2f}", f"{c['kernels_per_forward']:.0f}",
                      f"{calls.get('cudaGraphLaunch', 0):.2f}", f"{single:.0f}"])
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-    return ("\nOne profiled `generate` per side (a forward is the prefill or one decode step; the profiler's own "
-            "cost is in the wall time):\n\n" + "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n")
+    return ("\nOne profiled `generate` per side (a forward is the prefill or one decode step) and one profiled "
+            "prefill forward (mode prefill); the profiler's own cost is in the wall time:\n\n"
+            + "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n")
 
 
 def markdown(path: Path) -> str:
@@ -758,7 +781,8 @@ def main(argv: list[str] | None = None) -> int:
                    default=["grouped_mm", "batched_mm"], help="transformers' experts kernels run on the bf16 "
                    "checkpoint on CUDA (default: grouped_mm batched_mm)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one decode run (last mode, first batch) with torch.profiler, beside the record")
+                   help="also profile one decode run (static mode where measured, first batch) and one prefill "
+                   "forward (first count) with torch.profiler, beside the record")
     p.add_argument("--table", type=Path, metavar="RECORD", help="print the markdown tables of a record and exit")
     p.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--side", help=argparse.SUPPRESS)
