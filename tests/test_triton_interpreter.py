@@ -825,14 +825,29 @@ def test_no_tokens():
     assert TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids).shape == (0, H)
 
 
-def test_compiles_without_graph_break():
-    """torch.compile(fullgraph=True) traces the layer as one custom op (fake kernels only)."""
+def test_compiles_without_graph_break(monkeypatch):
+    """torch.compile(fullgraph=True) traces the layer as one custom op (fake kernels only); an eager call runs
+    the layer's function without the op's dispatch."""
+    from moe_registry_kernels.triton import experts as triton_experts
+
     weights = _weights("awq-g128")
     experts = TritonExperts(weights, ExpertsConfig())
     hidden, topk_weights, topk_ids = _routing(3, 2)
-    compiled = torch.compile(experts.apply, fullgraph=True, backend="eager")
-    torch.testing.assert_close(compiled(hidden, topk_weights, topk_ids),
-                               experts.apply(hidden, topk_weights, topk_ids))
+    traced: list[str] = []
+
+    def backend(gm, example_inputs):
+        traced.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    compiled = torch.compile(experts.apply, fullgraph=True, backend=backend)
+    got = compiled(hidden, topk_weights, topk_ids)
+    assert traced == ["moe_registry.fused_experts.default"]
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an eager call went through the custom op")
+
+    monkeypatch.setattr(triton_experts, "fused_experts", no_op)
+    torch.testing.assert_close(got, experts.apply(hidden, topk_weights, topk_ids))
 
 
 def test_unsupported_keys_are_refused():

@@ -23,7 +23,7 @@ from make_transformers_whole import make_whole_model  # noqa: E402  (tools/, on 
 from moe_registry_kernels.activations import act_and_mul  # noqa: E402
 
 from moe_registry.core.errors import ConfigError  # noqa: E402
-from moe_registry.whole.experts_module import RegistryExperts  # noqa: E402
+from moe_registry.whole.experts_module import RegistryExperts, graph_bucket  # noqa: E402
 from moe_registry.whole.load import load_model  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -119,6 +119,19 @@ def test_cuda_graphs_need_a_cuda_device(qwen3: Path) -> None:
     assert all(m.graph_tokens == 0 for m in model.modules() if isinstance(m, RegistryExperts))
 
 
+def test_graph_buckets_pad_at_most_an_eighth() -> None:
+    """Every count up to the limit replays a bucket at least as large, padded by less than 1/8 of it (none up to
+    16), within the limit; a doubling of the count holds at most 8 buckets."""
+    limit = 2048
+    buckets = [graph_bucket(t, limit) for t in range(1, limit + 1)]
+    assert buckets[:16] == list(range(1, 17))
+    assert all(t <= b <= limit and (b - t) * 8 < t for t, b in zip(range(1, limit + 1), buckets, strict=True))
+    for octave in range(3, 11):
+        assert len({b for b in buckets if 2 ** octave < b <= 2 ** (octave + 1)}) <= 8
+    assert graph_bucket(300, limit) == 320 and graph_bucket(512, limit) == 512 and graph_bucket(2047, limit) == 2048
+    assert graph_bucket(300, 310) == 310
+
+
 # --- on the GPU (the device machine: pytest -m gpu tests/test_whole_model_graphs.py) ---------------------------
 
 
@@ -155,3 +168,25 @@ def test_static_cache_compiled_decode_matches_eager(qwen3: Path) -> None:
         want = model.generate(prompt, **kwargs)
         got = model.generate(prompt, cache_implementation="static", **kwargs)
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_bucketed_graphs_replay_the_direct_outputs(qwen3: Path) -> None:
+    """Calls of counts that are not buckets replay their bucket's graph, padded with zero rows weighted 0: each
+    layer equals the same layer launched directly (whose tiles may differ: the bucket's count picks them), the
+    rows a larger call left behind change nothing, and every layer's graphs share one arena."""
+    model = load_model(qwen3, device="cuda")
+    layers = [m for m in model.modules() if isinstance(m, RegistryExperts)]
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for tokens in (300, 290, 17, 2048, 9):
+            x = torch.randn(tokens, layers[0].hidden_dim, generator=gen).to("cuda", model.dtype)
+            ids, w = _routing(tokens, layers[0].num_experts, layers[0].top_k, tokens)
+            ids, w = ids.cuda(), w.cuda()
+            for layer in layers:
+                got = layer(x, ids, w)
+                want = layer._call(x, ids, w.float()).to(x.dtype)
+                assert _rel(got, want) < 1e-2, (tokens, layer.layer)
+    assert all(m.captured == (9, 18, 320, 2048) for m in layers)
+    arenas = {id(call.arena) for m in layers for call in m._graphs.values()}
+    assert len(arenas) == 1

@@ -32,6 +32,7 @@ import collections
 import gc
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -557,6 +558,10 @@ def run(args: argparse.Namespace) -> Path:
             except Exception as err:  # noqa: BLE001
                 _append(record, {"kind": "error", "format": fmt, "side": "checkpoint", "error": _one_line(err)})
                 continue
+            # the checkpoint's dirty pages written back now: a side measured while the kernel flushes gigabytes
+            # shares the host with it (the first side measured after a write ran its host-bound cells up to 1.5x
+            # slower than the same code in a later process)
+            os.sync()
             print(f"{fmt}: checkpoint {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             for side in sides(fmt, args.device, args.transformers_experts):
                 _child(args, path, fmt, side, record)

@@ -12,7 +12,7 @@ import torch
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.layer.experts import Experts, ExpertsConfig
 
-from .layer import fused_experts, fused_experts_batched
+from .layer import fused_experts, fused_experts_batched, run_fused_experts, run_fused_experts_batched
 from .layout import TritonWeightLayout, mx_scale_codes
 from .variant import variant_from_keys
 
@@ -56,7 +56,8 @@ class TritonExperts(_TritonBase):
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(
+        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts  # (layer.fused_experts)
+        return run(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
 
@@ -67,13 +68,15 @@ class TritonBatchedExperts(_TritonBase):
     def apply_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
         """[E, T, H] -> [E, T, H]: the first expert_num_tokens[e] rows of x[e] through expert e,
         rows past the count zero. No router weights (finalize applies them)."""
-        return fused_experts_batched(
+        run = fused_experts_batched if torch.compiler.is_compiling() else run_fused_experts_batched
+        return run(
             x, expert_num_tokens.to(torch.int32), *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, **self._options)
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """The standard format through the same weights (for callers that hold both formats)."""
-        return fused_experts(
+        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts  # (layer.fused_experts)
+        return run(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)

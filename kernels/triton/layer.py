@@ -214,8 +214,7 @@ def _fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor, w13
 # custom ops: the whole layer is one opaque op for torch.compile
 
 
-@torch.library.custom_op("moe_registry::fused_experts", mutates_args=())
-def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+def run_fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   w13: torch.Tensor, w13_scale: torch.Tensor | None, w13_zero: torch.Tensor | None,
                   w13_perm: torch.Tensor | None, w13_bias: torch.Tensor | None,
                   w13_input_scale: torch.Tensor | None,
@@ -238,13 +237,17 @@ def fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                           router_weight_on_input, routed_experts)
 
 
+# The op is what torch.compile sees (one opaque call); an eager caller runs the function itself, as the op's
+# dispatch (custom-op glue, autograd and dynamo wrappers) costs more host time than a launch.
+fused_experts = torch.library.custom_op("moe_registry::fused_experts", mutates_args=())(run_fused_experts)
+
+
 @fused_experts.register_fake
 def _(hidden, *args):
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("moe_registry::fused_experts_batched", mutates_args=())
-def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
+def run_fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
                           w13: torch.Tensor, w13_scale: torch.Tensor | None, w13_zero: torch.Tensor | None,
                           w13_perm: torch.Tensor | None, w13_bias: torch.Tensor | None,
                           w13_input_scale: torch.Tensor | None,
@@ -260,6 +263,10 @@ def fused_experts_batched(x: torch.Tensor, expert_num_tokens: torch.Tensor,
                            w2, w2_scale, w2_zero, w2_perm, w2_bias, w2_input_scale, w13_scale2, w2_scale2,
                            mx_scale_codes)
     return _fused_experts_batched(x, expert_num_tokens, p13, p2, weight_key, activation_key, activation)
+
+
+fused_experts_batched = torch.library.custom_op("moe_registry::fused_experts_batched",
+                                                mutates_args=())(run_fused_experts_batched)
 
 
 @fused_experts_batched.register_fake

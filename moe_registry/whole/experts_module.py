@@ -11,9 +11,12 @@ expert parallelism (``_is_expert_parallel``, set where transformers' dispatch ca
 ``>= num_experts`` name another rank's expert: such a pair adds nothing (:func:`drop_foreign`, on the device).
 
 With ``graph_tokens`` > 0, a call of at most that many tokens on a CUDA device replays a CUDA graph of this
-layer's experts captured on the first call of its token count (static input and output buffers, a graph memory
-pool shared by every layer): decode's per-step launches and Python glue then cost one replay. A call inside
-another capture runs the kernel directly, so an outer CUDA graph holds the kernel's launches itself.
+layer's experts, captured on the first call of its token bucket (:func:`graph_bucket`: the count rounded up by at
+most 1/8; the padding rows are zero, weighted 0): a call's launches and Python glue (hundreds of microseconds of
+host time, more than the GPU time of a few hundred tokens) then cost one replay. Every layer's graphs read and
+write views of one set of static buffers and share one memory pool (:class:`GraphArena`), so what graphs hold
+does not grow with the layers or the buckets seen. A call inside another capture runs the kernel directly, so an
+outer CUDA graph holds the kernel's launches itself.
 
 Under ``torch.compile`` (transformers compiles the decode step of its static cache) the call is one opaque custom
 op, ``moe_registry::experts``, that names the module by a number (as vLLM's fused-MoE layer is named to its op):
@@ -28,12 +31,15 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from moe_registry_kernels.quant_ref import per_tensor_dynamic
 
 from moe_registry.layer.modular import FusedMoEKernel
 from moe_registry.layer.resident import reachable_tensor_bytes
 from moe_registry.oracle.contract import Report
 
 _GRAPH_POOLS: dict[torch.device, tuple[int, int]] = {}
+# the static buffers of every layer's graphs, by signature (weak: the graphs' CapturedCalls hold them)
+_ARENAS: weakref.WeakValueDictionary[tuple, GraphArena] = weakref.WeakValueDictionary()
 # every RegistryExperts by its number, for the compiled forward's op (weak: a model let go frees its experts)
 _BY_NUMBER: weakref.WeakValueDictionary[int, RegistryExperts] = weakref.WeakValueDictionary()
 _NUMBERS = itertools.count()
@@ -67,15 +73,50 @@ def graph_pool(device: torch.device) -> tuple[int, int]:
     return _GRAPH_POOLS[device]
 
 
-@dataclass(frozen=True)
-class CapturedCall:
-    """One captured experts call: the graph and the static tensors it reads and writes."""
+def graph_bucket(tokens: int, limit: int) -> int:
+    """The token count whose captured graph a call of ``tokens`` (at most ``limit``) replays: up to 8 the count
+    itself, above it the count rounded up to a multiple of 2^(floor(log2(tokens)) - 3). A call then computes at
+    most 1/8 more rows than it has, and a layer keeps at most 8 graphs per doubling of the count, where one graph
+    per count would capture again for every new prompt length."""
+    if tokens <= 8:
+        return tokens
+    step = 1 << (tokens.bit_length() - 4)
+    return min(-(-tokens // step) * step, limit)
 
-    graph: torch.cuda.CUDAGraph
+
+@dataclass(eq=False)
+class GraphArena:
+    """The static input, ids, router weights and output that every layer's graphs of one signature read and
+    write, as views of their first rows. The graphs replay one after another on one stream, each call copying its
+    input in and its output out around its replay, so one set serves every layer and bucket. Rows past a call's
+    own hold valid distinct ids (set here, or left by a larger call), which its padding weights by 0."""
+
     hidden: torch.Tensor
     ids: torch.Tensor
     weights: torch.Tensor
     out: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: int, hidden: torch.Tensor, ids: torch.Tensor, num_experts: int) -> GraphArena:
+        key = (hidden.device, rows, hidden.shape[1], hidden.dtype, ids.shape[1], ids.dtype, num_experts)
+        arena = _ARENAS.get(key)
+        if arena is None:
+            k = ids.shape[1]
+            pad_ids = torch.arange(rows * k, device=hidden.device).reshape(rows, k) % num_experts
+            arena = cls(torch.zeros(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device),
+                        pad_ids.to(ids.dtype), torch.zeros(rows, k, dtype=torch.float32, device=hidden.device),
+                        torch.empty(rows, hidden.shape[1], dtype=hidden.dtype, device=hidden.device))
+            _ARENAS[key] = arena
+        return arena
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """One captured experts call of ``rows`` tokens: the graph and the arena whose first rows it reads and writes."""
+
+    graph: torch.cuda.CUDAGraph
+    arena: GraphArena
+    rows: int
 
 
 class RegistryExperts(torch.nn.Module):
@@ -99,6 +140,9 @@ class RegistryExperts(torch.nn.Module):
         self.expert_parallel = ""  # under expert parallelism: whose experts these are, and what hands them ids
         self._checked: set[tuple] = set()
         self._graphs: dict[tuple, CapturedCall] = {}
+        # a per-tensor dynamic activation scale takes its amax over every row, padding's too: such a layer's
+        # graphs are captured per exact count
+        self._pads = not per_tensor_dynamic(kernel.experts.weights.activation_key)
         self.number = next(_NUMBERS)
         _BY_NUMBER[self.number] = self
 
@@ -115,7 +159,7 @@ class RegistryExperts(torch.nn.Module):
 
     @property
     def captured(self) -> tuple[int, ...]:
-        """The token counts whose calls replay a captured CUDA graph."""
+        """The token buckets (:func:`graph_bucket`) of this layer's captured CUDA graphs."""
         return tuple(sorted(key[0] for key in self._graphs))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -151,17 +195,31 @@ class RegistryExperts(torch.nn.Module):
                 and not torch.cuda.is_current_stream_capturing())
 
     def _replay(self, key: tuple, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        rows = graph_bucket(tokens, self.graph_tokens) if self._pads else tokens
+        key = (rows, *key[1:])
         call = self._graphs.get(key)
         if call is None:
-            call = self._graphs[key] = self._capture(hidden, ids, weights)
-        call.hidden.copy_(hidden)
-        call.ids.copy_(ids)
-        call.weights.copy_(weights)
+            call = self._graphs[key] = self._capture(rows, hidden, ids, weights)
+        arena = call.arena
+        arena.hidden[:tokens].copy_(hidden)
+        arena.ids[:tokens].copy_(ids)
+        arena.weights[:tokens].copy_(weights)
+        if tokens < rows:  # padding: zero rows, weighted 0 (their ids are valid, as the arena keeps them)
+            arena.hidden[tokens:rows].zero_()
+            arena.weights[tokens:rows].zero_()
         call.graph.replay()
-        return call.out.clone()  # the static output is overwritten by the next replay
+        return arena.out[:tokens].clone()  # the arena's output is overwritten by the next replay
 
-    def _capture(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> CapturedCall:
-        static = hidden.clone(), ids.clone(), weights.clone()
+    def _capture(self, rows: int, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> CapturedCall:
+        arena = GraphArena.of(self.graph_tokens, hidden, ids, self.num_experts)
+        static = arena.hidden[:rows], arena.ids[:rows], arena.weights[:rows]
+        # the warm-up call below computes: on the call's own rows and zero padding, as every replay does
+        static[0].zero_()
+        static[2].zero_()
+        static[0][:hidden.shape[0]].copy_(hidden)
+        static[1][:ids.shape[0]].copy_(ids)
+        static[2][:weights.shape[0]].copy_(weights)
         side = torch.cuda.Stream(hidden.device)
         side.wait_stream(torch.cuda.current_stream(hidden.device))
         with torch.cuda.stream(side):  # a first call outside the capture: Triton compiles, the allocator warms
@@ -169,8 +227,8 @@ class RegistryExperts(torch.nn.Module):
         torch.cuda.current_stream(hidden.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graph_pool(hidden.device)):
-            out = self._call(*static)
-        return CapturedCall(graph, *static, out)
+            arena.out[:rows].copy_(self._call(*static))
+        return CapturedCall(graph, arena, rows)
 
     def extra_repr(self) -> str:
         scheme = self.report.scheme.scheme if self.report.scheme else "?"

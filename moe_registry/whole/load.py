@@ -39,9 +39,11 @@ from moe_registry.whole.requirement import require_transformers
 from moe_registry.whole.scaled_rows import ScaledRowsExperts
 from moe_registry.whole.transformers_ep import REGISTRY, install, resolve
 
-# decode's token counts (batch sizes) up to this replay captured CUDA graphs of each MoE layer's experts; a
-# longer call (a prefill) is launched as it comes, its launches' host time small beside its GPU time
-GRAPH_TOKENS = 256
+# experts calls of up to this many tokens (decode's batches, prefills) replay captured CUDA graphs of each MoE
+# layer's experts, in token buckets (experts_module.graph_bucket): a layer's launches take hundreds of
+# microseconds of host time (an H200's host: ~0.7 ms at 512 tokens), more than the GPU time of Qwen3-30B-A3B's
+# layer up to about 1000 tokens; a longer call is launched as it comes
+GRAPH_TOKENS = 2048
 _LAYER_RE = re.compile(r"\.(?:layers|blocks|h)\.(\d+)\.")
 _ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "int8": 1, "uint8": 1,
                   "float8_e4m3fn": 1, "float8_e8m0fnu": 1, "int16": 2, "float64": 8, "bool": 1}
@@ -376,7 +378,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     """A transformers ``PreTrainedModel`` (eval mode) for the checkpoint dir ``path``, its MoE layers' routed
     experts on the registry's kernels (the oracle decides per layer; ``kernel`` pins one, ``prefer`` prefers
     one). ``cuda_graphs`` (default: on for a CUDA device): each MoE layer's experts call of at most
-    :data:`GRAPH_TOKENS` tokens replays a CUDA graph captured on its token count's first call.
+    :data:`GRAPH_TOKENS` tokens replays a CUDA graph captured on its token bucket's first call (the count rounded
+    up by at most 1/8, :func:`~moe_registry.whole.experts_module.graph_bucket`).
     ``ep`` above 1 (under torchrun, one process per rank, the process group already initialised with ``ep``
     ranks): each rank holds 1/ep of each layer's experts (rank r the r-th contiguous share) and runs its own
     tokens; the ranks may run different prompts but must call the model the same number of times (``generate``

@@ -84,7 +84,8 @@ class LoadReport:
                          f"layer's experts; {describe(self.ep_implementation or REGISTRY)}")
         if self.graph_tokens:
             lines.append(f"  experts calls of 1-{self.graph_tokens} tokens replay a CUDA graph per layer and token "
-                         "count, captured on its first call")
+                         "bucket (the count rounded up by at most 1/8, padding rows weighted 0), captured on its "
+                         "first call")
         elif self.device.startswith("cuda"):
             lines.append("  experts calls launch their kernels directly (cuda_graphs off)")
         for load in self.non_expert:
