@@ -72,7 +72,8 @@ def test_a_block_the_tool_does_not_make_or_a_missing_record_is_one_line(perf_tab
     assert capsys.readouterr().err.strip() == (
         "perf_tables.py: generated block 'peers': not one this tool makes (known: gpu-layer, per-byte, tuned, "
         "cpu-layer, cpu-peer, gpu-peer, gpu-untuned-shapes, gpu-whole-model, gpu-whole-model-deep, "
-        "gpu-whole-model-profile, gpu-whole-model-modes, cpu-whole-model, cpu-whole-model-tiny)")
+        "gpu-whole-model-profile, gpu-whole-model-modes, gpu-whole-model-prefill, cpu-whole-model, "
+        "cpu-whole-model-tiny)")
     manifest = _copy_records(tmp_path)
     (manifest.parent / "h100-layer.jsonl").unlink()
     assert perf_tables.main(["--manifest", str(manifest)]) == 2

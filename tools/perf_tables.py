@@ -221,7 +221,8 @@ def untuned_block(entry: dict, base: Path) -> str:
 # manifest key -> generated block of a tools/bench_model.py record
 WHOLE_MODEL_BLOCKS = {"gpu_whole": "gpu-whole-model", "gpu_whole_deep": "gpu-whole-model-deep",
                       "gpu_whole_profile": "gpu-whole-model-profile", "gpu_whole_modes": "gpu-whole-model-modes",
-                      "cpu_whole": "cpu-whole-model", "cpu_whole_tiny": "cpu-whole-model-tiny"}
+                      "gpu_whole_prefill": "gpu-whole-model-prefill", "cpu_whole": "cpu-whole-model",
+                      "cpu_whole_tiny": "cpu-whole-model-tiny"}
 
 
 def whole_model_block(entry: dict, base: Path) -> str:
