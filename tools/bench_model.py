@@ -321,16 +321,22 @@ def load(path: Path, side: str, device: str) -> tuple[Any, dict[str, Any]]:
     return model, facts
 
 
-def prefill_seconds(model: Any, tokens: int, clock: Clock, repeats: int = 3) -> float:
-    """Median time of one forward of ``tokens`` tokens (batch 1, no cache, last position's logits)."""
+def prefill_seconds(model: Any, tokens: int, clock: Clock, repeats: int = 5, least_seconds: float = 1.0) -> float:
+    """Median time of one forward of ``tokens`` tokens (batch 1, no cache, last position's logits), over at least
+    ``repeats`` forwards and ``least_seconds`` of them: a host-bound forward takes tens of milliseconds, and the
+    median of three varied by up to 1.2x from one round to the next in one process (H200 host, 512 tokens)."""
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, tokens),
                         generator=torch.Generator().manual_seed(1)).to(model.device)
 
     def forward() -> None:
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
-    clock(forward)  # the first call compiles this token count's kernels
-    return statistics.median(clock(forward) for _ in range(repeats))
+    for _ in range(2):  # the first call compiles this token count's kernels and captures its graphs
+        clock(forward)
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < least_seconds:
+        times.append(clock(forward))
+    return statistics.median(times)
 
 
 def generate_inputs(model: Any, batch: int, context: int, new_tokens: int,
