@@ -56,7 +56,8 @@ class TritonExperts(_TritonBase):
 
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts  # (layer.fused_experts)
+        # the custom op only where torch.compile traces (its dispatch costs host time: layer.fused_experts)
+        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts
         return run(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
@@ -76,7 +77,8 @@ class TritonBatchedExperts(_TritonBase):
     def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         """The standard format through the same weights (for callers that hold both formats)."""
-        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts  # (layer.fused_experts)
+        # the custom op only where torch.compile traces (its dispatch costs host time: layer.fused_experts)
+        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts
         return run(
             hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)

@@ -112,11 +112,10 @@ class GraphArena:
 
 @dataclass(frozen=True)
 class CapturedCall:
-    """One captured experts call of ``rows`` tokens: the graph and the arena whose first rows it reads and writes."""
+    """One captured experts call: the graph and the arena whose first rows (its bucket's) it reads and writes."""
 
     graph: torch.cuda.CUDAGraph
     arena: GraphArena
-    rows: int
 
 
 class RegistryExperts(torch.nn.Module):
@@ -228,7 +227,7 @@ class RegistryExperts(torch.nn.Module):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graph_pool(hidden.device)):
             arena.out[:rows].copy_(self._call(*static))
-        return CapturedCall(graph, arena, rows)
+        return CapturedCall(graph, arena)
 
     def extra_repr(self) -> str:
         scheme = self.report.scheme.scheme if self.report.scheme else "?"
