@@ -6,6 +6,7 @@ naming the full checkpoint tensor, what was found and what was expected."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -483,6 +484,17 @@ def test_fp8_block_gate_up_must_fill_whole_blocks() -> None:
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight: 64 output rows, not a multiple of the "
                                               r"128-row scale block.*intermediate size % 128 == 0"):
         get_converter("fp8-block", "nk")(experts, case.context())
+
+
+def test_a_conversion_makes_every_role_or_one_projection() -> None:
+    """One projection (a dense linear given as the down projection) converts that alone, w13 the same projection;
+    any other set of roles is refused by name."""
+    case = CASE_BY_ID["fp8-block"]
+    down = pack_experts(case, float_weights(16, experts=1, h=256, i=64))[0]["down"]
+    one = get_converter("fp8-block", "nk")([{"down": down}], dataclasses.replace(case.context(), roles=("down",)))
+    assert one.w13 is one.w2 and tuple(one.w2.weight.shape) == (1, 256, 64)
+    with pytest.raises(MoERegistryError, match=r"^roles \('gate',\): a conversion makes every role "):
+        get_converter("fp8-block", "nk")([{"down": down}], dataclasses.replace(case.context(), roles=("gate",)))
 
 
 def test_missing_tensor_and_missing_role() -> None:

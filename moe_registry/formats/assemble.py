@@ -15,7 +15,7 @@ from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.core.keys import PER_CHANNEL, PER_TENSOR, QuantKey
 from moe_registry.core.vocab import ROLES
 from moe_registry.formats.checks import check_finite, check_scales, require
-from moe_registry.formats.registry import ConvertContext, ExpertTensors
+from moe_registry.formats.registry import ONE_PROJECTION, ConvertContext, ExpertTensors
 from moe_registry.formats.weights import ExpertWeights, ProjectionWeights
 
 __all__ = ["ProjectionPart", "RoleConverter", "assemble", "Namer", "layout_scale_dtype", "group_size",
@@ -101,18 +101,26 @@ RoleConverter = Callable[[Mapping[str, torch.Tensor], Namer, ConvertContext], Pr
 
 
 def assemble(experts: Sequence[ExpertTensors], ctx: ConvertContext, convert_role: RoleConverter) -> ExpertWeights:
-    """Run ``convert_role`` on every (expert, role) and build the fused, stacked weights."""
+    """Run ``convert_role`` on every (expert, role of ``ctx.roles``) and build the fused, stacked weights (one
+    projection: w13 is w2)."""
     if len(experts) == 0:
         raise CheckpointError("no experts to convert: the checkpoint layer has zero expert tensors")
-    _check_bias_presence(experts, ctx, ("gate", "up"))
+    if ctx.roles not in (ROLES, ONE_PROJECTION):
+        raise MoERegistryError(f"roles {ctx.roles}: a conversion makes every role {ROLES} or one projection "
+                               f"{ONE_PROJECTION}")
+    fused = ctx.roles == ROLES
+    if fused:
+        _check_bias_presence(experts, ctx, ("gate", "up"))
     _check_bias_presence(experts, ctx, ("down",))
     w13: list[_Rows] = []
     w2: list[_Rows] = []
     for e, tensors in enumerate(experts):
-        parts = {role: _convert_one(tensors, e, role, ctx, convert_role) for role in ROLES}
-        w13.append(_fuse(parts["gate"], parts["up"], _namer(ctx, e, "gate"), _namer(ctx, e, "up")))
+        parts = {role: _convert_one(tensors, e, role, ctx, convert_role) for role in ctx.roles}
+        if fused:
+            w13.append(_fuse(parts["gate"], parts["up"], _namer(ctx, e, "gate"), _namer(ctx, e, "up")))
         w2.append(_Rows.of(parts["down"]))
-    return ExpertWeights(_stack(w13), _stack(w2), ctx.weight_key, ctx.activation_key, "nk")
+    down = _stack(w2)
+    return ExpertWeights(_stack(w13) if fused else down, down, ctx.weight_key, ctx.activation_key, "nk")
 
 
 def _namer(ctx: ConvertContext, expert: int, role: str) -> Namer:

@@ -23,6 +23,7 @@ import torch
 from moe_registry.core import guards
 from moe_registry.core.errors import ConfigError, MoERegistryError
 from moe_registry.core.keys import QuantKey, key_matches
+from moe_registry.core.vocab import ROLES
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.spec.loader import Registry, load_registry
 
@@ -53,13 +54,19 @@ def default_tensor_name(expert: int, role: str, tensor: str) -> str:
 @dataclass(frozen=True)
 class ConvertContext:
     """What a converter needs besides the tensors: the bound keys, the activation dtype the layer
-    runs in, the scheme's bindings (e.g. group size) and the model's tensor naming."""
+    runs in, the scheme's bindings (e.g. group size), the model's tensor naming, and the roles to convert:
+    every one for an experts layer, ``ONE_PROJECTION`` for a model's dense linear (its tensors given as the down
+    projection; the result holds it as w2, and w13 is the same projection, for no gate and up were fused)."""
 
     weight_key: QuantKey
     activation_key: QuantKey
     activation_dtype: torch.dtype
     bindings: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     tensor_name: TensorNamer = default_tensor_name
+    roles: tuple[str, ...] = ROLES
+
+
+ONE_PROJECTION: tuple[str, ...] = ("down",)
 
 
 Converter = Callable[[Sequence[ExpertTensors], ConvertContext], ExpertWeights]

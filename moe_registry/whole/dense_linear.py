@@ -13,7 +13,7 @@ import torch
 
 from moe_registry.core.errors import CheckpointError, MoERegistryError
 from moe_registry.formats import get_converter
-from moe_registry.formats.registry import ConvertContext
+from moe_registry.formats.registry import ONE_PROJECTION, ConvertContext
 from moe_registry.formats.weights import ExpertWeights
 from moe_registry.layer.linear import Linear
 from moe_registry.oracle.contract import Report
@@ -25,15 +25,16 @@ DENSE_LAYOUT = "nk"  # the layout the reference dequantiser and the kernels' one
 def convert_linear(registry: Registry, report: Report, tensors: Mapping[str, torch.Tensor],
                    module: str) -> ExpertWeights:
     """``module``'s checkpoint ``tensors`` (suffix -> tensor) converted as the scheme of ``report`` stores one
-    projection: a one-expert layer whose ``w2`` is the linear (gate and up: the same tensors, unused)."""
+    projection: a one-expert layer whose ``w2`` is the linear (``ONE_PROJECTION``: nothing fused, so a block
+    scale grid may end in a partial block, as DeepSeek-V3's 576-row kv_a_proj_with_mqa does)."""
     assert report.scheme is not None
     scheme = registry.scheme(report.scheme.scheme)
     ctx = ConvertContext(report.scheme.weight_key, report.scheme.activation_key,  # type: ignore[arg-type]
                          torch.float32, dict(report.scheme.bindings),
-                         tensor_name=lambda e, role, t: f"{module}.{t}")
+                         tensor_name=lambda e, role, t: f"{module}.{t}", roles=ONE_PROJECTION)
     try:
         convert = get_converter(scheme.checkpoint.format, DENSE_LAYOUT, registry)
-        return convert([{"gate": tensors, "up": tensors, "down": tensors}], ctx)
+        return convert([{"down": tensors}], ctx)
     except (MoERegistryError, KeyError, ValueError) as err:
         raise CheckpointError(f"{module}: its tensors ({', '.join(sorted(tensors))}) are not stored as scheme "
                               f"{scheme.scheme} stores them: {err}") from None
