@@ -219,6 +219,29 @@ def test_layers_disagreeing_with_the_checkpoint_name_the_layer(whole, tmp_path: 
         load_model(d)
 
 
+def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek-V3 and GLM-4.5 ship their multi-token-prediction layer after the decoder's (DeepSeek-V3: layer 61
+    of a 61-layer config, ``num_nextn_predict_layers`` 1), which transformers' model does not load: ours loads
+    the same model (transformers' logits), reports those tensors unused, and still refuses a layer past it."""
+    d = _copy(whole("deepseek_v3"), tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    assert cfg["num_nextn_predict_layers"] == 1
+    tensors = load_file(str(d / "model.safetensors"))
+    last = f"model.layers.{layers - 1}."
+    mtp = {k.replace(last, f"model.layers.{layers}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(cfg["hidden_size"], 2 * cfg["hidden_size"])
+    save_file({**tensors, **mtp}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    ours = load_model(d, dtype="float32", kernel="torch-reference")
+    assert set(mtp) <= set(ours.moe_registry_report.ignored)
+    with torch.no_grad():
+        assert _rel(ours(_prompt()).logits, _reference(d)(_prompt()).logits) < FP32_TOL
+    past = {k.replace(f"model.layers.{layers}.", f"model.layers.{layers + 1}."): v.clone() for k, v in mtp.items()}
+    save_file({**tensors, **mtp, **past}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"the checkpoint holds layer {layers + 1} \(model\.layers\.{layers + 1}\."):
+        load_model(d)
+
+
 def test_not_enough_memory_is_refused_before_loading(whole, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     import moe_registry.whole.load as load
     import moe_registry.whole.memory as memory

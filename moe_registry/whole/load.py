@@ -159,13 +159,16 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
         if layer is not None:
             expert_bytes[layer] += _nbytes(info)
             continue
+        m = _LAYER_RE.search(f".{target}")
+        if m and int(m.group(1)) >= num_layers:
+            if _left_unloaded(model, name, int(m.group(1)), num_layers):
+                ignored.append(name)
+                continue
+            raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
+                              f"{num_layers} layers")
         if converted is not None:  # transformers merges or splits it into another tensor: not read here
             raise CheckpointError(f"{name}: transformers converts it into {target} ({converted}); only experts' "
                                   "tensors are converted by the registry, other tensors must load as stored")
-        m = _LAYER_RE.search(f".{target}")
-        if m and int(m.group(1)) >= num_layers:
-            raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
-                              f"{num_layers} layers")
         if target in wanted:
             to_model[target] = name
         else:
@@ -183,6 +186,18 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
         if f"{module}.weight" in to_model:
             parts["weight"] = to_model.pop(f"{module}.weight")
     return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized)
+
+
+def _left_unloaded(model: Any, name: str, layer: int, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` of ``layer`` (past the decoder's ``num_layers``) is one transformers'
+    model does not load: a multi-token-prediction layer its config counts (``num_mtp_layers``, as DeepSeek-V3 and
+    GLM-4.5 name their ``num_nextn_predict_layers``; DeepSeek-V3 ships it as layer 61 of 61), or a key its class
+    ignores on load (``_keys_to_ignore_on_load_unexpected``)."""
+    config = model.config.get_text_config()
+    mtp = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 0
+    if num_layers <= layer < num_layers + int(mtp):
+        return True
+    return any(re.search(pattern, name) for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
 
 
 def _expected_file(index: CheckpointIndex, plan: _Plan, name: str) -> str:
