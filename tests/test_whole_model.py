@@ -240,6 +240,15 @@ def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(whole,
     save_file({**tensors, **mtp, **past}, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=rf"the checkpoint holds layer {layers + 1} \(model\.layers\.{layers + 1}\."):
         load_model(d)
+    # without the config's count, the class's own ignore pattern (DeepseekV3ForCausalLM: model.layers.61) decides
+    cfg["num_nextn_predict_layers"] = 0
+    (d / "config.json").write_text(json.dumps(cfg))
+    at_61 = {k.replace(f"model.layers.{layers}.", "model.layers.61."): v.clone() for k, v in mtp.items()}
+    save_file({**tensors, **at_61}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    assert set(at_61) <= set(load_model(d, dtype="float32").moe_registry_report.ignored)
+    save_file({**tensors, **mtp}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"the checkpoint holds layer {layers} "):
+        load_model(d)
 
 
 def test_not_enough_memory_is_refused_before_loading(whole, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

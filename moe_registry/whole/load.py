@@ -161,7 +161,7 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
             continue
         m = _LAYER_RE.search(f".{target}")
         if m and int(m.group(1)) >= num_layers:
-            if _left_unloaded(model, name, int(m.group(1)), num_layers):
+            if _left_unloaded(model, (name, target), int(m.group(1)), num_layers):
                 ignored.append(name)
                 continue
             raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
@@ -188,16 +188,17 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
     return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized)
 
 
-def _left_unloaded(model: Any, name: str, layer: int, num_layers: int) -> bool:
-    """Whether checkpoint tensor ``name`` of ``layer`` (past the decoder's ``num_layers``) is one transformers'
-    model does not load: a multi-token-prediction layer its config counts (``num_mtp_layers``, as DeepSeek-V3 and
-    GLM-4.5 name their ``num_nextn_predict_layers``; DeepSeek-V3 ships it as layer 61 of 61), or a key its class
-    ignores on load (``_keys_to_ignore_on_load_unexpected``)."""
+def _left_unloaded(model: Any, names: tuple[str, str], layer: int, num_layers: int) -> bool:
+    """Whether a checkpoint tensor of ``layer`` (past the decoder's ``num_layers``; ``names``: as stored and as
+    transformers renames it) is one transformers' model does not load: a multi-token-prediction layer its config
+    counts (``num_mtp_layers``, as DeepSeek-V3 and GLM-4.5 name their ``num_nextn_predict_layers``; DeepSeek-V3
+    ships it as layer 61 of 61), or a key its class ignores on load (``_keys_to_ignore_on_load_unexpected``)."""
     config = model.config.get_text_config()
     mtp = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 0
     if num_layers <= layer < num_layers + int(mtp):
         return True
-    return any(re.search(pattern, name) for pattern in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(pattern, name) for pattern in patterns for name in names)
 
 
 def _expected_file(index: CheckpointIndex, plan: _Plan, name: str) -> str:
