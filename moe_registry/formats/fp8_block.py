@@ -55,7 +55,7 @@ def _projection_ct(tensors: Mapping[str, torch.Tensor], name: Namer, ctx: Conver
 
 def _check_fusable(experts: Sequence[ExpertTensors], ctx: ConvertContext) -> None:
     rows = ctx.weight_key.scale.group.rows if ctx.weight_key.scale is not None else -1
-    if rows <= 1 or "gate" not in ctx.roles:  # (one projection: nothing is fused, a partial last block is whole)
+    if rows <= 1 or "gate" not in ctx.roles:  # one projection: nothing is fused, a partial last block straddles nothing
         return
     for e, tensors in enumerate(experts):
         for role in ("gate", "up"):
