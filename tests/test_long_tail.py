@@ -300,6 +300,24 @@ def test_hunyuan_per_layer_list_errors(capsys, tmp_path: Path, name: str, change
     assert re.fullmatch(expected, err[0]), err
 
 
+def test_minimax_m2_counts_its_multi_token_prediction_modules(tmp_path: Path) -> None:
+    """MiniMax-M2's config names three MTP modules (num_mtp_modules), which its checkpoint may hold as layers 62-64
+    beyond its 62 decoder layers: the family spec's mtp_layers reads them; a bad count is named."""
+    from moe_registry.core.errors import ConfigError
+    from moe_registry.situation.config import read_model_config
+    from moe_registry.spec.loader import load_registry
+
+    registry = load_registry(())
+    config = read_model_config(REAL / "minimax-m2-fp8", registry)
+    assert (config.num_layers, config.mtp_layers) == (62, 3)
+    d = tmp_path / "m"
+    d.mkdir()
+    real = _json(REAL / "minimax-m2-fp8" / "config.json")
+    (d / "config.json").write_text(json.dumps({**real, "num_mtp_modules": -1}))
+    with pytest.raises(ConfigError, match=r"config\.json: num_mtp_modules: got -1; wanted a positive integer"):
+        read_model_config(d, registry)
+
+
 def test_compressed_tensors_in_text_config_without_input_activations(capsys, tmp_path: Path) -> None:
     """Kimi-K2.6-style: the quantization_config inside text_config, and input_activations left out (compressed-
     tensors' QuantizationScheme defaults it to None, the same as the null other releases write)."""

@@ -219,14 +219,18 @@ def test_layers_disagreeing_with_the_checkpoint_name_the_layer(whole, tmp_path: 
         load_model(d)
 
 
-def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(whole, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("name,field", [("deepseek_v3", "num_nextn_predict_layers"), ("minimax_m2", "num_mtp_modules")])
+def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(name: str, field: str, whole,  # type: ignore[no-untyped-def]
+                                                                         tmp_path: Path) -> None:
     """DeepSeek-V3 and GLM-4.5 ship their multi-token-prediction layer after the decoder's (DeepSeek-V3: layer 61
-    of a 61-layer config, ``num_nextn_predict_layers`` 1), which transformers' model does not load: ours loads
-    the same model (transformers' logits), reports those tensors unused, and still refuses a layer past it."""
-    d = _copy(whole("deepseek_v3"), tmp_path / "m")
+    of a 61-layer config, ``num_nextn_predict_layers`` 1; MiniMax-M2 three, ``num_mtp_modules``), which
+    transformers' model does not load: ours loads the same model (transformers' logits), reports those tensors
+    unused, and still refuses a layer past them (the family spec's ``mtp_layers`` counts them)."""
+    d = _copy(whole(name), tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
-    assert cfg["num_nextn_predict_layers"] == 1
+    cfg[field] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
     tensors = load_file(str(d / "model.safetensors"))
     last = f"model.layers.{layers - 1}."
     mtp = {k.replace(last, f"model.layers.{layers}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
@@ -240,8 +244,10 @@ def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(whole,
     save_file({**tensors, **mtp, **past}, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=rf"the checkpoint holds layer {layers + 1} \(model\.layers\.{layers + 1}\."):
         load_model(d)
+    if name != "deepseek_v3":
+        return
     # without the config's count, the class's own ignore pattern (DeepseekV3ForCausalLM: model.layers.61) decides
-    cfg["num_nextn_predict_layers"] = 0
+    cfg[field] = 0
     (d / "config.json").write_text(json.dumps(cfg))
     at_61 = {k.replace(f"model.layers.{layers}.", "model.layers.61."): v.clone() for k, v in mtp.items()}
     save_file({**tensors, **at_61}, str(d / "model.safetensors"), metadata={"format": "pt"})

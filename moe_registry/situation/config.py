@@ -43,6 +43,7 @@ class ModelConfig:
     dtype: str | None
     raw: Mapping[str, Any]
     not_runnable: tuple[str, ...] = ()  # why no kernel here runs these experts (explain shows it, run refuses)
+    mtp_layers: int = 0  # multi-token-prediction layers a checkpoint may hold after the decoder's (not loaded)
 
     def shape_at(self, layer: int) -> MoEShape:
         """The MoE shape of ``layer``: ``shape`` with the layer's own entry of each per-layer field."""
@@ -196,6 +197,11 @@ def _int(value: Any, what: str, path: str) -> int:
     return guards.check_int(value, f"{path}: {what}", hi=guards.size_limit(what))
 
 
+def _count(value: Any, what: str, path: str) -> int:
+    """A count that may be zero (absent: zero)."""
+    return 0 if value is None or (value == 0 and not isinstance(value, bool)) else _int(value, what, path)
+
+
 def _present(roots: list[Mapping[str, Any]], names: list[str]) -> Any:
     for root in roots:
         for name in names:
@@ -293,9 +299,11 @@ def read_model_config(target: Path, registry: Registry) -> ModelConfig:
     shown = (*values.values(), *_implied_routing(values, roots, family, cls, shape, name))
     quant, source = _quant_config(cfg, roots, path)
     dtype = _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or ""))
+    mtp = _count(resolve_field(roots, f["mtp_layers"], "mtp_layers", name, cls), " or ".join(f["mtp_layers"].from_),
+                 name) if "mtp_layers" in f else 0
     return ModelConfig(name, family.family, shape, num_layers,
                        _moe_layers(roots, family, num_layers, name), routing, quant, source, dtype, cfg,
-                       _not_runnable(roots, family, shape, routing, name), tuple(shown), per_layer=per_layer)
+                       _not_runnable(roots, family, shape, routing, name), mtp, tuple(shown), per_layer=per_layer)
 
 
 def _per_layer_ints(values: tuple[Any, ...], ref: FieldRef, path: str, num_layers: int) -> tuple[int, ...]:

@@ -777,7 +777,7 @@ class ConfigClass(Strict):
 
 
 FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
-                    "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts"]
+                    "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts", "mtp_layers"]
 RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
                       "correction_bias", "group_score", "router_weight_on_input", "shared_expert_gate"]
 
@@ -799,7 +799,10 @@ class ModelFamilySpec(Strict):
         "run, reported by explain and refused by run: gated (false: act(up) experts without a gate projection, "
         "Nemotron-H), latent_size (the experts run in a latent space of this width between two projections, "
         "Nemotron-H's moe_latent_size; absent or null: none), zero_experts (how many zero-compute identity "
-        "experts the router scores beside the routed ones, LongCat's zero_expert_num)"))
+        "experts the router scores beside the routed ones, LongCat's zero_expert_num). mtp_layers: the "
+        "multi-token-prediction layers a checkpoint may ship after the decoder's, numbered on from num_layers "
+        "(DeepSeek-V3's num_nextn_predict_layers: layer 61 of a 61-layer config), which transformers' model "
+        "does not load and whole.load_model leaves unloaded; absent: none"))
     moe_layers: MoELayers = Field(default_factory=MoELayers, description=(
         "which decoder layers are MoE; default every layer"))
     config_classes: dict[str, ConfigClass] = Field(default_factory=dict, description=(

@@ -354,7 +354,7 @@ class ConfigClass(SpecRecord):
 
 
 FieldName = Literal["num_experts", "top_k", "hidden", "intermediate", "num_layers", "activation", "has_bias",
-                    "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts"]
+                    "shared_experts", "shared_intermediate", "gated", "latent_size", "zero_experts", "mtp_layers"]
 
 RoutingWord = Literal["scoring", "renormalize", "num_expert_group", "topk_group", "routed_scaling_factor",
                       "correction_bias", "group_score", "router_weight_on_input", "shared_expert_gate"]

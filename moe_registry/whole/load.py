@@ -140,7 +140,8 @@ def non_expert_tensors(model: torch.nn.Module, experts: Mapping[int, str]) -> di
     return {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
 
 
-def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_layers: int) -> _Plan:
+def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_layers: int,
+          mtp_layers: int) -> _Plan:
     """Map checkpoint names to model names with transformers' own renaming (``conversion_mapping``)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -161,7 +162,7 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
             continue
         m = _LAYER_RE.search(f".{target}")
         if m and int(m.group(1)) >= num_layers:
-            if _left_unloaded(model, (name, target), int(m.group(1)), num_layers):
+            if _left_unloaded(model, (name, target), int(m.group(1)), num_layers, mtp_layers):
                 ignored.append(name)
                 continue
             raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
@@ -188,14 +189,12 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
     return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized)
 
 
-def _left_unloaded(model: Any, names: tuple[str, str], layer: int, num_layers: int) -> bool:
+def _left_unloaded(model: Any, names: tuple[str, str], layer: int, num_layers: int, mtp_layers: int) -> bool:
     """Whether a checkpoint tensor of ``layer`` (past the decoder's ``num_layers``; ``names``: as stored and as
-    transformers renames it) is one transformers' model does not load: a multi-token-prediction layer its config
-    counts (``num_mtp_layers``, as DeepSeek-V3 and GLM-4.5 name their ``num_nextn_predict_layers``; DeepSeek-V3
-    ships it as layer 61 of 61), or a key its class ignores on load (``_keys_to_ignore_on_load_unexpected``)."""
-    config = model.config.get_text_config()
-    mtp = getattr(config, "num_mtp_layers", None) or getattr(config, "num_nextn_predict_layers", None) or 0
-    if num_layers <= layer < num_layers + int(mtp):
+    transformers renames it) is one transformers' model does not load: one of the config's ``mtp_layers``
+    multi-token-prediction layers (the family spec's field; DeepSeek-V3 ships one as layer 61 of 61), or a key
+    the model's class ignores on load (``_keys_to_ignore_on_load_unexpected``)."""
+    if num_layers <= layer < num_layers + mtp_layers:
         return True
     patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
     return any(re.search(pattern, name) for pattern in patterns for name in names)
@@ -439,7 +438,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
         raise ConfigError(f"{config_path(target)}: layer {layer}: the family spec {model_config.family} says "
                           f"{'MoE' if layer in model_config.moe_layers else 'dense'}, but {where}")
     index = open_checkpoint(target)
-    plan = _plan(model, index, experts, model_config.num_layers)
+    plan = _plan(model, index, experts, model_config.num_layers, model_config.mtp_layers)
     for layer, size in plan.expert_bytes.items():
         if size == 0:
             raise CheckpointError(f"layer {layer}: no expert tensors for {experts[layer]} in {index.root}")
