@@ -736,9 +736,11 @@ def profile_table(lines: list[dict[str, Any]]) -> str:
                      f"{c['device_busy_ms_per_forward']:.2f}", f"{c['kernels_per_forward']:.0f}",
                      f"{calls.get('cudaGraphLaunch', 0):.2f}", f"{single:.0f}"])
     out = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
-    return ("\nOne profiled `generate` per side (a forward is the prefill or one decode step) and one profiled "
-            "prefill forward (mode prefill); the profiler's own cost is in the wall time:\n\n"
-            + "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n")
+    prefill = (" and one profiled prefill forward (mode prefill)" if any(c["mode"] == "prefill" for c in profiles)
+               else "")
+    lines = "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
+    return (f"\nOne profiled `generate` per side (a forward is the prefill or one decode step){prefill}; the "
+            f"profiler's own cost is in the wall time:\n\n{lines}\n")
 
 
 def markdown(path: Path) -> str:
