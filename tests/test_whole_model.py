@@ -237,7 +237,9 @@ def test_a_multi_token_prediction_layer_is_left_as_transformers_leaves_it(name: 
     mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(cfg["hidden_size"], 2 * cfg["hidden_size"])
     save_file({**tensors, **mtp}, str(d / "model.safetensors"), metadata={"format": "pt"})
     ours = load_model(d, dtype="float32", kernel="torch-reference")
-    assert set(mtp) <= set(ours.moe_registry_report.ignored)
+    report = ours.moe_registry_report
+    assert set(mtp) <= set(report.ignored) and report.unloaded_layers == (layers,)
+    assert f"checkpoint layer {layers}: multi-token prediction, left unloaded" in report.to_text()
     with torch.no_grad():
         assert _rel(ours(_prompt()).logits, _reference(d)(_prompt()).logits) < FP32_TOL
     past = {k.replace(f"model.layers.{layers}.", f"model.layers.{layers + 1}."): v.clone() for k, v in mtp.items()}

@@ -125,6 +125,7 @@ class _Plan:
     expert_bytes: Mapping[int, int]  # MoE layer -> bytes of its expert tensors in the checkpoint
     ignored: tuple[str, ...]
     quantized: Mapping[str, Mapping[str, str]]  # a quantized linear (module name) -> tensor suffix -> checkpoint name
+    unloaded_layers: tuple[int, ...] = ()  # checkpoint layers past the decoder's that transformers leaves unloaded
 
 
 def _nbytes(info: TensorInfo) -> int:
@@ -154,6 +155,7 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
     to_model: dict[str, str] = {}
     expert_bytes = dict.fromkeys(experts, 0)
     ignored: list[str] = []
+    unloaded: set[int] = set()
     for name, info in index.tensors.items():
         target, converted = rename_source_key(name, renamings, converters, model.base_model_prefix, wanted)
         layer = next((lay for p, lay in prefixes.items() if target.startswith(p)), None)
@@ -164,6 +166,7 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
         if m and int(m.group(1)) >= num_layers:
             if _left_unloaded(model, (name, target), int(m.group(1)), num_layers, mtp_layers):
                 ignored.append(name)
+                unloaded.add(int(m.group(1)))
                 continue
             raise ConfigError(f"{index.root}: the checkpoint holds layer {m.group(1)} ({name}), but config.json has "
                               f"{num_layers} layers")
@@ -186,7 +189,7 @@ def _plan(model: Any, index: CheckpointIndex, experts: Mapping[int, str], num_la
     for module, parts in quantized.items():
         if f"{module}.weight" in to_model:
             parts["weight"] = to_model.pop(f"{module}.weight")
-    return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized)
+    return _Plan(to_model, expert_bytes, tuple(sorted(ignored)), quantized, tuple(sorted(unloaded)))
 
 
 def _left_unloaded(model: Any, names: tuple[str, str], layer: int, num_layers: int, mtp_layers: int) -> bool:
@@ -478,5 +481,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: s
     model.eval()
     model.moe_registry_report = LoadReport(str(target), model_config.family, model.config.model_type,
                                            type(model).__name__, str(dev), dtype_name, tuple(plans), loads,
-                                           plan.ignored, graph_tokens, ep_rank, ep, dispatch)
+                                           plan.ignored, graph_tokens, ep_rank, ep, dispatch, plan.unloaded_layers)
     return model

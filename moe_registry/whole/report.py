@@ -49,6 +49,8 @@ class LoadReport:
     ep_rank: int = 0  # expert parallelism: this rank, of ep_size, holds 1/ep_size of each layer's experts
     ep_size: int = 1
     ep_implementation: str = ""  # what moves the tokens between the ranks (transformers_ep.describe says it)
+    # checkpoint layers past the decoder's that transformers' model does not load (multi-token prediction)
+    unloaded_layers: tuple[int, ...] = ()
 
     @property
     def experts_resident_bytes(self) -> int:
@@ -90,6 +92,10 @@ class LoadReport:
             lines.append("  experts calls launch their kernels directly (cuda_graphs off)")
         for load in self.non_expert:
             lines.append(f"  {len(load.names)} other tensors {load.how}")
+        if self.unloaded_layers:
+            which = ", ".join(map(str, self.unloaded_layers))
+            lines.append(f"  checkpoint layer{'s' if len(self.unloaded_layers) > 1 else ''} {which}: multi-token "
+                         "prediction, left unloaded as transformers' model leaves it")
         if self.ignored:
             shown = ", ".join(self.ignored[:4]) + (" ..." if len(self.ignored) > 4 else "")
             lines.append(f"  {len(self.ignored)} checkpoint tensors not used by the model: {shown}")
