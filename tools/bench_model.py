@@ -321,16 +321,22 @@ def load(path: Path, side: str, device: str) -> tuple[Any, dict[str, Any]]:
     return model, facts
 
 
-def prefill_seconds(model: Any, tokens: int, clock: Clock, repeats: int = 5, least_seconds: float = 1.0) -> float:
-    """Median time of one forward of ``tokens`` tokens (batch 1, no cache, last position's logits), over at least
-    ``repeats`` forwards and ``least_seconds`` of them: a host-bound forward takes tens of milliseconds, and the
-    median of three varied by up to 1.2x from one round to the next in one process (H200 host, 512 tokens)."""
+def _prefill_forward(model: Any, tokens: int) -> Callable[[], None]:
+    """One forward of ``tokens`` random tokens (batch 1, no cache, last position's logits)."""
     ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, tokens),
                         generator=torch.Generator().manual_seed(1)).to(model.device)
 
     def forward() -> None:
         model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
+    return forward
+
+
+def prefill_seconds(model: Any, tokens: int, clock: Clock, repeats: int = 5, least_seconds: float = 1.0) -> float:
+    """Median time of one forward of ``tokens`` tokens (batch 1, no cache, last position's logits), over at least
+    ``repeats`` forwards and ``least_seconds`` of them: a host-bound forward takes tens of milliseconds, and the
+    median of three varied by up to 1.2x from one round to the next in one process (H200 host, 512 tokens)."""
+    forward = _prefill_forward(model, tokens)
     for _ in range(2):  # the first call compiles this token count's kernels and captures its graphs
         clock(forward)
     times: list[float] = []
@@ -438,12 +444,7 @@ def _profile(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, An
 def _profile_prefill(model: Any, args: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     """torch.profiler over one prefill forward of the first prefill count, as ``prefill_seconds`` times it."""
     tokens = args.prefill[0]
-    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, tokens),
-                        generator=torch.Generator().manual_seed(1)).to(model.device)
-
-    def forward() -> None:
-        model(input_ids=ids, use_cache=False, logits_to_keep=1)
-
+    forward = _prefill_forward(model, tokens)
     clock(forward)  # warm
     name = Path(args.out_file).parent / f"profile-{args.fmt}-{args.side.replace(':', '-')}-prefill{tokens}.txt"
     return {"mode": "prefill", "batch": tokens, **_profiled(forward, name, 1, clock)}

@@ -42,6 +42,15 @@ class _TritonBase(Experts):
         if config.routed_experts is not None:
             self._routed["routed_experts"] = config.routed_experts
 
+    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The standard format (the batched kernel's too, for callers that hold both formats)."""
+        # the custom op only where torch.compile traces (its dispatch costs host time: layer.fused_experts)
+        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts
+        return run(
+            hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
+            self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
+
     def unpacked_weights(self) -> ExpertWeights:
         """The weights the kernel holds, back in the ``nk`` layout (TritonWeightLayout.unpack): the
         converted weights' values without reading the checkpoint again."""
@@ -54,14 +63,6 @@ class _TritonBase(Experts):
 class TritonExperts(_TritonBase):
     """Standard activation format: hidden [M, H] with top-k routing."""
 
-    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        # the custom op only where torch.compile traces (its dispatch costs host time: layer.fused_experts)
-        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts
-        return run(
-            hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
-
 
 class TritonBatchedExperts(_TritonBase):
     """Batched activation format (expert parallelism): x [E, T, H] and expert_num_tokens [E]."""
@@ -73,12 +74,3 @@ class TritonBatchedExperts(_TritonBase):
         return run(
             x, expert_num_tokens.to(torch.int32), *self._tensors, self.weight_key, self.activation_key,
             self.config.activation, **self._options)
-
-    def apply(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """The standard format through the same weights (for callers that hold both formats)."""
-        # the custom op only where torch.compile traces (its dispatch costs host time: layer.fused_experts)
-        run = fused_experts if torch.compiler.is_compiling() else run_fused_experts
-        return run(
-            hidden, topk_weights, topk_ids, *self._tensors, self.weight_key, self.activation_key,
-            self.config.activation, self.config.apply_router_weight_on_input, **self._options, **self._routed)
