@@ -487,3 +487,30 @@ def test_bench_untuned_names_a_missing_tuned_directory(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.strip() == (f"bench_untuned.py: --tuned {tmp_path / 'nowhere'}: no such directory "
                                                "(wanted a tools/tune.py run's --out)")
     assert not (tmp_path / "untuned.jsonl").exists()
+
+
+def test_bench_model_hands_transformers_a_local_copy_of_a_hub_kernel(tmp_path, monkeypatch):
+    """--hub-kernels: transformers' FineGrainedFP8 integration loads the kernel package from the folder (where it
+    would download kernels-community/finegrained-fp8), and a folder without its index is one line."""
+    pytest.importorskip("transformers")
+    from transformers.integrations import finegrained_fp8, hub_kernels
+
+    bench_model = _tool(monkeypatch, "bench_model")
+    with pytest.raises(SystemExit, match=rf"^--hub-kernels {tmp_path}: no kernels.json there"):
+        bench_model.install_hub_kernels(tmp_path)
+    package = tmp_path / "local_fp8_kernel"
+    package.mkdir()
+    (package / "__init__.py").write_text("def matmul_2d(*a, **k): return '2d'\n"
+                                         "def matmul_batched(*a, **k): return 'batched'\n"
+                                         "def matmul_grouped(*a, **k): return 'grouped'\n")
+    (tmp_path / "kernels.json").write_text(json.dumps(
+        {"finegrained-fp8": {"package": "local_fp8_kernel", "source": "example@0123"}}))
+    monkeypatch.setitem(hub_kernels._KERNEL_MODULE_MAPPING, "finegrained-fp8", None)  # put back afterwards
+    monkeypatch.setattr(finegrained_fp8, "is_kernels_available", finegrained_fp8.is_kernels_available)
+    monkeypatch.setattr(finegrained_fp8, "_FINEGRAINED_FP8", None)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    bench_model.install_hub_kernels(tmp_path)
+    kernel = finegrained_fp8.load_finegrained_fp8_kernel()
+    assert (kernel.matmul(), kernel.batched_matmul(), kernel.grouped_matmul()) == ("2d", "batched", "grouped")
+    assert bench_model.hub_kernels(tmp_path) == {"finegrained-fp8": {"package": "local_fp8_kernel",
+                                                                     "source": "example@0123"}}

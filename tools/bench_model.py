@@ -17,6 +17,11 @@ off), ``static`` (transformers' static cache, whose decode steps transformers co
 Prefill: one forward of ``--prefill`` tokens (batch 1, no cache). Memory: CUDA's peak allocated bytes (during the
 load, and over the whole process), or on the CPU the peak RSS the load (and the load with the runs) adds.
 
+transformers fetches some experts kernels from the Hugging Face Hub at run time (FineGrainedFP8's
+``kernels-community/finegrained-fp8``); on a machine without network ``--hub-kernels DIR`` hands its transformers
+sides local copies (tools/prepare_transformers.sh makes DIR from a checkout of the kernels' repository), so
+transformers runs the kernel it would download. The record's header names each copy's source commit.
+
 Every measurement is a JSON line appended to ``--out``/``<device>-whole-model.jsonl`` as soon as it is taken;
 ``--table FILE`` prints the markdown table of such a file (tools/perf_tables.py puts it in docs/performance.md).
 
@@ -284,7 +289,33 @@ class Clock:
         return time.perf_counter() - start
 
 
-def load(path: Path, side: str, device: str) -> tuple[Any, dict[str, Any]]:
+def hub_kernels(folder: Path | None) -> dict[str, Any]:
+    """The local copies of Hub kernels in ``folder`` (its ``kernels.json``: Hub name -> package and source)."""
+    if folder is None:
+        return {}
+    index = folder / "kernels.json"
+    if not index.is_file():
+        raise SystemExit(f"--hub-kernels {folder}: no kernels.json there (tools/prepare_transformers.sh makes it)")
+    return json.loads(index.read_text())
+
+
+def install_hub_kernels(folder: Path | None) -> None:
+    """Give transformers the local copies in ``folder`` where it would download them from the Hub: each package
+    is imported and put in the table transformers' ``lazy_load_kernel`` reads first, and transformers' check for
+    the ``kernels`` downloader is answered yes for the integrations that call it."""
+    kernels = hub_kernels(folder)
+    if not kernels:
+        return
+    from transformers.integrations import finegrained_fp8
+    from transformers.integrations import hub_kernels as hub
+
+    sys.path.insert(0, str(folder))
+    for name, entry in kernels.items():
+        hub._KERNEL_MODULE_MAPPING[name] = importlib.import_module(entry["package"])
+    finegrained_fp8.is_kernels_available = lambda: True
+
+
+def load(path: Path, side: str, device: str, hub_folder: Path | None = None) -> tuple[Any, dict[str, Any]]:
     """The model as ``side`` loads it (``registry``, ``transformers`` or ``transformers:<experts impl>``) and what
     the load did."""
     import transformers
@@ -304,6 +335,7 @@ def load(path: Path, side: str, device: str) -> tuple[Any, dict[str, Any]]:
                                  "schemes": sorted({p.scheme for p in report.layers}),
                                  "graph_tokens": report.graph_tokens}
     else:
+        install_hub_kernels(hub_folder)
         kwargs: dict[str, Any] = {"dtype": torch.bfloat16}
         if ":" in side:
             kwargs["experts_implementation"] = side.split(":", 1)[1]
@@ -386,7 +418,7 @@ def measure(args: argparse.Namespace) -> None:
 
     clock = Clock(args.device)
     try:
-        model, facts = load(Path(args.measure), args.side, args.device)
+        model, facts = load(Path(args.measure), args.side, args.device, args.hub_kernels)
     except Exception as err:  # noqa: BLE001 (any failure to load is the row's answer)
         emit("error", stage="load", error=_one_line(err))
         return
@@ -399,6 +431,8 @@ def measure(args: argparse.Namespace) -> None:
         for tokens in args.prefill:
             _cell(emit, "prefill", {"tokens": tokens},
                   lambda t=tokens: {"tokens_per_s": t / prefill_seconds(model, t, clock)})
+        if args.profile and args.prefill:  # before the decode cells, whose compiles may run past --side-timeout
+            _cell(emit, "profile", {}, lambda: _profile_prefill(model, args, clock))
         for mode in args.modes:
             if mode == "direct" and not registry:
                 continue
@@ -408,8 +442,6 @@ def measure(args: argparse.Namespace) -> None:
                       lambda b=batch, m=mode: _decode_cell(model, b, args, m, clock, eager_tokens))
         if args.profile:
             _cell(emit, "profile", {}, lambda: _profile(model, args, clock))
-            if args.prefill:
-                _cell(emit, "profile", {}, lambda: _profile_prefill(model, args, clock))
     end = {"peak_bytes": torch.cuda.max_memory_allocated()} if args.device.startswith("cuda") else {}
     emit("end", run_peak_rss_bytes=_rss_peak(), **end)
 
@@ -498,8 +530,9 @@ def _graphs(model: Any, on: bool) -> None:
 
 
 def _cell(emit: Callable[..., None], kind: str, key: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> None:
+    start = time.perf_counter()
     try:
-        emit(kind, **key, **fn())
+        emit(kind, **key, **fn(), cell_s=round(time.perf_counter() - start, 1))
     except Exception as err:  # noqa: BLE001 (a cell that fails is recorded, the others still run)
         emit("error", stage=kind, **key, error=_one_line(err))
 
@@ -527,6 +560,8 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     env: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                            "triton": triton.__version__, "python": platform.python_version(),
                            "compressed_tensors": importlib.util.find_spec("compressed_tensors") is not None}
+    if args.hub_kernels is not None:
+        env["hub_kernels"] = {name: entry["source"] for name, entry in hub_kernels(args.hub_kernels).items()}
     if args.device.startswith("cuda"):
         env["device"] = torch.cuda.get_device_name()
     else:
@@ -548,6 +583,7 @@ def run(args: argparse.Namespace) -> Path:
     record = out_dir / f"{args.device.split(':')[0]}-whole-model.jsonl"
     settings = {k: getattr(args, k) for k in ("model", "layers", "vocab", "device", "threads", "batch", "prefill",
                                               "context", "new_tokens", "modes", "transformers_experts", "profile")}
+    settings["hub_kernels"] = args.hub_kernels is not None
     with record.open("a") as f:
         f.write(json.dumps({"kind": "header", "settings": settings, "env": environment(args)}) + "\n")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_model_"))
@@ -592,6 +628,7 @@ def _child(args: argparse.Namespace, path: Path, fmt: str, side: str, record: Pa
     cmd += ["--prefill", *map(str, args.prefill)]
     cmd += ["--threads", str(args.threads)] if args.threads else []
     cmd += ["--profile"] if args.profile else []
+    cmd += ["--hub-kernels", str(args.hub_kernels)] if args.hub_kernels is not None else []
     start = time.perf_counter()
     log = record.parent / f"{fmt}-{side.replace(':', '-')}.log"  # the child's messages (compile notes, warnings)
     try:
@@ -769,6 +806,7 @@ def command(settings: dict[str, Any], formats: list[str]) -> str:
     parts += ["--transformers-experts " + " ".join(experts)] if experts and experts != ["grouped_mm", "batched_mm"] \
         else []
     parts += ["--profile"] if settings.get("profile") else []
+    parts += ["--hub-kernels HUB_KERNELS"] if settings.get("hub_kernels") else []
     parts += ["--out OUT"]
     return " ".join(parts)
 
@@ -797,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also profile one decode run (static mode where measured, first batch) and one prefill "
                    "forward (first count) with torch.profiler, beside the record")
+    p.add_argument("--hub-kernels", dest="hub_kernels", type=Path, metavar="DIR",
+                   help="local copies of the Hub kernels transformers downloads (kernels.json inside)")
     p.add_argument("--table", type=Path, metavar="RECORD", help="print the markdown tables of a record and exit")
     p.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--side", help=argparse.SUPPRESS)

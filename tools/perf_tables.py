@@ -240,6 +240,7 @@ def whole_model_block(entry: dict, base: Path) -> str:
     machine = (f"{env['device']}, torch {env['torch']}, transformers {env['transformers']}, Triton {env['triton']}, "
                f"compressed-tensors {'installed' if env['compressed_tensors'] else 'not installed'}"
                + (f", {env['threads']} threads" if env.get("threads") else "")
+               + "".join(f", Hub kernel {name} from {source}" for name, source in env.get("hub_kernels", {}).items())
                + (f" ({entry['note']})" if entry.get("note") else ""))
     return (provenance(bench_model.command(header["settings"], formats), machine, entry) + "\n\n"
             + bench_model.markdown(path))

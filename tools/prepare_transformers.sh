@@ -2,10 +2,13 @@
 # Wheels of a newer transformers for the GPU machine, which has no network and an older one (tools/gpu_run.sh puts
 # .whl-tf/ first on the path when it is carried): transformers and the tokenizers it pins in .whl-tf/, and
 # huggingface_hub with the packages it needs beyond the image's in .whl-tf/hub/ (installed only where the image's
-# hub is too old for that transformers).
-#   bash tools/prepare_transformers.sh 5.24.0      # then run(..., carry=[".whl", ".whl-tf"])
+# hub is too old for that transformers). With a second argument, a git directory of
+# github.com/huggingface/kernels-community: .whl-tf/hub-kernels/ holds its finegrained-fp8 package (the kernel
+# transformers' FineGrainedFP8 experts download from the Hub at run time) for tools/bench_model.py --hub-kernels.
+#   bash tools/prepare_transformers.sh 5.24.0 [KERNELS_COMMUNITY_GIT_DIR]  # then run(..., carry=[".whl", ".whl-tf"])
 set -euo pipefail
-version=${1:?usage: $0 TRANSFORMERS_VERSION}
+version=${1:?usage: $0 TRANSFORMERS_VERSION [KERNELS_COMMUNITY_GIT_DIR]}
+kernels_repo=${2:-}
 target=(--python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all: --no-deps)
 rm -rf .whl-tf && mkdir -p .whl-tf/hub
 python3 -m pip download -q "${target[@]}" -d .whl-tf "transformers==$version"
@@ -20,4 +23,23 @@ PY
 )
 python3 -m pip download -q "${target[@]}" -d .whl-tf "$tokenizers"
 python3 -m pip download -q "${target[@]}" -d .whl-tf/hub huggingface_hub httpx2 httpcore2 truststore anyio click hf-xet
+if [ -n "$kernels_repo" ]; then
+  # the Hub's build of this Triton-only kernel is its torch-ext package plus an _ops module the kernel builder
+  # writes (the namespace its torch.library ops register under)
+  commit=$(git --git-dir="$kernels_repo" rev-parse HEAD)
+  mkdir -p .whl-tf/hub-kernels
+  git --git-dir="$kernels_repo" archive HEAD finegrained-fp8/torch-ext/finegrained_fp8 \
+    | tar -x --strip-components=2 -C .whl-tf/hub-kernels
+  cat > .whl-tf/hub-kernels/finegrained_fp8/_ops.py <<'PY'
+import torch
+
+ops = torch.ops._finegrained_fp8_local
+
+
+def add_op_namespace_prefix(op_name: str) -> str:
+    return f"_finegrained_fp8_local::{op_name}"
+PY
+  printf '{"finegrained-fp8": {"package": "finegrained_fp8", "source": "github.com/huggingface/kernels-community@%s"}}\n' \
+    "$commit" > .whl-tf/hub-kernels/kernels.json
+fi
 ls .whl-tf .whl-tf/hub
