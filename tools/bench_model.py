@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import importlib.util
 import json
@@ -41,6 +42,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -631,15 +633,25 @@ def _child(args: argparse.Namespace, path: Path, fmt: str, side: str, record: Pa
     cmd += ["--hub-kernels", str(args.hub_kernels)] if args.hub_kernels is not None else []
     start = time.perf_counter()
     log = record.parent / f"{fmt}-{side.replace(':', '-')}.log"  # the child's messages (compile notes, warnings)
-    try:
-        with log.open("w") as err:
-            done = subprocess.run(cmd, stdout=err, stderr=subprocess.STDOUT, timeout=args.side_timeout)
-        if done.returncode != 0:
-            last = (log.read_text().strip().splitlines() or ["no output"])[-1]
-            _append(record, {"kind": "error", "format": fmt, "side": side, "stage": "process", "error": last[:300]})
-    except subprocess.TimeoutExpired:
+    # the side runs in a process group of its own, stopped whole: a side cut off while torch.compile works leaves
+    # compile workers (processes of their own) busy for minutes, and the next side's host-bound cells shared the
+    # host with them (a 512-token prefill measured 1.6x slower right after such a cut)
+    with log.open("w") as err:
+        child = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = child.wait(timeout=args.side_timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the workers of a side that ended too
+            child.wait()
+    if returncode is None:
         _append(record, {"kind": "error", "format": fmt, "side": side, "stage": "process",
                          "error": f"stopped after {args.side_timeout} s (--side-timeout)"})
+    elif returncode != 0:
+        last = (log.read_text().strip().splitlines() or ["no output"])[-1]
+        _append(record, {"kind": "error", "format": fmt, "side": side, "stage": "process", "error": last[:300]})
     print(f"{fmt} {side}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
