@@ -514,3 +514,32 @@ def test_bench_model_hands_transformers_a_local_copy_of_a_hub_kernel(tmp_path, m
     assert (kernel.matmul(), kernel.batched_matmul(), kernel.grouped_matmul()) == ("2d", "batched", "grouped")
     assert bench_model.hub_kernels(tmp_path) == {"finegrained-fp8": {"package": "local_fp8_kernel",
                                                                      "source": "example@0123"}}
+
+
+def test_bench_model_stops_a_sides_whole_process_group(tmp_path, monkeypatch):
+    """A side cut off by its time limit, or ending, takes the processes it started with it (torch.compile's
+    workers): none is left to share the host with the next side."""
+    import sys
+    import time
+
+    bench_model = _tool(monkeypatch, "bench_model")
+    script = ("import subprocess, sys, time\n"
+              "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              f"open({str(tmp_path / 'pid')!r}, 'w').write(str(worker.pid))\n"
+              "time.sleep(float(sys.argv[1]))\n")
+
+    def alive(pid: int) -> bool:
+        # a killed worker is a zombie until its reaper (here: init) collects it
+        stat = Path(f"/proc/{pid}/stat")
+        return stat.exists() and stat.read_text().split(") ", 1)[1][0] != "Z"
+
+    for sleep, timeout, wanted in ((60, 2.0, None), (0, 30.0, 0)):
+        (tmp_path / "pid").unlink(missing_ok=True)
+        started = time.perf_counter()
+        code = bench_model.run_side([sys.executable, "-c", script, str(sleep)], tmp_path / "side.log", timeout)
+        assert code == wanted and time.perf_counter() - started < 20
+        worker = int((tmp_path / "pid").read_text())
+        deadline = time.perf_counter() + 5
+        while alive(worker) and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker), f"worker {worker} outlived its side"

@@ -623,6 +623,25 @@ def _append(record: Path, line: dict[str, Any]) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+def run_side(cmd: list[str], log: Path, timeout: float) -> int | None:
+    """Run one side's process, its output into ``log``; its return code, or None where ``timeout`` cut it off.
+
+    The side runs in a process group of its own, stopped whole when it ends: a side cut off while torch.compile
+    works leaves compile workers (processes of their own) busy for minutes, and the next side's host-bound cells
+    shared the host with them (a 512-token prefill measured 1.6x slower right after such a cut)."""
+    with log.open("w") as err:
+        child = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode: int | None = child.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # the workers of a side that ended too
+            child.wait()
+    return returncode
+
+
 def _child(args: argparse.Namespace, path: Path, fmt: str, side: str, record: Path) -> None:
     cmd = [sys.executable, __file__, "--measure", str(path), "--side", side, "--fmt", fmt, "--out-file", str(record),
            "--device", args.device, "--context", str(args.context), "--new-tokens", str(args.new_tokens),
@@ -633,19 +652,7 @@ def _child(args: argparse.Namespace, path: Path, fmt: str, side: str, record: Pa
     cmd += ["--hub-kernels", str(args.hub_kernels)] if args.hub_kernels is not None else []
     start = time.perf_counter()
     log = record.parent / f"{fmt}-{side.replace(':', '-')}.log"  # the child's messages (compile notes, warnings)
-    # the side runs in a process group of its own, stopped whole: a side cut off while torch.compile works leaves
-    # compile workers (processes of their own) busy for minutes, and the next side's host-bound cells shared the
-    # host with them (a 512-token prefill measured 1.6x slower right after such a cut)
-    with log.open("w") as err:
-        child = subprocess.Popen(cmd, stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = child.wait(timeout=args.side_timeout)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)  # the workers of a side that ended too
-            child.wait()
+    returncode = run_side(cmd, log, args.side_timeout)
     if returncode is None:
         _append(record, {"kind": "error", "format": fmt, "side": side, "stage": "process",
                          "error": f"stopped after {args.side_timeout} s (--side-timeout)"})
