@@ -20,7 +20,12 @@ fi
 # a newer transformers than the image's, where .whl-tf/ is carried (tools/prepare_transformers.sh makes it): first on
 # the path for the whole call (the image's huggingface_hub serves it; .whl-tf/hub/ holds a newer one where not)
 if [ -d .whl-tf ]; then
-  [ -d /tmp/tf/transformers ] || python3 -m pip install -q --no-index --no-deps --target /tmp/tf .whl-tf/*.whl || exit 1
+  # a warm machine installed an earlier call's wheels: install again where this call carries others
+  wheels=$(cd .whl-tf && ls *.whl)
+  if [ "$wheels" != "$(cat /tmp/tf/.wheels 2>/dev/null)" ]; then
+    rm -rf /tmp/tf && python3 -m pip install -q --no-index --no-deps --target /tmp/tf .whl-tf/*.whl || exit 1
+    echo "$wheels" > /tmp/tf/.wheels
+  fi
   if ! PYTHONPATH="/tmp/tf:${PYTHONPATH:-}" python3 -c "import transformers" 2>/dev/null && [ -d .whl-tf/hub ]; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/tf .whl-tf/hub/*.whl || exit 1
   fi

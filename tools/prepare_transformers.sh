@@ -2,7 +2,8 @@
 # Wheels of a newer transformers for the GPU machine, which has no network and an older one (tools/gpu_run.sh puts
 # .whl-tf/ first on the path when it is carried): transformers and the tokenizers it pins in .whl-tf/, and
 # huggingface_hub with the packages it needs beyond the image's in .whl-tf/hub/ (installed only where the image's
-# hub is too old for that transformers). With a second argument, a git directory of
+# hub is too old for that transformers); compressed-tensors and the loguru it needs beside them (transformers' own
+# loading of compressed-tensors checkpoints, which tools/bench_model.py compares with). With a second argument, a git directory of
 # github.com/huggingface/kernels-community: .whl-tf/hub-kernels/ holds its finegrained-fp8 package (the kernel
 # transformers' FineGrainedFP8 experts download from the Hub at run time) for tools/bench_model.py --hub-kernels.
 #   bash tools/prepare_transformers.sh 5.24.0 [KERNELS_COMMUNITY_GIT_DIR]  # then run(..., carry=[".whl", ".whl-tf"])
@@ -21,7 +22,7 @@ pins = [line.split(":", 1)[1].strip() for line in wheel.read(meta).decode().spli
 print(pins[0].replace(" ", "") if pins else "tokenizers")
 PY
 )
-python3 -m pip download -q "${target[@]}" -d .whl-tf "$tokenizers"
+python3 -m pip download -q "${target[@]}" -d .whl-tf "$tokenizers" compressed-tensors loguru
 python3 -m pip download -q "${target[@]}" -d .whl-tf/hub huggingface_hub httpx2 httpcore2 truststore anyio click hf-xet
 if [ -n "$kernels_repo" ]; then
   # the Hub's build of this Triton-only kernel is its torch-ext package plus an _ops module the kernel builder
