@@ -3,9 +3,10 @@
 # .whl-tf/ first on the path when it is carried): transformers and the tokenizers it pins in .whl-tf/, and
 # huggingface_hub with the packages it needs beyond the image's in .whl-tf/hub/ (installed only where the image's
 # hub is too old for that transformers); compressed-tensors and the loguru it needs beside them (transformers' own
-# loading of compressed-tensors checkpoints, which tools/bench_model.py compares with). With a second argument, a git directory of
-# github.com/huggingface/kernels-community: .whl-tf/hub-kernels/ holds its finegrained-fp8 package (the kernel
-# transformers' FineGrainedFP8 experts download from the Hub at run time) for tools/bench_model.py --hub-kernels.
+# loading of compressed-tensors checkpoints, which tools/bench_model.py compares with). With a second argument, a
+# git directory of github.com/huggingface/kernels-community: .whl-tf/hub-kernels/ holds its finegrained-fp8
+# package (the kernel transformers' FineGrainedFP8 experts download from the Hub at run time) for
+# tools/bench_model.py --hub-kernels.
 #   bash tools/prepare_transformers.sh 5.24.0 [KERNELS_COMMUNITY_GIT_DIR]  # then run(..., carry=[".whl", ".whl-tf"])
 set -euo pipefail
 version=${1:?usage: $0 TRANSFORMERS_VERSION [KERNELS_COMMUNITY_GIT_DIR]}
