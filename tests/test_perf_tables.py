@@ -174,7 +174,7 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
         "marlin.jsonl": [{"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "int4_w4a16_zp", "M": 1,
                           "t_gemms_us": 9.0, "t_layer_us": 11.0, "t_align_us": 2.0, "t_layer_align_us": 14.0}],
         "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
-        [_ours("awq-w4a16", 1, 10.0, 12.0)])
+        [{**_ours("awq-w4a16", 1, 10.0, 12.0), "gemm_pct_roofline": 45.04, "pct_roofline": 49.6}])
     doc = peer_record.distil([triton, marlin])
     cells = {(c["peer"], c["scheme"], c["m"]): c for c in doc["cells"]}
     assert sorted(cells) == [("Marlin", "awq-w4a16", 1), ("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 8),
@@ -196,8 +196,12 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
     assert "| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 8 | 20.0 | 30.0 | 1.50 | 40.0 " \
            "| (60.0) | (1.50) | 1.0e-02 | 2.0e-02 (failed) | tuned |" in text
     # Marlin times vLLM's glue with its alignment (t_layer_align_us), and its layer figures are fair: no brackets
-    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.0 | 9.0 | 0.90 | 12.0 | 14.0 | 1.17 | 1.0e-02 | - | - |" \
-        in text
+    # our share of the roofline beside our times, where tools/bench.py's row has it
+    assert (marlin_cell["ours_gemm_roofline_pct"], marlin_cell["ours_layer_roofline_pct"]) == (45.0, 49.6)
+    assert "ours_gemm_roofline_pct" not in t8
+    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.0 (45%) | 9.0 | 0.90 | 12.0 (50%) | 14.0 | 1.17 " \
+        "| 1.0e-02 | - | - |" in text
+    assert "| M | ours GEMMs µs (% of roofline) | peer GEMMs µs | GEMM ratio | ours layer µs (% of roofline) |" in text
 
 
 def test_peer_record_without_a_shared_cell_is_one_line(perf_tables, tmp_path, capsys):

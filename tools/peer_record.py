@@ -138,6 +138,11 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
                 "m": int(row["m"]), "ours_gemm_us": round(row["gemm_us"], 3), "peer_gemm_us": round(t["t_gemms_us"], 3),
                 "ours_layer_us": round(row["us"], 3), "peer_layer_us": round(peer_layer, 3),
                 "ours_rel_error": float(f"{row['rel_error']:.4g}")}
+        # our share of the roofline (tools/bench.py's, of the weights and rows each side moves), where the row has it
+        for ours, field in (("ours_gemm_roofline_pct", "gemm_pct_roofline"),
+                            ("ours_layer_roofline_pct", "pct_roofline")):
+            if field in row:
+                cell[ours] = round(row[field], 1)
         if "config_src" in t:  # the Triton peer: vLLM's tuned table for this device and shape, or its default
             cell["peer_config"] = "tuned" if t["config_src"].startswith("tuned") else "default"
         if key in checks:
@@ -224,6 +229,10 @@ def _layer(peer: str, text: str) -> str:
     return text if peer in FAIR_LAYER else f"({text})"
 
 
+def _with_pct(us: float, pct: float | None) -> str:
+    return f"{us:.1f}" + (f" ({pct:.0f}%)" if pct is not None else "")
+
+
 def markdown(doc: dict) -> str:
     """The geo-mean table, which ratio is fair for which peer, and the per-cell table."""
     lines = ["| peer | scheme | M | cells | GEMM ratio | layer ratio | GEMM cells < 1 | layer cells < 1 |",
@@ -243,14 +252,22 @@ def markdown(doc: dict) -> str:
               "| peer | shape | scheme | M | ours GEMMs µs | peer GEMMs µs | GEMM ratio | ours layer µs "
               "| peer layer µs | layer ratio | ours rel err | peer check | peer tiles |",
               "|" + " --- |" * 13]
+    if any("ours_gemm_roofline_pct" in c for c in doc["cells"]):
+        lines[-2] = lines[-2].replace("ours GEMMs µs", "ours GEMMs µs (% of roofline)").replace(
+            "ours layer µs", "ours layer µs (% of roofline)")
+        lines.insert(-2, "Our times carry their share of tools/bench.py's roofline (the bytes of the weights and "
+                         "rows the layer moves at the GPU's measured copy bandwidth, or its flops at the peak, "
+                         "whichever is longer).\n")
     order = {key: {v: i for i, v in enumerate(dict.fromkeys(c[key] for c in doc["cells"]))}
              for key in ("peer", "scheme", "shape")}
     for c in sorted(doc["cells"], key=lambda c: (order["peer"][c["peer"]], order["scheme"][c["scheme"]],
                                                   order["shape"][c["shape"]], c["m"])):
         check = "-" if "peer_rel_error" not in c else (
             f"{c['peer_rel_error']:.1e}" + ("" if c["peer_check_ok"] else " (failed)"))
-        lines.append(f"| {c['peer']} | {c['shape']} | `{c['scheme']}` | {c['m']} | {c['ours_gemm_us']:.1f} "
-                     f"| {c['peer_gemm_us']:.1f} | {gemm_ratio(c):.2f} | {c['ours_layer_us']:.1f} "
+        lines.append(f"| {c['peer']} | {c['shape']} | `{c['scheme']}` | {c['m']} "
+                     f"| {_with_pct(c['ours_gemm_us'], c.get('ours_gemm_roofline_pct'))} "
+                     f"| {c['peer_gemm_us']:.1f} | {gemm_ratio(c):.2f} "
+                     f"| {_with_pct(c['ours_layer_us'], c.get('ours_layer_roofline_pct'))} "
                      f"| {_layer(c['peer'], format(c['peer_layer_us'], '.1f'))} "
                      f"| {_layer(c['peer'], format(layer_ratio(c), '.2f'))} | {c['ours_rel_error']:.1e} | {check} "
                      f"| {c.get('peer_config', '-')} |")
