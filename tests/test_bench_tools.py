@@ -543,3 +543,20 @@ def test_bench_model_stops_a_sides_whole_process_group(tmp_path, monkeypatch):
         while alive(worker) and time.perf_counter() < deadline:
             time.sleep(0.05)
         assert not alive(worker), f"worker {worker} outlived its side"
+
+
+def test_bench_model_measures_only_the_sides_asked_for(tmp_path, monkeypatch):
+    """--sides: a later call can measure one side again (each side of each format is its own child process)."""
+    bench_model = _tool(monkeypatch, "bench_model")
+    ran = []
+    monkeypatch.setattr(bench_model, "make_checkpoint", lambda model, fmt, work, *a, **k: work / fmt)
+    monkeypatch.setattr(bench_model, "environment", lambda args: {})
+    monkeypatch.setattr(bench_model, "markdown", lambda record: "")
+    monkeypatch.setattr(bench_model, "_child", lambda args, path, fmt, side, record: ran.append((fmt, side)))
+    base = ["--format", "bf16", "gptq", "--device", "cuda", "--transformers-experts", "grouped_mm", "batched_mm",
+            "--out", str(tmp_path)]
+    assert bench_model.main([*base, "--sides", "transformers"]) == 0
+    assert ran == [("bf16", "transformers:grouped_mm"), ("bf16", "transformers:batched_mm"), ("gptq", "transformers")]
+    ran.clear()
+    assert bench_model.main([*base, "--sides", "registry"]) == 0
+    assert ran == [("bf16", "registry"), ("gptq", "registry")]

@@ -584,7 +584,8 @@ def run(args: argparse.Namespace) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     record = out_dir / f"{args.device.split(':')[0]}-whole-model.jsonl"
     settings = {k: getattr(args, k) for k in ("model", "layers", "vocab", "device", "threads", "batch", "prefill",
-                                              "context", "new_tokens", "modes", "transformers_experts", "profile")}
+                                              "context", "new_tokens", "modes", "transformers_experts", "profile",
+                                              "sides")}
     settings["hub_kernels"] = args.hub_kernels is not None
     with record.open("a") as f:
         f.write(json.dumps({"kind": "header", "settings": settings, "env": environment(args)}) + "\n")
@@ -609,6 +610,8 @@ def run(args: argparse.Namespace) -> Path:
             os.sync()
             print(f"{fmt}: checkpoint {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             for side in sides(fmt, args.device, args.transformers_experts):
+                if side.split(":", 1)[0] not in args.sides:
+                    continue
                 _child(args, path, fmt, side, record)
             if not args.work and fmt != "bf16":
                 shutil.rmtree(path, ignore_errors=True)
@@ -851,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transformers-experts", dest="transformers_experts", nargs="+",
                    default=["grouped_mm", "batched_mm"], help="transformers' experts kernels run on the bf16 "
                    "checkpoint on CUDA (default: grouped_mm batched_mm)")
+    p.add_argument("--sides", nargs="+", choices=["registry", "transformers"], default=["registry", "transformers"],
+                   help="which sides to measure (default both: a later call can measure one side again, e.g. with a "
+                   "longer --side-timeout, its lines appended to the same record)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one decode run (static mode where measured, first batch) and one prefill "
                    "forward (first count) with torch.profiler, beside the record")
