@@ -492,6 +492,8 @@ def test_bench_untuned_names_a_missing_tuned_directory(tmp_path, monkeypatch, ca
 def test_bench_model_hands_transformers_a_local_copy_of_a_hub_kernel(tmp_path, monkeypatch):
     """--hub-kernels: transformers' FineGrainedFP8 integration loads the kernel package from the folder (where it
     would download kernels-community/finegrained-fp8), and a folder without its index is one line."""
+    import sys
+
     pytest.importorskip("transformers")
     from transformers.integrations import finegrained_fp8, hub_kernels
 
@@ -508,7 +510,7 @@ def test_bench_model_hands_transformers_a_local_copy_of_a_hub_kernel(tmp_path, m
     monkeypatch.setitem(hub_kernels._KERNEL_MODULE_MAPPING, "finegrained-fp8", None)  # put back afterwards
     monkeypatch.setattr(finegrained_fp8, "is_kernels_available", finegrained_fp8.is_kernels_available)
     monkeypatch.setattr(finegrained_fp8, "_FINEGRAINED_FP8", None)
-    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # install_hub_kernels puts the folder first
     bench_model.install_hub_kernels(tmp_path)
     kernel = finegrained_fp8.load_finegrained_fp8_kernel()
     assert (kernel.matmul(), kernel.batched_matmul(), kernel.grouped_matmul()) == ("2d", "batched", "grouped")

@@ -138,7 +138,7 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
                 "m": int(row["m"]), "ours_gemm_us": round(row["gemm_us"], 3), "peer_gemm_us": round(t["t_gemms_us"], 3),
                 "ours_layer_us": round(row["us"], 3), "peer_layer_us": round(peer_layer, 3),
                 "ours_rel_error": float(f"{row['rel_error']:.4g}")}
-        # our share of the roofline (tools/bench.py's, of the weights and rows each side moves), where the row has it
+        # our share of tools/bench.py's roofline (the bytes our layer moves, or its flops), where the row has it
         for ours, field in (("ours_gemm_roofline_pct", "gemm_pct_roofline"),
                             ("ours_layer_roofline_pct", "pct_roofline")):
             if field in row:
@@ -242,22 +242,22 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {s['peer']} | {scheme} | {s['bucket']} | {s['cells']} | {s['gemm']:.2f} "
                      f"| {_layer(s['peer'], format(s['layer'], '.2f'))} | {s['gemm_below_1']} "
                      f"| {_layer(s['peer'], str(s['layer_below_1']))} |")
+    # our share of tools/bench.py's roofline beside our times, where the record has it
+    pct = " (% of roofline)" if any("ours_gemm_roofline_pct" in c for c in doc["cells"]) else ""
     lines += ["", "Ratio = peer time / our time (geo-mean over the cells): above 1, ours is faster. The GEMM ratio "
               "compares the two expert GEMM launches on each side. The layer ratio is fair for Marlin, whose layer "
               "time holds vLLM's own CUDA glue and block alignment; for vLLM-Triton it is in brackets: the harness "
               "runs vLLM's two Triton launches with torch glue and a torch moe_align_block_size, slower than vLLM's "
               "own CUDA ops, so only its GEMM ratio is a fair comparison. The peer's check is its own output's "
               "relative error against its own reference; its tiles are vLLM's tuned table for this device and "
-              "shape, or vLLM's default configuration where it has none.", "",
-              "| peer | shape | scheme | M | ours GEMMs µs | peer GEMMs µs | GEMM ratio | ours layer µs "
+              "shape, or vLLM's default configuration where it has none.", ""]
+    if pct:
+        lines += ["Our times carry their share of tools/bench.py's roofline (the bytes of the weights and rows the "
+                  "layer moves at the GPU's measured copy bandwidth, or its flops at the peak, whichever is "
+                  "longer).", ""]
+    lines += [f"| peer | shape | scheme | M | ours GEMMs µs{pct} | peer GEMMs µs | GEMM ratio | ours layer µs{pct} "
               "| peer layer µs | layer ratio | ours rel err | peer check | peer tiles |",
               "|" + " --- |" * 13]
-    if any("ours_gemm_roofline_pct" in c for c in doc["cells"]):
-        lines[-2] = lines[-2].replace("ours GEMMs µs", "ours GEMMs µs (% of roofline)").replace(
-            "ours layer µs", "ours layer µs (% of roofline)")
-        lines.insert(-2, "Our times carry their share of tools/bench.py's roofline (the bytes of the weights and "
-                         "rows the layer moves at the GPU's measured copy bandwidth, or its flops at the peak, "
-                         "whichever is longer).\n")
     order = {key: {v: i for i, v in enumerate(dict.fromkeys(c[key] for c in doc["cells"]))}
              for key in ("peer", "scheme", "shape")}
     for c in sorted(doc["cells"], key=lambda c: (order["peer"][c["peer"]], order["scheme"][c["scheme"]],
