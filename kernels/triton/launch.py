@@ -34,7 +34,11 @@ SCALE_TILE = 8192
 # token on blocks of GEMV_BLOCK_M aligned pairs, row blocks side by side so that a second pair's
 # read of an expert finds it in L2. (H100, against the tile kernels: faster up to 1.24-1.46
 # pairs an expert on the three benchmark shapes, slower from 1.53; blocks of 2 or 4 pairs slower
-# than 1 everywhere: tools/bench.py --m 1 2 4 8 16)
+# than 1 everywhere: tools/bench.py --m 1 2 4 8 16). 16-bit activations keep the tile kernels at
+# decode: without dp4a a GEMV takes a CUDA-core FMA and two integer operations per code, 0.19 warp
+# instructions a weight against the tile kernels' 0.11 (sm_90 SASS, GPTQ at Mixtral's shape), and
+# such a GEMV ran the GPTQ and AWQ layers 1.4-2.6x slower than the tile kernels (H200, M = 1 and 8 on
+# the three benchmark shapes)
 DECODE_GEMV = True
 GEMV_BLOCK_M = 1
 GEMV_QUANTS = ("int8_token", "int8_static")
