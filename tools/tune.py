@@ -99,6 +99,9 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
         if narrow:  # a packed tile is small: deeper pipelines and longer K keep more bytes in flight
             tiles += [(64, 256, 4, 5, False), (128, 256, 4, 5, False), (64, 512, 4, 3, False),
                       (128, 512, 4, 3, False), (64, 512, 4, 4, False)]
+            # an H200 streams more bytes than an H100 from the same SMs and wants more of them in flight:
+            # its int4 winners at Mixtral's M = 1 were the deepest pipelines above (K 512, or 5 stages)
+            tiles += [(32, 512, 4, 4, False), (64, 256, 4, 6, False), (128, 512, 4, 4, False)]
             # 128 columns a warp group spread the per-step activation split over twice the weights
             # of 64 (fewer instructions per weight), but take ~145 registers a thread (3 programs
             # an SM): capped, they keep 5 (H100, GPTQ int4 at M = 8: none won on the Qwen3 or

@@ -45,8 +45,9 @@ INTERPRETER_SMS = 132
 # top-k / experts); below, few experts see a token each and the hand-written decode tiles were faster (H200, four
 # untuned shapes: at 1 token on every one, at 8 on DeepSeek-V3's and gpt-oss-120b's, a quarter of a row)
 TRANSFER_ROWS = 0.5
-# a device nobody tuned takes the tables of a device with the same SMs (the same die, clocks and SM count;
-# only the memory differs), said once in the log: nearer to its best than the untuned defaults
+# a device takes the tables of a device with the same SMs (the same die, clocks and SM count; only the memory
+# differs) for what its own tables lack (every entry where it has none), said once in the log: nearer to its
+# best than the untuned defaults
 TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
 
 
@@ -182,16 +183,42 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
 
 def _device_table(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str,
                   warn: bool) -> tuple[Path, dict | None]:
-    """The device's tuned table for the key pair (or its stand-in's, said once), and its path."""
+    """The device's tuned table for the key pair, the (shape, token count) entries it lacks taken from its
+    stand-in's table (said once), and the path of the table it is named by (its own where it has one)."""
     path = config_file(weight_key, activation_key, device_name)
     table = _load_config_file(path)
     stand_in = TUNED_STAND_INS.get(device_name)
-    if table is None and stand_in is not None:
-        path = config_file(weight_key, activation_key, stand_in)
-        table = _load_config_file(path)
-        if table is not None and warn:
-            _say_stand_in(device_name, stand_in, path)
-    return path, table
+    if stand_in is None:
+        return path, table
+    stand_in_path = config_file(weight_key, activation_key, stand_in)
+    stand_in_table = _load_config_file(stand_in_path)
+    if stand_in_table is None:
+        return path, table
+    if warn:
+        _say_stand_in(device_name, stand_in, stand_in_path, table is not None)
+    if table is None:
+        return stand_in_path, stand_in_table
+    return path, _with_stand_in(table, stand_in_table)
+
+
+# merged tables by the ids of the two loaded ones (held with them, so an id names no other): a layer call
+# looks its table up on every call
+_MERGED: dict[tuple[int, int], tuple[dict, dict, dict]] = {}
+
+
+def _with_stand_in(table: dict, stand_in_table: dict) -> dict:
+    """``table`` with each shape's token counts it lacks (and shapes) from ``stand_in_table``: an entry tuned on
+    the device itself wins, the stand-in's are nearer than the defaults (a decode entry says nothing of prefill)."""
+    key = (id(table), id(stand_in_table))
+    kept = _MERGED.get(key)
+    if kept is not None and kept[0] is table and kept[1] is stand_in_table:
+        return kept[2]
+    merged = dict(stand_in_table)
+    for shape, entries in table.items():
+        by_tokens = stand_in_table.get(shape)
+        merged[shape] = {**by_tokens, **entries} if isinstance(by_tokens, dict) and shape != "meta" else entries
+    _MERGED[key] = (table, stand_in_table, merged)
+    return merged
 
 
 def _transferred(defaults: dict, entry: dict, tokens: int, top_k: int, num_experts: int, n: int, k: int,
@@ -220,13 +247,14 @@ _WARNED_DEFAULT: set[tuple[str, str, str, str]] = set()
 _SAID_STAND_IN: set[Path] = set()
 
 
-def _say_stand_in(device_name: str, stand_in: str, path: Path) -> None:
-    """Say once per table that a device runs on another device's tuned tiles."""
+def _say_stand_in(device_name: str, stand_in: str, path: Path, own: bool) -> None:
+    """Say once per table that a device runs on another device's tuned tiles (``own``: where its own table lacks
+    an entry)."""
     if path in _SAID_STAND_IN:
         return
     _SAID_STAND_IN.add(path)
-    log.info("MoE tiles for %s: %s, tuned on %s (same SMs; tools/tune.py tunes this device)",
-             device_name, path.name, stand_in)
+    log.info("MoE tiles for %s: %s%s, tuned on %s (same SMs; tools/tune.py tunes this device)", device_name,
+             "where its own table has no entry, " if own else "", path.name, stand_in)
 
 
 def _warn_default(device_name: str, weight_key: str, activation_key: str, shape: str, why: str,
