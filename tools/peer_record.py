@@ -2,12 +2,13 @@
 one small record docs/performance.md's side-by-side tables are made from.
 
     python tools/peer_record.py RUN_DIR [RUN_DIR ...] --out docs/bench/h200-peer-vllm.json
+    python tools/peer_record.py RUN_DIR --onto docs/bench/h200-peer-vllm.json --out docs/bench/h200-peer-vllm.json
 
 A RUN_DIR is what one `tools/gpu_run.sh peer triton|marlin "SCHEME_SPEC ..."` call wrote: ours/bench.jsonl (or
 ours/bench.json) from tools/bench.py, gpu.txt, and the peer's output in peer.tgz (or unpacked in peer/):
 times.jsonl + checks.jsonl + env.json from vLLM's Triton fused_moe_kernel, or marlin.jsonl + marlin_meta.json
 from vLLM's CUDA Marlin MoE. A cell is one (peer, shape, scheme, M) both sides timed; a cell in a later RUN_DIR
-replaces the same cell of an earlier one.
+(or in a RUN_DIR over the record given with --onto) replaces the same cell of an earlier one.
 
 What each cell compares (ratio = peer time / our time; above 1, ours is faster):
   GEMMs: our two expert GEMM kernels (tools/bench.py's gemm_us: profiler kernel times per layer call) against
@@ -158,17 +159,43 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
     return run_header, cells
 
 
-def distil(runs: list[Path]) -> dict:
-    """The record of one or more run folders: a header per run and every cell both sides timed."""
+def distil(runs: list[Path], onto: dict | None = None) -> dict:
+    """The record of one or more run folders: a header per run and every cell both sides timed, each cell
+    naming its run (``run``: its index in ``runs``). ``onto``: an earlier record whose cells the runs' replace
+    and whose other cells stay; a run left with no cell goes, and each run's Ms are those of its cells, so
+    that its command measures what the record holds of it."""
     headers, cells = [], {}
+    if onto is not None:
+        headers = [dict(h) for h in onto["runs"]]
+        for c in onto["cells"]:
+            cells[(c["peer"], c["shape"], c["scheme"], c["m"])] = {"run": _run_of(c, headers), **c}
     for run in runs:
         header, run_cells = read_run(run)
         headers.append(header)
         for c in run_cells:
-            cells[(c["peer"], c["shape"], c["scheme"], c["m"])] = c
+            cells[(c["peer"], c["shape"], c["scheme"], c["m"])] = {**c, "run": len(headers) - 1}
     if not cells:
         raise PeerRecordError(f"{', '.join(map(str, runs))}: no cell timed by both ours and the peer")
-    return {"tool": "tools/peer_record.py", "runs": headers, "cells": list(cells.values())}
+    kept = sorted({c["run"] for c in cells.values()})
+    index = {old: new for new, old in enumerate(kept)}
+    out_cells = [{**c, "run": index[c["run"]]} for c in cells.values()]
+    out_runs = []
+    for old in kept:
+        ms = sorted({c["m"] for c in cells.values() if c["run"] == old})
+        out_runs.append({**headers[old], "ms": ms})
+    return {"tool": "tools/peer_record.py", "runs": out_runs, "cells": out_cells}
+
+
+def _run_of(cell: dict, headers: list[dict]) -> int:
+    """The index of the run an earlier record's cell came from: its own ``run``, or (records that do not
+    name it) the first run of its peer that measured its M and scheme."""
+    if "run" in cell:
+        return cell["run"]
+    for i, h in enumerate(headers):
+        if h["peer"] == cell["peer"] and cell["m"] in h["ms"] and cell["scheme"] in h["schemes"]:
+            return i
+    raise PeerRecordError(f"a cell of the earlier record ({cell['peer']}, {cell['shape']}, {cell['scheme']}, "
+                          f"M = {cell['m']}) belongs to none of its runs")
 
 
 def command(run: dict) -> str:
@@ -285,9 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, help="write the record here (else print it)")
+    parser.add_argument("--onto", type=Path, metavar="RECORD",
+                        help="an earlier record: its cells stay where the runs did not time them again")
     args = parser.parse_args(argv)
     try:
-        doc = distil(args.runs)
+        onto = json.loads(args.onto.read_text()) if args.onto else None
+        doc = distil(args.runs, onto)
     except (PeerRecordError, OSError, ValueError, KeyError, tarfile.TarError) as e:
         print(f"peer_record.py: {e}", file=sys.stderr)
         return 2

@@ -185,7 +185,8 @@ def gpu_peer_block(entry: dict, base: Path) -> str:
     commands = "; ".join(f"`{peer_record.command(run)}` ({run['peer']})" for run in doc["runs"])
     machine = peer_record.machine(doc) + (f" ({entry['note']})" if entry.get("note") else "")
     return (f"Commands: {commands}, each one GPU call timing the peer, then tools/bench.py, on the same GPU; "
-            f"then `python tools/peer_record.py RUN_DIR ... --out docs/bench/{entry['record']}`. Machine: {machine}. "
+            f"then `python tools/peer_record.py RUN_DIR ... [--onto docs/bench/{entry['record']}] --out "
+            f"docs/bench/{entry['record']}`. Machine: {machine}. "
             f"Date: {entry['date']}, code at commit `{entry['commit']}`. Record: `docs/bench/{entry['record']}`.\n\n"
             + peer_record.markdown(doc))
 
