@@ -112,8 +112,9 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
 
     doc = perf_tables.json_record(perf_tables.read_manifest()["gpu_peer"], ROOT / "docs" / "bench")
     cells = {(c["peer"], c["shape"], c["scheme"], c["m"]): c for c in doc["cells"]}
-    expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.15", "1.61"),
-                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.73", "0.81"),
+    expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.15", "1.62"),
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.75", "0.83"),
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
                 ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.58", "2.42"),
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.03", "1.39")}
     for key, (gemm, layer) in expected.items():
@@ -122,17 +123,21 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     rows = {(s["peer"], s["scheme"], s["bucket"]): s for s in peer_record.summary(doc)}
     got = {key: (f"{rows[key]['gemm']:.2f}", f"{rows[key]['layer']:.2f}", rows[key]["gemm_below_1"],
                  rows[key]["layer_below_1"], rows[key]["cells"]) for key in rows}
-    assert got[("Marlin", "all schemes", "all")] == ("0.92", "1.09", 16, 10, 24)
-    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.86", "1.06", 7, 6, 9)
+    # (the Marlin run at M <= 64 printed these two rows as its "(all) decode" and "awq decode" geo-means)
+    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.12", 14, 8, 18)
+    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.11", 7, 5, 9)
     assert got[("vLLM-Triton", "all schemes", "prefill, M >= 512")] == ("1.08", "1.78", 3, 0, 12)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
-    assert "| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.8 | 24.1 | 1.15 | 25.3 | 40.8 | 1.61 |" in block
+    assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.9 (31%) | 24.0 | 1.15 | 25.2 (25%) | 40.9 | 1.62 |"
+            in block)
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
     assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 419.0 | 663.8 | 1.58 "
             "| 580.9 | (1408.5) | (2.42) |") in block
-    assert block.startswith('Commands: `MS="1 8 64 512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
+    # each run's command measures the cells the record keeps of it (the later Marlin run replaced M <= 64)
+    assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
                             "(Marlin); `bash tools/gpu_run.sh peer triton \"compressed-tensors-w8a8-fp8-dynamic "
-                            'fp8-block128"` (vLLM-Triton)')
+                            'fp8-block128"` (vLLM-Triton); `MS="1 8 64" bash tools/gpu_run.sh peer marlin '
+                            '"gptq-w4a16 awq-w4a16"` (Marlin)')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
@@ -202,6 +207,49 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
     assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.0 (45%) | 9.0 | 0.90 | 12.0 (50%) | 14.0 | 1.17 " \
         "| 1.0e-02 | - | - |" in text
     assert "| M | ours GEMMs µs (% of roofline) | peer GEMMs µs | GEMM ratio | ours layer µs (% of roofline) |" in text
+
+
+def _marlin_run(path: Path, times: dict[int, float]) -> Path:
+    """A Marlin peer run of AWQ on Qwen3's shape: the peer's GEMM time per M, ours 10 us at every M."""
+    return _peer_run(path, {
+        "marlin.jsonl": [{"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "int4_w4a16_zp", "M": m, "t_gemms_us": t,
+                          "t_layer_us": t, "t_align_us": 0.0, "t_layer_align_us": t} for m, t in times.items()],
+        "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
+        [_ours("awq-w4a16", m, 10.0, 10.0) for m in times])
+
+
+def test_peer_record_onto_an_earlier_one_keeps_the_cells_a_run_did_not_time_again(perf_tables, tmp_path, capsys):
+    """A run over part of a record replaces its cells; the record's other cells stay, each naming its run; a run
+    left with no cell goes, and each run's command measures the cells kept of it."""
+    import peer_record
+
+    first = peer_record.distil([_marlin_run(tmp_path / "first", {1: 8.0, 8: 9.0, 512: 11.0})])
+    # a record made before cells named their run: each is the first run of its peer that measured its M
+    unnamed = {**first, "cells": [{k: v for k, v in c.items() if k != "run"} for c in first["cells"]]}
+    again = _marlin_run(tmp_path / "again", {1: 12.0, 8: 13.0})
+    for onto in (first, unnamed):
+        doc = peer_record.distil([again], onto)
+        by_m = {c["m"]: c for c in doc["cells"]}
+        assert {m: (c["peer_gemm_us"], c["run"]) for m, c in by_m.items()} == {1: (12.0, 1), 8: (13.0, 1),
+                                                                                512: (11.0, 0)}
+        assert [peer_record.command(r) for r in doc["runs"]] == [
+            'SHAPES="qwen3" MS="512" bash tools/gpu_run.sh peer marlin "awq-w4a16"',
+            'SHAPES="qwen3" MS="1 8" bash tools/gpu_run.sh peer marlin "awq-w4a16"']
+    # every cell of the earlier record timed again: its run goes
+    doc = peer_record.distil([_marlin_run(tmp_path / "all", {1: 7.0, 8: 7.0, 512: 7.0})], first)
+    assert len(doc["runs"]) == 1 and {c["run"] for c in doc["cells"]} == {0}
+    # from the command line, onto the record file
+    record = tmp_path / "record.json"
+    record.write_text(peer_record.dumps(first))
+    assert peer_record.main([str(again), "--onto", str(record), "--out", str(record)]) == 0
+    assert "3 cells from 2 runs" in capsys.readouterr().out
+    # a cell of the earlier record that none of its runs measured: one line naming it
+    stray = {**unnamed, "cells": [{**unnamed["cells"][0], "m": 64}]}
+    record.write_text(peer_record.dumps(stray))
+    assert peer_record.main([str(again), "--onto", str(record)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("peer_record.py: a cell of the earlier record (Marlin, Qwen3-30B-A3B, awq-w4a16, M = 64) belongs "
+                   "to none of its runs")
 
 
 def test_peer_record_without_a_shared_cell_is_one_line(perf_tables, tmp_path, capsys):

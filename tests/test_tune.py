@@ -833,21 +833,46 @@ def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
 
 
 def test_a_device_nobody_tuned_takes_its_stand_ins_tables(caplog):
-    """An H200 (the H100's SMs) runs on the shipped H100 tables, and says so; a device without a stand-in
-    gets the defaults."""
+    """An H200 (the H100's SMs) runs on the shipped H100 tables where it has none of its own, and says so; a
+    device without a stand-in gets the defaults."""
     import logging
 
     from moe_registry_kernels.triton import tile_config
 
     h100 = tile_config.TUNED_STAND_INS["NVIDIA H200"]
-    path = tile_config.config_file(AWQ, "unquantized", h100)
+    keys = ("int8 scale:float32:channel:static", "int8 scale:float32:token:dynamic")
+    path = tile_config.config_file(*keys, h100)
+    assert not tile_config.config_file(*keys, "NVIDIA H200").exists()
     table = json.loads(path.read_text())
-    shape = next(iter(table))
+    shape = next(s for s in table if s != "meta")
     e, top, n, k = (int(p.lstrip("EtopNK")) for p in shape.split("_"))
     tokens = next(iter(table[shape]))
+    tile_config._SAID_STAND_IN.clear()
     with caplog.at_level(logging.INFO, logger="moe_registry"):
-        got = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "NVIDIA H200")
+        got = tile_config.get_config(int(tokens), top, e, n, k, *keys, "NVIDIA H200")
     assert {key: got[key] for key in table[shape][tokens]} == table[shape][tokens]
-    assert f"tuned on {h100}" in caplog.text
+    assert f"NVIDIA H200: {path.name}, tuned on {h100}" in caplog.text
     untuned = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "Some GPU", warn=False)
     assert untuned == tile_config.default_config(int(tokens), top, e, n, k, AWQ)
+
+
+def test_a_devices_own_entries_win_over_its_stand_ins(caplog):
+    """Where an H200 has a table of its own (AWQ int4, tuned on an H200 at a few decode token counts), its
+    entries run; the (shape, token count) entries it lacks are its stand-in's, and the log says so."""
+    import logging
+
+    from moe_registry_kernels.triton import tile_config
+
+    own_path = tile_config.config_file(AWQ, "unquantized", "NVIDIA H200")
+    h100_path = tile_config.config_file(AWQ, "unquantized", tile_config.TUNED_STAND_INS["NVIDIA H200"])
+    own, h100 = json.loads(own_path.read_text()), json.loads(h100_path.read_text())
+    shape = next(s for s in own if s != "meta" and set(h100[s]) - set(own[s]))
+    e, top, n, k = (int(p.lstrip("EtopNK")) for p in shape.split("_"))
+    tuned_here = next(t for t in own[shape] if own[shape][t] != h100[shape][t])
+    lacking = next(t for t in h100[shape] if t not in own[shape])
+    tile_config._SAID_STAND_IN.clear()
+    with caplog.at_level(logging.INFO, logger="moe_registry"):
+        for tokens, entry in ((tuned_here, own[shape][tuned_here]), (lacking, h100[shape][lacking])):
+            got = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "NVIDIA H200")
+            assert {key: got[key] for key in entry} == entry, tokens
+    assert f"where its own table has no entry, {h100_path.name}" in caplog.text
