@@ -48,7 +48,7 @@ def test_text_report_and_refusals():
     done = _run("--scheme", "gptq-w4a16", "--shape", "dsv2lite", "--m", "1")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "gptq-w4a16 on DeepSeek-V2-Lite, M = 1, sm_90:"
+    assert lines[0] == "gptq-w4a16 on DeepSeek-V2-Lite, M = 1, sm_90, NVIDIA H100 80GB HBM3's tiles:"
     assert lines[1].startswith("  gemm1 _fused_moe_kernel: ") and "registers" in lines[1] and "main loop" in lines[1]
     assert "warp instructions per weight" in lines[1]
     assert any(line.startswith("  gemm2 ") for line in lines)
@@ -56,6 +56,23 @@ def test_text_report_and_refusals():
     assert unknown.returncode == 2 and "unknown scheme 'no-such-scheme'" in unknown.stderr
     interpreted = _run("--scheme", "mxfp4", interpret=True)
     assert interpreted.returncode == 2 and "TRITON_INTERPRET=1" in interpreted.stderr
+
+
+def test_a_device_of_the_same_sms_compiles_its_own_tiles():
+    """``--device``: the tiles of a GPU with the H100's SMs (its own table's entries first), as the layer would
+    take them there; a device of other SMs is refused by name."""
+    configs = Path(__file__).resolve().parents[1] / "kernels" / "configs"
+    own = json.loads((configs / "NVIDIA_H200__uint4b8_scale_float16_group_128_static__unquantized.json").read_text())
+    h100 = json.loads((configs / "NVIDIA_H100_80GB_HBM3__uint4b8_scale_float16_group_128_static__unquantized.json")
+                      .read_text())
+    gemm1 = "E8_top2_N28672_K4096"
+    assert own[gemm1]["1"]["BLOCK_K"] != h100[gemm1]["1"]["BLOCK_K"]
+    for device, table in (("NVIDIA H200", own), ("NVIDIA H100 80GB HBM3", h100)):
+        done = _run("--scheme", "gptq-w4a16", "--shape", "mixtral", "--m", "1", "--device", device, "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)[0]["config"]["BLOCK_K"] == table[gemm1]["1"]["BLOCK_K"], device
+    refused = _run("--scheme", "gptq-w4a16", "--device", "NVIDIA A100")
+    assert refused.returncode == 2 and "invalid choice: 'NVIDIA A100'" in refused.stderr
 
 
 def test_a_register_cap_reaches_the_compiled_kernels():

@@ -15,6 +15,7 @@ compare variants under one Triton, and time them on the GPU.
 
     python tools/kernel_sass.py --scheme mxfp4 --shape qwen3 --m 8
     python tools/kernel_sass.py --scheme gptq-w4a16 --shape mixtral --m 64 --config '{"BLOCK_N": 128}'
+    python tools/kernel_sass.py --scheme awq-w4a16 --shape qwen3 --m 8 --device "NVIDIA H200"
     python tools/kernel_sass.py --scheme modelopt-nvfp4 --shape dsv2lite --m 8 --json
 """
 
@@ -36,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (tools/bench.py: scheme names, model shapes)
 
-# the GPU whose tuned tile configs are read, and its SM count (the defaults' split-K rule)
+# the GPU whose tuned tile configs are read (--device names another of the same SMs), and its SM count (the
+# defaults' split-K rule)
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 DEVICE_SMS = 132
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
@@ -75,10 +77,10 @@ class GemmSass:
 
 
 def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides: dict | None = None,
-                    arch: int = 90) -> list:
+                    arch: int = 90, device_name: str = DEVICE_NAME) -> list:
     """[(kernel, args, kwargs, tile)] of the layer's two GEMM launches for ``m`` tokens on an sm_``arch``
     GPU (paired PTX dequantisation and dependent launch where it has them, the activations the kernel spec
-    hands it there), weights on the meta device; the tile configs are the layer's (tuned for DEVICE_NAME, or
+    hands it there), weights on the meta device; the tile configs are the layer's (tuned for ``device_name``, or
     the defaults) with ``overrides``."""
     from moe_registry_kernels import quant_ref
     from moe_registry_kernels.triton import api
@@ -96,7 +98,7 @@ def record_launches(scheme: bench.Scheme, shape: bench.Shape, m: int, overrides:
     # one random expert: its layout (and MX scale codes) stands for the shape's experts
     one = quant_ref.make_random_expert_weights(wkey, akey, num_experts=1, hidden=shape.hidden,
                                                intermediate=shape.intermediate, dtype=torch.bfloat16)
-    launches = api.gemm_launches(one, shape.experts, shape.top_k, m, device_name=DEVICE_NAME, sms=DEVICE_SMS,
+    launches = api.gemm_launches(one, shape.experts, shape.top_k, m, device_name=device_name, sms=DEVICE_SMS,
                                  capability=(arch // 10, arch % 10),
                                  overrides=overrides)
     return [(launch.kernel, launch.args, launch.kwargs, launch.tile) for launch in launches]
@@ -154,12 +156,12 @@ def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "no
 
 
 def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: dict | None = None,
-                arch: int = 90) -> list[GemmSass]:
+                arch: int = 90, device_name: str = DEVICE_NAME) -> list[GemmSass]:
     """GEMM1 and GEMM2 of the layer, compiled for sm_``arch`` and read."""
     with tempfile.TemporaryDirectory() as tmp:
         out = []
-        for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), record_launches(scheme, shape, m, overrides, arch),
-                                                 strict=True):
+        launches = record_launches(scheme, shape, m, overrides, arch, device_name)
+        for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), launches, strict=True):
             _, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
             out.append(analyse(gemm, fn, cfg, cubin, kwargs.get("A_SCALE_IN", "none")))
         return out
@@ -172,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--m", type=int, default=8, help="tokens (default 8)")
     parser.add_argument("--config", help="tile config keys (JSON) over the tuned or default ones, both GEMMs")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: Hopper)")
+    from moe_registry_kernels.triton.tile_config import TUNED_STAND_INS
+
+    same_sms = [device for device, stand_in in TUNED_STAND_INS.items() if stand_in == DEVICE_NAME]
+    parser.add_argument("--device", default=DEVICE_NAME, choices=[DEVICE_NAME, *same_sms],
+                        help=f"the GPU whose tile tables are read (default {DEVICE_NAME}; "
+                             "one of the same SMs takes its own entries first)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -185,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default on the GPU machine
     overrides = json.loads(args.config) if args.config else None
-    results = kernel_sass(schemes[args.scheme], bench.SHAPES[args.shape], args.m, overrides=overrides, arch=args.arch)
+    results = kernel_sass(schemes[args.scheme], bench.SHAPES[args.shape], args.m, overrides=overrides, arch=args.arch,
+                          device_name=args.device)
     if args.json:
         print(json.dumps([{**dataclasses.asdict(r), "instructions_per_weight": r.instructions_per_weight}
                           for r in results], indent=1))
     else:
-        print(f"{args.scheme} on {bench.SHAPES[args.shape].name}, M = {args.m}, sm_{args.arch}:")
+        print(f"{args.scheme} on {bench.SHAPES[args.shape].name}, M = {args.m}, sm_{args.arch}, "
+              f"{args.device}'s tiles:")
         for r in results:
             print("  " + r.to_text())
     return 0
