@@ -9,6 +9,7 @@ there on the transformers versions that have it, so they cannot all be skipped t
 from __future__ import annotations
 
 import json
+import os
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")  # the dev extra installs it; the core does not need it
 
+from greedy_ties import assert_same_greedy_up_to_near_ties  # noqa: E402
 from make_transformers_whole import make_whole_model  # noqa: E402  (tools/, on sys.path from conftest)
 
 from moe_registry.whole.interface import NAME, register_experts_implementation  # noqa: E402
@@ -55,25 +57,33 @@ def _prompts() -> torch.Tensor:
     return torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
 
 
-def _rank(rank: int, init: str, model_dir: str, out_dir: str, ep_implementation: str) -> None:
+def _rank(rank: int, init: str, model_dir: str, out_dir: str, ep_implementation: str, on_gpus: bool = False) -> None:
     from transformers.distributed.configuration_utils import DistributedConfig
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    if on_gpus:  # transformers binds each rank to the GPU its LOCAL_RANK names, as torchrun sets it
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if on_gpus else "gloo", init_method=init, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=120))
     try:
         register_experts_implementation()
-        config = DistributedConfig(tp_size=2, ep_size=2, ep_implementation=ep_implementation)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, experts_implementation=NAME, distributed_config=config).eval()
-        prompts = _prompts()
-        with torch.no_grad():
-            logits = model(prompts).logits
-        tokens = model.generate(prompts, **GENERATE)
-        held = [m.__dict__["_moe_registry_experts"] for m in model.modules() if "_moe_registry_experts" in m.__dict__]
-        save_file({"logits": logits.float().contiguous(), "tokens": tokens.contiguous()},
-                  str(Path(out_dir) / f"rank{rank}.safetensors"))
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-            [{"experts": h.num_experts, "resident": h.resident_bytes, "repr": repr(h), "report": h.report.to_text()}
-             for h in held]))
+        # float32, compared tightly; on the GPUs also bfloat16 (bf16_*), where the oracle picks a GPU kernel
+        runs = {"": torch.float32, **({"bf16_": torch.bfloat16} if on_gpus else {})}
+        for prefix, dtype in runs.items():
+            config = DistributedConfig(tp_size=2, ep_size=2, ep_implementation=ep_implementation)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=dtype, experts_implementation=NAME, distributed_config=config).eval()
+            prompts = _prompts().to(model.device)
+            with torch.no_grad():
+                logits = model(prompts).logits
+            tokens = model.generate(prompts, **GENERATE)
+            held = [m.__dict__["_moe_registry_experts"] for m in model.modules()
+                    if "_moe_registry_experts" in m.__dict__]
+            save_file({"logits": logits.float().cpu().contiguous(), "tokens": tokens.cpu().contiguous()},
+                      str(Path(out_dir) / f"{prefix}rank{rank}.safetensors"))
+            Path(out_dir, f"{prefix}rank{rank}.json").write_text(json.dumps(
+                [{"experts": h.num_experts, "resident": h.resident_bytes, "repr": repr(h),
+                  "report": h.report.to_text()} for h in held]))
     finally:
         dist.destroy_process_group()
 
@@ -108,6 +118,48 @@ def test_transformers_expert_parallel_runs_registry_experts(ep_implementation: s
                     f"(ep_implementation {ep_implementation!r})") in h["repr"]
             assert re.search(r"tp=1 ep=2 dp=1 all2all=none", h["report"]), h["report"]
             assert "8 experts (local 4)" in h["report"], h["report"]
+
+
+BF16_BUDGET = 5e-2  # bfloat16's budget for two GPUs' logits against one GPU's (test_whole_model_ep.py says why)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs of one host")
+@NEEDS_DISPATCH
+@pytest.mark.parametrize("ep_implementation", ["all_reduce", "all_to_all"])
+def test_transformers_expert_parallel_on_two_gpus_equals_one_gpu(ep_implementation: str, tmp_path: Path) -> None:
+    """Two GPUs over NCCL, transformers' tensor-parallel attention and its expert-parallel dispatch, each rank's 4 of
+    8 experts on the registry's kernel: in float32 one GPU's logits and greedy tokens (the model with the
+    registry's experts); in bfloat16, on the oracle's GPU kernel, the logits within bfloat16's budget of one GPU's
+    and the same greedy tokens up to near ties; each rank's report names the kernel and its 4 experts."""
+    model_dir = make_whole_model("qwen3_moe", tmp_path / "qwen3_moe", layers=3)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_rank, args=(init, str(model_dir), str(tmp_path), ep_implementation, True), nprocs=2, join=True)
+    register_experts_implementation()
+    prompts = _prompts().to("cuda:0")
+    for prefix, dtype, budget, kernel in (("", torch.float32, FP32_TOL, r"torch-reference"),
+                                          ("bf16_", torch.bfloat16, BF16_BUDGET, r"triton-\S+")):
+        single = transformers.AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype, experts_implementation=NAME, device_map="cuda:0").eval()
+        with torch.no_grad():
+            want = single(prompts).logits.float().cpu()
+        tokens = single.generate(prompts, **GENERATE).cpu()
+        for rank in range(2):
+            got = load_file(str(tmp_path / f"{prefix}rank{rank}.safetensors"))
+            rel = float((got["logits"].double() - want.double()).norm() / want.double().norm())
+            print(f"rank {rank} {ep_implementation} {dtype}: two GPUs vs one {rel:.2e}")
+            assert rel < budget, (rank, dtype, rel)
+            if dtype == torch.float32:
+                assert torch.equal(got["tokens"], tokens), (rank, got["tokens"].tolist(), tokens.tolist())
+            else:
+                assert_same_greedy_up_to_near_ties(single, got["tokens"], tokens, rank)
+            held = json.loads((tmp_path / f"{prefix}rank{rank}.json").read_text())
+            assert len(held) == 3
+            for h in held:
+                assert h["experts"] == 4 and "8 experts (local 4)" in h["report"], h["report"]
+                assert re.search(rf"^kernel\s+{kernel}$", h["report"], re.M), h["report"]
+                assert (f"ids from transformers' ep_dispatch_experts (ep_implementation {ep_implementation!r})"
+                        in h["repr"])
 
 
 def test_build_holds_one_ranks_experts_for_a_caller_that_moves_the_tokens(tmp_path: Path) -> None:
