@@ -115,8 +115,8 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.15", "1.62"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.75", "0.83"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
-                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.58", "2.42"),
-                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.03", "1.39")}
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.56", "2.43"),
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("0.97", "1.36")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
@@ -126,18 +126,20 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     # (the Marlin run at M <= 64 printed these two rows as its "(all) decode" and "awq decode" geo-means)
     assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.12", 14, 8, 18)
     assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.11", 7, 5, 9)
-    assert got[("vLLM-Triton", "all schemes", "prefill, M >= 512")] == ("1.08", "1.78", 3, 0, 12)
+    # (the vLLM-Triton runs printed these per scheme)
+    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.18", "1.99", 1, 0, 6)
+    assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.01", "1.80", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
     assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.9 (31%) | 24.0 | 1.15 | 25.2 (25%) | 40.9 | 1.62 |"
             in block)
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
-    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 419.0 | 663.8 | 1.58 "
-            "| 580.9 | (1408.5) | (2.42) |") in block
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 425.5 (61%) | 662.4 | "
+            "1.56 | 579.1 (45%) | (1407.4) | (2.43) |") in block
     # each run's command measures the cells the record keeps of it (the later Marlin run replaced M <= 64)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
-                            "(Marlin); `bash tools/gpu_run.sh peer triton \"compressed-tensors-w8a8-fp8-dynamic "
-                            'fp8-block128"` (vLLM-Triton); `MS="1 8 64" bash tools/gpu_run.sh peer marlin '
-                            '"gptq-w4a16 awq-w4a16"` (Marlin)')
+                            '(Marlin); `MS="1 8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
+                            "(Marlin); `bash tools/gpu_run.sh peer triton \"compressed-tensors-w8a8-fp8-dynamic\"` "
+                            '(vLLM-Triton); `bash tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton)')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
