@@ -876,3 +876,72 @@ def test_a_devices_own_entries_win_over_its_stand_ins(caplog):
             got = tile_config.get_config(int(tokens), top, e, n, k, AWQ, "unquantized", "NVIDIA H200")
             assert {key: got[key] for key in entry} == entry, tokens
     assert f"where its own table has no entry, {h100_path.name}" in caplog.text
+
+
+def test_share_tunes_every_nth_entry_and_bad_shares_are_one_line(tune_fake, tmp_path, monkeypatch, capsys):
+    tune = tune_fake
+    search = _Searched()
+    monkeypatch.setattr(tune, "tune_target", search)
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "8", "64", "--out", str(tmp_path)]
+    assert tune.main([*args, "--share", "1/2"]) == 0
+    assert [m for _, m, _ in search.calls] == [8]
+    assert "share 1/2" in capsys.readouterr().out
+    for bad, why in (("2/2", "got '2/2'; wanted I/N with 0 <= I < N, e.g. 0/2"), ("half", "got 'half'; wanted I/N")):
+        with pytest.raises(SystemExit):
+            tune.main([*args, "--share", bad])
+        assert f"argument --share: {why}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main([*args, "--gpus", "0"])
+    assert "argument --gpus: got '0'; wanted a positive integer" in capsys.readouterr().err
+
+
+def test_an_entry_is_written_into_the_table_as_it_is_on_disk(tmp_path, monkeypatch):
+    """Tuners on several GPUs share a table: each entry goes into what is on disk at that moment, not into the
+    table as this tuner read it at its start."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    path = tmp_path / "table.json"
+    meta = {"device": "GPU X"}
+    tune.write_entry(path, meta, {"E8_N1_K2": {"8": {"BLOCK_M": 16}}, "E8_N2_K1": {"8": {"BLOCK_M": 16}}})
+    tune.write_entry(path, meta, {"E8_N1_K2": {"1": {"BLOCK_M": 32}}, "E8_N2_K1": {"1": {"BLOCK_M": 32}}})
+    table = json.loads(path.read_text())
+    assert table["meta"] == meta
+    assert {k: sorted(v) for k, v in table.items() if k != "meta"} == {"E8_N1_K2": ["1", "8"], "E8_N2_K1": ["1", "8"]}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_table_lock_holds_off_another_process(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+             "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+             "except BlockingIOError:\n    print('held')")
+
+    def other() -> str:
+        return subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    with tune.locked(tmp_path):
+        assert other() == "held"
+    assert other() == "free"
+
+
+def test_gpus_runs_a_tuner_per_share_into_the_same_table(tmp_path):
+    """``--gpus 2`` on the dry-run shape: two processes, one entry each, both entries in the one table (each
+    process writes its entry into the table as the other left it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "tune.py"), "--dry-run", "--schemes", "awq-w4a16",
+                           "--m", "1", "8", "--gpus", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "share 0/2" in proc.stdout and "share 1/2" in proc.stdout
+    (path,) = tmp_path.glob("*.json")
+    table = _entries(path)
+    assert len(table) == 2 and all(sorted(by_tokens) == ["1", "8"] for by_tokens in table.values()), table

@@ -33,18 +33,24 @@ each candidate's measurement is kept as it is taken (``<config file>.partial`` b
 removed when the entry is written), so a search cut off by ``--budget-s`` or killed by a time
 limit goes on from its last measurement: one prefill entry of Mixtral's shape takes longer than
 a GPU lent for 10 minutes a call.
+
+On a machine with several GPUs of one kind, ``--gpus N`` runs one tuner per GPU, each on every N-th entry
+(``--share I/N``): the entries are independent, and the tables and ``.partial`` files are read again and written
+under a lock for each entry, so the tuners fill the same tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -387,18 +393,20 @@ class Measurements:
 
     def add(self, c1: dict, c2: dict, seconds: float) -> None:
         self.taken[pair_key(c1, c2)] = None if math.isinf(seconds) else seconds
-        data = self._read()
-        data["entries"][self.entry] = self.taken
-        write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+        with locked(self.path.parent):  # another tuner (--gpus) may be writing another entry's record
+            data = self._read()
+            data["entries"][self.entry] = self.taken
+            write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
     def forget(self) -> None:
         """The entry is written: drop its record (and the file, once it holds none)."""
-        data = self._read()
-        data["entries"].pop(self.entry, None)
-        if data["entries"]:
-            write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-        else:
-            self.path.unlink(missing_ok=True)
+        with locked(self.path.parent):
+            data = self._read()
+            data["entries"].pop(self.entry, None)
+            if data["entries"]:
+                write_atomically(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+            else:
+                self.path.unlink(missing_ok=True)
 
 
 def partial_path(config_path: Path) -> Path:
@@ -672,6 +680,59 @@ def write_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on ``directory`` (flock on the folder itself: no lock file left behind) while a tuner
+    reads and writes the tables in it: the tuners of ``--gpus`` share them."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def write_entry(path: Path, meta: dict, entries: dict[str, dict]) -> None:
+    """Put ``entries`` ({GEMM shape key: config} for one token count, as ``{key: {m: config}}``) into the table at
+    ``path`` as it is on disk now (read again under the lock: another tuner may have written other entries since
+    this one read it), in one atomic write."""
+    with locked(path.parent):
+        table = json.loads(path.read_text()) if path.is_file() else {}
+        table["meta"] = meta
+        for key, by_m in entries.items():
+            table.setdefault(key, {}).update(by_m)
+        write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; wanted a positive integer")
+    return int(text)
+
+
+def _share(text: str) -> tuple[int, int]:
+    first, _, every = text.partition("/")
+    if not (first.isdigit() and every.isdigit() and int(first) < int(every)):
+        raise argparse.ArgumentTypeError(f"got {text!r}; wanted I/N with 0 <= I < N, e.g. 0/2")
+    return int(first), int(every)
+
+
+def run_shares(argv: list[str], gpus: int, dry: bool) -> int:
+    """``--gpus N``: this tool again in N processes, the i-th on the i-th visible GPU with ``--share i/N``, at once
+    (their output interleaves, each summary names its share); the worst exit code."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    count = len(visible) if visible else (0 if dry else torch.cuda.device_count())
+    if not dry and count < gpus:
+        print(f"tune.py: --gpus {gpus}, but this machine shows {count} CUDA GPUs", file=sys.stderr)
+        return 2
+    procs = []
+    for i in range(gpus):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i] if visible else str(i))
+        procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--gpus", "1", "--share", f"{i}/{gpus}"],
+                                      env=env))
+    return max(p.wait() for p in procs)
+
+
 def main(argv: list[str] | None = None) -> int:
     schemes = bench.registry_schemes()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -697,6 +758,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="no tile search: try the configs other key pairs' tables hold for the entry, then "
                              "register caps on the winner")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
+    parser.add_argument("--gpus", type=_positive, default=1, metavar="N",
+                        help="one tuner per GPU (the first N visible), each on every N-th entry; they fill the same "
+                             "tables")
+    parser.add_argument("--share", type=_share, default=(0, 1), metavar="I/N",
+                        help="tune only every N-th entry, from the I-th (0-based; what --gpus gives its tuners)")
     args = parser.parse_args(argv)
     if args.registers_only and args.seeds_only:
         print("tune.py: --registers-only and --seeds-only exclude each other", file=sys.stderr)
@@ -712,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
         first_of_keys.setdefault(schemes[n].keys, n)
     names = list(first_of_keys.values())
 
+    if args.gpus > 1:
+        return run_shares(sys.argv[1:] if argv is None else argv, args.gpus, args.dry_run)
     dry = args.dry_run or not torch.cuda.is_available()
     if dry:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -727,7 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     # the interpreter is slow: two tile candidates per BLOCK_M, splits 1 and 2
     search = {"limit": 2, "splits": (1, 2)} if dry else {}
 
-    targets = [Target(sn, sc, m) for sn in shapes for sc in names for m in ms]
+    first, every = args.share
+    targets = [Target(sn, sc, m) for sn in shapes for sc in names for m in ms][first::every]
     started, done = time.monotonic(), 0
     summary = []
     cut_off = False
@@ -796,9 +865,7 @@ def main(argv: list[str] | None = None) -> int:
                 break
             # as the layer runs them (_fit_config): a table says what runs, not what a candidate asked
             c1, c2 = api.fit_pair(c1, c2, api.variant_from_keys(*scheme.keys))
-            table.setdefault(key1, {})[str(target.m)] = c1
-            table.setdefault(key2, {})[str(target.m)] = c2
-            write_atomically(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+            write_entry(path, table["meta"], {key1: {str(target.m): c1}, key2: {str(target.m): c2}})
             kept.forget()
             done += 1
             refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
@@ -813,6 +880,8 @@ def main(argv: list[str] | None = None) -> int:
             break
     _progress(done, len(targets), "done", started)
     print(file=sys.stderr)
+    if every > 1:
+        print(f"share {first}/{every} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}):")
     print(f"{'shape':<10}{'scheme':<26}{'M':>6}{'before us':>11}{'tuned us':>10}{'speed-up':>10}{'refused':>9}")
     for shape_name, name, m, base_us, us, refused in summary:
         print(f"{shape_name:<10}{name:<26}{m:>6}{base_us:>11.1f}{us:>10.1f}{base_us / us:>9.2f}x{refused:>9}")
