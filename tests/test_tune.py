@@ -945,3 +945,12 @@ def test_gpus_runs_a_tuner_per_share_into_the_same_table(tmp_path):
     (path,) = tmp_path.glob("*.json")
     table = _entries(path)
     assert len(table) == 2 and all(sorted(by_tokens) == ["1", "8"] for by_tokens in table.values()), table
+
+
+def test_gpus_beyond_the_machines_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    import tune
+
+    assert tune.main(["--schemes", "awq-w4a16", "--gpus", "2", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "tune.py: --gpus 2, but this machine shows 1 CUDA GPU\n"

@@ -720,14 +720,15 @@ def _share(text: str) -> tuple[int, int]:
 def run_shares(argv: list[str], gpus: int, dry: bool) -> int:
     """``--gpus N``: this tool again in N processes, the i-th on the i-th visible GPU with ``--share i/N``, at once
     (their output interleaves, each summary names its share); the worst exit code."""
-    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    count = len(visible) if visible else (0 if dry else torch.cuda.device_count())
-    if not dry and count < gpus:
-        print(f"tune.py: --gpus {gpus}, but this machine shows {count} CUDA GPUs", file=sys.stderr)
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = visible or [str(i) for i in range(torch.cuda.device_count())]
+    if not dry and len(devices) < gpus:
+        plural = "" if len(devices) == 1 else "s"
+        print(f"tune.py: --gpus {gpus}, but this machine shows {len(devices)} CUDA GPU{plural}", file=sys.stderr)
         return 2
     procs = []
-    for i in range(gpus):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i] if visible else str(i))
+    for i in range(gpus):  # (a dry run needs no GPU: its tuners may outnumber them)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[i] if i < len(devices) else "")
         procs.append(subprocess.Popen([sys.executable, __file__, *argv, "--gpus", "1", "--share", f"{i}/{gpus}"],
                                       env=env))
     return max(p.wait() for p in procs)
