@@ -954,3 +954,28 @@ def test_gpus_beyond_the_machines_is_one_line(tmp_path, monkeypatch, capsys):
 
     assert tune.main(["--schemes", "awq-w4a16", "--gpus", "2", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err == "tune.py: --gpus 2, but this machine shows 1 CUDA GPU\n"
+
+
+def test_the_h100_takes_the_h200s_entries_where_its_own_tables_have_none(caplog):
+    """Stand-ins go both ways between GPUs of the same SMs: the H100's per-channel FP8 table holds Mixtral's
+    shape at one token only, the H200's (tuned on an H200) from 8 tokens up; an H100 runs those entries, its own
+    one-token entry still wins, and the log says which table fills in."""
+    import logging
+
+    from moe_registry_kernels.triton import tile_config
+
+    keys = ("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic")
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    own = json.loads(tile_config.config_file(*keys, h100).read_text())
+    h200_path = tile_config.config_file(*keys, h200)
+    other = json.loads(h200_path.read_text())
+    shape = "E8_top2_N28672_K4096"  # Mixtral's GEMM1
+    e, top, n, k = (int(p.lstrip("EtopNK")) for p in shape.split("_"))
+    assert sorted(own[shape]) == ["1"] and "512" in other[shape]
+    tile_config._SAID_STAND_IN.clear()
+    with caplog.at_level(logging.INFO, logger="moe_registry"):
+        got = tile_config.get_config(512, top, e, n, k, *keys, h100)
+    assert {key: got[key] for key in other[shape]["512"]} == other[shape]["512"]
+    assert f"MoE tiles for {h100}: where its own table has no entry, {h200_path.name}, tuned on {h200}" in caplog.text
+    one = tile_config.get_config(1, top, e, n, k, *keys, h100)
+    assert {key: one[key] for key in own[shape]["1"]} == own[shape]["1"]

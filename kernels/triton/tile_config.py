@@ -47,8 +47,9 @@ INTERPRETER_SMS = 132
 TRANSFER_ROWS = 0.5
 # a device takes the tables of a device with the same SMs (the same die, clocks and SM count; only the memory
 # differs) for what its own tables lack (every entry where it has none), said once in the log: nearer to its
-# best than the untuned defaults
-TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
+# best than the untuned defaults. Both ways: each was tuned where the other was not (the H100 holds every
+# benchmark shape and token count of most key pairs, the H200 per-channel FP8 on Mixtral's shape past one token)
+TUNED_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3": "NVIDIA H200"}
 
 
 @functools.cache  # a layer call names its table by these on every call
@@ -59,7 +60,12 @@ def _slug(text: str) -> str:
 def config_file(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str) -> Path:
     """Where tuned configs for a variant on a device live: configs/<device>__<weight>__<act>.json
     (the activation key is part of it: int8 and fp8 dots are tuned apart from 16-bit ones)."""
-    return CONFIG_DIR / f"{_slug(device_name)}__{_slug(str(weight_key))}__{_slug(str(activation_key))}.json"
+    return _config_path(CONFIG_DIR, device_name, str(weight_key), str(activation_key))
+
+
+@functools.cache  # a layer call names its table (and its stand-in's) on every call; CONFIG_DIR is part of the key
+def _config_path(config_dir: Path, device_name: str, weight_key: str, activation_key: str) -> Path:
+    return config_dir / f"{_slug(device_name)}__{_slug(weight_key)}__{_slug(activation_key)}.json"
 
 
 def shape_key(num_experts: int, top_k: int, n: int, k: int) -> str:
