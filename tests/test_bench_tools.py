@@ -166,6 +166,8 @@ def test_a_run_cut_off_keeps_its_finished_cells_and_resume_measures_the_rest(ben
         run(bench, out, *cells)
     assert not (out / "bench.json").exists()
     kept = progress_rows(out)
+    # each cell carries the GPU's state after its timing: none on the CPU
+    assert [json.loads(line)["gpu"] for line in (out / "bench.jsonl").read_text().splitlines()[1:]] == [None, None]
     assert [(r["scheme"], r["m"]) for r in kept] == [("unquantized", 1), ("unquantized", 8)]
     header = json.loads((out / "bench.jsonl").read_text().splitlines()[0])
 
@@ -562,3 +564,11 @@ def test_bench_model_measures_only_the_sides_asked_for(tmp_path, monkeypatch):
     ran.clear()
     assert bench_model.main([*base, "--sides", "registry"]) == 0
     assert ran == [("bf16", "registry"), ("gptq", "registry")]
+
+
+def test_gpu_state_reads_nvidia_smis_line(bench):
+    """The SM clock, power and temperature after a cell, as nvidia-smi's CSV gives them; anything else is None."""
+    assert bench.parse_gpu_state("1980, 412.35, 51\n") == {"sm_mhz": 1980.0, "power_w": 412.35, "temp_c": 51.0}
+    assert bench.parse_gpu_state("1755, [N/A], 60") is None
+    assert bench.parse_gpu_state("1980, 400") is None
+    assert bench.gpu_state(bench.torch.device("cpu")) is None

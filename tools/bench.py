@@ -36,7 +36,9 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -567,6 +569,39 @@ def environment(device: torch.device, dry: bool) -> dict:
     return env
 
 
+# what nvidia-smi reports of the GPU after each cell (--format=csv,noheader,nounits): its SM clock, power and heat
+GPU_STATE_FIELDS = {"clocks.sm": "sm_mhz", "power.draw": "power_w", "temperature.gpu": "temp_c"}
+
+
+def gpu_state(device: torch.device) -> dict | None:
+    """The GPU's SM clock (MHz), power draw (W) and temperature (C) as nvidia-smi reads them right after a cell's
+    timing, kept beside the cell in bench.jsonl: where a cell ran slower than in another call on the same tiles,
+    this says whether the GPU itself ran slower (its clock held down by power or heat). None off CUDA or without
+    nvidia-smi."""
+    if device.type != "cuda" or shutil.which("nvidia-smi") is None:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    if None in ids:  # a torch that does not say where the GPU sits
+        return None
+    bus = "{:08X}:{:02X}:{:02X}.0".format(*ids)  # as nvidia-smi -i takes it (CUDA_VISIBLE_DEVICES renumbers)
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", bus, f"--query-gpu={','.join(GPU_STATE_FIELDS)}",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_gpu_state(out)
+
+
+def parse_gpu_state(line: str) -> dict | None:
+    """nvidia-smi's CSV line for GPU_STATE_FIELDS as numbers (None where it did not give one number each)."""
+    values = [v.strip() for v in line.strip().split(",")]
+    try:
+        return dict(zip(GPU_STATE_FIELDS.values(), map(float, values), strict=True))
+    except ValueError:
+        return None
+
+
 RESULT, PROGRESS = "bench.json", "bench.jsonl"
 
 
@@ -639,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
                                  check_m=min(max(ms), 64)):
                 rows[cell(asdict(row))] = row
                 with progress.open("a") as f:
-                    f.write(json.dumps({"row": row_record(row), "at": time.time()}) + "\n")
+                    f.write(json.dumps({"row": row_record(row), "at": time.time(), "gpu": gpu_state(device)}) + "\n")
             torch.cuda.empty_cache() if device.type == "cuda" else None
     result = {"env": header["env"] if header else env, "ceilings": ceilings,
               "rows": [row_record(r) for r in rows.values()]}
