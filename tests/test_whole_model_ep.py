@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")  # the dev extra installs it; the core does not need it
 
-from greedy_ties import assert_same_greedy_up_to_near_ties  # noqa: E402
+from greedy_ties import BF16_BUDGET, assert_same_greedy_up_to_near_ties  # noqa: E402
 from make_transformers_whole import make_whole_model  # noqa: E402  (tools/, on sys.path from conftest)
 
 from moe_registry.core.errors import ConfigError  # noqa: E402
@@ -177,13 +177,6 @@ def test_ep_on_a_transformers_without_its_dispatch(tmp_path: Path, monkeypatch: 
                                           r"wanted ep_implementation='moe_registry'$"):
         load_model(model_dir, ep=2, ep_implementation="all_to_all")
     assert transformers_ep.resolve(None, 2, "contract") == "moe_registry"
-
-
-# bfloat16's budget for two GPUs' logits against one GPU's: rounding every activation, and a top-k pick that flips
-# on a near tie, cost a few percent of a tiny random model's logits (its bfloat16 logits are up to 2.5% from its
-# float32 ones on one process; transformers' all_to_all also rounds each pair's output to bfloat16 before its
-# weighted sum); a wrong expert, row or rank costs O(1)
-BF16_BUDGET = 5e-2
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")  # the dev extra installs it; the core does not need it
 
-from greedy_ties import assert_same_greedy_up_to_near_ties  # noqa: E402
+from greedy_ties import BF16_BUDGET, assert_same_greedy_up_to_near_ties  # noqa: E402
 from make_transformers_whole import make_whole_model  # noqa: E402  (tools/, on sys.path from conftest)
 
 from moe_registry.whole.interface import NAME, register_experts_implementation  # noqa: E402
@@ -118,9 +118,6 @@ def test_transformers_expert_parallel_runs_registry_experts(ep_implementation: s
                     f"(ep_implementation {ep_implementation!r})") in h["repr"]
             assert re.search(r"tp=1 ep=2 dp=1 all2all=none", h["report"]), h["report"]
             assert "8 experts (local 4)" in h["report"], h["report"]
-
-
-BF16_BUDGET = 5e-2  # bfloat16's budget for two GPUs' logits against one GPU's (test_whole_model_ep.py says why)
 
 
 @pytest.mark.gpu
