@@ -221,13 +221,15 @@ def _zero_sums_tile(grouped: bool) -> dict:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name,grouped,tokens", [
     ("qwen3-awq-w4-gemm", False, 3), ("qwen3-awq-w4-gemm", True, 3), ("qwen3-awq-w4-gemm", True, 1),
-    ("qwen3-gptq-w4-asym", True, 3), ("qwen3-autoround-w4-asym", False, 3), ("qwen3-gptq-w8-asym", False, 3)])
+    ("qwen3-gptq-w4-asym", True, 3), ("qwen3-autoround-w4-asym", False, 3), ("qwen3-gptq-w8-asym", False, 3),
+    ("qwen3-gptq-w4-sym", False, 3), ("qwen3-gptq-w4-sym-v2", True, 3), ("qwen3-gptq-w4-sym", True, 1)])
 def test_gpu_zero_sums_match_float64_moe_on_library_weights(name: str, grouped: bool, tokens: int, dtype: str,
                                                             monkeypatch) -> None:
     """The same files and tiles compiled for the GPU, where bfloat16 4-bit tiles dot the raw codes
     (128 + code, the zero points' terms then carrying the 128) and float16 ones the codes less 8;
     the interpreter cannot run bfloat16 dots, so only the GPU holds the raw-code path to a
-    producer's own weights."""
+    producer's own weights. GPTQModel's symmetric files (a fixed zero of 8) take the same raw dots in
+    bfloat16, their terms (8 + 128) times each group's scale and input sum."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from launch_spy import KwargSpy

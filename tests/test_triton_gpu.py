@@ -190,7 +190,7 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
 @pytest.mark.parametrize("m", [1, 8, 64])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("scheme,grouped", [("uint8-zp-g128", False), ("awq-g128", False), ("awq-g32", False),
-                                            ("awq-g128", True)])
+                                            ("awq-g128", True), ("gptq4-g128", False), ("gptq4-g128", True)])
 def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch):
     """ZERO_SUMS decode tiles (zero points on the factored dot, taken off each row's result with
     the layer's per-group input sums) on the paired PTX path, a group spanning two K steps of
@@ -198,7 +198,10 @@ def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch
     split; ``grouped``: one dot per group (GROUP_DOTS) over K tiles of 256 and 512 columns; the
     launches are watched: both GEMMs took them, and gave other numbers than the per-weight zero, no
     further from the float32 reference (the terms keep float32 accuracy: one TF32 product would
-    not). One token's GEMMs sum their block's one row themselves."""
+    not). One token's GEMMs sum their block's one row themselves. GPTQ's codes (a fixed zero) run
+    bfloat16 dots on the raw codes, corrected the same way; in float16 their dots are the plain tile's
+    and they take no terms (taken, the terms would be 136 times each group's sum: far off): their
+    numbers are the plain tile's up to the last bit of a few outputs."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 2)
@@ -217,7 +220,10 @@ def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch
     err, per_weight = _rel_err(outs[True], ref), _rel_err(outs[False], ref)
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} ZERO_SUMS: relative error {err:.2e}"
     assert err <= 1.1 * per_weight, f"{scheme} {shape} M={m} {dtype}: ZERO_SUMS {err:.2e}, per weight {per_weight:.2e}"
-    assert not torch.equal(outs[True], outs[False])
+    if scheme.startswith("gptq") and dtype == torch.float16:
+        assert _rel_err(outs[True], outs[False]) < 1e-3, f"{scheme} {shape} M={m}: float16 ZERO_SUMS took terms"
+    else:
+        assert not torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 64])

@@ -290,6 +290,31 @@ def test_zero_sums_take_each_group_once_over_misaligned_splits(m, monkeypatch):
     assert err < 1e-2, f"ZERO_SUMS over four splits: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [1, 7])
+@pytest.mark.parametrize("block_k,grouped", [(32, False), (128, True)])
+def test_zero_sums_on_fixed_zero_codes_take_no_terms_in_float16(block_k, grouped, m, monkeypatch):
+    """GPTQ's 4-bit codes (a fixed zero of 8) on ZERO_SUMS tiles: bfloat16 dots run on the raw codes and
+    take (8 + 128) times each group's scale and input sum off after the loop (tests/test_triton_gpu.py:
+    the interpreter has no bfloat16 dot); in float16 the dots already run on code - 8, the terms would be
+    zero and are not taken: the launches took ZERO_SUMS, and the layer's numbers are the plain tile's."""
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "ZERO_SUMS", seen))
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["gptq4-g64"][0]), parse_quant_key(UNQ),
+                                                   num_experts=E, hidden=H, intermediate=INTER, dtype=torch.float16,
+                                                   seed=9)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=9)
+    outs = {}
+    for zero_sums in (True, False):
+        tile = ZERO_SUMS_TILE | {"BLOCK_K": block_k} | ({"GROUP_DOTS": True} if grouped else {})
+        tile |= {"ZERO_SUMS": True} if zero_sums else {}
+        with tile_config.config_override(tile, {**tile, "SPLIT_K": 2}):
+            outs[zero_sums] = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, None, None]
+    assert torch.equal(outs[True], outs[False])
+    err = _rel_err(outs[True], reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig()))
+    assert err < 1e-2, f"gptq4-g64 ZERO_SUMS in float16: relative error {err:.2e}"
+
+
 def test_zero_sums_in_the_batched_format(monkeypatch):
     """Expert slabs (expert parallelism's batched format) take the same input sums, row for row."""
     seen: list = []
@@ -326,7 +351,8 @@ def test_zero_sums_are_kept_only_where_a_tile_can_take_them():
     assert fit(W8A16_ASYM, BLOCK_M=64) is None  # 64+ row tiles keep their per-weight zero
     assert fit(W8A16_ASYM, SWAP_AB=True) is None  # the swapped kernel subtracts them per weight
     assert fit(SCHEMES["awq-channel"][0]) is None  # per-channel scales: no groups
-    assert fit(SCHEMES["gptq8-g128"][0]) is None  # no zero points
+    assert fit(SCHEMES["gptq8-g128"][0]) is None  # 8-bit codes of a fixed zero: no raw dot to correct
+    assert fit(SCHEMES["gptq4-g64"][0], BLOCK_K=64) is True  # 4-bit ones: the raw codes' dots (bfloat16)
     assert fit(W8A16_ASYM, ZERO_SUMS=False) is None  # absent, not False: tables stay as they were
 
 

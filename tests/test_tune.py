@@ -315,6 +315,29 @@ def test_tuner_starts_from_other_key_pairs_tables(seeds_only, tmp_path, monkeypa
     assert searched == 0 if seeds_only else searched > 0
 
 
+def test_schemes_that_take_zero_sums_try_todays_tiles_on_them_first(tmp_path, monkeypatch):
+    """GPTQ int4 (a fixed zero) and AWQ (zero points) take ZERO_SUMS: the first seed is today's pair on the
+    factored dot, where the fit keeps it; W4A8 (no 16-bit dot) gets no such seed."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels.triton import tile_config
+    from moe_registry_kernels.triton import variant as triton_variant
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    tile_config._load_config_file.cache_clear()
+    shape = tune.bench.Shape("tiny", experts=8, top_k=2, hidden=128, intermediate=128)
+    today = ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+              "num_stages": 3, "SWAP_AB": False},) * 2
+    for keys, seeded in (((GPTQ, "unquantized"), True),
+                         (("uint4 scale:float16:group(128):static zp:group", "unquantized"), True),
+                         (("uint4b8 scale:float32:group(128):static", "int8 scale:float32:token:dynamic"), False)):
+        pairs = tune.seed_pairs(shape, keys, 1, "cpu", triton_variant.variant_from_keys(*keys), today)
+        assert [(c1.get("ZERO_SUMS"), c2.get("ZERO_SUMS")) for c1, c2 in pairs] == ([(True, True)] if seeded else [])
+        if seeded:
+            assert all({k: c[k] for k in today[0]} == today[0] for c in pairs[0])
+    tile_config._load_config_file.cache_clear()
+
+
 def test_seeds_only_and_registers_only_exclude_each_other(tune_fake, tmp_path, capsys):
     args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
     assert tune_fake.main([*args, "--seeds-only", "--registers-only"]) == 2
@@ -688,6 +711,7 @@ def test_a_budget_spent_midway_keeps_the_entrys_measurements_for_the_next_run(tu
 
     monkeypatch.setattr(tune, "tune_target", finish)
     monkeypatch.setattr(tune, "all_pairs", lambda shape, scheme, ms: [(c, c), (c, {**c, "BLOCK_N": 32})])
+    monkeypatch.setattr(tune, "seed_pairs", lambda *args, **kwargs: [])  # (AWQ's: today's tiles on ZERO_SUMS)
     monkeypatch.setattr(tune, "precompile", precompile)
     assert tune.main(args) == 0
     assert compiled == [[(c, c)]]
@@ -790,24 +814,23 @@ def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
 
 
 def test_zero_point_schemes_try_the_factored_dot(monkeypatch, tmp_path):
-    """Zero-point schemes (AWQ, W8A16 asym) try their decode tiles with ZERO_SUMS too, as the layer
-    fits them (K tiles in one group or, 4-bit, one dot per group; standard kernel), and each seed
-    from a fixed-zero table (GPTQ int8's) also on the factored dot; schemes without zero points and
-    prefill tiles get none."""
+    """Zero-point schemes (AWQ, W8A16 asym) and GPTQ int4 (raw codes of a fixed zero) try their decode
+    tiles with ZERO_SUMS too, as the layer fits them (K tiles in one group or, 4-bit, one dot per group;
+    standard kernel), and each seed from a fixed-zero table (GPTQ int8's) also on the factored dot; GPTQ
+    int8 (8-bit codes: no raw dot) and prefill tiles get none."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
     from moe_registry_kernels.triton import tile_config
     from moe_registry_kernels.triton import variant as triton_variant
 
     schemes = tune.bench.registry_schemes()
-    for name in ("awq-w4a16", "compressed-tensors-w8a16-asym"):
+    for name in ("awq-w4a16", "compressed-tensors-w8a16-asym", "gptq-w4a16"):
         pairs = tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
         with_sums = [c for pair in pairs for c in pair if c.get("ZERO_SUMS")]
         assert with_sums and all(not c["SWAP_AB"] and (128 % c["BLOCK_K"] == 0 or c.get("GROUP_DOTS"))
                                  for c in with_sums), name
-    for name in ("gptq-w4a16", "gptq-w8a16"):
-        assert not any(c.get("ZERO_SUMS") for pair in tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes[name], [8])
-                       for c in pair)
+    assert not any(c.get("ZERO_SUMS") for pair in tune.all_pairs(tune.bench.SHAPES["qwen3"], schemes["gptq-w8a16"], [8])
+                   for c in pair)
     assert not any(c.get("ZERO_SUMS") for c in tune.tile_candidates(64, narrow=False, zero_sums=True))  # prefill
 
     monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)

@@ -600,8 +600,9 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     for this shape's two GEMMs at exactly ``m`` tokens, each pair and each half of it with today's
     other half, as tuned and without the seed's register caps, fitted to this scheme: distinct, and
     none today's own. A tile this scheme's kernel cannot run as tuned (the swapped kernel's) gives
-    none. Zero-point schemes also try each on the factored dot (ZERO_SUMS, where the fit keeps it):
-    there a tile of a fixed-zero scheme (GPTQ's) runs its own loop."""
+    none. Schemes that take ZERO_SUMS (tile_config.takes_zero_sums) also try each on the factored dot
+    (where the fit keeps it; there a tile of a fixed-zero scheme (GPTQ's) runs its own loop), and today's
+    own pair on it first."""
     from moe_registry_kernels.triton.api import config_file, fit_pair, shape_key, takes_zero_sums
 
     own = config_file(*keys, device_name)  # in the directory the kernel reads
@@ -616,6 +617,12 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
 
     seen = {json.dumps(fitted(*today), sort_keys=True)}
     out = []
+    if takes_zero_sums(variant):
+        candidate = fitted({**today[0], "ZERO_SUMS": True}, {**today[1], "ZERO_SUMS": True})
+        key = json.dumps(candidate, sort_keys=True)
+        if candidate is not None and key not in seen:
+            seen.add(key)
+            out.append(candidate)
     for path in sorted(own.parent.glob(own.name.split("__")[0] + "__*.json")):
         if path.name == own.name:
             continue

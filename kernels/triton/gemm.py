@@ -222,8 +222,9 @@ def _fused_moe_kernel(
                              and (W_ZERO > 0 and not HAS_ZERO or ZERO_SUMS) and W_GROUPS > 1 and not ACT_ORDER
                              and BLOCK_M <= 32)
     tl.static_assert(not GROUPED or W_GROUP >= 32, "each group's nibble half-dot needs K >= 16")
-    tl.static_assert(not ZERO_SUMS or (FACTORED or GROUPED) and HAS_ZERO,
-                     "input sums are for zero points on the factored dot or per-group dots")
+    tl.static_assert(not ZERO_SUMS or (FACTORED or GROUPED) and (HAS_ZERO or PACKED and W_ZERO > 0),
+                     "input sums are for zero points, or 4-bit codes of a fixed zero, on the factored dot or "
+                     "per-group dots")
     if FACTORED or GROUPED:  # the offset code the factored (or per-group) dots' tiles subtract
         factored_zero = _offset_zero(tl.full((1, BLOCK_N), FACTORED_ZERO, tl.float32), dtype, NARROW)
     # bfloat16 4-bit ZERO_SUMS tiles go one step further: their dots run on the codes as the dequantisation's
@@ -232,9 +233,14 @@ def _fused_moe_kernel(
     # 128x128 tiles: 362 -> 307 instructions a step, 148 -> 140 registers). The dot's sums grow by 128 times
     # the input's, which float32 accumulation holds (the products are exact). float16's offset is 1024: its
     # dots so lost accuracy (H200, int4 g128 codes: 3.3e-4 against 2.9e-4 from the layer's float32
-    # reference), and keep the subtract.
+    # reference), and keep the subtract. 4-bit codes of a fixed zero (GPTQ's uint4b8) take the same raw dots,
+    # their terms (8 + 128) times each group's scale and input sum (sm_90 SASS, GPTQ int4 at Mixtral's M = 8
+    # on its 128x256 tiles: 688 -> 572 instructions a step, 168 -> 143 registers; yet no faster there on an
+    # H200, whose decode GEMMs wait on memory more than they issue: the tuner took it for Qwen3's GEMM1 at
+    # M = 64 only); in float16 their terms would be zero (z = MID), and are not taken.
     RAW_CODES: tl.constexpr = ZERO_SUMS and PACKED and dtype == tl.bfloat16
     TERMS_MID: tl.constexpr = -BF16_NIBBLE_OFFSET if RAW_CODES else FACTORED_ZERO
+    ZERO_TERMS: tl.constexpr = ZERO_SUMS and (HAS_ZERO or RAW_CODES)
     # W4A8 with group scales: each K tile's int32 dot takes its group's scale (a K tile lies in one
     # group), or each group's dot its own (GROUPED)
     INT8_GROUPS: tl.constexpr = DOT == "int8" and W_SCALE == "group" and not GROUPED
@@ -380,11 +386,11 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if ZERO_SUMS:  # (one-pair blocks sum their one row themselves)
+    if ZERO_TERMS:  # (one-pair blocks sum their one row themselves)
         one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,
                                      stride_sk, scale_groups, k_lo, k_hi, K, W_GROUP, TERMS_MID, SUM_PIECES,
-                                     ONE_PAIR_BLOCKS)
+                                     ONE_PAIR_BLOCKS, HAS_ZERO, W_ZERO)
     if A_SCALE_IN != "none":
         acc *= a_scale_in
     elif DOT == "int8" or DOT == "fp8_outer":  # per token (or per tensor: stride 0)

@@ -280,13 +280,15 @@ ZERO_TERM_GROUPS = tl.constexpr(16)
 @triton.jit
 def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_mask, scale_cols, zero_cols, stride_sk,
                            scale_groups, k_lo, k_hi, K, W_GROUP: tl.constexpr, MID: tl.constexpr,
-                           PIECES: tl.constexpr, ONE_ROW: tl.constexpr):
+                           PIECES: tl.constexpr, ONE_ROW: tl.constexpr, HAS_ZERO: tl.constexpr = True,
+                           W_ZERO: tl.constexpr = 0):
     """``acc`` less sum_g rowsum_g(A) * s_g * (z_g - MID) over the weight groups whose first column
     lies in [k_lo, k_hi) (a split's share: each group's terms are taken once over the splits), for
     the float32 [BLOCK_M, BLOCK_N] tile of a zero-point GEMM's factored dot of code - MID (see
     FACTORED). ``row_sums_ptr``: A's rows' sums per group, [A rows, groups * PIECES] (row stride
     ``stride_rs``, which also bounds the pieces: a group's sum is that of its PIECES consecutive
-    ones); ONE_ROW (one-pair blocks, whose one row ``a_one_row`` is the only one stored): that row's
+    ones); z_g the group's zero point, or W_ZERO for codes of a fixed zero (not HAS_ZERO); ONE_ROW
+    (one-pair blocks, whose one row ``a_one_row`` is the only one stored): that row's
     sums, found here from A (a second read of one row, from L2) instead of by a launch before
     the GEMM. The dot keeps float32 accuracy (three TF32 products): with zero points far
     from MID the terms are large beside the result they correct. (H100, Mixtral M = 64: as one
@@ -321,8 +323,11 @@ def _less_zero_point_terms(acc, row_sums_ptr, stride_rs, a_one_row, a_rows, row_
         held = g[:, None] < scale_groups
         loaded = tl.load(scale_cols + g[:, None] * stride_sk, mask=held, other=0)
         scale = _scale_of(loaded).to(tl.float32)
-        zero = _zero_of(loaded, zero_cols, g[:, None] * stride_sk, held, MID)
-        acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
+        if HAS_ZERO:
+            zero = _zero_of(loaded, zero_cols, g[:, None] * stride_sk, held, MID)
+            acc = _dot_tf32x3(-sums, scale * (zero - MID), acc)
+        else:  # (W_ZERO - MID is a small integer: the product is the scale's, exactly)
+            acc = _dot_tf32x3(-sums, scale * (W_ZERO - MID), acc)
     return acc
 
 
