@@ -572,3 +572,36 @@ def test_gpu_state_reads_nvidia_smis_line(bench):
     assert bench.parse_gpu_state("1755, [N/A], 60") is None
     assert bench.parse_gpu_state("1980, 400") is None
     assert bench.gpu_state(bench.torch.device("cpu")) is None
+
+
+def test_the_gemm_launches_a_step_made_run_again_alone(bench):
+    """bench.py times the GEMMs alone on a GPU by replaying, in a CUDA graph, the GEMM launches one layer call made
+    (record_gemm_launches, replay): the recorded launches are the two GEMMs of the call, each kernel run as
+    recorded, and run again they write the same outputs into the call's own buffers (here through Triton's
+    interpreter: the graph around them is the GPU's)."""
+    import torch
+    from moe_registry_kernels import quant_ref
+    from moe_registry_kernels.triton.experts import TritonExperts
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.layer.experts import ExpertsConfig
+
+    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float16:group(32):static"),
+                                                   parse_quant_key("unquantized"), num_experts=4, hidden=64,
+                                                   intermediate=64, dtype=torch.float16, seed=3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=g).to(torch.float16)
+    ids = torch.tensor([[0, 1], [2, 1], [3, 0]], dtype=torch.int32)
+    tw = torch.rand(3, 2, generator=g) + 0.1
+    experts = TritonExperts(weights, ExpertsConfig())
+    outs: list = []
+    launches = bench.record_gemm_launches(lambda: outs.append(experts.apply(x, tw, ids)))
+    assert [kernel.fn.__name__ for kernel, *_ in launches] == ["_fused_moe_kernel"] * 2
+    written = [args[7] for _, _, args, _ in launches]  # c_ptr: each GEMM's output
+    before = [c.clone() for c in written]
+    for c in written:
+        c.fill_(float("nan"))
+    bench.replay(launches)()
+    for c, was in zip(written, before, strict=True):
+        assert torch.equal(c, was)
+    assert outs[0].isfinite().all()

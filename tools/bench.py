@@ -8,10 +8,11 @@ the experts a call touches are never still in L2 from the previous one. Ceilings
 bandwidth, bf16 / int8 / fp8 matrix rates) are measured in the same run. Roofline time =
 max(minimum bytes / copy bandwidth, FLOPs / peak of the matrix unit the scheme uses), minimum
 bytes = weights + scales + zero points of the experts the routing hits + activations in and out
-+ routing; FLOPs = 6·M·top-k·hidden·intermediate. The two GEMMs are also reported alone (their
-kernel times from the profiler, against a roofline of the weights, the hidden rows in and the
-top-k rows out), and the rest of the layer's kernels as glue (the profiler's CUPTI torn down after
-each profile, so it does not slow the cells timed after it).
++ routing; FLOPs = 6·M·top-k·hidden·intermediate. The two GEMMs are also reported alone (on a GPU
+their launches replayed alone in a CUDA graph, the median of its replays; elsewhere their kernel
+times from the profiler; against a roofline of the weights, the hidden rows in and the top-k rows
+out), and the rest of the layer's kernels as glue (the profiler's kernel times, its CUPTI torn down
+after each profile, so it does not slow the cells timed after it).
 
 The schemes are the scheme specs that list the Triton kernel (KERNEL), their keys bound with
 group 128 where the spec allows it; a spec added (MOE_REGISTRY_SPEC_PATH for user specs) is
@@ -32,6 +33,7 @@ finished cell and ``--resume`` goes on from there (with the ceilings measured th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -204,7 +206,7 @@ class Row:
     bytes_moved: float
     flops: float
     rel_error: float
-    gemm_us: float  # the two GEMM kernels alone (profiler kernel times, per layer call)
+    gemm_us: float  # the two GEMM kernels alone, per layer call (GPU: gemm_graph_seconds; else the profiler)
     gemm_roofline_us: float
     glue_us: float  # every other kernel of the layer: alignment, quantisation, reduction
 
@@ -394,6 +396,8 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
         else:
             t = _median_time(step, 0.05, device) / len(kernels)
         gemm_s, glue_s = kernel_times(step, len(kernels), device)
+        if device.type == "cuda":  # the GEMMs alone as the peer harness times its own (see gemm_graph_seconds)
+            gemm_s = gemm_graph_seconds(step, len(kernels), rounds, device)
         # the GEMMs alone move the weights, the hidden rows in and the top-k rows out (the
         # activation's round trip belongs to the layer); same FLOPs
         gemm_bytes = wbytes + m * shape.hidden * x.element_size() * (1 + shape.top_k)
@@ -448,6 +452,65 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
             glue += us
     per_call = 1e-6 / (repeats * calls_per_step)
     return gemm * per_call, glue * per_call
+
+
+# the launchers' names of the GEMM kernels in moe_registry_kernels.triton.launch (the tile kernels, the swapped-operand
+# one, the decode GEMV)
+GEMM_LAUNCHERS = ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")
+
+
+class _Recording:
+    """Stands in for a Triton GEMM kernel in the launcher module: ``kernel[grid](*args, **kwargs)`` runs it and keeps
+    the launch (kernel, grid, arguments) in ``launches``."""
+
+    def __init__(self, kernel, launches: list) -> None:  # type: ignore[no-untyped-def]
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            self.launches.append((self.kernel, grid, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+def record_gemm_launches(step) -> list[tuple]:  # type: ignore[no-untyped-def]
+    """The GEMM launches one call of ``step`` makes (plain launches: no programmatic dependent launch), each as
+    (kernel, grid, args, kwargs): the arguments hold the very buffers the step used, so the launches can run again."""
+    from unittest import mock
+
+    from moe_registry_kernels.triton import launch
+    from moe_registry_kernels.triton.api import plain_launches
+
+    launches: list[tuple] = []
+    with plain_launches(), contextlib.ExitStack() as stack:
+        for name in GEMM_LAUNCHERS:
+            stack.enter_context(mock.patch.object(launch, name, _Recording(getattr(launch, name), launches)))
+        step()
+    return launches
+
+
+def replay(launches: list[tuple]):  # type: ignore[no-untyped-def]
+    """A step that runs the recorded launches again, in order."""
+
+    def run() -> None:
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
+
+    return run
+
+
+def gemm_graph_seconds(step, calls_per_step: int, rounds: int, device: torch.device) -> float:  # type: ignore[no-untyped-def]
+    """Seconds per layer call in the GEMM kernels alone, timed as a peer's two launches are timed beside ours: the
+    GEMM launches of one step, recorded with their arguments (record_gemm_launches), replayed ``rounds`` times over
+    in a CUDA graph, the median of its replays. A profile of a few eager steps (kernel_times) gave GEMM times that
+    followed the GPU's clock from call to call (up to 7% apart on an H200 where the layer's graph-timed median
+    moved by under 1%); the graph's replays run as long as the layer's own timing."""
+    launches = record_gemm_launches(step)
+    graph = capture_graph(replay(launches * rounds))
+    t = _median_time(graph.replay, 0.3, device)
+    del graph
+    return t / (calls_per_step * rounds)
 
 
 def weight_copies(bytes_hit: float, bytes_all: float) -> int:

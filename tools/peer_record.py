@@ -11,8 +11,9 @@ from vLLM's CUDA Marlin MoE. A cell is one (peer, shape, scheme, M) both sides t
 (or in a RUN_DIR over the record given with --onto) replaces the same cell of an earlier one.
 
 What each cell compares (ratio = peer time / our time; above 1, ours is faster):
-  GEMMs: our two expert GEMM kernels (tools/bench.py's gemm_us: profiler kernel times per layer call) against
-         the peer's two launches (t_gemms_us: CUDA-graph medians).
+  GEMMs: our two expert GEMM kernels (tools/bench.py's gemm_us per layer call: their launches replayed alone in
+         a CUDA graph, the median; a run before that method, the profiler's kernel times) against the peer's two
+         launches (t_gemms_us: CUDA-graph medians).
   layer: our whole layer call (us) against
          - Marlin: its two launches with vLLM's own CUDA glue and block alignment (t_layer_align_us): fair;
          - vLLM Triton: its two launches with the harness's torch glue (t_layer_us) and torch
