@@ -138,3 +138,41 @@ def test_the_k_loop_is_reported_where_a_zero_sums_tile_has_a_longer_loop_after_i
         assert r["loop_async_copies"] >= 2 and r["loop_opcodes"]["HMMA"] > 0, r
         ops = r["loop_opcodes"]  # a subtract a weight pair would be two paired adds a dot
         assert 10 * ops.get("HADD2", 0) < ops["HMMA"] and "HMUL2" not in ops, ops
+
+
+def test_shared_memory_and_programs_an_sm_follow_the_pipeline_and_the_registers():
+    """Each GEMM's shared memory (Triton's metadata) grows with its pipeline's stages, and the programs an SM holds
+    are the fewest that its registers, its shared memory and its warps allow (H100/H200 limits): GPTQ int4 at
+    Mixtral's M = 8 on 128x256 tiles of 4 warps, 4 stages against 3."""
+    runs = {stages: json.loads(_run("--scheme", "gptq-w4a16", "--shape", "mixtral", "--m", "8", "--config",
+                                    json.dumps({"BLOCK_N": 128, "BLOCK_K": 256, "num_stages": stages, "maxnreg": 0,
+                                                "SPLIT_K": 1}), "--json").stdout)
+            for stages in (3, 4)}
+    for deep, shallow in zip(runs[4], runs[3], strict=True):
+        assert deep["shared_bytes"] > shallow["shared_bytes"] > 32 * 1024
+    for r in runs[3] + runs[4]:
+        by_registers = 65536 // (-(-r["registers"] * 32 // 256) * 256 * 4)
+        by_shared = 233472 // (r["shared_bytes"] + 1024)
+        assert r["programs_per_sm"] == min(by_registers, by_shared, 16) >= 1, r
+
+
+def test_programs_an_sm_take_the_tightest_limit():
+    """GemmSass.programs_per_sm on made-up kernels: registers (allocated 256 a warp), shared memory (1 KiB more a
+    program, held back by the driver) or warps, whichever runs out first; an sm_86 SM holds less shared memory
+    and fewer warps."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import kernel_sass
+    finally:
+        sys.path.remove(str(TOOL.parent))
+
+    def kernel(registers: int, shared_kib: int, warps: int = 4, arch: int = 90):
+        return kernel_sass.GemmSass("gemm1", "k", {"num_warps": warps, "BLOCK_N": 64, "BLOCK_K": 64}, registers, 0, 1,
+                                    {}, 0, 0, shared_bytes=shared_kib * 1024, arch=arch)
+
+    assert kernel(168, 72).programs_per_sm == 3  # registers: 168 x 32 = 5376 a warp, 3.05 programs
+    assert kernel(209, 96).programs_per_sm == 2  # both at 2
+    assert kernel(140, 96).programs_per_sm == 2  # shared memory: 97 KiB a program
+    assert kernel(32, 8).programs_per_sm == 16  # warps: 64 an SM
+    assert kernel(32, 8, warps=8, arch=86).programs_per_sm == 6  # 48 warps; 100 KiB of shared memory: 11
+    assert kernel(101, 0).programs_per_sm == 4  # 101 registers take 104 a thread: 3328 a warp

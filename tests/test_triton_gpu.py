@@ -199,9 +199,10 @@ def test_zero_sums_match_reference(scheme, grouped, shape, m, dtype, monkeypatch
     launches are watched: both GEMMs took them, and gave other numbers than the per-weight zero, no
     further from the float32 reference (the terms keep float32 accuracy: one TF32 product would
     not). One token's GEMMs sum their block's one row themselves. GPTQ's codes (a fixed zero) run
-    bfloat16 dots on the raw codes, corrected the same way; in float16 their dots are the plain tile's
-    and they take no terms (taken, the terms would be 136 times each group's sum: far off): their
-    numbers are the plain tile's up to the last bit of a few outputs."""
+    bfloat16 dots on the raw codes, corrected the same way; in float16 their dots run on code - 8 as the
+    plain tile's do and they take no terms: the two layers agree within 1e-3 (taken, the terms, 136 times
+    each group's scale and input sum, would put them far apart; one dot per group compiles to a loop
+    that does not give the plain tile's numbers bit for bit)."""
     e, h, i, top_k = SHAPES[shape]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 2)

@@ -2,7 +2,9 @@
 GEMMs become at a model shape and token count, with the tile configs the layer would take there.
 
 For decode work without a GPU. Per GEMM: registers per thread, local-memory
-spills, the main K loop's instruction count by opcode, and how the loop reads global memory:
+spills, shared memory and the programs an SM holds by them (where a decode GEMM waits on memory, more
+programs keep more bytes in flight), the main K loop's instruction count by opcode, and how the loop reads
+global memory:
 cp.async copies that Triton's pipeliner issues stages ahead (LDGSTS) against plain loads a step
 waits on (LDG). The second kind in a decode loop is where MXFP4's scales stalled every step
 before their loads were made one vector per row.
@@ -41,6 +43,15 @@ import bench  # noqa: E402  (tools/bench.py: scheme names, model shapes)
 # defaults' split-K rule)
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 DEVICE_SMS = 132
+# what an SM holds (CUDA's occupancy limits by compute capability x 10): 32-bit registers, shared memory for
+# programs (bytes), resident warps and programs; each program also holds SHARED_RESERVED bytes the driver keeps,
+# and a warp's registers are allocated in units of REGISTER_UNIT
+SM_LIMITS = {90: {"registers": 65536, "shared": 233472, "warps": 64, "programs": 32},
+             89: {"registers": 65536, "shared": 102400, "warps": 48, "programs": 24},
+             86: {"registers": 65536, "shared": 102400, "warps": 48, "programs": 16},
+             80: {"registers": 65536, "shared": 167936, "warps": 64, "programs": 32}}
+SHARED_RESERVED = 1024
+REGISTER_UNIT = 256
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([.\w]*)")
 
 
@@ -58,6 +69,19 @@ class GemmSass:
     loop_async_copies: int  # LDGSTS: global -> shared copies the pipeliner issues ahead
     loop_global_loads: int  # LDG: global loads into registers, waited on in the step
     input_quantised: str = "none"  # A_SCALE_IN: how the GEMM quantises one token's input itself ("none": it does not)
+    shared_bytes: int = 0  # dynamic shared memory a program takes (the pipeline's stages and layout conversions)
+    arch: int = 90
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs an SM holds at once, by registers, shared memory and warps, whichever runs out first: at
+        decode, where a GEMM waits on memory, what keeps more bytes in flight."""
+        sm = SM_LIMITS.get(self.arch, SM_LIMITS[90])
+        warps = self.config["num_warps"]
+        warp_registers = -(-self.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+        by_registers = sm["registers"] // (warp_registers * warps) if self.registers > 0 else sm["programs"]
+        by_shared = sm["shared"] // (self.shared_bytes + SHARED_RESERVED)
+        return min(by_registers, by_shared, sm["warps"] // warps, sm["programs"])
 
     @property
     def instructions_per_weight(self) -> float:
@@ -68,7 +92,8 @@ class GemmSass:
 
     def to_text(self) -> str:
         top = ", ".join(f"{op} {n}" for op, n in sorted(self.loop_opcodes.items(), key=lambda kv: -kv[1])[:8])
-        return (f"{self.gemm} {self.kernel}: {self.registers} registers, {self.spill_bytes} B spilled; main loop "
+        return (f"{self.gemm} {self.kernel}: {self.registers} registers, {self.spill_bytes} B spilled, "
+                f"{self.shared_bytes // 1024} KiB shared, {self.programs_per_sm} programs an SM; main loop "
                 f"{self.loop_instructions} instructions ({top}), {self.instructions_per_weight:.3f} warp "
                 f"instructions per weight; loads in the loop: {self.loop_async_copies} "
                 f"cp.async (LDGSTS), {self.loop_global_loads} waited on (LDG)"
@@ -143,8 +168,10 @@ def main_loop(sass: str) -> list[str]:
     return max(loops, key=lambda loop: loop[:2])[2] if loops else []
 
 
-def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "none") -> GemmSass:
-    """Registers, spills and the main loop's instruction mix of a compiled kernel."""
+def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "none", shared_bytes: int = 0,
+            arch: int = 90) -> GemmSass:
+    """Registers, spills and the main loop's instruction mix of a compiled kernel (``shared_bytes``: its
+    shared memory, from Triton's metadata)."""
     usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                            check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
@@ -152,7 +179,8 @@ def analyse(gemm: str, fn, config: dict, cubin: Path, input_quantised: str = "no
     sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = collections.Counter(INSTRUCTION.search(line).group(2) for line in main_loop(sass))
     return GemmSass(gemm, fn.__name__, {k: config[k] for k in sorted(config)}, int(regs.group(1)) if regs else -1,
-                    spilled, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"], input_quantised)
+                    spilled, sum(ops.values()), dict(ops), ops["LDGSTS"], ops["LDG"], input_quantised, shared_bytes,
+                    arch)
 
 
 def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: dict | None = None,
@@ -162,8 +190,8 @@ def kernel_sass(scheme: bench.Scheme, shape: bench.Shape, m: int, *, overrides: 
         out = []
         launches = record_launches(scheme, shape, m, overrides, arch, device_name)
         for gemm, (fn, args, kwargs, cfg) in zip(("gemm1", "gemm2"), launches, strict=True):
-            _, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
-            out.append(analyse(gemm, fn, cfg, cubin, kwargs.get("A_SCALE_IN", "none")))
+            kernel, cubin = compile_launch(fn, args, kwargs, arch, Path(tmp))
+            out.append(analyse(gemm, fn, cfg, cubin, kwargs.get("A_SCALE_IN", "none"), kernel.metadata.shared, arch))
         return out
 
 
@@ -196,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     results = kernel_sass(schemes[args.scheme], bench.SHAPES[args.shape], args.m, overrides=overrides, arch=args.arch,
                           device_name=args.device)
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(r), "instructions_per_weight": r.instructions_per_weight}
+        print(json.dumps([{**dataclasses.asdict(r), "instructions_per_weight": r.instructions_per_weight,
+                           "programs_per_sm": r.programs_per_sm}
                           for r in results], indent=1))
     else:
         print(f"{args.scheme} on {bench.SHAPES[args.shape].name}, M = {args.m}, sm_{args.arch}, "
