@@ -30,7 +30,7 @@ PIECES_STEP = 128
 # act_quant modes: how the rows are quantised after the (optional) activation.
 QUANT_MODES = ("none", "int8_token", "int8_static", "fp8_static", "fp8_group", "mxfp8")
 # int8 codes as act_quant stores them: int8 (None), or their values in a 16-bit float type (exact),
-# for GEMM tiles that take them as 16-bit operands (moe_gemm's W4A8_FLOAT)
+# for GEMM tiles that take them as 16-bit operands (gemm's W4A8_FLOAT)
 INT8_CODE_DTYPES = (None, torch.int8, torch.float16, torch.bfloat16)
 
 

@@ -373,7 +373,7 @@ def _(topk_ids, num_experts, block_m):
 
 
 # ---------------------------------------------------------------------------------------------
-# each row's sums over groups of columns (ZERO_SUMS GEMMs' inputs; see moe_gemm.FACTORED)
+# each row's sums over groups of columns (ZERO_SUMS GEMMs' inputs; see gemm.FACTORED)
 
 # groups a step of _row_group_sums reads
 ROW_SUM_GROUPS = 8

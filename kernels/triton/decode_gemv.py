@@ -2,7 +2,7 @@
 dot products (dp4a): a program per (token, expert) pair and column tile at decode (or per block of
 aligned pairs of one expert), where each expert a step reads takes few of its pairs.
 
-A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.triton.moe_gemm`)
+A one-token GEMM is a matrix-vector product: the tile kernels (:mod:`moe_registry_kernels.triton.gemm`)
 pad the token to a 16-row matrix-unit tile and move its row into the operand layout through
 shared memory every K step, and at M = 1 they were held by instructions and latency, not by
 memory (H100, Qwen3-30B-A3B W4A8: 20.7 us of GEMMs for 18.9 MB of weights, 0.9 TB/s). Here each

@@ -1,5 +1,5 @@
 """FP4 (e2m1) weight tiles dequantised in registers, for the GEMM kernels of
-:mod:`moe_registry_kernels.triton.moe_gemm`: bit moves and multiplies, no table in memory.
+:mod:`moe_registry_kernels.triton.gemm`: bit moves and multiplies, no table in memory.
 
 An e2m1 code's sign (bit 3) goes to float16's sign bit and its 3 magnitude bits (2 exponent, 1
 mantissa) to float16 bits 9..11, the top of the exponent field and of the mantissa: the half then

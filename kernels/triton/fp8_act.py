@@ -9,7 +9,7 @@ Numerics are :mod:`moe_registry_kernels.quant_ref`'s bit for bit: scale = max(am
 in the layer's programmatic-dependent-launch chain (PDL). At decode :func:`align_quant_fp8` runs
 the alignment and the quantisation in one launch, :func:`quant_fp8_from_pieces` quantises the
 intermediate from GEMM1's row-amax pieces, and one token's GEMMs quantise their own input
-(moe_gemm's A_SCALE_IN).
+(gemm's A_SCALE_IN).
 """
 
 import torch

@@ -307,7 +307,7 @@ def group_dot_width(variant: KernelVariant, block_m: int, zero_sums: bool = Fals
 
 def takes_zero_sums(variant: KernelVariant) -> bool:
     """Whether the variant's tiles can take the ``ZERO_SUMS`` config key (zero points on the
-    factored dot, corrected by the layer's per-group input sums; see moe_gemm.FACTORED): integer
+    factored dot, corrected by the layer's per-group input sums; see gemm.FACTORED): integer
     codes with zero points (uint4, uint8), or 4-bit codes of a fixed zero (uint4b8, int4: bfloat16 dots
     of the raw codes, see gemm.RAW_CODES), and group scales under a 16-bit dot."""
     codes = variant.weight_type in ("uint4", "uint8") or variant.packed and variant.zero_code > 0

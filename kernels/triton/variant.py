@@ -1,6 +1,6 @@
 """The weight and activation keys read as the Triton MoE kernels' choices.
 
-:class:`KernelVariant` is what the GEMM kernels (:mod:`moe_registry_kernels.triton.moe_gemm`) are specialised
+:class:`KernelVariant` is what the GEMM kernels (:mod:`moe_registry_kernels.triton.gemm`) are specialised
 on: the weight code type, how weights are scaled (none, per channel, per group, per 128x128
 block, MX e8m0) and how activations are quantised. :func:`variant_from_keys` reads QuantKey
 strings into one and refuses keys the kernels cannot run; :func:`swappable` says which variants the
