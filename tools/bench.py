@@ -33,7 +33,6 @@ finished cell and ``--resume`` goes on from there (with the ceilings measured th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -454,38 +453,13 @@ def kernel_times(step, calls_per_step: int, device: torch.device, repeats: int =
     return gemm * per_call, glue * per_call
 
 
-# the launchers' names of the GEMM kernels in moe_registry_kernels.triton.launch (the tile kernels, the swapped-operand
-# one, the decode GEMV)
-GEMM_LAUNCHERS = ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")
-
-
-class _Recording:
-    """Stands in for a Triton GEMM kernel in the launcher module: ``kernel[grid](*args, **kwargs)`` runs it and keeps
-    the launch (kernel, grid, arguments) in ``launches``."""
-
-    def __init__(self, kernel, launches: list) -> None:  # type: ignore[no-untyped-def]
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
-            self.launches.append((self.kernel, grid, args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-
-        return run
-
-
 def record_gemm_launches(step) -> list[tuple]:  # type: ignore[no-untyped-def]
     """The GEMM launches one call of ``step`` makes (plain launches: no programmatic dependent launch), each as
     (kernel, grid, args, kwargs): the arguments hold the very buffers the step used, so the launches can run again."""
-    from unittest import mock
-
-    from moe_registry_kernels.triton import launch
-    from moe_registry_kernels.triton.api import plain_launches
+    from moe_registry_kernels.triton.api import plain_launches, recorded_gemm_launches
 
     launches: list[tuple] = []
-    with plain_launches(), contextlib.ExitStack() as stack:
-        for name in GEMM_LAUNCHERS:
-            stack.enter_context(mock.patch.object(launch, name, _Recording(getattr(launch, name), launches)))
+    with plain_launches(), recorded_gemm_launches(launches):
         step()
     return launches
 

@@ -43,10 +43,11 @@ __all__ = [
     "CONFIG_DIR", "config_file", "config_override", "default_config", "get_config", "nearest_shape_config",
     "group_dot_width", "shape_key",
     "takes_zero_sums", "zero_sums_fit", "fit_config", "fit_pair", "load_config_file", "device_name", "num_sms",
-    "GEMM_KERNEL_NAMES", "GemmLaunch", "gemm_launches",
+    "GEMM_KERNEL_NAMES", "GemmLaunch", "gemm_launches", "recorded_gemm_launches",
 ]
 
-# the names the GEMM kernels carry in profiles (the tile kernels, the swapped-operand one, the decode GEMV)
+# the names the GEMM kernels carry in profiles and in the launcher module (the tile kernels, the swapped-operand
+# one, the decode GEMV)
 GEMM_KERNEL_NAMES = tuple(k.fn.__name__ for k in (_fused_moe_kernel, _fused_moe_swap_kernel, _decode_gemv_kernel))
 
 
@@ -87,15 +88,29 @@ class GemmLaunch:
 
 
 class _Recorder:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the launch as (kernel, grid,
+    args, kwargs) and, ``run``, makes it."""
 
-    def __init__(self, fn, launches: list) -> None:
-        self.fn, self.launches = fn, launches
+    def __init__(self, fn, launches: list, run: bool = False) -> None:
+        self.fn, self.launches, self.run = fn, launches, run
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            self.launches.append((self.fn, args, kwargs))
+            self.launches.append((self.fn, grid, args, kwargs))
+            if self.run:
+                self.fn[grid](*args, **kwargs)
         return record
+
+
+@contextlib.contextmanager
+def recorded_gemm_launches(launches: list, *, run: bool = True):
+    """Within it, each GEMM launch a layer makes (the kernels of GEMM_KERNEL_NAMES) is appended to ``launches`` as
+    (kernel, grid, args, kwargs) and, ``run``, made: the arguments hold the very buffers the call used, so the
+    launches can be made again on their own (tools/bench.py times the GEMMs alone so)."""
+    with contextlib.ExitStack() as stack:
+        for name in GEMM_KERNEL_NAMES:
+            stack.enter_context(mock.patch.object(launch, name, _Recorder(getattr(launch, name), launches, run)))
+        yield launches
 
 
 def _meta(t: torch.Tensor | None, experts: int) -> torch.Tensor | None:
@@ -142,10 +157,9 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                    # the decode GEMV's input quantisation: not a GEMM, not run (its outputs on the meta device)
                    (launch, "act_quant", lambda x, activation, quant, *, static_scale=None, **_:
                     activation_quant._fake_quant(x.shape[0], x.shape[1], quant, x, static_scale))]
-        patches += [(launch, k, _Recorder(getattr(launch, k), launches))
-                    for k in ("_fused_moe_kernel", "_fused_moe_swap_kernel", "_decode_gemv_kernel")]
         for module, name, value in patches:
             stack.enter_context(mock.patch.object(module, name, value))
+        stack.enter_context(recorded_gemm_launches(launches, run=False))
         own = plan._quantised_in_gemm(variant, m, top_k, w13, w2, None)
         config1, config2 = tile_config._layer_configs(m, top_k, e, w13, w2, weight_key, activation_key, variant,
                                                       meta, split_gemm2=True,
@@ -195,7 +209,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                      topk_weights=weights, pdl=pdl, input_scale=scale2,
                      row_sums=pieces2 or _row_sums(a2, config2, w2, variant, rows))
     return [GemmLaunch(fn, args, kwargs, _launch_tile(fn, kwargs, cfg))
-            for (fn, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
+            for (fn, _, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 
 
 def _launch_tile(fn, kwargs: dict, config: dict) -> dict:
