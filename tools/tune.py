@@ -616,13 +616,16 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
         return f1, f2
 
     seen = {json.dumps(fitted(*today), sort_keys=True)}
-    out = []
-    if takes_zero_sums(variant):
-        candidate = fitted({**today[0], "ZERO_SUMS": True}, {**today[1], "ZERO_SUMS": True})
+    out: list[tuple[dict, dict]] = []
+
+    def keep(candidate: tuple[dict, dict] | None) -> None:
         key = json.dumps(candidate, sort_keys=True)
         if candidate is not None and key not in seen:
             seen.add(key)
             out.append(candidate)
+
+    if takes_zero_sums(variant):
+        keep(fitted({**today[0], "ZERO_SUMS": True}, {**today[1], "ZERO_SUMS": True}))
     for path in sorted(own.parent.glob(own.name.split("__")[0] + "__*.json")):
         if path.name == own.name:
             continue
@@ -636,11 +639,8 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
             halves = [(c1, c2), (_uncapped(c1, pair[0]), _uncapped(c2, pair[1]))]
             if takes_zero_sums(variant):
                 halves += [({**a, "ZERO_SUMS": True}, {**b, "ZERO_SUMS": True}) for a, b in halves]
-            for candidate in (fitted(a, b) for a, b in halves):
-                key = json.dumps(candidate, sort_keys=True)
-                if candidate is not None and key not in seen:
-                    seen.add(key)
-                    out.append(candidate)
+            for a, b in halves:
+                keep(fitted(a, b))
     return out
 
 
