@@ -801,14 +801,21 @@ def test_w4a8_candidates_are_the_distinct_tiles_its_layer_runs(monkeypatch):
 
 def test_decode_candidates_include_wide_tiles_under_a_register_cap(monkeypatch):
     """Packed decode weights: 128-column tiles of 4 warps are tried capped (uncapped they hold 3
-    programs an SM); wider weights and prefill get no capped candidates."""
+    programs an SM), and K 256 tiles of 3-4 stages under 128 registers (4 programs an SM); wider
+    weights and prefill get no capped candidates."""
     monkeypatch.syspath_prepend(str(ROOT / "tools"))
     import tune
 
     capped = [c for c in tune.tile_candidates(16, narrow=True) if "maxnreg" in c]
-    assert capped and all(c["maxnreg"] == tune.WIDE_TILE_CAP and c["BLOCK_N"] == 128 and c["num_warps"] == 4
-                          for c in capped)
-    assert {c["BLOCK_K"] for c in capped} == {128, 256}
+    wide = [c for c in capped if c["maxnreg"] == tune.WIDE_TILE_CAP]
+    assert wide and all(c["BLOCK_N"] == 128 and c["num_warps"] == 4 for c in wide)
+    assert {c["BLOCK_K"] for c in wide} == {128, 256}
+    four = [(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) for c in capped if c["maxnreg"] == 128]
+    assert four == [(128, 256, 3), (64, 256, 4)]
+    assert {c["maxnreg"] for c in capped} == {tune.WIDE_TILE_CAP, 128}
+    # and on the factored dot, where zero-point or fixed-zero 4-bit schemes take it
+    sums = [c for c in tune.tile_candidates(16, narrow=True, zero_sums=True) if c.get("ZERO_SUMS")]
+    assert {(c["BLOCK_N"], c["BLOCK_K"], c["num_stages"]) for c in sums if c.get("maxnreg") == 128} == set(four)
     assert not any("maxnreg" in c for c in tune.tile_candidates(16, narrow=False))
     assert not any("maxnreg" in c for c in tune.tile_candidates(64, narrow=True))
 

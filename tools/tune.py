@@ -114,6 +114,10 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
             # DeepSeek shapes; the uncapped 128-column tiles did on Qwen3's)
             tiles += [(128, 128, 4, 3, False, WIDE_TILE_CAP), (128, 128, 4, 4, False, WIDE_TILE_CAP),
                       (128, 256, 4, 4, False, WIDE_TILE_CAP)]
+            # K 256 tiles under 128 registers in 48 KiB of shared memory: four programs an SM where
+            # the uncapped ones hold two or three (sm_90 SASS, GPTQ int4 on Mixtral's M = 8 shape on
+            # ZERO_SUMS: 128 registers, 8-40 B spilled), which the winner's register caps never reach
+            tiles += [(128, 256, 4, 3, False, 128), (64, 256, 4, 4, False, 128)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
             tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
     elif bm > 128:  # only the swapped kernel takes 256 token rows (its dot's wide side)
