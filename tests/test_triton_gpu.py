@@ -141,10 +141,11 @@ def test_layer_matches_reference(scheme, shape, m, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("scheme", list(SCHEMES) + [name for name in ONE_TOKEN if name.startswith("fp8")])
 def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
-    """The swapped-operand decode kernel (where the scheme allows it) at a realistic shape; the
-    launches are watched: GEMM1 whole, GEMM2 over a grid of ``split_k`` K pieces."""
+    """The swapped-operand decode kernel (where the scheme allows it: fp8 weights with fp8
+    activations on its fp8 dot) at a realistic shape; the launches are watched: GEMM1 whole, GEMM2
+    over a grid of ``split_k`` K pieces."""
     e, h, i, top_k = SHAPES[next(iter(SHAPES))]
     weights = _weights(scheme, e, h, i, dtype)
     hidden, topk_weights, topk_ids = _routing(8, e, h, top_k, dtype, seed=3)

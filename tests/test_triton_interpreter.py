@@ -33,7 +33,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from launch_spy import KwargSpy, LaunchSpy  # noqa: E402
+from launch_spy import ArgSpy, KwargSpy, LaunchSpy  # noqa: E402
 from moe_registry_kernels import activations, quant_ref  # noqa: E402
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
 from moe_registry_kernels.triton import activation_quant, chain, reduce, tile_config  # noqa: E402
@@ -449,9 +449,9 @@ SWAPPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K":
 SWAPPABLE = [name for name, (wk, ak, _) in SCHEMES.items() if triton_variant.swappable(variant_from_keys(wk, ak))]
 
 
-def test_swappable_schemes_are_the_16_bit_dot_ones():
-    assert {"fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "int8-w8a16", "mxfp8-w8a16"} <= set(SWAPPABLE)
-    assert not {"w8a8-int8-token", "mxfp8", "fp8-block", "fp8-block-w8a16"} & set(SWAPPABLE)
+def test_swappable_schemes_are_the_16_bit_and_fp8_dot_ones():
+    assert {"fp16", "awq-g128", "gptq4-g64", "gptq8-g128", "int8-w8a16", "mxfp8-w8a16", "fp8-block"} <= set(SWAPPABLE)
+    assert not {"w8a8-int8-token", "w8a8-int8-static", "mxfp8", "fp8-block-w8a16"} & set(SWAPPABLE)
 
 
 @pytest.mark.parametrize("scheme", SWAPPABLE)
@@ -1372,6 +1372,51 @@ def test_one_token_gemms_quantise_their_own_input(scheme, monkeypatch):
     assert torch.equal(got, want)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
+
+
+FP8_DOTS = {**{k: v for k, v in ONE_TOKEN_SCHEMES.items() if k.startswith("fp8")},
+            "fp8-block": SCHEMES["fp8-block"][:2]}
+PLAIN = {**SWAPPED, "SWAP_AB": False}
+
+
+@pytest.mark.parametrize("scheme", list(FP8_DOTS))
+@pytest.mark.parametrize("m, swapped", [(7, (True, True)), (1, (True, True)), (1, (True, False)), (1, (False, True))])
+def test_fp8_dots_on_the_swapped_kernel(scheme, m, swapped, monkeypatch):
+    """fp8 weights with fp8 activations (per token, per tensor, static, 128-column groups) take the
+    swapped kernel's fp8 dot on either GEMM or both (GEMM2 split in K): each swapped GEMM reads its
+    input quantised by a launch before it, one token's too, where the plain kernel quantises it
+    itself; the layer stays near the reference and the plain kernels' layer."""
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
+    wk, ak = FP8_DOTS[scheme]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
+                                                   intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
+    hidden, topk_weights, topk_ids = _routing(m, 3, seed=5)
+    experts = TritonExperts(weights, ExpertsConfig())
+    with tile_config.config_override(PLAIN, PLAIN):
+        plain = experts.apply(hidden, topk_weights, topk_ids)
+    launched = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel",
+                        ArgSpy(triton_gemm._fused_moe_swap_kernel, lambda args, kwargs: kwargs["A_QUANT"], launched))
+    quantised = _quantisation_calls(monkeypatch)
+    gemm1, gemm2 = (SWAPPED if swapped[0] else PLAIN), ({**SWAPPED, "SPLIT_K": 2} if swapped[1] else PLAIN)
+    with tile_config.config_override(gemm1, gemm2):
+        got = experts.apply(hidden, topk_weights, topk_ids)
+    assert launched == [triton_variant.variant_from_keys(wk, ak).act_quant] * sum(swapped)
+    # one token (per token or tensor): a plain GEMM1 quantises its input itself and leaves GEMM2 the amax pieces
+    # of its output, which a plain GEMM2 quantises itself from; a swapped GEMM reads codes a launch wrote
+    static = scheme == "fp8-static"
+    if m > 1:  # the alignment's launch quantises the input; a swapped GEMM1 leaves no pieces
+        want = ["_quantize"]
+    elif scheme == "fp8-block":  # 128-column groups: quantised by launches, as on the plain kernels
+        want = ["_quantize", "_quantize"]
+    else:
+        want = {(True, True): ["_quantize", "_quantize"],
+                (True, False): ["_quantize"] if static else ["_quantize", "_quantize"],
+                (False, True): ["_quantize"] if static else ["quant_fp8_from_pieces"]}[swapped]
+    assert quantised == want
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(got, ref) < 3e-2
+    assert _rel_err(got, plain) < 2e-2
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor-dynamic", "w8a8-int8-token"])

@@ -120,6 +120,8 @@ def tile_candidates(bm: int, narrow: bool, limit: int | None = None, swap: bool 
             tiles += [(128, 256, 4, 3, False, 128), (64, 256, 4, 4, False, 128)]
         if swap:  # weights are the dot's M side there: 64 or 128 rows per warp group
             tiles += [*itertools.product((64, 128), bks, (4,), (3, 4), (True,)), (128, bks[0], 8, 4, True)]
+            if not narrow:  # byte-wide codes stream as the decode tiles above do, K 256 a step (fp8 dots: 8 wgmma)
+                tiles += [(64, 256, 4, 4, True), (128, 256, 4, 3, True)]
     elif bm > 128:  # only the swapped kernel takes 256 token rows (its dot's wide side)
         tiles = [(128, 64, 8, 3, True), (128, 128, 8, 3, True)] if swap else []
     else:  # prefill: matrix-unit bound

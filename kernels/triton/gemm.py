@@ -404,11 +404,13 @@ def _fused_moe_kernel(
 
 @triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])
 def _fused_moe_swap_kernel(
-        a_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, topk_weights_ptr,
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zero_ptr, perm_ptr, bias_ptr, c_ptr, topk_weights_ptr,
         sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
         N, K, K_PACKED, num_valid, rows_per_expert, num_experts,
-        stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm, stride_cs,
+        stride_am, stride_as_m, stride_as_k, stride_be, stride_bn, stride_se, stride_sn, stride_sk, stride_cm,
+        stride_cs,
         W_TYPE: tl.constexpr, HAS_ZERO: tl.constexpr, W_SCALE: tl.constexpr, W_GROUP: tl.constexpr,
+        W_GROUP_N: tl.constexpr, A_QUANT: tl.constexpr, A_GROUP: tl.constexpr,
         COMPUTE: tl.constexpr, ASM_DEQUANT: tl.constexpr, BYTE_PAIRS: tl.constexpr, ACT_ORDER: tl.constexpr,
         HAS_BIAS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, TOP_K: tl.constexpr, ONE_PAIR_BLOCKS: tl.constexpr,
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -422,6 +424,10 @@ def _fused_moe_swap_kernel(
     dot then runs asynchronously while the next tile is dequantised, where the right operand
     would wait for it); the token rows become the dot's N side. 4-bit tiles are interleaved back
     into K order after unpacking, so the activations load as one contiguous, pipelined tile.
+    fp8 weights with fp8 activations (A_QUANT: codes, their scales in a_scale_ptr, as for
+    _fused_moe_kernel's fp8 and fp8_outer dots) take the matrix unit's own fp8 dot, both operands
+    read as they are (K-major, as Hopper's fp8 wgmma wants them): the weights its 64-row side, so
+    a few tokens fill no 16-row tile of their own and no code is widened to 16 bits first.
     BYTE_PAIRS: 8-bit weights take the same route, two columns per 16-bit word (loaded whole
     into the dot's operand layout, ptxas serialises the matrix unit on sm_90: warning C7515). Same
     arguments and results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
@@ -431,9 +437,16 @@ def _fused_moe_swap_kernel(
     W_COLS: tl.constexpr = BLOCK_K // 2 if PACKED or BYTE_PAIRS else BLOCK_K  # weight columns per load
     PER_WEIGHT_SCALE: tl.constexpr = W_SCALE == "group" or W_SCALE == "mx"
     NARROW: tl.constexpr = PACKED
+    DOT: tl.constexpr = dot_kind(A_QUANT)
     # what _fit_config (swappable variants) guarantees
     tl.static_assert(_is_pow2(BLOCK_K) and _is_pow2(BLOCK_N) and BLOCK_N >= 32)
-    tl.static_assert(W_SCALE != "block", "128x128 blocks take the fp8 dot of _fused_moe_kernel")
+    tl.static_assert(DOT == "float" or DOT == "fp8_outer" or DOT == "fp8", "16-bit or fp8 activations")
+    tl.static_assert(W_SCALE != "block" or DOT == "fp8", "128x128 blocks take fp8 activations")
+    tl.static_assert(DOT != "fp8" or W_TYPE == "fp8e4m3" and W_SCALE == "block" and A_GROUP % BLOCK_K == 0
+                     and W_GROUP % BLOCK_K == 0, "a K tile lies in one activation group and one weight block")
+    tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
+                     "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
+    tl.static_assert(DOT == "float" or not BYTE_PAIRS, "fp8 dots read the codes as they are")
     tl.static_assert(FUSE_ACT == "none" or SPLIT_K == 1, "the activation needs whole sums")
     tl.static_assert(not BYTE_PAIRS or W_TYPE != "float", "byte pairs are 1-byte codes (4-bit: PACKED wins)")
     tl.static_assert(not PACKED or BLOCK_K >= 32, "each nibble half-dot needs K >= 16")
@@ -469,7 +482,9 @@ def _fused_moe_swap_kernel(
 
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        if PACKED:  # low nibbles hold even input columns, high nibbles odd ones: interleaved back
+        if DOT != "float":  # fp8 codes straight into the fp8 dot
+            b = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        elif PACKED:  # low nibbles hold even input columns, high nibbles odd ones: interleaved back
             offs_kp = k_start // 2 + tl.arange(0, BLOCK_K // 2)
             packed_codes = tl.load(w_rows + offs_kp[None, :], mask=offs_kp[None, :] < K_PACKED, other=0)
             if W_TYPE == "e2m1":  # FP4 codes (fp4_dequant)
@@ -502,9 +517,20 @@ def _fused_moe_swap_kernel(
         if ACT_ORDER:
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
         a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
-        acc = _dot(b.to(dtype), a_t.to(dtype), acc)
+        if DOT == "fp8_outer":  # token and channel scales after the loop
+            acc = tl.dot(b, a_t, acc)
+        elif DOT == "fp8":  # each weight row's block scale and each token's group scale on the K tile's dot
+            w_scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[:, None] // W_GROUP_N) * stride_sn
+                              + (k_start // W_GROUP) * stride_sk)
+            a_scale = tl.load(a_scale_ptr + a_rows[None, :] * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                              mask=row_mask[None, :], other=0.0)
+            acc += tl.dot(b, a_t) * w_scale * a_scale
+        else:
+            acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
     grid_release(PDL)
+    if DOT == "fp8_outer":  # per token (or per tensor: stride 0), down the tile's token columns
+        acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[None, :]
     acc = _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2, E2M1_SHIFT, 0)  # weight rows down
     _, scale_cols, _ = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn,
                                            stride_se, stride_sn, 1)

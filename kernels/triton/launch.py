@@ -203,15 +203,17 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
     groups = scale.shape[2] if w.scale is not None and variant.weight_scale in ("group", "mx") else 0
     if config["SWAP_AB"]:
         _fused_moe_swap_kernel[grid](
-            a, w.weight, scale, w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
+            a, a_scale if a_scale is not None else dummy, w.weight, scale,
+            w.zero if w.zero is not None else dummy, w.perm if w.perm is not None else dummy,
             w.bias if w.bias is not None else dummy, c, topk_weights if topk_weights is not None else dummy,
             sorted_ids, rows.expert_ids, num_post_padded,
             w.n, w.k, w.k // 2, rows.num_valid, rows_per_expert, w.weight.shape[0],
-            a.stride(0), w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
+            a.stride(0), *as_strides, w.weight.stride(0), w.weight.stride(1), *s_strides, c.stride(-2),
             c.stride(0) if split_k > 1 else 0,
             W_TYPE=variant.weight_type, HAS_ZERO=w.zero is not None, W_SCALE=variant.weight_scale,
-            W_GROUP=variant.weight_group, COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
-            BYTE_PAIRS=_byte_pairs(w.weight), ACT_ORDER=w.perm is not None,
+            W_GROUP=variant.weight_group, W_GROUP_N=variant.weight_group_n, A_QUANT=variant.act_quant,
+            A_GROUP=max(variant.act_group, 1), COMPUTE=_TL_DTYPE[compute_dtype], ASM_DEQUANT=asm,
+            BYTE_PAIRS=variant.dot == "float" and _byte_pairs(w.weight), ACT_ORDER=w.perm is not None,
             HAS_BIAS=w.bias is not None, ROUTED_WEIGHT=routed_weight, TOP_K=top_k,
             ONE_PAIR_BLOCKS=rows.one_pair_blocks, FUSE_ACT=fuse_act, SPLIT_K=split_k,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"],

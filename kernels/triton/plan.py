@@ -3,6 +3,7 @@ input or run as the decode GEMV, which amax or row-sum pieces GEMM1 leaves for G
 GEMM's input is quantised (:func:`_quantize`).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -130,6 +131,13 @@ def _quantised_in_gemm(variant: KernelVariant, tokens: int, top_k: int, w13: _Pr
     gemm2_budget = SCALE_IN_GEMM2_MAX_BYTES.get(variant.act_quant, SCALE_IN_GEMM_MAX_BYTES)
     return _QuantisedInGemm(gemm1=gemv1 or w13.perm is None and weight_bytes <= SCALE_IN_GEMM_MAX_BYTES,
                             gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
+
+
+def _unswapped_only(in_gemm: _QuantisedInGemm, config1: dict, config2: dict) -> _QuantisedInGemm:
+    """``in_gemm`` less the tile GEMMs whose config takes the swapped-operand kernel, which reads its
+    input quantised by a launch before it (its fp8 dot's operand is the codes as stored)."""
+    return dataclasses.replace(in_gemm, gemm1=in_gemm.gemv1 or in_gemm.gemm1 and not config1["SWAP_AB"],
+                               gemm2=in_gemm.gemv2 or in_gemm.gemm2 and not config2["SWAP_AB"])
 
 
 def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:

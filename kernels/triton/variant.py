@@ -190,5 +190,9 @@ def _w4a8(variant: KernelVariant) -> bool:
 
 def swappable(variant: KernelVariant) -> bool:
     """Whether the swapped-operand kernel runs the variant: weights dequantised to the 16-bit
-    activation dtype in registers (no int8/fp8 dot, no 128x128 blocks, activations unquantized)."""
+    activation dtype in registers (activations unquantized, no 128x128 blocks), or fp8 weights on
+    the fp8 dot (per-channel with per-token or per-tensor activations, or 128x128 blocks with
+    128-column groups); not the int8 dot."""
+    if variant.dot in ("fp8", "fp8_outer"):
+        return True
     return variant.dot == "float" and variant.act_quant == "none" and variant.weight_scale != "block"
