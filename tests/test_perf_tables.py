@@ -116,7 +116,9 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.77", "0.81"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
                 ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.56", "2.43"),
-                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("0.97", "1.36")}
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("0.97", "1.36"),
+                # (measured again by the later of two runs, which replaces the earlier's cell)
+                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.36")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
@@ -135,11 +137,15 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
     assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 425.5 (61%) | 662.4 | "
             "1.56 | 579.1 (45%) | (1407.4) | (2.43) |") in block
-    # each run's command measures the cells the record keeps of it (the later Marlin run replaced M <= 64)
+    # each run's command measures the cells the record keeps of it (later runs replaced Marlin's and per-channel
+    # FP8's M <= 64, the last one Mixtral's M = 8 and 64 of per-channel FP8 again)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
-                            "(Marlin); `bash tools/gpu_run.sh peer triton \"compressed-tensors-w8a8-fp8-dynamic\"` "
-                            '(vLLM-Triton); `bash tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton); '
-                            '`MS="1 8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin)')
+                            '(Marlin); `MS="512 4096" bash tools/gpu_run.sh peer triton '
+                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `bash tools/gpu_run.sh peer triton '
+                            '"fp8-block128"` (vLLM-Triton); `MS="1 8 64" bash tools/gpu_run.sh peer marlin '
+                            '"gptq-w4a16 awq-w4a16"` (Marlin); `MS="1 8 64" bash tools/gpu_run.sh peer triton '
+                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `SHAPES="mixtral" MS="8 64" bash '
+                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton)')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
