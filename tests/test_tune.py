@@ -740,6 +740,52 @@ def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
     assert [kwargs["seeds"] is None for kwargs in seen] == [False, True, False]
 
 
+def test_try_lays_the_given_keys_over_todays_configs(monkeypatch):
+    """--try: each overlay's keys over today's two configs (null removes one; gemm1/gemm2 one GEMM each), fitted
+    as the layer runs them, today's own pair and repeats dropped; what is not a JSON object of keys is one line."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import argparse
+
+    import tune
+    from moe_registry_kernels.triton.api import variant_from_keys
+
+    gptq = variant_from_keys("uint4b8 scale:float16:group(128):static", "unquantized")
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
+            "SPLIT_K": 1, "SWAP_AB": False, "GROUP_DOTS": True}
+    today = ({**tile, "maxnreg": 168}, {**tile, "SPLIT_K": 2})
+    overlays = [tune._overlay(text) for text in (
+        '{"ZERO_SUMS": true, "num_stages": 3, "maxnreg": 128}', '{"gemm2": {"SPLIT_K": 4}}', '{"maxnreg": null}',
+        '{"gemm1": {"maxnreg": 168}}', '{"ZERO_SUMS": true, "num_stages": 3, "maxnreg": 128}')]
+    pairs = tune.tried_pairs(today, overlays, gptq)
+    assert [(c1.get("ZERO_SUMS"), c1["num_stages"], c1.get("maxnreg"), c2.get("ZERO_SUMS"), c2.get("maxnreg"),
+             c2["SPLIT_K"]) for c1, c2 in pairs] == [(True, 3, 128, True, 128, 2), (None, 4, 168, None, None, 4),
+                                                    (None, 4, None, None, None, 2)]
+    for bad, why in (("{", "not JSON"), ("[1]", "wanted a JSON object"), ("{}", "wanted a JSON object"),
+                     ('{"gemm1": 3}', "gemm1 and gemm2 as JSON objects")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            tune._overlay(bad)
+
+
+def test_try_reaches_the_search_as_its_only_seeds(tune_fake, tmp_path, monkeypatch, capsys):
+    tune = tune_fake
+    seen: list[dict] = []
+
+    def search(layer, m, tolerance, log, **kwargs):
+        seen.append(kwargs)
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        return config, config, 1.0, 1.0
+
+    monkeypatch.setattr(tune, "tune_target", search)
+    monkeypatch.setattr(tune, "precompile", lambda name, scheme, pairs, dry, workers: seen.append({"pairs": pairs}))
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
+    assert tune.main([*args, "--try", '{"num_stages": 5}', '{"gemm2": {"BLOCK_N": 32}}']) == 0
+    compiled, searched = seen
+    assert searched["seeds_only"] and searched["seeds"] == compiled["pairs"] and len(compiled["pairs"]) == 2
+    assert compiled["pairs"][0][0]["num_stages"] == 5 and compiled["pairs"][1][1]["BLOCK_N"] == 32
+    assert tune.main([*args, "--try", '{"num_stages": 5}', "--seeds-only"]) == 2
+    assert "--seeds-only and --try exclude each other" in capsys.readouterr().err
+
+
 def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, monkeypatch):
     """A winner is written as the layer fits it: a W4A8 K tile of 512 columns without per-group dots
     runs as one group of 128 (its int8 dot takes one group's scale), and the table says so; GEMM2

@@ -4,7 +4,8 @@ For each model shape × scheme × token count, time the whole layer (CUDA graphs
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
 BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then register
 caps on the winner (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more
-programs share an SM; ``--registers-only`` tries just those on today's configs). Before the
+programs share an SM; ``--registers-only`` tries just those on today's configs; ``--try`` just the
+given keys laid over today's configs, then the caps on the winner). Before the
 search, the configs this device's tables hold for the same GEMM shapes and token count under
 other key pairs are timed as seeds (a scheme whose GEMMs run the same loop as another's, as
 W4A8's 16-bit-dot tiles run GPTQ int4's, starts from that one's winner; ``--seeds-only`` tries
@@ -21,6 +22,7 @@ log says how many compiled), then timed in this one.
     python tools/tune.py --dry-run                        # tiny shapes through the interpreter
     python tools/tune.py --redo --registers-only --m 1 8 64   # register caps on today's configs
     python tools/tune.py --redo --seeds-only --m 1 8 64       # other key pairs' configs, then caps
+    python tools/tune.py --redo --shapes mixtral --m 8 --try '{"ZERO_SUMS": true, "num_stages": 3}'
 
 The schemes are the scheme specs that list the Triton kernel, bound as tools/bench.py binds
 them (``--help`` lists them); schemes with the same keys share a config file, tuned once to the
@@ -650,6 +652,40 @@ def seed_pairs(shape: bench.Shape, keys: tuple[str, str], m: int, device_name: s
     return out
 
 
+def tried_pairs(today: tuple[dict, dict], overlays: list[tuple[dict, dict]], variant) -> list[tuple[dict, dict]]:
+    """The (GEMM1, GEMM2) configs of ``--try``: each overlay's keys laid over today's configs (a key
+    given as null removed), fitted to the scheme as the layer fits them: distinct, and none today's own."""
+    from moe_registry_kernels.triton.api import fit_pair
+
+    def laid(config: dict, overlay: dict) -> dict:
+        return {k: v for k, v in {**config, **overlay}.items() if v is not None}
+
+    seen = {json.dumps(fit_pair(*today, variant), sort_keys=True)}
+    out = []
+    for over1, over2 in overlays:
+        pair = fit_pair(laid(today[0], over1), laid(today[1], over2), variant)
+        key = json.dumps(pair, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(pair)
+    return out
+
+
+def _overlay(text: str) -> tuple[dict, dict]:
+    """A ``--try`` argument: config keys (JSON) for both GEMMs, or {"gemm1": {...}, "gemm2": {...}}."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"got {text!r}: not JSON ({exc.msg})") from None
+    if not isinstance(value, dict) or not value:
+        raise argparse.ArgumentTypeError(f"got {text!r}; wanted a JSON object of config keys")
+    if set(value) <= {"gemm1", "gemm2"}:
+        if not all(isinstance(v, dict) for v in value.values()):
+            raise argparse.ArgumentTypeError(f"got {text!r}; wanted gemm1 and gemm2 as JSON objects of config keys")
+        return value.get("gemm1", {}), value.get("gemm2", {})
+    return value, value
+
+
 def _uncapped(config: dict, seed: dict) -> dict:
     """``config`` without its register cap where it is the seed's own."""
     return {k: v for k, v in config.items() if k != "maxnreg"} if config is seed else config
@@ -771,6 +807,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds-only", action="store_true",
                         help="no tile search: try the configs other key pairs' tables hold for the entry, then "
                              "register caps on the winner")
+    parser.add_argument("--try", dest="tries", nargs="+", type=_overlay, default=None, metavar="JSON",
+                        help="no tile search: try these config keys laid over today's configs of both GEMMs "
+                             '(\'{"num_stages": 3, "maxnreg": null}\': null removes a key; \'{"gemm2": {...}}\' '
+                             "one GEMM), then register caps on the winner")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     parser.add_argument("--gpus", type=_positive, default=1, metavar="N",
                         help="one tuner per GPU (the first N visible), each on every N-th entry; they fill the same "
@@ -778,8 +818,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--share", type=_share, default=(0, 1), metavar="I/N",
                         help="tune only every N-th entry, from the I-th (0-based; what --gpus gives its tuners)")
     args = parser.parse_args(argv)
-    if args.registers_only and args.seeds_only:
-        print("tune.py: --registers-only and --seeds-only exclude each other", file=sys.stderr)
+    modes = [flag for flag, on in (("--registers-only", args.registers_only), ("--seeds-only", args.seeds_only),
+                                    ("--try", args.tries)) if on]
+    if len(modes) > 1:
+        print(f"tune.py: {' and '.join(modes)} exclude each other", file=sys.stderr)
         return 2
     names = bench.default_schemes(schemes) if args.schemes is None else list(dict.fromkeys(args.schemes))
     bad_names = bench.check_names(names, list(schemes))
@@ -853,9 +895,12 @@ def main(argv: list[str] | None = None) -> int:
                 pairs = register_pairs(shape, scheme, [target.m], device_name, sms)
             else:
                 today = todays_configs(shape, scheme.keys, target.m, device_name, sms)
-                seeds = seed_pairs(shape, scheme.keys, target.m, device_name,
-                                   api.variant_from_keys(*scheme.keys), today)
-                pairs = seeds + ([] if args.seeds_only else all_pairs(shape, scheme, [target.m]))
+                variant = api.variant_from_keys(*scheme.keys)
+                if args.tries:
+                    seeds = tried_pairs(today, args.tries, variant)
+                else:
+                    seeds = seed_pairs(shape, scheme.keys, target.m, device_name, variant, today)
+                pairs = seeds + ([] if args.seeds_only or args.tries else all_pairs(shape, scheme, [target.m]))
             pairs = [pair for pair in pairs if not kept.known(*pair)]
             compile_started = time.monotonic()
             compiled = precompile(shape_name, scheme, pairs, dry, args.workers)
@@ -868,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             log: list[str] = []
             try:
                 c1, c2, t, base_t = tune_target(layer, target.m, tolerance, log, registers_only=args.registers_only,
-                                                seeds_only=args.seeds_only, seeds=seeds, taken=kept,
+                                                seeds_only=args.seeds_only or bool(args.tries), seeds=seeds, taken=kept,
                                                 deadline=started + args.budget_s,
                                                 progress=_entry_progress(done, len(targets), label, started),
                                                 **search)
