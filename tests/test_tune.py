@@ -721,16 +721,20 @@ def test_a_budget_spent_midway_keeps_the_entrys_measurements_for_the_next_run(tu
     assert not partial.exists()
 
 
-def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
-    tune = tune_fake
-    seen: list[dict] = []
-
+def _search_noting_its_options(seen: list[dict]):
+    """A stand-in for tune_target that notes the options main passed it and finds one small tile."""
     def search(layer, m, tolerance, log, **kwargs):
         seen.append(kwargs)
         config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
         return config, config, 1.0, 1.0
 
-    monkeypatch.setattr(tune, "tune_target", search)
+    return search
+
+
+def test_registers_only_reaches_the_search(tune_fake, tmp_path, monkeypatch):
+    tune = tune_fake
+    seen: list[dict] = []
+    monkeypatch.setattr(tune, "tune_target", _search_noting_its_options(seen))
     args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
     assert tune.main(args) == 0 and tune.main([*args, "--redo", "--registers-only"]) == 0
     assert tune.main([*args, "--redo", "--seeds-only"]) == 0
@@ -769,13 +773,7 @@ def test_try_lays_the_given_keys_over_todays_configs(monkeypatch):
 def test_try_reaches_the_search_as_its_only_seeds(tune_fake, tmp_path, monkeypatch, capsys):
     tune = tune_fake
     seen: list[dict] = []
-
-    def search(layer, m, tolerance, log, **kwargs):
-        seen.append(kwargs)
-        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
-        return config, config, 1.0, 1.0
-
-    monkeypatch.setattr(tune, "tune_target", search)
+    monkeypatch.setattr(tune, "tune_target", _search_noting_its_options(seen))
     monkeypatch.setattr(tune, "precompile", lambda name, scheme, pairs, dry, workers: seen.append({"pairs": pairs}))
     args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]
     assert tune.main([*args, "--try", '{"num_stages": 5}', '{"gemm2": {"BLOCK_N": 32}}']) == 0
