@@ -141,14 +141,15 @@ def test_layer_matches_reference(scheme, shape, m, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("split_k", [1, 4])
-@pytest.mark.parametrize("scheme", list(SCHEMES) + [name for name in ONE_TOKEN if name.startswith("fp8")])
-def test_swapped_operands_match_reference(scheme, split_k, dtype, monkeypatch):
+@pytest.mark.parametrize("scheme, m", [(name, 8) for name in SCHEMES]
+                         + [(name, m) for name in ONE_TOKEN if name.startswith("fp8") for m in (8, 1)])
+def test_swapped_operands_match_reference(scheme, m, split_k, dtype, monkeypatch):
     """The swapped-operand decode kernel (where the scheme allows it: fp8 weights with fp8
-    activations on its fp8 dot) at a realistic shape; the launches are watched: GEMM1 whole, GEMM2
-    over a grid of ``split_k`` K pieces."""
+    activations on its fp8 dot, one token's input quantised by the GEMMs themselves) at a realistic
+    shape; the launches are watched: GEMM1 whole, GEMM2 over a grid of ``split_k`` K pieces."""
     e, h, i, top_k = SHAPES[next(iter(SHAPES))]
     weights = _weights(scheme, e, h, i, dtype)
-    hidden, topk_weights, topk_ids = _routing(8, e, h, top_k, dtype, seed=3)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=3)
     swapped = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
                "SWAP_AB": True}
     launched = []

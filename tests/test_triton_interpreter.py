@@ -1383,37 +1383,39 @@ PLAIN = {**SWAPPED, "SWAP_AB": False}
 @pytest.mark.parametrize("m, swapped", [(7, (True, True)), (1, (True, True)), (1, (True, False)), (1, (False, True))])
 def test_fp8_dots_on_the_swapped_kernel(scheme, m, swapped, monkeypatch):
     """fp8 weights with fp8 activations (per token, per tensor, static, 128-column groups) take the
-    swapped kernel's fp8 dot on either GEMM or both (GEMM2 split in K): each swapped GEMM reads its
-    input quantised by a launch before it, one token's too, where the plain kernel quantises it
-    itself; the layer stays near the reference and the plain kernels' layer."""
+    swapped kernel's fp8 dot on either GEMM or both (GEMM2 split in K), with the plain kernels'
+    launches: one token's input quantised by the swapped GEMM itself (per token or tensor), GEMM1
+    leaving the amax pieces GEMM2 quantises its input from; near the reference and the plain
+    kernels' layer."""
     monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
     wk, ak = FP8_DOTS[scheme]
     weights = quant_ref.make_random_expert_weights(parse_quant_key(wk), parse_quant_key(ak), num_experts=E, hidden=H,
                                                    intermediate=INTER, dtype=torch.float16, bias=True, seed=3)
     hidden, topk_weights, topk_ids = _routing(m, 3, seed=5)
     experts = TritonExperts(weights, ExpertsConfig())
+    quantised = _quantisation_calls(monkeypatch)
     with tile_config.config_override(PLAIN, PLAIN):
         plain = experts.apply(hidden, topk_weights, topk_ids)
+    plain_quantised = list(quantised)
+    quantised.clear()
     launched = []
     monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel",
-                        ArgSpy(triton_gemm._fused_moe_swap_kernel, lambda args, kwargs: kwargs["A_QUANT"], launched))
-    quantised = _quantisation_calls(monkeypatch)
+                        ArgSpy(triton_gemm._fused_moe_swap_kernel,
+                               lambda args, kwargs: (kwargs["A_QUANT"], kwargs["A_SCALE_IN"], kwargs["AMAX_OUT"]),
+                               launched))
     gemm1, gemm2 = (SWAPPED if swapped[0] else PLAIN), ({**SWAPPED, "SPLIT_K": 2} if swapped[1] else PLAIN)
     with tile_config.config_override(gemm1, gemm2):
         got = experts.apply(hidden, topk_weights, topk_ids)
-    assert launched == [triton_variant.variant_from_keys(wk, ak).act_quant] * sum(swapped)
-    # one token (per token or tensor): a plain GEMM1 quantises its input itself and leaves GEMM2 the amax pieces
-    # of its output, which a plain GEMM2 quantises itself from; a swapped GEMM reads codes a launch wrote
+    act_quant = triton_variant.variant_from_keys(wk, ak).act_quant
+    one_token = m == 1 and scheme != "fp8-block"
     static = scheme == "fp8-static"
-    if m > 1:  # the alignment's launch quantises the input; a swapped GEMM1 leaves no pieces
-        want = ["_quantize"]
-    elif scheme == "fp8-block":  # 128-column groups: quantised by launches, as on the plain kernels
-        want = ["_quantize", "_quantize"]
-    else:
-        want = {(True, True): ["_quantize", "_quantize"],
-                (True, False): ["_quantize"] if static else ["_quantize", "_quantize"],
-                (False, True): ["_quantize"] if static else ["quant_fp8_from_pieces"]}[swapped]
-    assert quantised == want
+    pieces = scheme in ("fp8-token-dynamic", "fp8-tensor-dynamic")  # a dynamic intermediate's amax, from GEMM1
+    want = [(act_quant, ("static" if static else "rows") if one_token else "none", pieces),
+            (act_quant, ("static" if static else "pieces") if one_token else "none", False)]
+    assert launched == [w for w, s in zip(want, swapped, strict=True) if s]
+    assert quantised == plain_quantised
+    if one_token:  # no quantisation launch at all
+        assert quantised == []
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
     assert _rel_err(got, plain) < 2e-2

@@ -416,7 +416,12 @@ def _fused_moe_swap_kernel(
         FUSE_ACT: tl.constexpr, SPLIT_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         PDL: tl.constexpr, b_scale2_ptr, W_SCALE2: tl.constexpr, E2M1_FOLDED: tl.constexpr,
-        E2M1_SHIFT: tl.constexpr, E4M3_FOLDED: tl.constexpr, scale_groups):
+        E2M1_SHIFT: tl.constexpr, E4M3_FOLDED: tl.constexpr, scale_groups,
+        # one token's fp8 input quantised by the GEMM itself, and GEMM1's row-amax pieces for GEMM2's: as
+        # _fused_moe_kernel's A_SCALE_IN (input_rows: its scale_rows) and AMAX_OUT
+        amax_ptr=None, pair_ids_ptr=None, amax_parts=0, input_rows=0, A_SCALE_IN: tl.constexpr = "none",
+        SCALE_ROWS: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 16, HW_FP8_CAST: tl.constexpr = False,
+        AMAX_OUT: tl.constexpr = False):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -427,8 +432,9 @@ def _fused_moe_swap_kernel(
     fp8 weights with fp8 activations (A_QUANT: codes, their scales in a_scale_ptr, as for
     _fused_moe_kernel's fp8 and fp8_outer dots) take the matrix unit's own fp8 dot, both operands
     read as they are (K-major, as Hopper's fp8 wgmma wants them): the weights its 64-row side, so
-    a few tokens fill no 16-row tile of their own and no code is widened to 16 bits first.
-    BYTE_PAIRS: 8-bit weights take the same route, two columns per 16-bit word (loaded whole
+    a few tokens fill no 16-row tile of their own and no code is widened to 16 bits first; one
+    token's input the GEMM may quantise itself (A_SCALE_IN), its codes repeated across the dot's
+    token side. BYTE_PAIRS: 8-bit weights take the same route, two columns per 16-bit word (loaded whole
     into the dot's operand layout, ptxas serialises the matrix unit on sm_90: warning C7515). Same
     arguments and results as _fused_moe_kernel (the tile is transposed back before the epilogue)."""
     PACKED: tl.constexpr = packed(W_TYPE)
@@ -447,6 +453,9 @@ def _fused_moe_swap_kernel(
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
     tl.static_assert(DOT == "float" or not BYTE_PAIRS, "fp8 dots read the codes as they are")
+    tl.static_assert(A_SCALE_IN == "none" or DOT == "fp8_outer" and ONE_PAIR_BLOCKS and not ACT_ORDER,
+                     "the GEMM quantises one token's input, per token or per tensor, in column order")
+    tl.static_assert(not AMAX_OUT or FUSE_ACT != "none", "amax pieces come from the fused activation")
     tl.static_assert(FUSE_ACT == "none" or SPLIT_K == 1, "the activation needs whole sums")
     tl.static_assert(not BYTE_PAIRS or W_TYPE != "float", "byte pairs are 1-byte codes (4-bit: PACKED wins)")
     tl.static_assert(not PACKED or BLOCK_K >= 32, "each nibble half-dot needs K >= 16")
@@ -469,6 +478,13 @@ def _fused_moe_swap_kernel(
                                                         stride_bn, stride_se, stride_sn, 0)  # [BN, 1]
     dtype = COMPUTE
     zero = _column_zero(zero_rows, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
+    if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time (see _fused_moe_kernel)
+        a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
+                                      input_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
+                                      SCALE_ROWS, SCALE_COLS)
+        a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
+        a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_start in range(k_lo, k_hi, BLOCK_K):
@@ -516,7 +532,12 @@ def _fused_moe_swap_kernel(
         a_cols = offs_k
         if ACT_ORDER:
             a_cols = tl.load(perm_ptr + expert * K + offs_k, mask=k_mask, other=0)
-        a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
+        if A_SCALE_IN != "none":  # the codes a quantisation kernel would have stored, down the token side
+            a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
+            a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
+            a_t = tl.broadcast_to(a_row[:, None], (BLOCK_K, BLOCK_M))
+        else:
+            a_t = tl.load(a_col_ptrs + a_cols[:, None], mask=row_mask[None, :] & k_mask[:, None], other=0.0)
         if DOT == "fp8_outer":  # token and channel scales after the loop
             acc = tl.dot(b, a_t, acc)
         elif DOT == "fp8":  # each weight row's block scale and each token's group scale on the K tile's dot
@@ -529,11 +550,14 @@ def _fused_moe_swap_kernel(
             acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 
     grid_release(PDL)
-    if DOT == "fp8_outer":  # per token (or per tensor: stride 0), down the tile's token columns
+    if A_SCALE_IN != "none":
+        acc *= a_scale_in
+    elif DOT == "fp8_outer":  # per token (or per tensor: stride 0), down the tile's token columns
         acc *= tl.load(a_scale_ptr + a_rows * stride_as_m, mask=row_mask, other=0.0)[None, :]
     acc = _weight_scale2(acc, b_scale2_ptr, expert, N, offs_bn, W_SCALE2, E2M1_SHIFT, 0)  # weight rows down
     _, scale_cols, _ = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn,
                                            stride_se, stride_sn, 1)
     _finish_tile(tl.trans(acc), expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols,
                  bias_ptr, topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS,
-                 False, FUSE_ACT, BLOCK_M, BLOCK_N, c_ptr, 0, "none")
+                 False, FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr if AMAX_OUT else c_ptr, amax_parts,
+                 "amax" if AMAX_OUT else "none")

@@ -165,9 +165,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
     else:
         as_strides = (a_scale.stride(0), a_scale.stride(1) if a_scale.dim() == 2 else 0)
     n_tiles = _column_tiles(w.n, bn, fuse_act)
-    if amax_pieces is not None and (fuse_act == "none" or config["SWAP_AB"] or amax_pieces.shape[1] != n_tiles):
+    if amax_pieces is not None and (fuse_act == "none" or amax_pieces.shape[1] != n_tiles):
         raise ValueError("row-amax pieces come from the fused-activation kernel, one per column tile")
-    if input_scale is not None and (variant.act_quant not in ONE_TOKEN_QUANTS or config["SWAP_AB"]
+    if input_scale is not None and (variant.act_quant not in ONE_TOKEN_QUANTS
                                     or not rows.one_pair_blocks or w.perm is not None
                                     or (a_scale is not None) != input_scale.static
                                     or input_scale.pieces is not None and amax_pieces is not None):
@@ -220,7 +220,11 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
             GROUP_M=config["GROUP_M"], PDL=pdl, scale_groups=groups, **_scale2_args(w, variant, dummy),
             **_e2m1_fold(w, variant, compute_dtype),
             E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
-            **_launch_options(config), **pdl_launch(pdl))
+            amax_ptr=pieces if pieces is not None else dummy,
+            pair_ids_ptr=input_scale.pair_ids if input_scale is not None and input_scale.pair_ids is not None
+            else dummy, amax_parts=pieces.shape[1] if pieces is not None else 0,
+            input_rows=input_scale.rows if input_scale is not None else 0, AMAX_OUT=amax_pieces is not None,
+            **scale_search, **_launch_options(config), **pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,

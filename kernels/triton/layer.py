@@ -53,15 +53,7 @@ from .chain import pdl_supported
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_from_pieces
 from .launch import STATIC_QUANTS, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
 from .layout import _Proj
-from .plan import (
-    _amax_pieces_shape,
-    _codes_dtype,
-    _gemm1_sum_pieces,
-    _input_row_sums,
-    _quantised_in_gemm,
-    _quantize,
-    _unswapped_only,
-)
+from .plan import _amax_pieces_shape, _codes_dtype, _gemm1_sum_pieces, _input_row_sums, _quantised_in_gemm, _quantize
 from .reduce import sum_topk
 from .tile_config import _layer_configs
 from .variant import variant_from_keys
@@ -117,7 +109,6 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     config1, config2 = _layer_configs(m, top_k, num_experts, w13, w2, weight_key, activation_key, variant,
                                       hidden.device, split_gemm2=True,
                                       tiles_read=(not in_gemm.gemv1, not in_gemm.gemv2))
-    in_gemm = _unswapped_only(in_gemm, config1, config2)
     static = variant.act_quant in STATIC_QUANTS
     scale1 = _InputScale(rows=1, static=static, gemv=in_gemm.gemv1) if in_gemm.gemm1 else None
     sums1 = None  # a ZERO_SUMS GEMM1's input sums

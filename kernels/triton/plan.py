@@ -3,7 +3,6 @@ input or run as the decode GEMV, which amax or row-sum pieces GEMM1 leaves for G
 GEMM's input is quantised (:func:`_quantize`).
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -133,13 +132,6 @@ def _quantised_in_gemm(variant: KernelVariant, tokens: int, top_k: int, w13: _Pr
                             gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
 
 
-def _unswapped_only(in_gemm: _QuantisedInGemm, config1: dict, config2: dict) -> _QuantisedInGemm:
-    """``in_gemm`` less the tile GEMMs whose config takes the swapped-operand kernel, which reads its
-    input quantised by a launch before it (its fp8 dot's operand is the codes as stored)."""
-    return dataclasses.replace(in_gemm, gemm1=in_gemm.gemv1 or in_gemm.gemm1 and not config1["SWAP_AB"],
-                               gemm2=in_gemm.gemv2 or in_gemm.gemm2 and not config2["SWAP_AB"])
-
-
 def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether ``tokens`` tokens routed uniformly at random among ``num_experts`` (the router's: under
     expert parallelism every rank's, of which a rank holds a share and sees that share's pairs, as
@@ -161,7 +153,7 @@ def _fp8_pieces_shape(variant: KernelVariant, tokens: int, top_k: int, config1: 
     """The amax pieces of a dynamic fp8 intermediate at decode: for GEMM2 itself to quantise one
     token's (SCALE_IN_GEMM), else for fp8_act.quant_fp8_from_pieces (AMAX_PIECES; per tensor,
     at most FP8_TENSOR_PIECES of them)."""
-    if activation == "none" or config1["SWAP_AB"]:
+    if activation == "none":
         return None
     shape = tokens * top_k, _column_tiles(w13.n, config1["BLOCK_N"], activation)
     if tokens == 1 and SCALE_IN_GEMM:
