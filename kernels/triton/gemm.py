@@ -43,7 +43,7 @@ from .gemm_common import (
     _is_pow2,
     _k_range,
     _less_zero_point_terms,
-    _one_token_scale,
+    _one_token_input,
     _program_block,
     _repeat_cols,
     _row,
@@ -166,20 +166,10 @@ def _fused_moe_kernel(
     dtype = COMPUTE
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
-    if A_SCALE_IN != "none":
-        a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
-                                      scale_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
-                                      SCALE_ROWS, SCALE_COLS)
-        a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
-        # the block's one row (its other rows are never stored) is read as a vector, quantised and
-        # split into nibble halves (packed weights) as one, then repeated down the tile, instead
-        # of each step handling BLOCK_M rows; each step's slice is loaded a step ahead (the
-        # pipeliner would read it in the dot's layout, each thread then handling many values).
-        # (16-bit rows taken so ran int4 decode slower on an H100: more instructions a step, the
-        # tile's activation split traded for a pass through shared memory; gptq-w4a16 at M = 1
-        # on Mixtral's shape 105 us against 96.)
-        a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
-        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
+    if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time
+        a_scale_in, a_reciprocal, a_one_row, a_next = _one_token_input(
+            a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, scale_rows, amax_parts,
+            num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M, BLOCK_K, SCALE_ROWS, SCALE_COLS)
 
     # decode tiles with per-group scales and no zero points, whose K tiles each lie in one group:
     # the tile's dot runs on code - zero (exact in 16 bits) and its result takes the group's scale,
@@ -478,13 +468,10 @@ def _fused_moe_swap_kernel(
                                                         stride_bn, stride_se, stride_sn, 0)  # [BN, 1]
     dtype = COMPUTE
     zero = _column_zero(zero_rows, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
-    if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time (see _fused_moe_kernel)
-        a_scale_in = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am,
-                                      input_rows, amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M,
-                                      SCALE_ROWS, SCALE_COLS)
-        a_reciprocal = tl.math.div_rn(1.0, a_scale_in)
-        a_one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
-        a_next = tl.load(a_one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
+    if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time
+        a_scale_in, a_reciprocal, a_one_row, a_next = _one_token_input(
+            a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, input_rows, amax_parts,
+            num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M, BLOCK_K, SCALE_ROWS, SCALE_COLS)
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_start in range(k_lo, k_hi, BLOCK_K):

@@ -415,6 +415,26 @@ def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mas
 
 
 @triton.jit
+def _one_token_input(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, scale_rows,
+                     amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
+                     SCALE_COLS: tl.constexpr):
+    """What a GEMM quantising one token's input itself (A_SCALE_IN) starts from: the scale
+    (_one_token_scale), its reciprocal, the block's one row (its other rows are never stored) and
+    that row's first K slice. The row is read as a vector, quantised (and split, for packed weights)
+    as one, then repeated across the tile, instead of each step handling BLOCK_M rows; each step
+    loads the next slice a step ahead (the pipeliner would read it in the dot's layout, each thread
+    then handling many values). (16-bit rows taken so ran int4 decode slower on an H100: more
+    instructions a step, the tile's activation split traded for a pass through shared memory;
+    gptq-w4a16 at M = 1 on Mixtral's shape 105 us against 96.)"""
+    scale = _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows,
+                             amax_parts, num_experts, A_QUANT, DOT, A_SCALE_IN, BLOCK_M, SCALE_ROWS, SCALE_COLS)
+    one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
+    first = tl.load(one_row + k_lo + tl.arange(0, BLOCK_K), mask=k_lo + tl.arange(0, BLOCK_K) < K, other=0.0)
+    return scale, tl.math.div_rn(1.0, scale), one_row, first
+
+
+@triton.jit
 def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_am, scale_rows, amax_parts,
                     num_experts, A_QUANT: tl.constexpr, A_SCALE_IN: tl.constexpr, BLOCK_M: tl.constexpr,
                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
