@@ -87,7 +87,7 @@ def _amax_pieces_shape(variant: KernelVariant, tokens: int, top_k: int, config1:
     in 7, 1% slower: the epilogue's row max costs more)."""
     if variant.act_quant in FP8_DYNAMIC_MODES:
         return _fp8_pieces_shape(variant, tokens, top_k, config1, w13, activation)
-    if variant.act_quant != "int8_token" or not AMAX_PIECES or config1["SWAP_AB"]:
+    if variant.act_quant != "int8_token" or not AMAX_PIECES:
         return None
     width = w13.n // 2 if activation != "none" else w13.n
     if tokens > AMAX_PIECES_MAX_TOKENS and prefill_row_chunks(width) <= AMAX_PIECES_MIN_CHUNKS:
