@@ -1418,7 +1418,7 @@ def test_fp8_dots_on_the_swapped_kernel(scheme, m, swapped, monkeypatch):
         assert quantised == []
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
     assert _rel_err(got, ref) < 3e-2
-    assert _rel_err(got, plain) < 2e-2
+    assert _rel_err(got, plain) < 2e-3  # (the same codes and products; sums in another order: ~3e-4)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-tensor-dynamic", "w8a8-int8-token"])
