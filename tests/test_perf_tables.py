@@ -260,6 +260,20 @@ def test_peer_record_onto_an_earlier_one_keeps_the_cells_a_run_did_not_time_agai
                    "to none of its runs")
 
 
+def test_peer_record_names_the_commit_the_runs_measured(perf_tables, tmp_path, capsys):
+    """Each run names the commit its gpu.txt says, or the one --project gives for every run of the call (the earlier
+    record's runs keep theirs)."""
+    import peer_record
+
+    first = peer_record.distil([_marlin_run(tmp_path / "first", {512: 11.0})])
+    assert [r["project"] for r in first["runs"]] == ["abc1234"]
+    record = tmp_path / "record.json"
+    record.write_text(peer_record.dumps(first))
+    again = _marlin_run(tmp_path / "again", {1: 12.0})
+    assert peer_record.main([str(again), "--onto", str(record), "--project", "def5678", "--out", str(record)]) == 0
+    assert [r["project"] for r in json.loads(record.read_text())["runs"]] == ["abc1234", "def5678"]
+
+
 def test_peer_record_without_a_shared_cell_is_one_line(perf_tables, tmp_path, capsys):
     import peer_record
 

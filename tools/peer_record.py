@@ -3,6 +3,10 @@ one small record docs/performance.md's side-by-side tables are made from.
 
     python tools/peer_record.py RUN_DIR [RUN_DIR ...] --out docs/bench/h200-peer-vllm.json
     python tools/peer_record.py RUN_DIR --onto docs/bench/h200-peer-vllm.json --out docs/bench/h200-peer-vllm.json
+    python tools/peer_record.py RUN_DIR --project 8cf9fd4 ...   # the commit whose tree the runs measured
+
+Each run names the project commit its gpu.txt says (the harness reads it from the git data the GPU machine was
+given, which can be older than the tree it ran); ``--project`` names the commit for every RUN_DIR given instead.
 
 A RUN_DIR is what one `tools/gpu_run.sh peer triton|marlin "SCHEME_SPEC ..."` call wrote: ours/bench.jsonl (or
 ours/bench.json) from tools/bench.py, gpu.txt, and the peer's output in peer.tgz (or unpacked in peer/):
@@ -160,11 +164,12 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
     return run_header, cells
 
 
-def distil(runs: list[Path], onto: dict | None = None) -> dict:
+def distil(runs: list[Path], onto: dict | None = None, project: str | None = None) -> dict:
     """The record of one or more run folders: a header per run and every cell both sides timed, each cell
     naming its run (``run``: its index in ``runs``). ``onto``: an earlier record whose cells the runs' replace
     and whose other cells stay; a run left with no cell goes, and each run's Ms are those of its cells, so
-    that its command measures what the record holds of it."""
+    that its command measures what the record holds of it. ``project``: the commit the runs measured, over
+    their gpu.txt's."""
     headers, cells = [], {}
     if onto is not None:
         headers = [dict(h) for h in onto["runs"]]
@@ -172,7 +177,7 @@ def distil(runs: list[Path], onto: dict | None = None) -> dict:
             cells[(c["peer"], c["shape"], c["scheme"], c["m"])] = {"run": _run_of(c, headers), **c}
     for run in runs:
         header, run_cells = read_run(run)
-        headers.append(header)
+        headers.append(header if project is None else {**header, "project": project})
         for c in run_cells:
             cells[(c["peer"], c["shape"], c["scheme"], c["m"])] = {**c, "run": len(headers) - 1}
     if not cells:
@@ -315,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the record here (else print it)")
     parser.add_argument("--onto", type=Path, metavar="RECORD",
                         help="an earlier record: its cells stay where the runs did not time them again")
+    parser.add_argument("--project", metavar="COMMIT",
+                        help="the project commit the runs measured (else each run's gpu.txt says)")
     args = parser.parse_args(argv)
     try:
         onto = json.loads(args.onto.read_text()) if args.onto else None
-        doc = distil(args.runs, onto)
+        doc = distil(args.runs, onto, args.project)
     except (PeerRecordError, OSError, ValueError, KeyError, tarfile.TarError) as e:
         print(f"peer_record.py: {e}", file=sys.stderr)
         return 2
