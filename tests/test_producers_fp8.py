@@ -34,6 +34,7 @@ conformance suite (-m gpu -k "fp8-w8a8 or modelopt-fp8 or compressed-tensors-w8a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -321,20 +322,36 @@ def test_compiled_cpu_kernels_match_float64_moe(name: str, kernel: str, dirs) ->
         assert _rel(got, want) <= layer.tolerance, f"{name} M={m}: {_rel(got, want):.2e} > {layer.tolerance}"
 
 
+# the swapped-operand kernel's fp8 dot on both GEMMs (GEMM2 split in K), as a tuned table may pick it
+SWAPPED_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+                "num_stages": 2, "SWAP_AB": True}
+SWAPPED_TILES = (SWAPPED_TILE, {**SWAPPED_TILE, "SPLIT_K": 2})
+
+
+@pytest.mark.parametrize("tiles", ["tables", "swapped"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_triton_kernel_matches_float64_moe_float16(name: str, built, dirs) -> None:
-    """The Triton fused kernel (interpreter: fp8 x fp8 dots; float16 activations) on the converted weights."""
+def test_triton_kernel_matches_float64_moe_float16(name: str, tiles: str, built, dirs, monkeypatch) -> None:
+    """The Triton fused kernel (interpreter: fp8 x fp8 dots; float16 activations) on the converted weights,
+    on the tiles the layer picks here and on the swapped kernel's (its launches watched)."""
     pytest.importorskip("triton")
+    from launch_spy import LaunchSpy
+    from moe_registry_kernels.triton import launch as triton_launch
     from moe_registry_kernels.triton.experts import TritonExperts
+    from moe_registry_kernels.triton.tile_config import config_override
 
     case, layer = CASES[name], built[name]
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["float16"]
+    swapped: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel",
+                        LaunchSpy(triton_launch._fused_moe_swap_kernel, swapped))
     for m in (1, 8):
         ids, w = _routing(11, m)
         x = _hidden(5, m).to(torch.float16)
         want = _moe64(case, dirs[name], _ours(layer), x.float(), ids, w)
-        got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
+        with config_override(*SWAPPED_TILES) if tiles == "swapped" else contextlib.nullcontext():
+            got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
         assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name} M={m}: {_rel(got, want):.2e} > {tol}"
+    assert len(swapped) == (4 if tiles == "swapped" else 0)
 
 
 def _moe64_producer(case: Case, d: Path, w: dict[tuple[int, str], torch.Tensor], x: torch.Tensor,
@@ -489,12 +506,15 @@ def test_alignment_and_fp8_quantisation_in_one_launch(mode: str, one_launch: boo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", ["tables", "swapped"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> None:
-    """The same on the GPU (sm_89+: fp8 tensor-core dots), bfloat16 activations, decode and prefill."""
+def test_triton_kernel_matches_float64_moe_on_gpu(name: str, tiles: str, built, dirs) -> None:
+    """The same on the GPU (sm_89+: fp8 tensor-core dots), bfloat16 activations, decode and prefill; on the
+    layer's tiles and on the swapped kernel's (Hopper: its own fp8 wgmma)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with fp8 dots (capability >= 8.9)")
     from moe_registry_kernels.triton.experts import TritonExperts
+    from moe_registry_kernels.triton.tile_config import config_override
 
     case, layer = CASES[name], built[name]
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["bfloat16"]
@@ -503,7 +523,8 @@ def test_triton_kernel_matches_float64_moe_on_gpu(name: str, built, dirs) -> Non
         ids, w = _routing(23, m)
         x = _hidden(29, m).to(torch.bfloat16)
         want = _moe64(case, dirs[name], _ours(layer), x.float(), ids, w)
-        got = experts.apply(x.cuda(), w.cuda(), ids.cuda()).cpu()
+        with config_override(*SWAPPED_TILES) if tiles == "swapped" else contextlib.nullcontext():
+            got = experts.apply(x.cuda(), w.cuda(), ids.cuda()).cpu()
         assert got.dtype == torch.bfloat16 and _rel(got, want) <= tol, f"{name} M={m}: {_rel(got, want):.2e} > {tol}"
 
 
