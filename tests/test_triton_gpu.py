@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from launch_spy import KwargSpy, LaunchSpy
+from launch_spy import ArgSpy, KwargSpy, LaunchSpy
 from moe_registry_kernels import quant_ref
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton import activation_quant, chain, dequant_ptx, tile_config
@@ -186,6 +186,40 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
     err = _rel_err(out, ref)
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["per-weight", "group-dots"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", ["gptq4-g128", "awq-g128"])
+def test_gemm2_input_in_halves_is_bit_equal(scheme, shape, m, dtype, grouped, monkeypatch):
+    """GEMM2 tiles reading their input as GEMM1's epilogue stores it on request (INPUT_HALVES: each
+    row's even columns, then its odd ones) on the paired PTX path give the layer whose GEMM2 splits
+    its input in registers bit for bit, per-weight dots or one per group (BLOCK_K 512, split 4; AWQ's
+    zero points keep per-weight dots there, GROUP_DOTS needing ZERO_SUMS, which reads the input in
+    order); the launches are watched: GEMM1 stored halves and GEMM2 read them."""
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, dtype)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, dtype, seed=m + 3)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "SWAP_AB": False}
+    tile2 = {**tile, "BLOCK_K": 512, "SPLIT_K": 4, "GROUP_DOTS": True} if grouped else {**tile, "BLOCK_K": 128}
+    gemm1 = {**tile, "BLOCK_K": 128, "SPLIT_K": 1}
+    experts = TritonExperts(weights, ExpertsConfig())
+    with tile_config.config_override(gemm1, tile2):
+        plain = experts.apply(hidden, topk_weights, topk_ids)
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
+                        ArgSpy(triton_gemm._fused_moe_kernel,
+                               lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), seen))
+    with tile_config.config_override(gemm1, {**tile2, "INPUT_HALVES": True}):
+        halves = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [(False, True), (True, False)]
+    assert torch.equal(halves, plain), f"{scheme} {shape} M={m} {dtype}: {_rel_err(halves, plain):.2e} apart"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(halves, ref)
+    assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} INPUT_HALVES: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -1569,3 +1569,62 @@ def test_experts_keep_the_converted_codes_they_read_and_stand_ins_for_the_ones_t
             assert held.weight.shape == given.weight.shape and (held.scale is given.scale) != copied
             assert held.scale.shape == given.scale.shape
             assert held.weight.untyped_storage().nbytes() == (1 if copied else given.weight.untyped_storage().nbytes())
+
+
+HALVES_TILE = {**GROUP_DOTS_TILE, "BLOCK_K": 64, "SWAP_AB": False}
+
+
+@pytest.mark.parametrize("scheme, m, tile", [
+    ("gptq4-g64", 7, {}), ("gptq4-g64", 1, {}), ("awq-g32", 7, {}), ("int4-g128", 7, {"SPLIT_K": 2}),
+    ("gptq4-g64", 7, {"BLOCK_K": 128, "GROUP_DOTS": True})])
+def test_gemm2_reads_its_input_in_halves(scheme, m, tile, monkeypatch):
+    """A GEMM2 tile with INPUT_HALVES reads its input as GEMM1 then stores it, each row's even columns
+    and then its odd ones, as its nibble half-dots' two operands: the layer is the one whose GEMM2
+    splits the input in registers, bit for bit (per-weight or per-group dots, split in K or not, one
+    token or aligned blocks); the launches are watched."""
+    weights = _weights(scheme, seed=2)
+    hidden, topk_weights, topk_ids = _routing(m, 2, seed=4)
+    experts = TritonExperts(weights, ExpertsConfig())
+    gemm2 = {**HALVES_TILE, **tile}
+    with tile_config.config_override(HALVES_TILE, gemm2):
+        want = experts.apply(hidden, topk_weights, topk_ids)
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
+                        ArgSpy(triton_gemm._fused_moe_kernel,
+                               lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), seen))
+    with tile_config.config_override(HALVES_TILE, {**gemm2, "INPUT_HALVES": True}):
+        got = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [(False, True), (True, False)]
+    assert torch.equal(got, want)
+
+
+def test_input_halves_fit_where_gemm1_writes_them_and_gemm2_splits_nibbles():
+    """INPUT_HALVES stays on a GEMM2 of 4-bit weights on the 16-bit dot, unquantised activations, the standard
+    kernel after a standard GEMM1, no ZERO_SUMS; never on GEMM1 nor in the batched format."""
+    gptq = variant_from_keys(SCHEMES["gptq4-g64"][0], UNQ)
+    halves = {**HALVES_TILE, "INPUT_HALVES": True}
+    c1, c2 = tile_config._fit_pair(halves, halves, gptq)
+    assert "INPUT_HALVES" not in c1 and c2["INPUT_HALVES"] is True
+    assert "INPUT_HALVES" not in tile_config._fit_pair(halves, halves, gptq, split_gemm2=False)[1]
+    assert "INPUT_HALVES" not in tile_config._fit_pair({**halves, "SWAP_AB": True}, halves, gptq)[1]
+    for variant, config in ((gptq, {**halves, "SWAP_AB": True}),
+                            (gptq, {**halves, "ZERO_SUMS": True}),
+                            (variant_from_keys(UNQ, UNQ), halves),
+                            (variant_from_keys(SCHEMES["int8-w8a16"][0], UNQ), halves),
+                            (variant_from_keys("uint4b8 scale:float32:group(32):static", INT8_TOKEN), halves)):
+        assert "INPUT_HALVES" not in tile_config._fit_pair(HALVES_TILE, config, variant)[1], (variant, config)
+
+
+def test_halves_go_with_a_tile_that_reads_them():
+    """The launcher refuses an input in halves without a tile that reads them, and halves stored by a GEMM
+    without the fused activation: one line each."""
+    rows = triton_launch._Rows(expert_ids=torch.zeros(1, dtype=torch.int32), num_valid=1, one_pair_blocks=True)
+    proj = triton_layout._Proj(torch.zeros(1, 8, 32, dtype=torch.uint8), torch.ones(1, 8, 1, dtype=torch.float16),
+                               None, None, None, None, 8, 64)
+    gptq = variant_from_keys("uint4b8 scale:float16:group(64):static", UNQ)
+    a, c = torch.zeros(1, 64, dtype=torch.float16), torch.zeros(1, 8, dtype=torch.float16)
+    fitted = tile_config._fit_config(HALVES_TILE, gptq, can_split=False)
+    with pytest.raises(ValueError, match="an input in halves goes with an INPUT_HALVES tile"):
+        triton_launch._gemm(a, None, proj, gptq, c, rows, fitted, compute_dtype=torch.float16, input_halves=True)
+    with pytest.raises(ValueError, match="halves are stored by the standard kernel's fused activation"):
+        triton_launch._gemm(a, None, proj, gptq, c, rows, fitted, compute_dtype=torch.float16, halves_out=True)

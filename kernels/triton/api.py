@@ -165,9 +165,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                                                       meta, split_gemm2=True,
                                                       tiles_read=(not own.gemv1, not own.gemv2))
         if overrides:
-            config1 = tile_config._fit_config({**config1, **overrides}, variant, can_split=False)
-            config2 = tile_config._fit_config({**config2, **overrides, "BLOCK_M": config1["BLOCK_M"]}, variant,
-                                              can_split=True)
+            config1, config2 = tile_config._fit_pair({**config1, **overrides}, {**config2, **overrides}, variant)
         pairs = m * top_k
         pdl = capability >= (9, 0)  # (as chain.pdl_supported decides on such a GPU)
         block_m = launch.GEMV_BLOCK_M if own.gemv1 else config1["BLOCK_M"]  # the decode GEMV's blocks
@@ -189,11 +187,12 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
         amax = torch.empty(pieces, device="meta") if pieces else None
         # a ZERO_SUMS GEMM2's input sums: GEMM1's per-tile pieces where it leaves them
         pieces2 = plan._gemm1_sum_pieces(rows, pairs, config1, config2, w13, w2, variant, activation, meta)
+        halves = plan._input_halves(config2, w2, activation)
         launch._gemm(a1, a1_scale, w13, variant, inter, rows, config1, compute_dtype=dt, top_k=top_k,
                      topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
                      input_scale=launch._InputScale(rows=1, static=static, gemv=own.gemv1) if own.gemm1 else None,
                      row_sums=_row_sums(a1, config1, w13, variant, rows),
-                     sums_out=pieces2.sums if pieces2 else None)
+                     sums_out=pieces2.sums if pieces2 else None, halves_out=halves)
         a2, a2_scale = _activations(variant, config2, pairs, w2.k, own.gemm2)
         scale2 = None
         if own.gemv2:
@@ -207,7 +206,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                else torch.empty(pairs, w2.n, dtype=dt, device="meta"))
         launch._gemm(a2, a2_scale, w2, variant, out, rows, config2, compute_dtype=dt, routed_weight="output",
                      topk_weights=weights, pdl=pdl, input_scale=scale2,
-                     row_sums=pieces2 or _row_sums(a2, config2, w2, variant, rows))
+                     row_sums=pieces2 or _row_sums(a2, config2, w2, variant, rows), input_halves=halves)
     return [GemmLaunch(fn, args, kwargs, _launch_tile(fn, kwargs, cfg))
             for (fn, _, args, kwargs), cfg in zip(launches, (config1, config2), strict=True)]
 

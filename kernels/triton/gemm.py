@@ -39,6 +39,7 @@ from .gemm_common import (
     _finish_tile,
     _group_scales,
     _groups_per_tile,
+    _input_halves,
     _int4_as_int8_tile,
     _is_pow2,
     _k_range,
@@ -112,7 +113,11 @@ def _fused_moe_kernel(
         # ONE_PAIR_BLOCKS found by the kernel from the block's one row (no row_sums_ptr), see FACTORED;
         # SUMS_OUT (with FUSE_ACT): also each stored row's sum over this tile, into amax_ptr[row, pid_n]
         row_sums_ptr=None, stride_rs=0, ZERO_SUMS: tl.constexpr = False, SUM_PIECES: tl.constexpr = 1,
-        SUMS_OUT: tl.constexpr = False):
+        SUMS_OUT: tl.constexpr = False,
+        # INPUT_HALVES: A stored as its even columns, then its odd ones (K / 2 each), as a GEMM1 with
+        # HALVES_OUT (fused activation) stores its output: 4-bit tiles' nibble half-dots take each as
+        # a load of its own instead of splitting the tile in registers (see tile_config.input_halves_fit)
+        INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -146,6 +151,9 @@ def _fused_moe_kernel(
     tl.static_assert(DOT != "fp8_outer" or W_TYPE == "fp8e4m3" and W_SCALE == "channel",
                      "per-token/tensor fp8 activations take fp8 weights with per-channel/tensor scales")
     STATIC_INPUT: tl.constexpr = A_QUANT == "int8_static" or A_QUANT == "fp8_static"
+    tl.static_assert(not INPUT_HALVES or PACKED and DOT == "float" and A_QUANT == "none" and not ACT_ORDER
+                     and not ZERO_SUMS, "inputs in halves are for 4-bit weights' 16-bit half-dots")
+    tl.static_assert(not HALVES_OUT or FUSE_ACT != "none", "halves are stored by the fused activation")
     tl.static_assert(A_SCALE_IN == "none" or (DOT == "int8" or DOT == "fp8_outer") and ONE_PAIR_BLOCKS
                      and not ACT_ORDER and (A_SCALE_IN == "static") == STATIC_INPUT,
                      "the GEMM quantises one token's input, per token or per tensor, in column order")
@@ -256,7 +264,7 @@ def _fused_moe_kernel(
             a_row = _codes_by_reciprocal(a_next.to(tl.float32), a_scale_in, a_reciprocal, DOT, HW_FP8_CAST)
             a_next = tl.load(a_one_row + BLOCK_K + offs_k, mask=BLOCK_K + offs_k < K, other=0.0)
             a = tl.broadcast_to(a_row[None, :], (BLOCK_M, BLOCK_K))
-        elif not GROUPED:  # (grouped tiles load theirs a group at a time)
+        elif not GROUPED and not INPUT_HALVES:  # (grouped tiles load theirs a group at a time)
             a = tl.load(a_row_ptrs[:, None] + a_cols[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if A_QUANT == "mxfp8":
             a_groups = k_start // A_GROUP + tl.arange(0, BLOCK_K // A_GROUP)
@@ -296,6 +304,9 @@ def _fused_moe_kernel(
                     token = tl.load(a_one_row + cols, mask=cols < K, other=0.0).to(tl.float32)
                     codes = _codes_by_reciprocal(token, a_scale_in, a_reciprocal, DOT, HW_FP8_CAST).to(dtype)
                     a_even, a_odd = _token_halves(codes, BLOCK_M)
+                elif INPUT_HALVES:
+                    a_even, a_odd = _input_halves(a_row_ptrs, row_mask, (k_start + g * W_GROUP) // 2, K_PACKED,
+                                                  W_GROUP // 2)
                 else:
                     a_group = tl.load(a_row_ptrs[:, None] + cols[None, :],
                                       mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
@@ -315,6 +326,8 @@ def _fused_moe_kernel(
                 if W4A8_FLOAT:  # and its codes made 16-bit floats (exact) once, not once per repeat
                     a_row = a_row.to(dtype)
                 a_even, a_odd = _token_halves(a_row, BLOCK_M)
+            elif INPUT_HALVES:
+                a_even, a_odd = _input_halves(a_row_ptrs, row_mask, k_start // 2, K_PACKED, BLOCK_K // 2)
             else:
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             if W4A8_FLOAT:  # W4A8 on few rows: code - 8 in 16 bits, a float dot of the int8 codes (exact)
@@ -389,7 +402,7 @@ def _fused_moe_kernel(
     _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE, ROUTED_WEIGHT, HAS_BIAS, WRITE_EMPTY,
                  FUSE_ACT, BLOCK_M, BLOCK_N, amax_ptr, amax_parts,
-                 "amax" if AMAX_OUT else "sum" if SUMS_OUT else "none")
+                 "amax" if AMAX_OUT else "sum" if SUMS_OUT else "none", HALVES_OUT)
 
 
 @triton.jit(do_not_specialize=["num_valid", "rows_per_expert"])

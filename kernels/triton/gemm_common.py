@@ -415,6 +415,19 @@ def _one_token_scale(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mas
 
 
 @triton.jit
+def _input_halves(a_row_ptrs, row_mask, first, K_HALF, WIDTH: tl.constexpr):
+    """The block's rows' even and odd input columns 2 (first + j) and 2 (first + j) + 1, j < WIDTH,
+    from an input stored as its even columns, then its odd ones (K_HALF each): two contiguous
+    loads, where an input in column order is split in registers (INPUT_HALVES)."""
+    cols = first + tl.arange(0, WIDTH)
+    mask = row_mask[:, None] & (cols[None, :] < K_HALF)
+    ptrs = a_row_ptrs[:, None] + cols[None, :]
+    even = tl.load(ptrs, mask=mask, other=0.0)
+    odd = tl.load(ptrs + K_HALF, mask=mask, other=0.0)
+    return even, odd
+
+
+@triton.jit
 def _one_token_input(a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, scale_rows,
                      amax_parts, num_experts, A_QUANT: tl.constexpr, DOT: tl.constexpr, A_SCALE_IN: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_ROWS: tl.constexpr,
@@ -457,13 +470,15 @@ def _one_token_amax(a_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, stride_a
 def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, split, N, scale_cols, bias_ptr,
                  topk_weights_ptr, c_ptr, stride_cm, stride_cs, W_SCALE: tl.constexpr, ROUTED_WEIGHT: tl.constexpr,
                  HAS_BIAS: tl.constexpr, WRITE_EMPTY: tl.constexpr, FUSE_ACT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pieces_ptr, num_pieces, PIECES: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, pieces_ptr, num_pieces, PIECES: tl.constexpr,
+                 HALVES: tl.constexpr = False):
     """The epilogue on a float32 [BLOCK_M rows, BLOCK_N weight rows] tile: per-channel scale,
     router weight, bias (first split only), the gated activation when fused, and the store; with
     PIECES (fused activation only) also a piece of each stored row over the tile, as stored, into
     pieces_ptr[row, pid_n] (row stride ``num_pieces``): "amax", its max |value|, so the per-token
     quantisation after this GEMM need not find it; "sum", its sum, so a ZERO_SUMS GEMM2 needs no
-    launch to sum its input's groups."""
+    launch to sum its input's groups. HALVES (fused activation only): the activated row stored as its
+    even columns, then its odd ones (N / 4 each), as a GEMM2 with INPUT_HALVES reads it."""
     if W_SCALE == "channel":
         acc *= tl.load(scale_cols).to(tl.float32)
     if ROUTED_WEIGHT != "none":
@@ -483,7 +498,14 @@ def _finish_tile(acc, expert, c_rows, row_mask, store_rows, offs_bn, pid_n, spli
         out = gated_act(gate, up, FUSE_ACT)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         stored = out.to(c_ptr.dtype.element_ty)
-        tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
+        if HALVES:  # (N / 2 is even where a GEMM2 reads 4-bit weights' nibble halves)
+            even, odd = tl.split(tl.reshape(stored, (BLOCK_M, BLOCK_N // 4, 2)))
+            offs_half = pid_n * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+            in_half = store_rows[:, None] & (offs_half[None, :] < N // 4)
+            tl.store(c_row_ptrs + offs_half[None, :], even, mask=in_half)
+            tl.store(c_row_ptrs + N // 4 + offs_half[None, :], odd, mask=in_half)
+        else:
+            tl.store(c_row_ptrs + offs_out[None, :], stored, mask=store_rows[:, None] & (offs_out[None, :] < N // 2))
         if PIECES != "none":
             kept = tl.where(offs_out[None, :] < N // 2, stored.to(tl.float32), 0.0)
             piece = tl.max(tl.abs(kept), axis=1) if PIECES == "amax" else tl.sum(kept, axis=1)

@@ -131,7 +131,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
           routed_weight: str = "none", topk_weights: torch.Tensor | None = None, write_empty: bool = False,
           fuse_act: str = "none", amax_pieces: torch.Tensor | None = None, pdl: bool = False,
           input_scale: _InputScale | None = None, row_sums: _RowSums | None = None,
-          sums_out: torch.Tensor | None = None) -> None:
+          sums_out: torch.Tensor | None = None, input_halves: bool = False, halves_out: bool = False) -> None:
     """Launch one fused MoE GEMM writing C (see _fused_moe_kernel): [rows, N], [rows, N / 2] with
     ``fuse_act``, or [SPLIT_K, rows, N] float32 partial sums when the config splits K.
     ``amax_pieces`` [rows, column tiles] (fused activation only): also write each row's max |C|
@@ -140,7 +140,9 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
     the kernel quantises (``a_scale``: the static scale, else None); ``row_sums``: A's per-group row
     sums, given exactly where the config takes ZERO_SUMS (_zero_sums); ``sums_out`` [rows, column
     tiles] (fused activation only): also write each row's sum per column tile there (the next
-    GEMM's row_sums, in pieces)."""
+    GEMM's row_sums, in pieces); ``input_halves``: A holds each row's even columns, then its odd ones
+    (a config with INPUT_HALVES, tile_config.input_halves_fit); ``halves_out`` (fused activation only):
+    write C so."""
     if w.perm is not None and variant.act_quant in ("fp8_group", "mxfp8"):
         raise ValueError("act-order weights cannot take group-quantised activations (their groups "
                          "follow the original column order)")
@@ -190,6 +192,10 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
                          "pieces")
     if sums_out is not None:
         pieces = sums_out
+    if input_halves and (not config.get("INPUT_HALVES") or w.perm is not None):
+        raise ValueError("an input in halves goes with an INPUT_HALVES tile on weights in column order")
+    if halves_out and (fuse_act == "none" or config["SWAP_AB"] or w.n % 4):
+        raise ValueError("halves are stored by the standard kernel's fused activation, of an even width")
     if rows.batched:
         rows_per_expert, expert_grid = rows.capacity, w.weight.shape[0]
     elif rows.one_pair_blocks:
@@ -248,7 +254,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"], PDL=pdl,
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
         E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
-        GROUP_DOTS=config.get("GROUP_DOTS", False),
+        GROUP_DOTS=config.get("GROUP_DOTS", False), INPUT_HALVES=input_halves, HALVES_OUT=halves_out,
         **_row_sums_args(row_sums, sums_out), **_launch_options(config), **pdl_launch(pdl))
 
 

@@ -53,7 +53,15 @@ from .chain import pdl_supported
 from .fp8_act import FP8_DYNAMIC_MODES, align_quant_fp8, quant_fp8_from_pieces
 from .launch import STATIC_QUANTS, _gemm, _InputScale, _Rows, _RowSums, _zero_sums
 from .layout import _Proj
-from .plan import _amax_pieces_shape, _codes_dtype, _gemm1_sum_pieces, _input_row_sums, _quantised_in_gemm, _quantize
+from .plan import (
+    _amax_pieces_shape,
+    _codes_dtype,
+    _gemm1_sum_pieces,
+    _input_halves,
+    _input_row_sums,
+    _quantised_in_gemm,
+    _quantize,
+)
 from .reduce import sum_topk
 from .tile_config import _layer_configs
 from .variant import variant_from_keys
@@ -147,9 +155,10 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     amax = torch.empty(pieces, dtype=torch.float32, device=dev) if pieces else None
     # a ZERO_SUMS GEMM2's input sums, left in pieces by GEMM1's epilogue where it can
     pieces2 = _gemm1_sum_pieces(rows, m * top_k, config1, config2, w13, w2, variant, activation, dev)
+    halves = _input_halves(config2, w2, activation)
     _gemm(a1, a1_scale, w13, variant, inter, rows, config1, compute_dtype=dt, top_k=top_k,
           routed_weight=gemm1_weight, topk_weights=weights, fuse_act=activation, amax_pieces=amax, pdl=pdl,
-          input_scale=scale1, row_sums=sums1, sums_out=pieces2.sums if pieces2 else None)
+          input_scale=scale1, row_sums=sums1, sums_out=pieces2.sums if pieces2 else None, halves_out=halves)
 
     scale2 = None
     pair_ids = topk_ids.reshape(-1).contiguous()  # each pair's expert
@@ -175,7 +184,7 @@ def _fused_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     sums2 = None if in_gemm.gemv2 else pieces2 or _input_row_sums(a2, config2, w2, variant, rows, pdl)
     _gemm(a2, a2_scale, w2, variant, partial, rows, config2, compute_dtype=dt,
           routed_weight="none" if on_input else "output", topk_weights=weights, pdl=pdl, input_scale=scale2,
-          row_sums=sums2)
+          row_sums=sums2, input_halves=halves)
     if partial is not out:
         sum_topk(partial.view(split, m, top_k, w2.n), out=out, pdl=pdl, topk_ids=topk_ids,
                             num_experts=num_experts)

@@ -132,6 +132,13 @@ def _quantised_in_gemm(variant: KernelVariant, tokens: int, top_k: int, w13: _Pr
                             gemm2=gemv2 or w2.perm is None and weight_bytes <= gemm2_budget, gemv1=gemv1, gemv2=gemv2)
 
 
+def _input_halves(config2: dict, w2: _Proj, activation: str) -> bool:
+    """Whether GEMM1 stores its output as each row's even columns, then its odd ones, for GEMM2 to read
+    so: GEMM2's tile asks (INPUT_HALVES, fitted), its weights are in column order, GEMM1 fuses the
+    activation (whose epilogue writes them)."""
+    return bool(config2.get("INPUT_HALVES")) and w2.perm is None and activation != "none"
+
+
 def _gemv_pays(tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether ``tokens`` tokens routed uniformly at random among ``num_experts`` (the router's: under
     expert parallelism every rank's, of which a rank holds a share and sees that share's pairs, as

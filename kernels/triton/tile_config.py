@@ -321,17 +321,29 @@ def zero_sums_fit(variant: KernelVariant, config: dict) -> bool:
             and (variant.weight_group % config["BLOCK_K"] == 0 or bool(config.get("GROUP_DOTS"))))
 
 
+def input_halves_fit(variant: KernelVariant, config: dict) -> bool:
+    """Whether a fitted GEMM2 config can read its input as GEMM1's epilogue stores it on request, its
+    even columns then its odd ones (the ``INPUT_HALVES`` key): the nibble half-dots' two operands as
+    two contiguous loads, where the plain tile splits every step's activations (every warp its own
+    copy, two half-word selects a register pair). 4-bit weights on the 16-bit dot, unquantised
+    activations, the standard kernel, no ZERO_SUMS (its input sums read the columns in order)."""
+    return (variant.packed and variant.dot == "float" and variant.act_quant == "none" and not config["SWAP_AB"]
+            and not config.get("ZERO_SUMS"))
+
+
 def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_swap: bool = True) -> dict:
     """A config made legal for the variant: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
     weights (each nibble half-dot needs K >= 16); SPLIT_K 1 where the launch cannot split;
     SWAP_AB (the swapped-operand kernel) only where it runs the variant; GROUP_DOTS kept only
     where the tile spans several of the variant's groups (group_dot_width; absent otherwise);
-    ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise)."""
+    ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise), INPUT_HALVES
+    likewise (input_halves_fit)."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(variant)
     bk = config["BLOCK_K"]
     zero_sums = config.pop("ZERO_SUMS", False)
+    halves = config.pop("INPUT_HALVES", False)
     group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
                   and 0 < group_dot_width(variant, config["BLOCK_M"], zero_sums) < bk)
     if variant.weight_scale == "block":
@@ -350,6 +362,8 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
         config["ZERO_SUMS"] = True
     elif group_dots and variant.zero_code == 0:  # zero-point weights take per-group dots with ZERO_SUMS only
         del config["GROUP_DOTS"]
+    if halves and input_halves_fit(variant, config):
+        config["INPUT_HALVES"] = True
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)
@@ -396,10 +410,15 @@ def _layer_configs(tokens: int, top_k: int, num_experts: int, w13, w2, weight_ke
 def _fit_pair(config1: dict, config2: dict, variant: KernelVariant, *, split_gemm2: bool = True) -> tuple[dict, dict]:
     """A layer's GEMM1 and GEMM2 configs made legal together (:func:`_fit_config`): GEMM1 unsplit
     (it applies the activation), GEMM2 on GEMM1's BLOCK_M (both walk the same aligned blocks);
-    ``split_gemm2`` False (the batched format): no split and no swapped kernel either."""
-    config1 = _fit_config(config1, variant, can_split=False, can_swap=split_gemm2)
+    ``split_gemm2`` False (the batched format): no split and no swapped kernel either. GEMM2 reads its
+    input in halves (INPUT_HALVES) only where the plain kernel's epilogue of the standard format's
+    GEMM1 writes them; GEMM1's own input is the hidden state, in order."""
+    config1 = _fit_config({k: v for k, v in config1.items() if k != "INPUT_HALVES"}, variant, can_split=False,
+                          can_swap=split_gemm2)
     config2 = _fit_config({**config2, "BLOCK_M": config1["BLOCK_M"]}, variant, can_split=split_gemm2,
                           can_swap=split_gemm2)
+    if config2.get("INPUT_HALVES") and (config1["SWAP_AB"] or not split_gemm2):
+        del config2["INPUT_HALVES"]
     return config1, config2
 
 
