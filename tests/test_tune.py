@@ -235,6 +235,44 @@ def test_tuner_caps_registers_of_the_winner(registers_only, tmp_path, monkeypatc
 GPTQ = "uint4b8 scale:float16:group(128):static"
 
 
+class _HalvesWin(_RegisterBound):
+    """_RegisterBound on which a GEMM2 reading its input in halves saves 0.25 s more."""
+
+    def __init__(self, tune, wkey: str) -> None:
+        from moe_registry.core.keys import parse_quant_key
+
+        super().__init__(tune)
+        self.wkey = parse_quant_key(wkey)
+
+    def time(self, configs, *args):
+        t = super().time(configs, *args)
+        return t - 0.25 * bool(configs != (None, None) and configs[1].get("INPUT_HALVES"))
+
+
+@pytest.mark.parametrize("wkey, takes_halves", [(None, True), ("int8 scale:float16:channel:static", False)])
+@pytest.mark.parametrize("registers_only", [True, False])
+def test_tuner_tries_gemm2_reading_its_input_in_halves_on_the_winner(wkey, takes_halves, registers_only, tmp_path,
+                                                                     monkeypatch):
+    """After the search, the winner's GEMM2 is timed reading its input in halves (INPUT_HALVES) where the
+    scheme's tiles take it (4-bit weights on 16-bit dots), kept where faster and then register-capped;
+    not on 8-bit weights, nor in a --registers-only run."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    import tune
+    from moe_registry_kernels.triton import tile_config
+
+    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
+    tile_config._load_config_file.cache_clear()
+    layer = _HalvesWin(tune, wkey or GPTQ)
+    c1, c2, t, _ = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), registers_only=registers_only)
+    tried = [b for _, b in layer.timed if b.get("INPUT_HALVES")]
+    if takes_halves and not registers_only:
+        assert c2.get("INPUT_HALVES") is True and c2["maxnreg"] == 96 and t == 0.25
+        # once, then under both GEMMs' caps, then in the confirmation
+        assert len(tried) == 1 + 2 * len(tune.REGISTER_CAPS) + tune.CONFIRM_ROUNDS
+    else:
+        assert tried == [] and "INPUT_HALVES" not in c2 and t == 0.5
+
+
 class _SeedWins(_RegisterBound):
     """_RegisterBound on which only ``fast`` (a GEMM1 tile, BLOCK_N and BLOCK_K) saves time."""
 
