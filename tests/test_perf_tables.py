@@ -113,39 +113,44 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     doc = perf_tables.json_record(perf_tables.read_manifest()["gpu_peer"], ROOT / "docs" / "bench")
     cells = {(c["peer"], c["shape"], c["scheme"], c["m"]): c for c in doc["cells"]}
     expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.18", "1.78"),
-                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.77", "0.81"),
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.76", "0.83"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
                 ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.56", "2.43"),
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("0.97", "1.36"),
+                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.01", "1.35"),
                 # (measured again by the later of two runs, which replaces the earlier's cell)
-                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.36")}
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.06", "1.37"),
+                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.09")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
     rows = {(s["peer"], s["scheme"], s["bucket"]): s for s in peer_record.summary(doc)}
     got = {key: (f"{rows[key]['gemm']:.2f}", f"{rows[key]['layer']:.2f}", rows[key]["gemm_below_1"],
                  rows[key]["layer_below_1"], rows[key]["cells"]) for key in rows}
-    # (the Marlin run at M <= 64 printed these two rows as its "(all) decode" and "awq decode" geo-means)
-    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.14", 14, 7, 18)
-    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.11", 7, 4, 9)
+    # (geo-means over the cells of two Marlin runs at M <= 64, the later one's replacing the earlier's)
+    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.14", 13, 8, 18)
+    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.12", 7, 5, 9)
     # (the vLLM-Triton runs printed these per scheme)
     assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.18", "1.99", 1, 0, 6)
-    assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.01", "1.80", 4, 0, 9)
+    assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.02", "1.84", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
     assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | 23.0 (28%) | 40.9 | 1.78 |"
             in block)
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
     assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 425.5 (61%) | 662.4 | "
             "1.56 | 579.1 (45%) | (1407.4) | (2.43) |") in block
-    # each run's command measures the cells the record keeps of it (later runs replaced Marlin's and per-channel
-    # FP8's M <= 64, the last one Mixtral's M = 8 and 64 of per-channel FP8 again)
+    # each run's command measures the cells the record keeps of it (later runs replaced FP8 block-128's M <= 64,
+    # then its M = 8 and 64 on two shapes, and Marlin's M = 8 and 64 on two shapes)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
                             '(Marlin); `MS="512 4096" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `bash tools/gpu_run.sh peer triton '
-                            '"fp8-block128"` (vLLM-Triton); `MS="1 8 64" bash tools/gpu_run.sh peer marlin '
+                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `MS="512 4096" bash '
+                            'tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton); `MS="1 8 64" bash '
+                            'tools/gpu_run.sh peer marlin '
                             '"gptq-w4a16 awq-w4a16"` (Marlin); `MS="1 8 64" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `SHAPES="mixtral" MS="8 64" bash '
-                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton)')
+                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `MS="1 8 64" bash tools/gpu_run.sh '
+                            'peer triton "fp8-block128"` (vLLM-Triton); `SHAPES="mixtral dsv2lite" MS="8 64" bash '
+                            'tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton); `SHAPES="qwen3 mixtral" '
+                            'MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin)')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
