@@ -188,6 +188,35 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [8, 512])
+@pytest.mark.parametrize("tile", [(16, 64, True), (64, 128, False), (128, 128, False)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_fp8_block_scales_as_scalars_match_vectors(shape, tile, m, monkeypatch):
+    """FP8 block-128 tiles taking their block scales as scalars (TILE_BLOCK_SCALE: each tile's weight rows,
+    GEMM1's gate rows and up rows, in one block), swapped or plain, give the layer whose tiles load them as
+    vectors to the rounding of one product, and the reference's numbers; the launches are watched."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights("fp8-block", e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m + 5)
+    block_m, block_n, swapped = tile
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
+              "num_stages": 3, "SWAP_AB": swapped}
+    kernel = "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel"
+    seen: list = []
+    monkeypatch.setattr(triton_launch, kernel, KwargSpy(getattr(triton_gemm, kernel), "TILE_BLOCK_SCALE", seen))
+    experts = TritonExperts(weights, ExpertsConfig())
+    with tile_config.config_override(config, config):
+        scalars = experts.apply(hidden, topk_weights, topk_ids)
+    monkeypatch.setattr(triton_launch, "_tile_block_scale", lambda *args: False)
+    with tile_config.config_override(config, config):
+        vectors = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, False, False]
+    assert _rel_err(scalars, vectors) < 2e-3, f"{shape} M={m} {tile}: {_rel_err(scalars, vectors):.2e} apart"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(scalars, ref)
+    assert err < _tolerance("fp8-block", torch.bfloat16), f"{shape} M={m} {tile}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-weight", "group-dots"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 8, 64])

@@ -1628,3 +1628,51 @@ def test_halves_go_with_a_tile_that_reads_them():
         triton_launch._gemm(a, None, proj, gptq, c, rows, fitted, compute_dtype=torch.float16, input_halves=True)
     with pytest.raises(ValueError, match="halves are stored by the standard kernel's fused activation"):
         triton_launch._gemm(a, None, proj, gptq, c, rows, fitted, compute_dtype=torch.float16, halves_out=True)
+
+
+@pytest.mark.parametrize("block_n, taken", [(64, (True, True)), (128, (True, True)), (256, (True, False))])
+@pytest.mark.parametrize("swapped", [False, True], ids=["plain", "swapped"])
+def test_block_scales_are_scalars_where_a_tile_lies_in_one_block(block_n, taken, swapped, monkeypatch):
+    """FP8 block-128 tiles whose weight rows lie in one block (GEMM1's gate rows in one and its up rows
+    in one: 128 of its 256 columns at BLOCK_N 256) take its scales as scalars (TILE_BLOCK_SCALE), on either
+    kernel: the layer whose tiles take them as vectors, to the rounding of one product, and near the
+    reference, with every block's scale made far from its neighbours' (a scale from the wrong block
+    shows); the launches are watched."""
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
+    hidden_size = intermediate = 256
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(FP8_BLOCK), parse_quant_key(FP8_GROUP_ACT),
+                                                   num_experts=E, hidden=hidden_size, intermediate=intermediate,
+                                                   dtype=torch.float16, bias=True, seed=7)
+    g = torch.Generator().manual_seed(1)
+    for proj in (weights.w13, weights.w2):  # blocks 16x apart at most: weights stay in fp16's range
+        proj.scale.mul_(4.0 ** (torch.rand(proj.scale.shape, generator=g) * 2 - 1))
+    hidden = torch.randn(9, hidden_size, generator=g).to(torch.float16)
+    topk_weights = torch.rand(9, 2, generator=g) + 0.1
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+    tile = {**(SWAPPED if swapped else PLAIN), "BLOCK_N": block_n, "BLOCK_K": 128}
+    experts = TritonExperts(weights, ExpertsConfig())
+    kernel = "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel"
+    seen: list = []
+    monkeypatch.setattr(triton_launch, kernel, KwargSpy(getattr(triton_gemm, kernel), "TILE_BLOCK_SCALE", seen))
+    with tile_config.config_override(tile, tile):
+        got = experts.apply(hidden, topk_weights, topk_ids)
+    assert tuple(seen) == taken
+    monkeypatch.setattr(triton_launch, "_tile_block_scale", lambda *args: False)
+    with tile_config.config_override(tile, tile):
+        vectors = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen[2:] == [False, False]
+    assert _rel_err(got, vectors) < 1e-3
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
+    assert _rel_err(got, ref) < 3e-2
+
+
+@pytest.mark.parametrize("keys, n, block_n, fuse, taken", [
+    ((FP8_BLOCK, FP8_GROUP_ACT), 512, 128, "silu", True), ((FP8_BLOCK, FP8_GROUP_ACT), 512, 256, "silu", True),
+    ((FP8_BLOCK, FP8_GROUP_ACT), 512, 256, "none", False), ((FP8_BLOCK, FP8_GROUP_ACT), 2 * 2880, 64, "silu", False),
+    ((FP8_BLOCK, FP8_GROUP_ACT), 2880, 64, "none", True), ((FP8_BLOCK, UNQ), 512, 64, "none", False),
+    (("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic"), 512, 64, "none", False)])
+def test_tile_block_scale_only_where_each_tiles_rows_lie_in_one_block(keys, n, block_n, fuse, taken):
+    """Scalar block scales only for the fp8 dot on 128x128 blocks, where a tile's weight rows (its gate
+    rows and its up rows, fused) lie in one block: not past 128 rows, nor up rows that start mid-block
+    (gpt-oss-120b's intermediate 2880 is not a whole number of blocks), nor 16-bit activations."""
+    assert triton_launch._tile_block_scale(variant_from_keys(*keys), n, block_n, fuse) is taken

@@ -45,10 +45,13 @@ from .gemm_common import (
     _k_range,
     _less_zero_point_terms,
     _one_token_input,
+    _pair_factors,
     _program_block,
     _repeat_cols,
     _row,
     _scale_of,
+    _tile_block_scales,
+    _tile_scale_blocks,
     _token_halves,
     _weight_rows,
     _weight_scale2,
@@ -117,7 +120,10 @@ def _fused_moe_kernel(
         # INPUT_HALVES: A stored as its even columns, then its odd ones (K / 2 each), as a GEMM1 with
         # HALVES_OUT (fused activation) stores its output: 4-bit tiles' nibble half-dots take each as
         # a load of its own instead of splitting the tile in registers (see tile_config.input_halves_fit)
-        INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False):
+        INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False,
+        # TILE_BLOCK_SCALE (fp8 dot on 128x128-block weights): the tile's weight rows lie in one block
+        # (with FUSE_ACT its gate rows in one, its up rows in one), see _tile_scale_blocks
+        TILE_BLOCK_SCALE: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -168,6 +174,8 @@ def _fused_moe_kernel(
                                                        BATCHED)
     split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
     offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    if TILE_BLOCK_SCALE:
+        block_even, block_odd = _tile_scale_blocks(pid_n, N, W_GROUP_N, FUSE_ACT, BLOCK_N)
     a_row_ptrs = a_ptr + a_rows.to(tl.int64) * stride_am
     b_cols, scale_cols, zero_cols = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be,
                                                         stride_bn, stride_se, stride_sn, 1)  # [1, BN]
@@ -289,6 +297,9 @@ def _fused_moe_kernel(
             scale, tile_zero = _group_scales(scale_cols, zero_cols, zero, k_start, scale_groups, stride_sk, dtype,
                                              W_SCALE, W_GROUP, W_GROUPS, HAS_ZERO, NARROW, 0, W_ROWS,
                                              E2M1_FOLDED, E2M1_SHIFT, E4M3_FOLDED, ASM_DEQUANT)
+        elif TILE_BLOCK_SCALE:  # the tile's one or two block scales, as scalars
+            scale_even, scale_odd = _tile_block_scales(b_scale_ptr + expert * stride_se + (k_start // W_GROUP)
+                                                       * stride_sk, block_even, block_odd, stride_sn, FUSE_ACT)
         elif W_SCALE == "block":  # one [W_GROUP_N x W_GROUP] block per scale; BLOCK_K <= W_GROUP
             scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[None, :] // W_GROUP_N) * stride_sn
                             + (k_start // W_GROUP) * stride_sk)
@@ -369,7 +380,10 @@ def _fused_moe_kernel(
             elif DOT == "fp8":
                 a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
                                   mask=row_mask, other=0.0)
-                acc += tl.dot(a, b) * a_scale[:, None] * scale
+                if TILE_BLOCK_SCALE:
+                    acc += tl.dot(a, b) * _pair_factors(a_scale, scale_even, scale_odd, BLOCK_N, FUSE_ACT, False)
+                else:
+                    acc += tl.dot(a, b) * a_scale[:, None] * scale
             else:
                 if W_TYPE != "float":  # 8-bit codes; FACTORED: the scale goes on the dot's result
                     codes = b.to(tl.uint8, bitcast=True)
@@ -424,7 +438,7 @@ def _fused_moe_swap_kernel(
         # _fused_moe_kernel's A_SCALE_IN (input_rows: its scale_rows) and AMAX_OUT
         amax_ptr=None, pair_ids_ptr=None, amax_parts=0, input_rows=0, A_SCALE_IN: tl.constexpr = "none",
         SCALE_ROWS: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 16, HW_FP8_CAST: tl.constexpr = False,
-        AMAX_OUT: tl.constexpr = False):
+        AMAX_OUT: tl.constexpr = False, TILE_BLOCK_SCALE: tl.constexpr = False):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -476,6 +490,8 @@ def _fused_moe_swap_kernel(
     a_rows, c_rows, row_mask, store_rows = _block_rows(offs_m, expert, rows, num_valid, rows_per_expert, TOP_K, False)
     split, k_lo, k_hi = _k_range(K, k_end, SPLIT_K, BLOCK_K)
     offs_bn = _weight_rows(pid_n, N, FUSE_ACT, BLOCK_N)
+    if TILE_BLOCK_SCALE:
+        block_even, block_odd = _tile_scale_blocks(pid_n, N, W_GROUP_N, FUSE_ACT, BLOCK_N)
     a_col_ptrs = a_ptr + a_rows.to(tl.int64)[None, :] * stride_am  # [1, BM]: A^T's columns
     w_rows, scale_rows, zero_rows = _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be,
                                                         stride_bn, stride_se, stride_sn, 0)  # [BN, 1]
@@ -541,11 +557,16 @@ def _fused_moe_swap_kernel(
         if DOT == "fp8_outer":  # token and channel scales after the loop
             acc = tl.dot(b, a_t, acc)
         elif DOT == "fp8":  # each weight row's block scale and each token's group scale on the K tile's dot
-            w_scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[:, None] // W_GROUP_N) * stride_sn
-                              + (k_start // W_GROUP) * stride_sk)
-            a_scale = tl.load(a_scale_ptr + a_rows[None, :] * stride_as_m + (k_start // A_GROUP) * stride_as_k,
-                              mask=row_mask[None, :], other=0.0)
-            acc += tl.dot(b, a_t) * w_scale * a_scale
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
+                              mask=row_mask, other=0.0)
+            if TILE_BLOCK_SCALE:
+                scale_even, scale_odd = _tile_block_scales(b_scale_ptr + expert * stride_se + (k_start // W_GROUP)
+                                                           * stride_sk, block_even, block_odd, stride_sn, FUSE_ACT)
+                acc += tl.dot(b, a_t) * _pair_factors(a_scale, scale_even, scale_odd, BLOCK_N, FUSE_ACT, True)
+            else:
+                w_scale = tl.load(b_scale_ptr + expert * stride_se + (offs_bn[:, None] // W_GROUP_N) * stride_sn
+                                  + (k_start // W_GROUP) * stride_sk)
+                acc += tl.dot(b, a_t) * w_scale * a_scale[None, :]
         else:
             acc = _dot(b.to(dtype), a_t.to(dtype), acc)
 

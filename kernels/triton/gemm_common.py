@@ -137,6 +137,47 @@ def _weight_rows(pid_n, N, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_scale_blocks(pid_n, N, W_GROUP_N: tl.constexpr, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The block rows of the scales of column tile pid_n's weight rows (_weight_rows), where they lie in one
+    weight block: (its even columns', its odd columns'); with FUSE_ACT the gate rows' and the up rows'
+    (N / 2 a whole number of blocks), else the same block twice. (Wrapped columns past N are not stored.)"""
+    if FUSE_ACT != "none":
+        first = (pid_n * (BLOCK_N // 2)) % (N // 2)
+        return first // W_GROUP_N, (N // 2 + first) // W_GROUP_N
+    else:
+        first = (pid_n * BLOCK_N) % N
+        return first // W_GROUP_N, first // W_GROUP_N
+
+
+@triton.jit
+def _tile_block_scales(k_scales, block_even, block_odd, stride_sn, FUSE_ACT: tl.constexpr):
+    """The scalar block scales of a K step's tile (k_scales: its K block's scales of the expert)."""
+    scale_even = tl.load(k_scales + block_even * stride_sn)
+    if FUSE_ACT != "none":
+        return scale_even, tl.load(k_scales + block_odd * stride_sn)
+    return scale_even, scale_even
+
+
+@triton.jit
+def _pair_factors(row_scales, scale_even, scale_odd, BLOCK_N: tl.constexpr, FUSE_ACT: tl.constexpr,
+                  SWAPPED: tl.constexpr):
+    """What a K step's fp8 dot is multiplied by: each token's group scale times its weight rows' block
+    scale, [BLOCK_M, BLOCK_N] (SWAPPED: [BLOCK_N, BLOCK_M]). The weight side takes one scale, or with
+    FUSE_ACT one on the even columns and one on the odd ones, a pattern each thread's registers know at
+    compile time: one multiply-add a value into the accumulator where a vector of scales takes two."""
+    even = (tl.arange(0, BLOCK_N) % 2 == 0)
+    if SWAPPED and FUSE_ACT != "none":
+        factors = tl.where(even[:, None], (row_scales * scale_even)[None, :], (row_scales * scale_odd)[None, :])
+    elif SWAPPED:
+        factors = (row_scales * scale_even)[None, :]
+    elif FUSE_ACT != "none":
+        factors = tl.where(even[None, :], (row_scales * scale_even)[:, None], (row_scales * scale_odd)[:, None])
+    else:
+        factors = (row_scales * scale_even)[:, None]
+    return factors
+
+
+@triton.jit
 def _expert_weight_ptrs(b_ptr, b_scale_ptr, b_zero_ptr, expert, offs_bn, stride_be, stride_bn, stride_se,
                         stride_sn, N_AXIS: tl.constexpr):
     """Pointers to the weight rows ``offs_bn`` of the expert, and to their scales and zero points
