@@ -188,6 +188,30 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("scheme", ["gptq4-g128", "awq-g128", "w8a8-int8-token", "fp8-block", "16bit"])
+def test_prefetch_changes_no_number(scheme, shape, m, monkeypatch):
+    """Standard tiles asking L2 for the weight tile two steps ahead (PREFETCH) give the layer without it bit
+    for bit: prefetch.global.L2 on every weight type's rows (4-bit, 8-bit, fp8, 16-bit), clamped to the
+    row at its end; the launches are watched."""
+    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights(scheme, e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m + 7)
+    tile = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3,
+            "SPLIT_K": 1, "SWAP_AB": False}
+    experts = TritonExperts(weights, ExpertsConfig())
+    with tile_config.config_override(tile, {**tile, "SPLIT_K": 2}):
+        plain = experts.apply(hidden, topk_weights, topk_ids)
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "PREFETCH", seen))
+    with tile_config.config_override({**tile, "PREFETCH": 2}, {**tile, "SPLIT_K": 2, "PREFETCH": 2}):
+        asked = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [2, 2]
+    assert torch.equal(asked, plain), f"{scheme} {shape} M={m}: {_rel_err(asked, plain):.2e} apart"
+
+
 @pytest.mark.parametrize("m", [8, 512])
 @pytest.mark.parametrize("tile", [(16, 64, True), (64, 128, False), (128, 128, False)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -46,6 +46,7 @@ from .gemm_common import (
     _less_zero_point_terms,
     _one_token_input,
     _pair_factors,
+    _prefetch_l2,
     _program_block,
     _repeat_cols,
     _row,
@@ -123,7 +124,10 @@ def _fused_moe_kernel(
         INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False,
         # TILE_BLOCK_SCALE (fp8 dot on 128x128-block weights): the tile's weight rows lie in one block
         # (with FUSE_ACT its gate rows in one, its up rows in one), see _tile_scale_blocks
-        TILE_BLOCK_SCALE: tl.constexpr = False):
+        TILE_BLOCK_SCALE: tl.constexpr = False,
+        # PREFETCH (a tile config's choice, compiled for a GPU): each step asks L2 for the weight tile
+        # PREFETCH steps ahead (_prefetch_l2)
+        PREFETCH: tl.constexpr = 0):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -263,6 +267,11 @@ def _fused_moe_kernel(
         scales_next, _ = _group_scales(scale_cols, zero_cols, zero, k_lo, scale_groups, stride_sk, tl.float32, W_SCALE,
                                        W_GROUP, W_GROUPS, False, NARROW, 0, W_GROUPS)
     for k_start in range(k_lo, k_hi, BLOCK_K):
+        if PREFETCH > 0:
+            if PACKED:
+                _prefetch_l2(b_cols, (k_start + PREFETCH * BLOCK_K) // 2, K_PACKED, BLOCK_K // 2)
+            else:
+                _prefetch_l2(b_cols, k_start + PREFETCH * BLOCK_K, K, BLOCK_K)
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a_cols = offs_k

@@ -137,6 +137,20 @@ def _weight_rows(pid_n, N, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(b_cols, k_stored, K_STORED, ROW_ELEMENTS: tl.constexpr):
+    """Ask L2 for the 128-byte lines of a weight tile's rows from stored column ``k_stored`` on
+    (``b_cols`` [1, BLOCK_N]: the rows' first columns; ROW_ELEMENTS of each, clamped to the row): PTX
+    ``prefetch.global.L2``, which no register or shared memory waits on, so the tile a few K steps past
+    the pipeline's is on its way from memory while those are (PREFETCH tiles)."""
+    ELEMENT_BYTES: tl.constexpr = b_cols.dtype.element_ty.primitive_bitwidth // 8
+    ROW_BYTES: tl.constexpr = ROW_ELEMENTS * ELEMENT_BYTES
+    LINES: tl.constexpr = ROW_BYTES // 128 if ROW_BYTES >= 128 else 1
+    cols = tl.minimum(k_stored + tl.arange(0, LINES) * (128 // ELEMENT_BYTES), K_STORED - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [b_cols + cols[:, None]],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _tile_scale_blocks(pid_n, N, W_GROUP_N: tl.constexpr, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The block rows of the scales of column tile pid_n's weight rows (_weight_rows), where they lie in one
     weight block: (its even columns', its odd columns'); with FUSE_ACT the gate rows' and the up rows'

@@ -104,6 +104,13 @@ _NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16, "HW
 
 
 @functools.cache
+def prefetches(device: torch.device) -> bool:
+    """Whether a tile's PREFETCH runs: its PTX needs a GPU (the interpreter runs the tile without it, the
+    same numbers)."""
+    return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@functools.cache
 def _hardware_fp8_cast(device: torch.device) -> bool:
     """Whether a kernel's float32 -> e4m3 cast is the GPU's saturating round-to-nearest-even
     conversion: not under the interpreter, whose cast rounds differently."""
@@ -256,8 +263,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
         E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
         GROUP_DOTS=config.get("GROUP_DOTS", False), INPUT_HALVES=input_halves, HALVES_OUT=halves_out,
-        TILE_BLOCK_SCALE=tile_block_scale, **_row_sums_args(row_sums, sums_out), **_launch_options(config),
-        **pdl_launch(pdl))
+        TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=config.get("PREFETCH", 0) if prefetches(a.device) else 0,
+        **_row_sums_args(row_sums, sums_out), **_launch_options(config), **pdl_launch(pdl))
 
 
 def _tile_block_scale(variant: KernelVariant, n: int, block_n: int, fuse_act: str) -> bool:
