@@ -1679,13 +1679,13 @@ def test_tile_block_scale_only_where_each_tiles_rows_lie_in_one_block(keys, n, b
 
 
 def test_prefetch_is_a_standard_tile_option_that_the_interpreter_leaves_out(monkeypatch):
-    """PREFETCH stays on standard tiles (not the swapped kernel's); under the interpreter, which runs no PTX,
-    the launch leaves it out and the layer's numbers are the plain tile's; compiled for a GPU it is passed
+    """PREFETCH is kept by the fit on either kernel's tiles; under the interpreter, which runs no PTX, the
+    launch leaves it out and the layer's numbers are the plain tile's; compiled for a GPU it is passed
     (api.gemm_launches, as tools/kernel_sass.py compiles it)."""
     gptq = variant_from_keys(SCHEMES["gptq4-g64"][0], UNQ)
     tile = {**PLAIN, "BLOCK_K": 64, "PREFETCH": 2}
     assert tile_config._fit_config(tile, gptq, can_split=True)["PREFETCH"] == 2
-    assert "PREFETCH" not in tile_config._fit_config({**tile, "SWAP_AB": True}, gptq, can_split=True)
+    assert tile_config._fit_config({**tile, "SWAP_AB": True}, gptq, can_split=True)["PREFETCH"] == 2
     weights = _weights("gptq4-g64", seed=1)
     hidden, topk_weights, topk_ids = _routing(5, 2, seed=2)
     experts = TritonExperts(weights, ExpertsConfig())
@@ -1700,6 +1700,7 @@ def test_prefetch_is_a_standard_tile_option_that_the_interpreter_leaves_out(monk
 
     one = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["gptq4-g64"][0]), parse_quant_key(UNQ),
                                                num_experts=1, hidden=H, intermediate=INTER, dtype=torch.bfloat16)
-    launches = api.gemm_launches(one, E, 2, 8, device_name="NVIDIA H200", sms=132, capability=(9, 0),
-                                 overrides={"PREFETCH": 2, "SWAP_AB": False})
-    assert [launch.kwargs["PREFETCH"] for launch in launches] == [2, 2]
+    for swapped in (False, True):
+        launches = api.gemm_launches(one, E, 2, 8, device_name="NVIDIA H200", sms=132, capability=(9, 0),
+                                     overrides={"PREFETCH": 2, "SWAP_AB": swapped})
+        assert [launch.kwargs["PREFETCH"] for launch in launches] == [2, 2]

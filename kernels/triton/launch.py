@@ -238,7 +238,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
             pair_ids_ptr=input_scale.pair_ids if input_scale is not None and input_scale.pair_ids is not None
             else dummy, amax_parts=pieces.shape[1] if pieces is not None else 0,
             input_rows=input_scale.rows if input_scale is not None else 0, AMAX_OUT=amax_pieces is not None,
-            TILE_BLOCK_SCALE=tile_block_scale, **scale_search, **_launch_options(config), **pdl_launch(pdl))
+            TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=config.get("PREFETCH", 0) if prefetches(a.device) else 0,
+            **scale_search, **_launch_options(config), **pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,

@@ -338,7 +338,7 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
     SWAP_AB (the swapped-operand kernel) only where it runs the variant; GROUP_DOTS kept only
     where the tile spans several of the variant's groups (group_dot_width; absent otherwise);
     ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise), INPUT_HALVES
-    likewise (input_halves_fit), PREFETCH on the standard kernel's tiles only."""
+    likewise (input_halves_fit); PREFETCH as asked."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(variant)
     bk = config["BLOCK_K"]
@@ -365,7 +365,7 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
         del config["GROUP_DOTS"]
     if halves and input_halves_fit(variant, config):
         config["INPUT_HALVES"] = True
-    if prefetch > 0 and not config["SWAP_AB"]:  # (the standard kernel's loop asks L2 for tiles ahead)
+    if prefetch > 0:
         config["PREFETCH"] = prefetch
     if not can_split:
         config["SPLIT_K"] = 1
