@@ -37,3 +37,19 @@ class KwargSpy(ArgSpy):
 
     def __init__(self, kernel: Any, name: str, seen: list) -> None:
         super().__init__(kernel, lambda args, kwargs: kwargs.get(name), seen)
+
+
+def without_and_with(experts: Any, inputs: tuple, plain: tuple[dict, dict], asked: tuple[dict, dict], kernel: str,
+                     look: Any, monkeypatch: Any) -> tuple[Any, Any, list]:
+    """A layer's output under the tile configs ``plain`` (GEMM1's, GEMM2's), then under ``asked`` with the
+    launches of the GEMM kernel named ``kernel`` watched (``look(args, kwargs)`` of each): (plain output,
+    asked output, what was seen). For tile options that must not change a number, or change it only so."""
+    from moe_registry_kernels.triton import gemm, launch, tile_config
+
+    with tile_config.config_override(*plain):
+        without = experts.apply(*inputs)
+    seen: list = []
+    monkeypatch.setattr(launch, kernel, ArgSpy(getattr(gemm, kernel), look, seen))
+    with tile_config.config_override(*asked):
+        with_option = experts.apply(*inputs)
+    return without, with_option, seen

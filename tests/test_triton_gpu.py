@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from launch_spy import ArgSpy, KwargSpy, LaunchSpy
+from launch_spy import KwargSpy, LaunchSpy, without_and_with
 from moe_registry_kernels import quant_ref
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched
 from moe_registry_kernels.triton import activation_quant, chain, dequant_ptx, tile_config
@@ -210,14 +210,11 @@ def test_prefetch_changes_no_number(scheme, shape, m, swapped, monkeypatch):
     hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m + 7)
     tile = {"BLOCK_M": 16, "BLOCK_N": 64 if swapped else 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
             "num_stages": 3, "SPLIT_K": 1, "SWAP_AB": swapped}
-    experts = TritonExperts(weights, ExpertsConfig())
-    with tile_config.config_override(tile, {**tile, "SPLIT_K": 2}):
-        plain = experts.apply(hidden, topk_weights, topk_ids)
-    seen: list = []
-    kernel = "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel"
-    monkeypatch.setattr(triton_launch, kernel, KwargSpy(getattr(triton_gemm, kernel), "PREFETCH", seen))
-    with tile_config.config_override({**tile, "PREFETCH": 2}, {**tile, "SPLIT_K": 2, "PREFETCH": 2}):
-        asked = experts.apply(hidden, topk_weights, topk_ids)
+    plain, asked, seen = without_and_with(
+        TritonExperts(weights, ExpertsConfig()), (hidden, topk_weights, topk_ids), (tile, {**tile, "SPLIT_K": 2}),
+        ({**tile, "PREFETCH": 2}, {**tile, "SPLIT_K": 2, "PREFETCH": 2}),
+        "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel", lambda args, kwargs: kwargs["PREFETCH"],
+        monkeypatch)
     assert seen == [2, 2]
     assert torch.equal(asked, plain), f"{scheme} {shape} M={m}: {_rel_err(asked, plain):.2e} apart"
 
@@ -269,15 +266,10 @@ def test_gemm2_input_in_halves_is_bit_equal(scheme, shape, m, dtype, grouped, mo
     tile = {"BLOCK_M": 16, "BLOCK_N": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3, "SWAP_AB": False}
     tile2 = {**tile, "BLOCK_K": 512, "SPLIT_K": 4, "GROUP_DOTS": True} if grouped else {**tile, "BLOCK_K": 128}
     gemm1 = {**tile, "BLOCK_K": 128, "SPLIT_K": 1}
-    experts = TritonExperts(weights, ExpertsConfig())
-    with tile_config.config_override(gemm1, tile2):
-        plain = experts.apply(hidden, topk_weights, topk_ids)
-    seen: list = []
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
-                        ArgSpy(triton_gemm._fused_moe_kernel,
-                               lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), seen))
-    with tile_config.config_override(gemm1, {**tile2, "INPUT_HALVES": True}):
-        halves = experts.apply(hidden, topk_weights, topk_ids)
+    plain, halves, seen = without_and_with(
+        TritonExperts(weights, ExpertsConfig()), (hidden, topk_weights, topk_ids), (gemm1, tile2),
+        (gemm1, {**tile2, "INPUT_HALVES": True}), "_fused_moe_kernel",
+        lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), monkeypatch)
     assert seen == [(False, True), (True, False)]
     assert torch.equal(halves, plain), f"{scheme} {shape} M={m} {dtype}: {_rel_err(halves, plain):.2e} apart"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)

@@ -33,7 +33,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (tests/conftes
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from launch_spy import ArgSpy, KwargSpy, LaunchSpy  # noqa: E402
+from launch_spy import ArgSpy, KwargSpy, LaunchSpy, without_and_with  # noqa: E402
 from moe_registry_kernels import activations, quant_ref  # noqa: E402
 from moe_registry_kernels.reference import reference_moe, reference_moe_batched  # noqa: E402
 from moe_registry_kernels.triton import activation_quant, chain, reduce, tile_config  # noqa: E402
@@ -1584,16 +1584,11 @@ def test_gemm2_reads_its_input_in_halves(scheme, m, tile, monkeypatch):
     token or aligned blocks); the launches are watched."""
     weights = _weights(scheme, seed=2)
     hidden, topk_weights, topk_ids = _routing(m, 2, seed=4)
-    experts = TritonExperts(weights, ExpertsConfig())
     gemm2 = {**HALVES_TILE, **tile}
-    with tile_config.config_override(HALVES_TILE, gemm2):
-        want = experts.apply(hidden, topk_weights, topk_ids)
-    seen: list = []
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
-                        ArgSpy(triton_gemm._fused_moe_kernel,
-                               lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), seen))
-    with tile_config.config_override(HALVES_TILE, {**gemm2, "INPUT_HALVES": True}):
-        got = experts.apply(hidden, topk_weights, topk_ids)
+    want, got, seen = without_and_with(
+        TritonExperts(weights, ExpertsConfig()), (hidden, topk_weights, topk_ids), (HALVES_TILE, gemm2),
+        (HALVES_TILE, {**gemm2, "INPUT_HALVES": True}), "_fused_moe_kernel",
+        lambda args, kwargs: (kwargs["INPUT_HALVES"], kwargs["HALVES_OUT"]), monkeypatch)
     assert seen == [(False, True), (True, False)]
     assert torch.equal(got, want)
 
