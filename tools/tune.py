@@ -462,7 +462,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
     where new ones go; past ``deadline`` (time.monotonic()) a candidate not yet measured raises
     SearchCutOff. ``progress``: told the count of candidates measured."""
     from moe_registry_kernels.triton import api
-    from moe_registry_kernels.triton.api import fit_config, variant_from_keys
+    from moe_registry_kernels.triton.api import fit_config, fit_pair, variant_from_keys
 
     shape = layer.shape
     variant = variant_from_keys(str(layer.wkey), str(layer.akey))
@@ -539,8 +539,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         if t2 < best[2]:
             best = (best1, best2, t2)
     halves = {**best[1], "INPUT_HALVES": True}  # the winner's GEMM2 reading its input in halves, where it can
-    takes_halves = not best[0].get("SWAP_AB") and fit_config(halves, variant, can_split=True).get("INPUT_HALVES")
-    if takes_halves and not registers_only:
+    if not registers_only and fit_pair(best[0], halves, variant)[1].get("INPUT_HALVES"):
         t = measure(best[0], halves)
         if t < best[2]:
             best = (best[0], halves, t)

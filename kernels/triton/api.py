@@ -153,8 +153,7 @@ def gemm_launches(one_expert: ExpertWeights, num_experts: int, top_k: int, m: in
                    (launch, "_paired_halves", lambda device, dtype: dequant_ptx.paired_halves_on(capability, dtype)),
                    (launch, "fp8_pair_convert", lambda device: dequant_ptx.fp8_pair_convert_on(capability)),
                    (launch, "_hardware_fp8_cast", lambda device: True),
-                   (launch, "dp4a_in_ptx", lambda device: True),
-                   (launch, "prefetches", lambda device: True),
+                   (launch, "compiles_ptx", lambda device: True),
                    # the decode GEMV's input quantisation: not a GEMM, not run (its outputs on the meta device)
                    (launch, "act_quant", lambda x, activation, quant, *, static_scale=None, **_:
                     activation_quant._fake_quant(x.shape[0], x.shape[1], quant, x, static_scale))]

@@ -15,7 +15,7 @@ import triton.language as tl
 from . import decode_gemv
 from .activation_quant import act_quant
 from .chain import pdl_launch
-from .decode_gemv import _decode_gemv_kernel, dp4a_in_ptx
+from .decode_gemv import _decode_gemv_kernel, compiles_ptx
 from .dequant_ptx import _paired_halves, fp8_pair_convert
 from .gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .layout import _Proj, _word_halves_for
@@ -101,13 +101,6 @@ class _InputScale:
 
 
 _NO_SCALE_SEARCH = {"A_SCALE_IN": "none", "SCALE_ROWS": 1, "SCALE_COLS": 16, "HW_FP8_CAST": False}
-
-
-@functools.cache
-def prefetches(device: torch.device) -> bool:
-    """Whether a tile's PREFETCH runs: its PTX needs a GPU (the interpreter runs the tile without it, the
-    same numbers)."""
-    return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @functools.cache
@@ -211,6 +204,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         rows_per_expert, expert_grid = rows.sorted_ids.numel(), 1
     grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, expert_grid, split_k)
     tile_block_scale = _tile_block_scale(variant, w.n, bn, fuse_act)
+    prefetch = config.get("PREFETCH", 0) if compiles_ptx(a.device) else 0  # (its PTX needs a GPU)
     sorted_ids = rows.sorted_ids if rows.sorted_ids is not None else dummy
     num_post_padded = rows.num_post_padded if rows.num_post_padded is not None else dummy
     asm = variant.paired_dequant and _paired_halves(a.device, compute_dtype)
@@ -238,7 +232,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
             pair_ids_ptr=input_scale.pair_ids if input_scale is not None and input_scale.pair_ids is not None
             else dummy, amax_parts=pieces.shape[1] if pieces is not None else 0,
             input_rows=input_scale.rows if input_scale is not None else 0, AMAX_OUT=amax_pieces is not None,
-            TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=config.get("PREFETCH", 0) if prefetches(a.device) else 0,
+            TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=prefetch,
             **scale_search, **_launch_options(config), **pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
@@ -264,7 +258,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
         E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
         GROUP_DOTS=config.get("GROUP_DOTS", False), INPUT_HALVES=input_halves, HALVES_OUT=halves_out,
-        TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=config.get("PREFETCH", 0) if prefetches(a.device) else 0,
+        TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=prefetch,
         **_row_sums_args(row_sums, sums_out), **_launch_options(config), **pdl_launch(pdl))
 
 
@@ -324,7 +318,7 @@ def _gemv(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         w.weight.shape[0], 0 if a_scale is not None else a_scales.stride(0), w.weight.stride(0), w.weight.stride(1),
         scale.stride(0), scale.stride(1), scale.stride(2) if group else 0, c.stride(-2), PACKED=variant.packed,
         W_SCALE=variant.weight_scale, W_GROUP=variant.weight_group, HAS_BIAS=w.bias is not None,
-        ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act, PTX=dp4a_in_ptx(a.device),
+        ROUTED_WEIGHT=routed_weight, TOP_K=top_k, FUSE_ACT=fuse_act, PTX=compiles_ptx(a.device),
         ONE_PAIR_BLOCKS=rows.one_pair_blocks, BLOCK_M=1 if rows.one_pair_blocks else GEMV_BLOCK_M,
         BLOCK_N=decode_gemv.BLOCK_N, STEP_WORDS=decode_gemv.STEP_WORDS, PDL=pdl, num_warps=decode_gemv.NUM_WARPS,
         num_stages=1, **pdl_launch(pdl))
