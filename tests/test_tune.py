@@ -134,12 +134,18 @@ def test_tuner_keeps_todays_configs_unless_beaten(tmp_path, monkeypatch):
     tile_config._load_config_file.cache_clear()
     table = {"E8_top2_N256_K128": {"1": today}, "E8_top2_N128_K128": {"1": today}}
     (tmp_path / tile_config.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
+    log: list[str] = []
     try:
-        c1, c2, t, base = tune.tune_target(_SlowCandidates(tune), 1, 1e-2, [], limit=2, splits=(1,))
+        c1, c2, t, base = tune.tune_target(_SlowCandidates(tune), 1, 1e-2, log, limit=2, splits=(1,))
     finally:
         tile_config._load_config_file.cache_clear()
     assert (t, base) == (1.0, 1.0)
     assert {k: c1[k] for k in today} == today and {k: c2[k] for k in today} == today
+    # the log (printed by --verbose) holds today's time, then every candidate's with its two configs
+    assert log[0].startswith("  1000000.0 us today's configs {'BLOCK_M': 16, 'BLOCK_N': 128")
+    timed = log[1:]
+    assert len(timed) >= 2 and all(line.startswith("  2000000.0 us {") for line in timed)
+    assert len({line for line in timed}) == len(timed)  # each candidate pair once
 
 
 class _LuckyCandidates(_SlowCandidates):
@@ -549,7 +555,7 @@ def test_a_candidate_that_crashes_the_compiler_is_one_line(tmp_path, monkeypatch
     skipped = [line for line in log if line.lstrip().startswith("skip") and "'BLOCK_N': 32" in line.split("}")[0]]
     assert skipped and all(line.endswith(": RuntimeError: PassManager::run failed: loc(\"moe_gemm.py\":420:12): "
                                          "error: failed to legalize operation") for line in skipped)
-    ptxas = [line for line in log if "maxnreg': 80" in line]
+    ptxas = [line for line in log if "maxnreg': 80" in line.split("}")[0]]  # GEMM1's cap (GEMM2's compiles)
     assert ptxas and all(line.lstrip().startswith("skip") and line.endswith(
         ": RuntimeError: Internal Triton PTX codegen error: ptxas fatal   : (C7602) Insufficient registers (80)")
         for line in ptxas)
@@ -820,6 +826,24 @@ def test_try_reaches_the_search_as_its_only_seeds(tune_fake, tmp_path, monkeypat
     assert compiled["pairs"][0][0]["num_stages"] == 5 and compiled["pairs"][1][1]["BLOCK_N"] == 32
     assert tune.main([*args, "--try", '{"num_stages": 5}', "--seeds-only"]) == 2
     assert "--seeds-only and --try exclude each other" in capsys.readouterr().err
+
+
+def test_verbose_prints_each_entrys_log(tune_fake, tmp_path, monkeypatch, capsys):
+    tune = tune_fake
+
+    def search(layer, m, tolerance, log, **kwargs):
+        log.append(f"  1.0 us candidate at M = {m}")
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        return config, config, 1.0, 2.0
+
+    monkeypatch.setattr(tune, "tune_target", search)
+    args = ["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "8", "--out", str(tmp_path)]
+    assert tune.main(args) == 0
+    assert "candidate at M" not in capsys.readouterr().out
+    assert tune.main([*args, "--redo", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("M=1: before") < out.index("  1.0 us candidate at M = 1") < out.index("M=8: before")
+    assert "  1.0 us candidate at M = 8" in out
 
 
 def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ log says how many compiled), then timed in this one.
     python tools/tune.py --dry-run                        # tiny shapes through the interpreter
     python tools/tune.py --redo --registers-only --m 1 8 64   # register caps on today's configs
     python tools/tune.py --redo --seeds-only --m 1 8 64       # other key pairs' configs, then caps
-    python tools/tune.py --redo --shapes mixtral --m 8 --try '{"ZERO_SUMS": true, "num_stages": 3}'
+    python tools/tune.py --redo --shapes mixtral --m 8 --try '{"ZERO_SUMS": true, "num_stages": 3}' --verbose
 
 The schemes are the scheme specs that list the Triton kernel, bound as tools/bench.py binds
 them (``--help`` lists them); schemes with the same keys share a config file, tuned once to the
@@ -503,8 +503,11 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         if not err <= tolerance:
             log.append(f"  reject {c1} {c2}: relative error {err:.2e} > {tolerance:.0e}")
             return math.inf
-        return layer.time((c1, c2), m, x, tw, ti)
+        t = layer.time((c1, c2), m, x, tw, ti)
+        log.append(f"  {t * 1e6:.1f} us {c1} {c2}")
+        return t
 
+    log.append(f"  {base_t * 1e6:.1f} us today's configs {d1} {d2}")
     best = (d1, d2, base_t)
     if seeds is None and not registers_only:
         seeds = seed_pairs(shape, (str(layer.wkey), str(layer.akey)), m, api.device_name(layer.device),
@@ -818,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="no tile search: try these config keys laid over today's configs of both GEMMs "
                              '(\'{"num_stages": 3, "maxnreg": null}\': null removes a key; \'{"gemm2": {...}}\' '
                              "one GEMM), then register caps on the winner")
+    parser.add_argument("--verbose", action="store_true",
+                        help="after each entry, every candidate's time (us), refusal and the side-by-side check")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
     parser.add_argument("--gpus", type=_positive, default=1, metavar="N",
                         help="one tuner per GPU (the first N visible), each on every N-th entry; they fill the same "
@@ -939,6 +944,8 @@ def main(argv: list[str] | None = None) -> int:
             # each entry's figures as it ends: a run cut off by a time limit keeps what it measured
             print(f"{label}: before {base_t * 1e6:.1f} us, tuned {t * 1e6:.1f} us ({base_t / t:.2f}x), "
                   f"{refused} refused", flush=True)
+            if args.verbose:
+                print("\n".join(log), flush=True)
         del layer
         if device.type == "cuda":
             torch.cuda.empty_cache()
