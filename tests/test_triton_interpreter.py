@@ -900,6 +900,66 @@ def test_default_config_splits_k_when_tiles_leave_sms_idle():
     assert default_config(1, 2, 8, 28672, 4096, AWQ, num_sms=132)["SPLIT_K"] == 1
 
 
+GPTQ = "uint4b8 scale:float16:group(128):static"
+
+
+def test_decode_defaults_of_fixed_zero_int4_take_group_dots_from_a_quarter_row(tmp_path, monkeypatch):
+    """Given the activation key, GPTQ-style int4 (a fixed zero code) at decode from GROUP_DOT_ROWS rows an expert
+    takes GROUP_DOT_TILE; fewer rows, zero points, int8 activations, short K or no activation key: the narrow
+    tiles. get_config gives it where no entry applies, and never lays an entry over it."""
+    dsv3 = (256, 7168)  # experts, GEMM1's K (its N 4096)
+    tile = {k: v for k, v in default_config(8, 8, dsv3[0], 4096, dsv3[1], GPTQ, 132, UNQ).items()
+            if k in tile_config.GROUP_DOT_TILE}
+    assert tile == tile_config.GROUP_DOT_TILE == {"BLOCK_N": 128, "BLOCK_K": 512, "GROUP_DOTS": True, "num_stages": 3}
+    narrow = {"BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 4}
+    for args in ((1, 8, dsv3[0], 4096, dsv3[1], GPTQ, 132, UNQ),  # a thirty-second of a row
+                 (8, 8, dsv3[0], 4096, dsv3[1], AWQ, 132, UNQ),  # zero points
+                 (8, 8, dsv3[0], 4096, dsv3[1], GPTQ, 132, INT8_TOKEN),  # W4A8
+                 (8, 8, dsv3[0], 4096, 768, GPTQ, 132, UNQ),  # K of less than two long tiles
+                 (8, 8, dsv3[0], 4096, dsv3[1], GPTQ, 132)):  # the base an entry is laid over
+        got = default_config(*args)
+        assert "GROUP_DOTS" not in got and {k: got[k] for k in narrow} == narrow, args
+    assert default_config(4096, 8, dsv3[0], 4096, dsv3[1], GPTQ, 132, UNQ)["BLOCK_M"] == 128  # prefill: as before
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    tile_config._load_config_file.cache_clear()
+    try:
+        assert get_config(8, 8, dsv3[0], 4096, dsv3[1], GPTQ, UNQ, "Test GPU")["GROUP_DOTS"] is True  # no file
+        # an entry at 8 tokens names no GROUP_DOTS: it runs as tuned; 512 tokens, no entry near: the defaults
+        table = {shape_key(dsv3[0], 8, 4096, dsv3[1]): {"8": {"BLOCK_N": 32, "BLOCK_K": 256}}}
+        config_file(GPTQ, UNQ, "Test GPU").write_text(json.dumps(table))
+        tile_config._load_config_file.cache_clear()
+        tuned = get_config(8, 8, dsv3[0], 4096, dsv3[1], GPTQ, UNQ, "Test GPU")
+        assert "GROUP_DOTS" not in tuned and (tuned["BLOCK_N"], tuned["BLOCK_K"]) == (32, 256)
+        table[shape_key(dsv3[0], 8, 4096, dsv3[1])] = {"512": {"BLOCK_N": 32}}
+        config_file(GPTQ, UNQ, "Test GPU").write_text(json.dumps(table))
+        tile_config._load_config_file.cache_clear()
+        assert get_config(8, 8, dsv3[0], 4096, dsv3[1], GPTQ, UNQ, "Test GPU")["GROUP_DOTS"] is True
+    finally:
+        tile_config._load_config_file.cache_clear()
+
+
+def test_a_layer_on_the_group_dot_defaults_matches_the_reference(tmp_path, monkeypatch):
+    """A GPTQ int4 layer with no table, a quarter of a row an expert (1 token, top-2 of 8) and a K of two long tiles:
+    GEMM1 runs GROUP_DOT_TILE (watched), GEMM2 (K 64) the narrow tiles, and the layer is within tolerance."""
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    tile_config._load_config_file.cache_clear()
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "GROUP_DOTS", seen))
+    hidden_size = 2 * tile_config.GROUP_DOT_TILE["BLOCK_K"]
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(GPTQ), parse_quant_key(UNQ), num_experts=8,
+                                                   hidden=hidden_size, intermediate=64, dtype=torch.float16, seed=5)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(1, hidden_size, generator=g).to(torch.float16)
+    topk_weights, topk_ids = torch.tensor([[0.7, 0.3]]), torch.tensor([[2, 5]], dtype=torch.int32)
+    try:
+        out = TritonExperts(weights, ExpertsConfig()).apply(hidden, topk_weights, topk_ids)
+    finally:
+        tile_config._load_config_file.cache_clear()
+    assert seen == [True, False]
+    err = _rel_err(out, reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig()))
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
 def test_tuned_table_overrides_defaults_for_the_nearest_token_count(tmp_path, monkeypatch):
     monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
     tile_config._load_config_file.cache_clear()

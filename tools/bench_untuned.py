@@ -65,7 +65,8 @@ def cell_configs(shape: bench.Shape, scheme: bench.Scheme, m: int, device_name: 
 
     variant = variant_from_keys(*scheme.keys)
     gemms = [(2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]
-    defaults = tuple(default_config(m, shape.top_k, shape.experts, n, k, scheme.weight, sms) for n, k in gemms)
+    defaults = tuple(default_config(m, shape.top_k, shape.experts, n, k, scheme.weight, sms, scheme.activation)
+                     for n, k in gemms)
     nearest = tuple(nearest_shape_config(m, shape.top_k, shape.experts, n, k, *scheme.keys, device_name, sms)
                     for n, k in gemms)
     tuned = tuned_pair(tuned_dir, shape, scheme, m, device_name)

@@ -27,7 +27,7 @@ import triton
 
 from moe_registry.core.keys import QuantKey, parse_quant_key
 
-from .variant import KernelVariant, swappable
+from .variant import KernelVariant, swappable, variant_from_keys
 
 __all__ = ["CONFIG_DIR", "config_file", "shape_key", "default_config", "get_config", "nearest_shape_config",
            "config_override", "group_dot_width", "takes_zero_sums", "zero_sums_fit"]
@@ -45,6 +45,12 @@ INTERPRETER_SMS = 132
 # top-k / experts); below, few experts see a token each and the hand-written decode tiles were faster (H200, four
 # untuned shapes: at 1 token on every one, at 8 on DeepSeek-V3's and gpt-oss-120b's, a quarter of a row)
 TRANSFER_ROWS = 0.5
+# from this many rows an expert, the decode defaults of 4-bit codes of a fixed zero under a 16-bit dot take one dot
+# per weight group on long tiles (GROUP_DOT_TILE): on an H200 at a quarter of a row (8 tokens) 1.19x the narrow
+# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.90-1.06x
+# over four shapes, so not there
+GROUP_DOT_ROWS = 0.25
+GROUP_DOT_TILE = {"BLOCK_N": 128, "BLOCK_K": 512, "GROUP_DOTS": True, "num_stages": 3}
 # a device takes the tables of a device with the same SMs (the same die, clocks and SM count; only the memory
 # differs) for what its own tables lack (every entry where it has none), said once in the log: nearer to its
 # best than the untuned defaults. Both ways: each was tuned where the other was not (the H100 holds every
@@ -86,10 +92,12 @@ def _pow2_floor(x: int) -> int:
 
 
 def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight_key: QuantKey | str,
-                   num_sms: int = INTERPRETER_SMS) -> dict:
+                   num_sms: int = INTERPRETER_SMS, activation_key: QuantKey | str | None = None) -> dict:
     """Untuned tile config. Decode (few rows per expert): BLOCK_M 16 and 64-wide N tiles for more
     programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
-    rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes)."""
+    rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes). Given the
+    ``activation_key``, the tiles the pair runs best without a table (GROUP_DOT_ROWS); without it, the
+    base a tuned entry's keys are laid over (an entry names no key it does not take)."""
     qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
     narrow = qk.quantized and qk.dtype.bits <= 8
     pairs = max(tokens * top_k, 1)
@@ -108,8 +116,18 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
     else:
         config = {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": bk, "GROUP_M": gm,
                   "num_warps": 8 if bm == 128 else 4, "num_stages": 3}
+    if (activation_key is not None and bm == 16 and pairs / num_experts >= GROUP_DOT_ROWS
+            and k >= 2 * GROUP_DOT_TILE["BLOCK_K"]
+            and _takes_group_dot_tile(variant_from_keys(str(weight_key), str(activation_key)), bm)):
+        config.update(GROUP_DOT_TILE)
     config["SPLIT_K"] = _split_k(pairs, num_experts, n, k, config, num_sms)
     return config
+
+
+def _takes_group_dot_tile(variant: KernelVariant, block_m: int) -> bool:
+    """Whether GROUP_DOT_TILE is what the decode defaults give ``variant``: 16-bit activations (what it was
+    measured on) and weights whose tiles take one dot per group without ZERO_SUMS (a fixed zero code)."""
+    return variant.act_quant == "none" and group_dot_width(variant, block_m) > 0
 
 
 def _split_k(pairs: int, num_experts: int, n: int, k: int, config: dict, num_sms: int) -> int:
@@ -160,7 +178,7 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     expert up; below that, token counts nobody tuned, and devices without a file get the defaults.
     Both say so once, unless ``warn`` is False (a caller whose launch reads no tile).
     """
-    config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
+    config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)  # what an entry is laid over
     path, table = _device_table(weight_key, activation_key, device_name, warn)
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
@@ -169,8 +187,9 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
         # table knows the scheme's loop on this GPU, the hand-written defaults only its kind)
         near = (_nearest_shape(table, tokens, top_k, num_experts, n, k)
                 if table and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS else None)
-        if near is not None:
-            config = _transferred(config, table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
+        config = (_transferred(config, table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
+                  if near is not None else
+                  default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms, activation_key))
         if warn:
             why = (f"{path.name} has no {shape} table; taking its {near[0]} tiles tuned at {near[1]} tokens"
                    if near else f"{path.name} has no {shape} table" if table else f"no tuned config file {path}")
@@ -181,10 +200,11 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     nearest = min(distance, key=distance.__getitem__)
     if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
         config.update(by_tokens[nearest])
-    elif warn:
+        return config
+    if warn:
         why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
         _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
-    return config
+    return default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms, activation_key)
 
 
 def _device_table(weight_key: QuantKey | str, activation_key: QuantKey | str, device_name: str,
