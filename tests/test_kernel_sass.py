@@ -176,19 +176,3 @@ def test_programs_an_sm_take_the_tightest_limit():
     assert kernel(32, 8).programs_per_sm == 16  # warps: 64 an SM
     assert kernel(32, 8, warps=8, arch=86).programs_per_sm == 6  # 48 warps; 100 KiB of shared memory: 11
     assert kernel(101, 0).programs_per_sm == 4  # 101 registers take 104 a thread: 3328 a warp
-
-
-def test_prefetch_asks_l2_for_a_tile_ahead_each_step():
-    """A tile config's PREFETCH reaches the compiled standard kernel: each K step asks L2 for the weight
-    tile that many steps ahead (prefetch.global.L2: CCTL.E.PF2 in sm_90 SASS; GPTQ int4's 128x256 decode
-    tile at Mixtral's M = 8: 128 rows of 128 bytes, one line a thread), and without it none does."""
-    plain = json.loads(_run("--scheme", "gptq-w4a16", "--shape", "mixtral", "--m", "8", "--device", "NVIDIA H200",
-                            "--json").stdout)
-    done = _run("--scheme", "gptq-w4a16", "--shape", "mixtral", "--m", "8", "--device", "NVIDIA H200", "--config",
-                '{"PREFETCH": 2}', "--json")
-    assert done.returncode == 0, done.stderr
-    asked = json.loads(done.stdout)
-    assert [r["loop_opcodes"].get("CCTL", 0) for r in plain] == [0, 0]
-    assert [r["config"]["PREFETCH"] for r in asked] == [2, 2]
-    assert asked[0]["loop_opcodes"]["CCTL"] == 1  # GEMM1's row of a K step: 128 bytes
-    assert asked[1]["loop_opcodes"]["CCTL"] == 2  # GEMM2's, K 512: 256 bytes, two lines

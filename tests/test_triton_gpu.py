@@ -188,37 +188,6 @@ def test_group_dots_match_reference(scheme, shape, m, dtype, monkeypatch):
     assert err < _tolerance(scheme, dtype), f"{scheme} {shape} M={m} {dtype} GROUP_DOTS: relative error {err:.2e}"
 
 
-PREFETCH_CASES = [(scheme, swapped) for scheme in ("gptq4-g128", "awq-g128", "w8a8-int8-token", "fp8-block",
-                                                   "fp8-token-dynamic", "16bit")
-                  for swapped in (False, True)
-                  if not swapped or triton_variant.swappable(triton_variant.variant_from_keys(
-                      *(SCHEMES | ONE_TOKEN)[scheme][:2]))]
-
-
-@pytest.mark.parametrize("m", [1, 8, 64])
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("scheme, swapped", PREFETCH_CASES)
-def test_prefetch_changes_no_number(scheme, shape, m, swapped, monkeypatch):
-    """Tiles asking L2 for their first weight tiles before the loop and for the tile two steps ahead in it
-    (PREFETCH) give the layer without it bit for bit, on either kernel (the swapped one where it runs the
-    scheme; one token's GEMMs that quantise their input find its scale meanwhile): prefetch.global.L2 on
-    every weight type's rows (4-bit, 8-bit, fp8, 16-bit), clamped to the row at its end; the launches are
-    watched."""
-    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
-    e, h, i, top_k = SHAPES[shape]
-    weights = _weights(scheme, e, h, i, torch.bfloat16)
-    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m + 7)
-    tile = {"BLOCK_M": 16, "BLOCK_N": 64 if swapped else 128, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-            "num_stages": 3, "SPLIT_K": 1, "SWAP_AB": swapped}
-    plain, asked, seen = without_and_with(
-        TritonExperts(weights, ExpertsConfig()), (hidden, topk_weights, topk_ids), (tile, {**tile, "SPLIT_K": 2}),
-        ({**tile, "PREFETCH": 2}, {**tile, "SPLIT_K": 2, "PREFETCH": 2}),
-        "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel", lambda args, kwargs: kwargs["PREFETCH"],
-        monkeypatch)
-    assert seen == [2, 2]
-    assert torch.equal(asked, plain), f"{scheme} {shape} M={m}: {_rel_err(asked, plain):.2e} apart"
-
-
 @pytest.mark.parametrize("m", [8, 512])
 @pytest.mark.parametrize("tile", [(16, 64, True), (64, 128, False), (128, 128, False)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -1731,31 +1731,3 @@ def test_tile_block_scale_only_where_each_tiles_rows_lie_in_one_block(keys, n, b
     rows and its up rows, fused) lie in one block: not past 128 rows, nor up rows that start mid-block
     (gpt-oss-120b's intermediate 2880 is not a whole number of blocks), nor 16-bit activations."""
     assert triton_launch._tile_block_scale(variant_from_keys(*keys), n, block_n, fuse) is taken
-
-
-def test_prefetch_is_a_standard_tile_option_that_the_interpreter_leaves_out(monkeypatch):
-    """PREFETCH is kept by the fit on either kernel's tiles; under the interpreter, which runs no PTX, the
-    launch leaves it out and the layer's numbers are the plain tile's; compiled for a GPU it is passed
-    (api.gemm_launches, as tools/kernel_sass.py compiles it)."""
-    gptq = variant_from_keys(SCHEMES["gptq4-g64"][0], UNQ)
-    tile = {**PLAIN, "BLOCK_K": 64, "PREFETCH": 2}
-    assert tile_config._fit_config(tile, gptq, can_split=True)["PREFETCH"] == 2
-    assert tile_config._fit_config({**tile, "SWAP_AB": True}, gptq, can_split=True)["PREFETCH"] == 2
-    weights = _weights("gptq4-g64", seed=1)
-    hidden, topk_weights, topk_ids = _routing(5, 2, seed=2)
-    experts = TritonExperts(weights, ExpertsConfig())
-    seen: list = []
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel", KwargSpy(triton_gemm._fused_moe_kernel, "PREFETCH", seen))
-    with tile_config.config_override(tile, tile):
-        got = experts.apply(hidden, topk_weights, topk_ids)
-    with tile_config.config_override(PLAIN | {"BLOCK_K": 64}, PLAIN | {"BLOCK_K": 64}):
-        want = experts.apply(hidden, topk_weights, topk_ids)
-    assert seen == [0, 0, 0, 0] and torch.equal(got, want)
-    from moe_registry_kernels.triton import api
-
-    one = quant_ref.make_random_expert_weights(parse_quant_key(SCHEMES["gptq4-g64"][0]), parse_quant_key(UNQ),
-                                               num_experts=1, hidden=H, intermediate=INTER, dtype=torch.bfloat16)
-    for swapped in (False, True):
-        launches = api.gemm_launches(one, E, 2, 8, device_name="NVIDIA H200", sms=132, capability=(9, 0),
-                                     overrides={"PREFETCH": 2, "SWAP_AB": swapped})
-        assert [launch.kwargs["PREFETCH"] for launch in launches] == [2, 2]

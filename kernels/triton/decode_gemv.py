@@ -48,8 +48,8 @@ NIBBLE_UNIT = tl.constexpr(0.0625)
 @functools.cache
 def compiles_ptx(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` are compiled for an NVIDIA GPU, so inline PTX runs (this
-    kernel's ``dp4a`` dot products, the tile kernels' PREFETCH), not under the interpreter (which runs
-    their plain-Triton equivalents: the same numbers)."""
+    kernel's ``dp4a`` dot products), not under the interpreter (which runs their plain-Triton
+    equivalents: the same numbers)."""
     return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
 
 

@@ -46,7 +46,6 @@ from .gemm_common import (
     _less_zero_point_terms,
     _one_token_input,
     _pair_factors,
-    _prefetch_tiles,
     _program_block,
     _repeat_cols,
     _row,
@@ -124,10 +123,7 @@ def _fused_moe_kernel(
         INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False,
         # TILE_BLOCK_SCALE (fp8 dot on 128x128-block weights): the tile's weight rows lie in one block
         # (with FUSE_ACT its gate rows in one, its up rows in one), see _tile_scale_blocks
-        TILE_BLOCK_SCALE: tl.constexpr = False,
-        # PREFETCH (a tile config's choice, compiled for a GPU): the first PREFETCH steps' weight tiles
-        # asked of L2 before the loop, and each step asks for the one PREFETCH steps ahead (_prefetch_l2)
-        PREFETCH: tl.constexpr = 0):
+        TILE_BLOCK_SCALE: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -186,8 +182,6 @@ def _fused_moe_kernel(
     dtype = COMPUTE
     # the code of 0 (the type's bias, or per-column zero points) + the offset of _offset_codes
     zero = _column_zero(zero_cols, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
-    if PREFETCH > 0:  # the first steps' tiles, asked of L2 before anything is waited on (one token's scale)
-        _prefetch_tiles(b_cols, k_lo, K, K_PACKED, 0, PREFETCH, PACKED, BLOCK_K, False)
     if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time
         a_scale_in, a_reciprocal, a_one_row, a_next = _one_token_input(
             a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, scale_rows, amax_parts,
@@ -269,8 +263,6 @@ def _fused_moe_kernel(
         scales_next, _ = _group_scales(scale_cols, zero_cols, zero, k_lo, scale_groups, stride_sk, tl.float32, W_SCALE,
                                        W_GROUP, W_GROUPS, False, NARROW, 0, W_GROUPS)
     for k_start in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH > 0:
-            _prefetch_tiles(b_cols, k_start, K, K_PACKED, PREFETCH, 1, PACKED, BLOCK_K, False)
         offs_k = k_start + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         a_cols = offs_k
@@ -446,7 +438,7 @@ def _fused_moe_swap_kernel(
         # _fused_moe_kernel's A_SCALE_IN (input_rows: its scale_rows) and AMAX_OUT
         amax_ptr=None, pair_ids_ptr=None, amax_parts=0, input_rows=0, A_SCALE_IN: tl.constexpr = "none",
         SCALE_ROWS: tl.constexpr = 1, SCALE_COLS: tl.constexpr = 16, HW_FP8_CAST: tl.constexpr = False,
-        AMAX_OUT: tl.constexpr = False, TILE_BLOCK_SCALE: tl.constexpr = False, PREFETCH: tl.constexpr = 0):
+        AMAX_OUT: tl.constexpr = False, TILE_BLOCK_SCALE: tl.constexpr = False):
     """_fused_moe_kernel with the operands swapped, for weights dequantised in registers (16-bit
     activations, standard format): each step computes dequant(W tile) [BLOCK_N, K] @ A^T [K,
     BLOCK_M], so the dequantised weights are the left operand of the dot, which the matrix unit
@@ -505,8 +497,6 @@ def _fused_moe_swap_kernel(
                                                         stride_bn, stride_se, stride_sn, 0)  # [BN, 1]
     dtype = COMPUTE
     zero = _column_zero(zero_rows, dtype, W_ZERO, HAS_ZERO, W_SCALE, NARROW)
-    if PREFETCH > 0:  # as _fused_moe_kernel's
-        _prefetch_tiles(w_rows, k_lo, K, K_PACKED, 0, PREFETCH, PACKED, BLOCK_K, True)
     if A_SCALE_IN != "none":  # the block's one row, quantised a step at a time
         a_scale_in, a_reciprocal, a_one_row, a_next = _one_token_input(
             a_ptr, a_scale_ptr, amax_ptr, pair_ids_ptr, a_rows, row_mask, K, k_lo, stride_am, input_rows, amax_parts,
@@ -514,8 +504,6 @@ def _fused_moe_swap_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_start in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH > 0:
-            _prefetch_tiles(w_rows, k_start, K, K_PACKED, PREFETCH, 1, PACKED, BLOCK_K, True)
         tile_zero = zero
         if W_SCALE == "group" or W_SCALE == "mx":
             scale, tile_zero = _group_scales(scale_rows, zero_rows, zero, k_start, scale_groups, stride_sk, dtype,

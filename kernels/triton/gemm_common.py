@@ -137,32 +137,6 @@ def _weight_rows(pid_n, N, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(b_rows, k_stored, K_STORED, ROW_ELEMENTS: tl.constexpr, ROWS_DOWN: tl.constexpr):
-    """Ask L2 for the 128-byte lines of a weight tile's rows from stored column ``k_stored`` on
-    (``b_rows``: the rows' first columns, [1, BLOCK_N], or [BLOCK_N, 1] with ROWS_DOWN; ROW_ELEMENTS of
-    each, clamped to the row): PTX ``prefetch.global.L2``, which no register or shared memory waits on,
-    so a tile is on its way from memory before the pipeline asks for it (PREFETCH tiles)."""
-    ELEMENT_BYTES: tl.constexpr = b_rows.dtype.element_ty.primitive_bitwidth // 8
-    ROW_BYTES: tl.constexpr = ROW_ELEMENTS * ELEMENT_BYTES
-    LINES: tl.constexpr = ROW_BYTES // 128 if ROW_BYTES >= 128 else 1
-    cols = tl.minimum(k_stored + tl.arange(0, LINES) * (128 // ELEMENT_BYTES), K_STORED - 1)
-    lines = b_rows + cols[None, :] if ROWS_DOWN else b_rows + cols[:, None]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tiles(b_rows, k_start, K, K_PACKED, FIRST: tl.constexpr, COUNT: tl.constexpr, PACKED: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ROWS_DOWN: tl.constexpr):
-    """_prefetch_l2 of the weight tiles FIRST .. FIRST + COUNT - 1 K steps past ``k_start``."""
-    for j in tl.static_range(FIRST, FIRST + COUNT):
-        if PACKED:
-            _prefetch_l2(b_rows, (k_start + j * BLOCK_K) // 2, K_PACKED, BLOCK_K // 2, ROWS_DOWN)
-        else:
-            _prefetch_l2(b_rows, k_start + j * BLOCK_K, K, BLOCK_K, ROWS_DOWN)
-
-
-@triton.jit
 def _tile_scale_blocks(pid_n, N, W_GROUP_N: tl.constexpr, FUSE_ACT: tl.constexpr, BLOCK_N: tl.constexpr):
     """The block rows of the scales of column tile pid_n's weight rows (_weight_rows), where they lie in one
     weight block: (its even columns', its odd columns'); with FUSE_ACT the gate rows' and the up rows'

@@ -204,7 +204,6 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         rows_per_expert, expert_grid = rows.sorted_ids.numel(), 1
     grid = (triton.cdiv(rows_per_expert, bm) * n_tiles, expert_grid, split_k)
     tile_block_scale = _tile_block_scale(variant, w.n, bn, fuse_act)
-    prefetch = config.get("PREFETCH", 0) if compiles_ptx(a.device) else 0  # (its PTX needs a GPU)
     sorted_ids = rows.sorted_ids if rows.sorted_ids is not None else dummy
     num_post_padded = rows.num_post_padded if rows.num_post_padded is not None else dummy
     asm = variant.paired_dequant and _paired_halves(a.device, compute_dtype)
@@ -232,8 +231,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
             pair_ids_ptr=input_scale.pair_ids if input_scale is not None and input_scale.pair_ids is not None
             else dummy, amax_parts=pieces.shape[1] if pieces is not None else 0,
             input_rows=input_scale.rows if input_scale is not None else 0, AMAX_OUT=amax_pieces is not None,
-            TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=prefetch,
-            **scale_search, **_launch_options(config), **pdl_launch(pdl))
+            TILE_BLOCK_SCALE=tile_block_scale, **scale_search, **_launch_options(config), **pdl_launch(pdl))
         return
     _fused_moe_kernel[grid](
         a, a_scale if a_scale is not None else dummy, w.weight, scale,
@@ -258,8 +256,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
         E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
         GROUP_DOTS=config.get("GROUP_DOTS", False), INPUT_HALVES=input_halves, HALVES_OUT=halves_out,
-        TILE_BLOCK_SCALE=tile_block_scale, PREFETCH=prefetch,
-        **_row_sums_args(row_sums, sums_out), **_launch_options(config), **pdl_launch(pdl))
+        TILE_BLOCK_SCALE=tile_block_scale, **_row_sums_args(row_sums, sums_out), **_launch_options(config),
+        **pdl_launch(pdl))
 
 
 def _tile_block_scale(variant: KernelVariant, n: int, block_n: int, fuse_act: str) -> bool:

@@ -358,13 +358,12 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
     SWAP_AB (the swapped-operand kernel) only where it runs the variant; GROUP_DOTS kept only
     where the tile spans several of the variant's groups (group_dot_width; absent otherwise);
     ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise), INPUT_HALVES
-    likewise (input_halves_fit); PREFETCH as asked."""
+    likewise (input_halves_fit)."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(variant)
     bk = config["BLOCK_K"]
     zero_sums = config.pop("ZERO_SUMS", False)
     halves = config.pop("INPUT_HALVES", False)
-    prefetch = int(config.pop("PREFETCH", 0))
     group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
                   and 0 < group_dot_width(variant, config["BLOCK_M"], zero_sums) < bk)
     if variant.weight_scale == "block":
@@ -385,8 +384,6 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
         del config["GROUP_DOTS"]
     if halves and input_halves_fit(variant, config):
         config["INPUT_HALVES"] = True
-    if prefetch > 0:
-        config["PREFETCH"] = prefetch
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)
