@@ -217,6 +217,34 @@ def test_fp8_block_scales_as_scalars_match_vectors(shape, tile, m, monkeypatch):
     assert err < _tolerance("fp8-block", torch.bfloat16), f"{shape} M={m} {tile}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [8, 512, 4096])
+@pytest.mark.parametrize("tile", [(64, 128, 4), (128, 128, 8)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_rescaled_accumulator_matches_the_scaled_dots(shape, tile, m, monkeypatch):
+    """FP8 block-128 tiles holding their accumulator in each K step's scales (RESCALED_ACC, the dot adding in
+    place; the GPU's fast division) give the layer whose tiles scale each dot's own result, to the rounding of
+    the output, and the reference's numbers; the launches are watched."""
+    e, h, i, top_k = SHAPES[shape]
+    weights = _weights("fp8-block", e, h, i, torch.bfloat16)
+    hidden, topk_weights, topk_ids = _routing(m, e, h, top_k, torch.bfloat16, seed=m + 9)
+    block_m, block_n, warps = tile
+    config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 1,
+              "num_warps": warps, "num_stages": 3, "SWAP_AB": False}
+    seen: list = []
+    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
+                        KwargSpy(triton_gemm._fused_moe_kernel, "RESCALED_ACC", seen))
+    experts = TritonExperts(weights, ExpertsConfig())
+    with tile_config.config_override({**config, "RESCALED_ACC": True}, {**config, "RESCALED_ACC": True}):
+        rescaled = experts.apply(hidden, topk_weights, topk_ids)
+    with tile_config.config_override(config, config):
+        scaled = experts.apply(hidden, topk_weights, topk_ids)
+    assert seen == [True, True, False, False]
+    assert _rel_err(rescaled, scaled) < 2e-3, f"{shape} M={m} {tile}: {_rel_err(rescaled, scaled):.2e} apart"
+    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
+    err = _rel_err(rescaled, ref)
+    assert err < _tolerance("fp8-block", torch.bfloat16), f"{shape} M={m} {tile}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["per-weight", "group-dots"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("m", [1, 8, 64])

@@ -4,10 +4,11 @@ For each model shape × scheme × token count, time the whole layer (CUDA graphs
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
 BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then the
 winning GEMM2 reading its input in halves where the scheme's tiles can (``INPUT_HALVES``, 4-bit
-weights on 16-bit dots: GEMM1's epilogue stores them), then register caps on the winner
+weights on 16-bit dots: GEMM1's epilogue stores them), then the winner's accumulators held in
+each K step's scales (``RESCALED_ACC``, FP8 on block-scaled weights), then register caps on the winner
 (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more programs share an SM;
 ``--registers-only`` tries just those on today's configs; ``--try`` just the given keys laid over
-today's configs, then halves and caps on the winner). Before the
+today's configs, then halves, rescaling and caps on the winner). Before the
 search, the configs this device's tables hold for the same GEMM shapes and token count under
 other key pairs are timed as seeds (a scheme whose GEMMs run the same loop as another's, as
 W4A8's 16-bit-dot tiles run GPTQ int4's, starts from that one's winner; ``--seeds-only`` tries
@@ -546,6 +547,12 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         t = measure(best[0], halves)
         if t < best[2]:
             best = (best[0], halves, t)
+    # the winner's accumulators held in the last K step's scales (both GEMMs), where its tiles can
+    rescaled = ({**best[0], "RESCALED_ACC": True}, {**best[1], "RESCALED_ACC": True})
+    if not registers_only and any(c.get("RESCALED_ACC") for c in fit_pair(*rescaled, variant)):
+        t = measure(*rescaled)
+        if t < best[2]:
+            best = (*rescaled, t)
     for c1 in register_variants(best[0]):  # the winning tiles under register caps: GEMM1's, then GEMM2's
         t = measure(c1, best[1])
         if t < best[2]:
