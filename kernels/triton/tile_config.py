@@ -47,7 +47,7 @@ INTERPRETER_SMS = 132
 TRANSFER_ROWS = 0.5
 # from this many rows an expert, the decode defaults of 4-bit codes of a fixed zero under a 16-bit dot take one dot
 # per weight group on long tiles (GROUP_DOT_TILE): on an H200 at a quarter of a row (8 tokens) 1.19x the narrow
-# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.90-1.06x
+# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.89-1.06x
 # over four shapes, so not there
 GROUP_DOT_ROWS = 0.25
 GROUP_DOT_TILE = {"BLOCK_N": 128, "BLOCK_K": 512, "GROUP_DOTS": True, "num_stages": 3}
@@ -97,7 +97,8 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
     programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
     rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes). Given the
     ``activation_key``, the tiles the pair runs best without a table (GROUP_DOT_ROWS); without it, the
-    base a tuned entry's keys are laid over (an entry names no key it does not take)."""
+    base a tuned entry's keys are laid over (an entry leaves out the options it does not take, so the base
+    holds none)."""
     qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
     narrow = qk.quantized and qk.dtype.bits <= 8
     pairs = max(tokens * top_k, 1)
@@ -354,7 +355,7 @@ def input_halves_fit(variant: KernelVariant, config: dict) -> bool:
 def rescaled_acc_fit(variant: KernelVariant, config: dict) -> bool:
     """Whether a fitted config can hold its accumulator in units of the last K step's scales (the
     ``RESCALED_ACC`` key), so each fp8 dot accumulates into it in place instead of into registers of its
-    own that a multiply-add then adds (sm_90: 142 and 136 registers where 200 and 207 held two programs an
+    own that a multiply-add then adds (sm_90: 152 and 146 registers where 200 and 207 held two programs an
     SM, FP8 block-128 at 4096 tokens on 64x128 tiles; the loop one multiply a value, as before, plus four
     divisions a step). The fp8 dot on block-scaled weights, the standard kernel; it runs where the
     launch takes the tile's block scales as scalars (launch._tile_block_scale)."""
