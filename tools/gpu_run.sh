@@ -5,6 +5,7 @@
 #   bash tools/gpu_run.sh bench [args]   # tools/bench.py with args
 #   bash tools/gpu_run.sh model [args]   # tools/bench_model.py with args (whole models beside transformers)
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
+#   bash tools/gpu_run.sh untuned [args] # tools/bench_untuned.py with args (shapes nobody tuned; $OUT/untuned.jsonl)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
 #   bash tools/gpu_run.sh profile [args] # tools/profile_ncu.py with args (Nsight Compute counters per kernel)
 #   bash tools/gpu_run.sh peer triton|marlin "SCHEME_SPEC ..."  # vLLM's own MoE kernels, then tools/bench.py,
@@ -61,6 +62,7 @@ case "$what" in
   bench) python3 tools/bench.py --out "$out" "$@" ;;
   model) python3 tools/bench_model.py --out "$out" "$@" ;;
   decode) python3 tools/bench_decode.py "$@" | tee "$out/bench_decode.txt"; exit "${PIPESTATUS[0]}" ;;
+  untuned) python3 tools/bench_untuned.py --out "$out" "$@" ;;
   profile) python3 tools/profile_ncu.py --out "$out" "$@" ;;
   tune) touch /tmp/tune-start  # only the files this run wrote come back (the lender returns a few files per call)
         python3 tools/tune.py "$@"
@@ -72,5 +74,5 @@ case "$what" in
         exit $rc ;;
   peer) [ -f .peer/side_by_side.sh ] || { echo "gpu_run.sh peer: no .peer/ here (make it with tools/prepare_peer.sh and carry it)" >&2; exit 2; }
         OUT="$out" bash .peer/side_by_side.sh "$@" ;;
-  *) echo "usage: $0 tests|bench|model|decode|tune|profile|peer" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|bench|model|decode|untuned|tune|profile|peer" >&2; exit 2 ;;
 esac
