@@ -924,7 +924,7 @@ def test_decode_defaults_of_fixed_zero_int4_take_group_dots_from_a_quarter_row(t
     tile_config._load_config_file.cache_clear()
     try:
         assert get_config(8, 8, dsv3[0], 4096, dsv3[1], GPTQ, UNQ, "Test GPU")["GROUP_DOTS"] is True  # no file
-        # an entry at 8 tokens names no GROUP_DOTS: it runs as tuned; 512 tokens, no entry near: the defaults
+        # an entry at 8 tokens names no GROUP_DOTS: it runs as tuned; an entry at 512 only, none near 8: the defaults
         table = {shape_key(dsv3[0], 8, 4096, dsv3[1]): {"8": {"BLOCK_N": 32, "BLOCK_K": 256}}}
         config_file(GPTQ, UNQ, "Test GPU").write_text(json.dumps(table))
         tile_config._load_config_file.cache_clear()
@@ -1758,8 +1758,6 @@ def test_a_rescaled_accumulator_gives_the_scaled_sums(block_n, taken, zeros, mon
         scaled = experts.apply(hidden, topk_weights, topk_ids)
     assert tuple(seen) == (*taken, False, False)
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
-    if zeros == "zero-blocks":
-        assert _rel_err(got, scaled) < 1e-5
     assert _rel_err(got, ref) < 3e-2
     if zeros != "scale-only":  # (the scaled tiles add those codes times zero, the rescaled ones 2^-32 of a step)
         assert _rel_err(got, scaled) < 1e-5
