@@ -230,15 +230,11 @@ def test_a_rescaled_accumulator_matches_the_scaled_dots(shape, tile, m, monkeypa
     block_m, block_n, warps = tile
     config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8, "SPLIT_K": 1,
               "num_warps": warps, "num_stages": 3, "SWAP_AB": False}
-    seen: list = []
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
-                        KwargSpy(triton_gemm._fused_moe_kernel, "RESCALED_ACC", seen))
-    experts = TritonExperts(weights, ExpertsConfig())
-    with tile_config.config_override({**config, "RESCALED_ACC": True}, {**config, "RESCALED_ACC": True}):
-        rescaled = experts.apply(hidden, topk_weights, topk_ids)
-    with tile_config.config_override(config, config):
-        scaled = experts.apply(hidden, topk_weights, topk_ids)
-    assert seen == [True, True, False, False]
+    asked = {**config, "RESCALED_ACC": True}
+    scaled, rescaled, seen = without_and_with(
+        TritonExperts(weights, ExpertsConfig()), (hidden, topk_weights, topk_ids), (config, config), (asked, asked),
+        "_fused_moe_kernel", lambda args, kwargs: kwargs["RESCALED_ACC"], monkeypatch)
+    assert seen == [True, True]
     assert _rel_err(rescaled, scaled) < 2e-3, f"{shape} M={m} {tile}: {_rel_err(rescaled, scaled):.2e} apart"
     ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig(), compute_dtype=torch.float32)
     err = _rel_err(rescaled, ref)

@@ -1685,6 +1685,21 @@ def test_halves_go_with_a_tile_that_reads_them():
         triton_launch._gemm(a, None, proj, gptq, c, rows, fitted, compute_dtype=torch.float16, halves_out=True)
 
 
+def _far_apart_block_fp8(size: int, seed: int):
+    """FP8 block-128 experts (hidden and intermediate ``size``, with bias) whose block scales lie up to 16x apart,
+    so a scale taken from the wrong block shows (fp16 weights stay in range), and 9 tokens routed top-2."""
+    weights = quant_ref.make_random_expert_weights(parse_quant_key(FP8_BLOCK), parse_quant_key(FP8_GROUP_ACT),
+                                                   num_experts=E, hidden=size, intermediate=size,
+                                                   dtype=torch.float16, bias=True, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    for proj in (weights.w13, weights.w2):
+        proj.scale.mul_(4.0 ** (torch.rand(proj.scale.shape, generator=g) * 2 - 1))
+    hidden = torch.randn(9, size, generator=g).to(torch.float16)
+    topk_weights = torch.rand(9, 2, generator=g) + 0.1
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+    return weights, hidden, topk_weights, topk_ids
+
+
 @pytest.mark.parametrize("block_n, taken", [(64, (True, True)), (128, (True, True)), (256, (True, False))])
 @pytest.mark.parametrize("swapped", [False, True], ids=["plain", "swapped"])
 def test_block_scales_are_scalars_where_a_tile_lies_in_one_block(block_n, taken, swapped, monkeypatch):
@@ -1694,16 +1709,7 @@ def test_block_scales_are_scalars_where_a_tile_lies_in_one_block(block_n, taken,
     reference, with every block's scale made far from its neighbours' (a scale from the wrong block
     shows); the launches are watched."""
     monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
-    hidden_size = intermediate = 256
-    weights = quant_ref.make_random_expert_weights(parse_quant_key(FP8_BLOCK), parse_quant_key(FP8_GROUP_ACT),
-                                                   num_experts=E, hidden=hidden_size, intermediate=intermediate,
-                                                   dtype=torch.float16, bias=True, seed=7)
-    g = torch.Generator().manual_seed(1)
-    for proj in (weights.w13, weights.w2):  # blocks 16x apart at most: weights stay in fp16's range
-        proj.scale.mul_(4.0 ** (torch.rand(proj.scale.shape, generator=g) * 2 - 1))
-    hidden = torch.randn(9, hidden_size, generator=g).to(torch.float16)
-    topk_weights = torch.rand(9, 2, generator=g) + 0.1
-    topk_ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(9)]).to(torch.int32)
+    weights, hidden, topk_weights, topk_ids = _far_apart_block_fp8(256, seed=7)
     tile = {**(SWAPPED if swapped else PLAIN), "BLOCK_N": block_n, "BLOCK_K": 128}
     experts = TritonExperts(weights, ExpertsConfig())
     kernel = "_fused_moe_swap_kernel" if swapped else "_fused_moe_kernel"
@@ -1731,22 +1737,14 @@ def test_a_rescaled_accumulator_gives_the_scaled_sums(block_n, taken, zeros, mon
     zeros under a zero scale, the first of its rows' K blocks, leaves the sums as they were; codes under a
     zero scale (no quantiser writes them) add nothing the reference sees."""
     monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
-    hidden_size = intermediate = 512
-    weights = quant_ref.make_random_expert_weights(parse_quant_key(FP8_BLOCK), parse_quant_key(FP8_GROUP_ACT),
-                                                   num_experts=E, hidden=hidden_size, intermediate=intermediate,
-                                                   dtype=torch.float16, bias=True, seed=8)
-    g = torch.Generator().manual_seed(2)
+    weights, hidden, topk_weights, topk_ids = _far_apart_block_fp8(512, seed=8)
     for proj in (weights.w13, weights.w2):
-        proj.scale.mul_(4.0 ** (torch.rand(proj.scale.shape, generator=g) * 2 - 1))
         if zeros != "none":  # every expert's first row block: its first K block, and its third
             proj.scale[:, 0, 0] = 0
             proj.scale[:, 0, 2] = 0
             if zeros == "zero-blocks":
                 proj.weight[:, :128, :128] = 0
                 proj.weight[:, :128, 256:384] = 0
-    hidden = torch.randn(9, hidden_size, generator=g).to(torch.float16)
-    topk_weights = torch.rand(9, 2, generator=g) + 0.1
-    topk_ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(9)]).to(torch.int32)
     tile = {**PLAIN, "BLOCK_N": block_n, "BLOCK_K": 128}
     experts = TritonExperts(weights, ExpertsConfig())
     seen: list = []
