@@ -184,6 +184,20 @@ def _ratio(x, y, PTX: tl.constexpr):
 
 
 @triton.jit
+def _rescaled_dot(acc, a, b, scales, held, last, BLOCK_N: tl.constexpr, FUSE_ACT: tl.constexpr, PTX: tl.constexpr):
+    """One K step of a rescaled accumulator (gemm's RESCALED_ACC): ``acc`` holds the sum so far divided by the
+    ``held`` scales (each row's, the gate rows', the up rows'); taken to this step's ``scales`` (_rescale_to,
+    ``last``: the last nonzero ones), the fp8 dot of ``a`` and ``b`` adds into it in place, so the tile holds one
+    accumulator where a dot's own result takes as many registers again. (acc, the scales now held, last)."""
+    rows_now, rows_last = _rescale_to(scales[0], last[0])
+    even_now, even_last = _rescale_to(scales[1], last[1])
+    odd_now, odd_last = _rescale_to(scales[2], last[2])
+    acc = tl.dot(a, b, acc * _pair_factors(_ratio(held[0], rows_now, PTX), _ratio(held[1], even_now, PTX),
+                                           _ratio(held[2], odd_now, PTX), BLOCK_N, FUSE_ACT, False))
+    return acc, (rows_now, even_now, odd_now), (rows_last, even_last, odd_last)
+
+
+@triton.jit
 def _pair_factors(row_scales, scale_even, scale_odd, BLOCK_N: tl.constexpr, FUSE_ACT: tl.constexpr,
                   SWAPPED: tl.constexpr):
     """What a K step's fp8 dot is multiplied by: each token's group scale times its weight rows' block
