@@ -179,7 +179,9 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     expert up; below that, token counts nobody tuned, and devices without a file get the defaults.
     Both say so once, unless ``warn`` is False (a caller whose launch reads no tile).
     """
-    config = default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)  # what an entry is laid over
+    def plain() -> dict:  # what an entry is laid over: the defaults without options (an entry names its own)
+        return default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms)
+
     path, table = _device_table(weight_key, activation_key, device_name, warn)
     shape = shape_key(num_experts, top_k, n, k)
     by_tokens = (table or {}).get(shape)
@@ -188,7 +190,7 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
         # table knows the scheme's loop on this GPU, the hand-written defaults only its kind)
         near = (_nearest_shape(table, tokens, top_k, num_experts, n, k)
                 if table and _rows(tokens, top_k, num_experts) >= TRANSFER_ROWS else None)
-        config = (_transferred(config, table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
+        config = (_transferred(plain(), table[near[0]][near[1]], tokens, top_k, num_experts, n, k, num_sms)
                   if near is not None else
                   default_config(tokens, top_k, num_experts, n, k, weight_key, num_sms, activation_key))
         if warn:
@@ -200,8 +202,7 @@ def get_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, weight
     distance = {t: abs(math.log(int(t) / max(tokens, 1))) for t in by_tokens}
     nearest = min(distance, key=distance.__getitem__)
     if distance[nearest] <= math.log(TUNED_REACH):  # a decode entry says nothing about prefill
-        config.update(by_tokens[nearest])
-        return config
+        return {**plain(), **by_tokens[nearest]}
     if warn:
         why = f"{path.name}'s {shape} table is tuned at {', '.join(by_tokens)} tokens, none near {tokens}"
         _warn_default(device_name, str(weight_key), str(activation_key), shape, why)
