@@ -542,17 +542,14 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
                 best2, t2 = cand, t
         if t2 < best[2]:
             best = (best1, best2, t2)
-    halves = {**best[1], "INPUT_HALVES": True}  # the winner's GEMM2 reading its input in halves, where it can
-    if not registers_only and fit_pair(best[0], halves, variant)[1].get("INPUT_HALVES"):
-        t = measure(best[0], halves)
-        if t < best[2]:
-            best = (best[0], halves, t)
-    # the winner's accumulators held in the last K step's scales (both GEMMs), where its tiles can
-    rescaled = ({**best[0], "RESCALED_ACC": True}, {**best[1], "RESCALED_ACC": True})
-    if not registers_only and any(c.get("RESCALED_ACC") for c in fit_pair(*rescaled, variant)):
-        t = measure(*rescaled)
-        if t < best[2]:
-            best = (*rescaled, t)
+    # the winner's GEMM2 reading its input in halves, then its accumulators held in each K step's scales (both
+    # GEMMs): each where the scheme's tiles take it, kept where faster
+    for option, gemms in (("INPUT_HALVES", (1,)), ("RESCALED_ACC", (0, 1))):
+        pair = tuple({**c, option: True} if g in gemms else c for g, c in enumerate(best[:2]))
+        if not registers_only and any(c.get(option) for c in fit_pair(*pair, variant)):
+            t = measure(*pair)
+            if t < best[2]:
+                best = (*pair, t)
     for c1 in register_variants(best[0]):  # the winning tiles under register caps: GEMM1's, then GEMM2's
         t = measure(c1, best[1])
         if t < best[2]:
