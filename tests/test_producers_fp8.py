@@ -328,21 +328,13 @@ SWAPPED_TILE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "SPLI
 SWAPPED_TILES = (SWAPPED_TILE, {**SWAPPED_TILE, "SPLIT_K": 2})
 
 
-# the standard kernel's tiles with a rescaled accumulator (block-scaled weights' fp8 dot only; the fit drops it
-# elsewhere)
-RESCALED_TILE = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "SPLIT_K": 1, "num_warps": 4,
-                 "num_stages": 2, "SWAP_AB": False, "RESCALED_ACC": True}
-
-
-@pytest.mark.parametrize("tiles", ["tables", "swapped", "rescaled"])
+@pytest.mark.parametrize("tiles", ["tables", "swapped"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_triton_kernel_matches_float64_moe_float16(name: str, tiles: str, built, dirs, monkeypatch) -> None:
     """The Triton fused kernel (interpreter: fp8 x fp8 dots; float16 activations) on the converted weights,
-    on the tiles the layer picks here, on the swapped kernel's and on tiles holding their accumulator in each
-    K step's scales (their launches watched: the block-scaled files take it)."""
+    on the tiles the layer picks here and on the swapped kernel's (its launches watched)."""
     pytest.importorskip("triton")
-    from launch_spy import KwargSpy, LaunchSpy
-    from moe_registry_kernels.triton import gemm as triton_gemm
+    from launch_spy import LaunchSpy
     from moe_registry_kernels.triton import launch as triton_launch
     from moe_registry_kernels.triton.experts import TritonExperts
     from moe_registry_kernels.triton.tile_config import config_override
@@ -350,22 +342,16 @@ def test_triton_kernel_matches_float64_moe_float16(name: str, tiles: str, built,
     case, layer = CASES[name], built[name]
     tol = moe_registry.load_registry().scheme(case.scheme).tolerance["float16"]
     swapped: list = []
-    rescaled: list = []
     monkeypatch.setattr(triton_launch, "_fused_moe_swap_kernel",
                         LaunchSpy(triton_launch._fused_moe_swap_kernel, swapped))
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
-                        KwargSpy(triton_gemm._fused_moe_kernel, "RESCALED_ACC", rescaled))
-    overrides = {"tables": None, "swapped": SWAPPED_TILES, "rescaled": (RESCALED_TILE, RESCALED_TILE)}[tiles]
     for m in (1, 8):
         ids, w = _routing(11, m)
         x = _hidden(5, m).to(torch.float16)
         want = _moe64(case, dirs[name], _ours(layer), x.float(), ids, w)
-        with config_override(*overrides) if overrides else contextlib.nullcontext():
+        with config_override(*SWAPPED_TILES) if tiles == "swapped" else contextlib.nullcontext():
             got = TritonExperts(layer.weights, ExpertsConfig()).apply(x, w, ids)
         assert got.dtype == torch.float16 and _rel(got, want) <= tol, f"{name} M={m}: {_rel(got, want):.2e} > {tol}"
     assert len(swapped) == (4 if tiles == "swapped" else 0)
-    if tiles == "rescaled":  # both GEMMs at M = 1 and 8
-        assert rescaled == ["block" in case.weight] * 4
 
 
 def _moe64_producer(case: Case, d: Path, w: dict[tuple[int, str], torch.Tensor], x: torch.Tensor,

@@ -1727,52 +1727,6 @@ def test_block_scales_are_scalars_where_a_tile_lies_in_one_block(block_n, taken,
     assert _rel_err(got, ref) < 3e-2
 
 
-@pytest.mark.parametrize("zeros", ["none", "zero-blocks", "scale-only"])
-@pytest.mark.parametrize("block_n, taken", [(64, (True, True)), (256, (True, False))])
-def test_a_rescaled_accumulator_gives_the_scaled_sums(block_n, taken, zeros, monkeypatch):
-    """RESCALED_ACC (with scalar block scales): each K step's fp8 dot accumulates in place into a sum held in
-    that step's scales. The layer matches the tiles that scale each dot's own result (to float32 rounding),
-    and the reference, over four K blocks whose scales lie up to 16x apart; where a tile takes its block
-    scales as vectors (GEMM2 at 256 rows) it runs as before (the launches are watched). A weight block of
-    zeros under a zero scale, the first of its rows' K blocks, leaves the sums as they were; codes under a
-    zero scale (no quantiser writes them) add nothing the reference sees."""
-    monkeypatch.setattr(triton_launch, "DECODE_GEMV", False)
-    weights, hidden, topk_weights, topk_ids = _far_apart_block_fp8(512, seed=8)
-    for proj in (weights.w13, weights.w2):
-        if zeros != "none":  # every expert's first row block: its first K block, and its third
-            proj.scale[:, 0, 0] = 0
-            proj.scale[:, 0, 2] = 0
-            if zeros == "zero-blocks":
-                proj.weight[:, :128, :128] = 0
-                proj.weight[:, :128, 256:384] = 0
-    tile = {**PLAIN, "BLOCK_N": block_n, "BLOCK_K": 128}
-    experts = TritonExperts(weights, ExpertsConfig())
-    seen: list = []
-    monkeypatch.setattr(triton_launch, "_fused_moe_kernel",
-                        KwargSpy(triton_gemm._fused_moe_kernel, "RESCALED_ACC", seen))
-    with tile_config.config_override({**tile, "RESCALED_ACC": True}, {**tile, "RESCALED_ACC": True}):
-        got = experts.apply(hidden, topk_weights, topk_ids)
-    with tile_config.config_override(tile, tile):
-        scaled = experts.apply(hidden, topk_weights, topk_ids)
-    assert tuple(seen) == (*taken, False, False)
-    ref = reference_moe(hidden, topk_weights, topk_ids, weights, ExpertsConfig())
-    assert _rel_err(got, ref) < 3e-2
-    if zeros != "scale-only":  # (the scaled tiles add those codes times zero, the rescaled ones 2^-32 of a step)
-        assert _rel_err(got, scaled) < 1e-5
-
-
-def test_rescaled_accumulators_fit_the_fp8_dot_on_block_scaled_weights():
-    """RESCALED_ACC is kept for the fp8 dot on block-scaled weights on the standard kernel's tiles only."""
-    block = variant_from_keys(FP8_BLOCK, FP8_GROUP_ACT)
-    tile = {**PLAIN, "BLOCK_K": 128, "RESCALED_ACC": True}
-    assert tile_config._fit_config(tile, block, can_split=True)["RESCALED_ACC"] is True
-    assert "RESCALED_ACC" not in tile_config._fit_config({**SWAPPED, "BLOCK_K": 128, "RESCALED_ACC": True}, block,
-                                                           can_split=True)
-    for keys in (("fp8e4m3 scale:float32:channel:static", "fp8e4m3 scale:float32:token:dynamic"), (FP8_BLOCK, UNQ),
-                 (SCHEMES["gptq4-g64"][0], UNQ)):
-        assert "RESCALED_ACC" not in tile_config._fit_config(tile, variant_from_keys(*keys), can_split=True), keys
-
-
 @pytest.mark.parametrize("keys, n, block_n, fuse, taken", [
     ((FP8_BLOCK, FP8_GROUP_ACT), 512, 128, "silu", True), ((FP8_BLOCK, FP8_GROUP_ACT), 512, 256, "silu", True),
     ((FP8_BLOCK, FP8_GROUP_ACT), 512, 256, "none", False), ((FP8_BLOCK, FP8_GROUP_ACT), 2 * 2880, 64, "silu", False),

@@ -279,44 +279,6 @@ def test_tuner_tries_gemm2_reading_its_input_in_halves_on_the_winner(wkey, takes
         assert tried == [] and "INPUT_HALVES" not in c2 and t == 0.5
 
 
-class _RescaledWins(_RegisterBound):
-    """_RegisterBound on the given keys, on which tiles holding their accumulators rescaled save 0.25 s more."""
-
-    def __init__(self, tune, wkey: str, akey: str) -> None:
-        from moe_registry.core.keys import parse_quant_key
-
-        super().__init__(tune)
-        self.wkey, self.akey = parse_quant_key(wkey), parse_quant_key(akey)
-
-    def time(self, configs, *args):
-        t = super().time(configs, *args)
-        return t - 0.25 * bool(configs != (None, None) and configs[0].get("RESCALED_ACC"))
-
-
-@pytest.mark.parametrize("keys, takes", [(("fp8e4m3 scale:float32:block(128x128):static",
-                                          "fp8e4m3 scale:float32:group(128):dynamic"), True),
-                                        ((GPTQ, "unquantized"), False)])
-@pytest.mark.parametrize("registers_only", [True, False])
-def test_tuner_tries_the_winners_accumulators_rescaled(keys, takes, registers_only, tmp_path, monkeypatch):
-    """After the search (and halves), the winner is timed with both GEMMs' accumulators held in each K step's
-    scales (RESCALED_ACC) where the scheme's tiles take it (FP8 block-scaled weights), kept where faster and
-    then register-capped; not on other schemes, nor in a --registers-only run."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    import tune
-    from moe_registry_kernels.triton import tile_config
-
-    monkeypatch.setattr(_config_module(), "CONFIG_DIR", tmp_path)
-    tile_config._load_config_file.cache_clear()
-    layer = _RescaledWins(tune, *keys)
-    c1, c2, t, _ = tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), registers_only=registers_only)
-    tried = [a for a, _ in layer.timed if a.get("RESCALED_ACC")]
-    if takes and not registers_only:
-        assert c1.get("RESCALED_ACC") is True and c2.get("RESCALED_ACC") is True and t == 0.25
-        assert len(tried) == 1 + 2 * len(tune.REGISTER_CAPS) + tune.CONFIRM_ROUNDS
-    else:
-        assert tried == [] and "RESCALED_ACC" not in c1 and t == 0.5
-
-
 class _SeedWins(_RegisterBound):
     """_RegisterBound on which only ``fast`` (a GEMM1 tile, BLOCK_N and BLOCK_K) saves time."""
 

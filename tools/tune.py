@@ -4,11 +4,10 @@ For each model shape × scheme × token count, time the whole layer (CUDA graphs
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
 BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then the
 winning GEMM2 reading its input in halves where the scheme's tiles can (``INPUT_HALVES``, 4-bit
-weights on 16-bit dots: GEMM1's epilogue stores them), then the winner's accumulators held in
-each K step's scales (``RESCALED_ACC``, FP8 on block-scaled weights), then register caps on the winner
+weights on 16-bit dots: GEMM1's epilogue stores them), then register caps on the winner
 (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more programs share an SM;
 ``--registers-only`` tries just those on today's configs; ``--try`` just the given keys laid over
-today's configs, then halves, rescaling and caps on the winner). Before the
+today's configs, then halves and caps on the winner). Before the
 search, the configs this device's tables hold for the same GEMM shapes and token count under
 other key pairs are timed as seeds (a scheme whose GEMMs run the same loop as another's, as
 W4A8's 16-bit-dot tiles run GPTQ int4's, starts from that one's winner; ``--seeds-only`` tries
@@ -542,14 +541,11 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
                 best2, t2 = cand, t
         if t2 < best[2]:
             best = (best1, best2, t2)
-    # the winner's GEMM2 reading its input in halves, then its accumulators held in each K step's scales (both
-    # GEMMs): each where the scheme's tiles take it, kept where faster
-    for option, gemms in (("INPUT_HALVES", (1,)), ("RESCALED_ACC", (0, 1))):
-        pair = tuple({**c, option: True} if g in gemms else c for g, c in enumerate(best[:2]))
-        if not registers_only and any(c.get(option) for c in fit_pair(*pair, variant)):
-            t = measure(*pair)
-            if t < best[2]:
-                best = (*pair, t)
+    halves = {**best[1], "INPUT_HALVES": True}  # the winner's GEMM2 reading its input in halves, where it can
+    if not registers_only and fit_pair(best[0], halves, variant)[1].get("INPUT_HALVES"):
+        t = measure(best[0], halves)
+        if t < best[2]:
+            best = (best[0], halves, t)
     for c1 in register_variants(best[0]):  # the winning tiles under register caps: GEMM1's, then GEMM2's
         t = measure(c1, best[1])
         if t < best[2]:

@@ -31,7 +31,6 @@ from .dequant_ptx import (
 )
 from .fp4_dequant import _dequant_e2m1
 from .gemm_common import (
-    RESCALE_START,
     _block_rows,
     _codes_by_reciprocal,
     _column_zero,
@@ -49,7 +48,6 @@ from .gemm_common import (
     _pair_factors,
     _program_block,
     _repeat_cols,
-    _rescaled_dot,
     _row,
     _scale_of,
     _tile_block_scales,
@@ -124,11 +122,8 @@ def _fused_moe_kernel(
         # a load of its own instead of splitting the tile in registers (see tile_config.input_halves_fit)
         INPUT_HALVES: tl.constexpr = False, HALVES_OUT: tl.constexpr = False,
         # TILE_BLOCK_SCALE (fp8 dot on 128x128-block weights): the tile's weight rows lie in one block
-        # (with FUSE_ACT its gate rows in one, its up rows in one), see _tile_scale_blocks;
-        # RESCALED_ACC (with it): the accumulator held in units of the last K step's scales, so each
-        # step's dot accumulates into it in place (_rescaled_dot); PTX: compiled for an NVIDIA GPU
-        # (decode_gemv.compiles_ptx), whose fast division the interpreter lacks
-        TILE_BLOCK_SCALE: tl.constexpr = False, RESCALED_ACC: tl.constexpr = False, PTX: tl.constexpr = False):
+        # (with FUSE_ACT its gate rows in one, its up rows in one), see _tile_scale_blocks
+        TILE_BLOCK_SCALE: tl.constexpr = False):
     """C[rows of one expert block] = A[rows] @ dequant(B[expert])^T, with the epilogue of the
     layer: scales, + bias, × router weight (before bias on the input side, after on the output),
     and the gated activation when fused."""
@@ -259,11 +254,6 @@ def _fused_moe_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    tl.static_assert(not RESCALED_ACC or DOT == "fp8" and TILE_BLOCK_SCALE, "rescaling takes scalar block scales")
-    if RESCALED_ACC:  # the scales acc is held in (each row's, the gate rows', the up rows'), and the last nonzero ones
-        one = tl.full((), RESCALE_START, tl.float32)
-        held = (tl.full((BLOCK_M,), RESCALE_START, tl.float32), one, one)
-        last = held
     # W4A8's 16-bit-dot tiles load their group scale a step ahead, as GROUPED tiles do (H100, Mixtral
     # M = 64: 0.90x the time); on 128-row int8 tiles that load spilled (M = 4096: 12.2 ms against 8.5)
     INT8_SCALE_AHEAD: tl.constexpr = INT8_GROUPS and W4A8_FLOAT
@@ -390,10 +380,7 @@ def _fused_moe_kernel(
             elif DOT == "fp8":
                 a_scale = tl.load(a_scale_ptr + a_rows * stride_as_m + (k_start // A_GROUP) * stride_as_k,
                                   mask=row_mask, other=0.0)
-                if RESCALED_ACC:
-                    acc, held, last = _rescaled_dot(acc, a, b, (a_scale, scale_even, scale_odd), held, last,
-                                                    BLOCK_N, FUSE_ACT, PTX)
-                elif TILE_BLOCK_SCALE:
+                if TILE_BLOCK_SCALE:
                     acc += tl.dot(a, b) * _pair_factors(a_scale, scale_even, scale_odd, BLOCK_N, FUSE_ACT, False)
                 else:
                     acc += tl.dot(a, b) * a_scale[:, None] * scale
@@ -416,8 +403,6 @@ def _fused_moe_kernel(
     grid_release(PDL)  # the main loop is done: the next kernel may be scheduled
     # epilogue
     acc = acc.to(tl.float32)
-    if RESCALED_ACC:  # back from the last step's scales
-        acc *= _pair_factors(held[0], held[1], held[2], BLOCK_N, FUSE_ACT, False)
     if ZERO_TERMS:  # (one-pair blocks sum their one row themselves)
         one_row = a_ptr + tl.max(tl.where(row_mask, a_rows, 0), axis=0).to(tl.int64) * stride_am
         acc = _less_zero_point_terms(acc, row_sums_ptr, stride_rs, one_row, a_rows, row_mask, scale_cols, zero_cols,

@@ -7,7 +7,6 @@
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .dequant_ptx import _e4m3_folded_scale, _e8m0, _nibbles_as_int8, _offset_zero
 from .fp4_dequant import _folded_e8m0, _scale_code_value, e2m1_fold_factor
@@ -157,44 +156,6 @@ def _tile_block_scales(k_scales, block_even, block_odd, stride_sn, FUSE_ACT: tl.
     if FUSE_ACT != "none":
         return scale_even, tl.load(k_scales + block_odd * stride_sn)
     return scale_even, scale_even
-
-
-# a rescaled accumulator (gemm's RESCALED_ACC) starts in these units, and a K step whose scale is zero is held at
-# RESCALE_ZERO times the last nonzero one: all normal floats, so a fast division takes them, while what the step's
-# codes add counts 2^-32 of a real step's (nothing, for the zero codes a quantiser writes under a zero scale)
-RESCALE_START = tl.constexpr(2.0 ** -64)
-RESCALE_ZERO = tl.constexpr(2.0 ** -32)
-
-
-@triton.jit
-def _rescale_to(scale, last):
-    """The units a rescaled accumulator takes for a K step of ``scale`` (a zero one: RESCALE_ZERO times the last
-    nonzero scale), and the last nonzero scale after it."""
-    zero = scale == 0
-    return tl.where(zero, last * RESCALE_ZERO, scale), tl.where(zero, last, scale)
-
-
-@triton.jit
-def _ratio(x, y, PTX: tl.constexpr):
-    """x / y to a couple of ulps: on a GPU libdevice's fast division (a reciprocal and a multiply, no
-    range checks: scales lie far inside float32's range), under the interpreter, which lacks it, ``/``."""
-    if PTX:
-        return libdevice.fast_dividef(x, y)
-    return x / y
-
-
-@triton.jit
-def _rescaled_dot(acc, a, b, scales, held, last, BLOCK_N: tl.constexpr, FUSE_ACT: tl.constexpr, PTX: tl.constexpr):
-    """One K step of a rescaled accumulator (gemm's RESCALED_ACC): ``acc`` holds the sum so far divided by the
-    ``held`` scales (each row's, the gate rows', the up rows'); taken to this step's ``scales`` (_rescale_to,
-    ``last``: the last nonzero ones), the fp8 dot of ``a`` and ``b`` adds into it in place, so the tile holds one
-    accumulator where a dot's own result takes as many registers again. (acc, the scales now held, last)."""
-    rows_now, rows_last = _rescale_to(scales[0], last[0])
-    even_now, even_last = _rescale_to(scales[1], last[1])
-    odd_now, odd_last = _rescale_to(scales[2], last[2])
-    acc = tl.dot(a, b, acc * _pair_factors(_ratio(held[0], rows_now, PTX), _ratio(held[1], even_now, PTX),
-                                           _ratio(held[2], odd_now, PTX), BLOCK_N, FUSE_ACT, False))
-    return acc, (rows_now, even_now, odd_now), (rows_last, even_last, odd_last)
 
 
 @triton.jit

@@ -256,8 +256,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: _Proj, variant: Kern
         scale_groups=groups, **_scale2_args(w, variant, dummy), **_e2m1_fold(w, variant, compute_dtype),
         E4M3_FOLDED=_e4m3_folded(w, variant, compute_dtype, asm, a.device),
         GROUP_DOTS=config.get("GROUP_DOTS", False), INPUT_HALVES=input_halves, HALVES_OUT=halves_out,
-        TILE_BLOCK_SCALE=tile_block_scale, RESCALED_ACC=tile_block_scale and config.get("RESCALED_ACC", False),
-        PTX=compiles_ptx(a.device), **_row_sums_args(row_sums, sums_out), **_launch_options(config),
+        TILE_BLOCK_SCALE=tile_block_scale, **_row_sums_args(row_sums, sums_out), **_launch_options(config),
         **pdl_launch(pdl))
 
 

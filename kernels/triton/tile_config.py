@@ -47,7 +47,7 @@ INTERPRETER_SMS = 132
 TRANSFER_ROWS = 0.5
 # from this many rows an expert, the decode defaults of 4-bit codes of a fixed zero under a 16-bit dot take one dot
 # per weight group on long tiles (GROUP_DOT_TILE): on an H200 at a quarter of a row (8 tokens) 1.19x the narrow
-# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.89-1.06x
+# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.90-1.06x
 # over four shapes, so not there
 GROUP_DOT_ROWS = 0.25
 GROUP_DOT_TILE = {"BLOCK_N": 128, "BLOCK_K": 512, "GROUP_DOTS": True, "num_stages": 3}
@@ -97,8 +97,7 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
     programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
     rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes). Given the
     ``activation_key``, the tiles the pair runs best without a table (GROUP_DOT_ROWS); without it, the
-    base a tuned entry's keys are laid over (an entry leaves out the options it does not take, so the base
-    holds none)."""
+    base a tuned entry's keys are laid over (an entry names no key it does not take)."""
     qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
     narrow = qk.quantized and qk.dtype.bits <= 8
     pairs = max(tokens * top_k, 1)
@@ -353,16 +352,6 @@ def input_halves_fit(variant: KernelVariant, config: dict) -> bool:
             and not config.get("ZERO_SUMS"))
 
 
-def rescaled_acc_fit(variant: KernelVariant, config: dict) -> bool:
-    """Whether a fitted config can hold its accumulator in units of the last K step's scales (the
-    ``RESCALED_ACC`` key), so each fp8 dot accumulates into it in place instead of into registers of its
-    own that a multiply-add then adds (sm_90: 152 and 146 registers where 200 and 207 held two programs an
-    SM, FP8 block-128 at 4096 tokens on 64x128 tiles; the loop one multiply a value, as before, plus four
-    divisions a step). The fp8 dot on block-scaled weights, the standard kernel; it runs where the
-    launch takes the tile's block scales as scalars (launch._tile_block_scale)."""
-    return variant.dot == "fp8" and variant.weight_scale == "block" and not config["SWAP_AB"]
-
-
 def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_swap: bool = True) -> dict:
     """A config made legal for the variant: BLOCK_K no wider than a weight block or an fp8
     activation group (their scales change inside the tile otherwise), at least 32 for 4-bit
@@ -370,13 +359,12 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
     SWAP_AB (the swapped-operand kernel) only where it runs the variant; GROUP_DOTS kept only
     where the tile spans several of the variant's groups (group_dot_width; absent otherwise);
     ZERO_SUMS kept only where the tile can take it (zero_sums_fit; absent otherwise), INPUT_HALVES
-    likewise (input_halves_fit), RESCALED_ACC too (rescaled_acc_fit)."""
+    likewise (input_halves_fit)."""
     config = dict(config)
     config["SWAP_AB"] = bool(config.get("SWAP_AB", False)) and can_swap and swappable(variant)
     bk = config["BLOCK_K"]
     zero_sums = config.pop("ZERO_SUMS", False)
     halves = config.pop("INPUT_HALVES", False)
-    rescaled = config.pop("RESCALED_ACC", False)
     group_dots = (config.pop("GROUP_DOTS", False) and not config["SWAP_AB"]
                   and 0 < group_dot_width(variant, config["BLOCK_M"], zero_sums) < bk)
     if variant.weight_scale == "block":
@@ -397,8 +385,6 @@ def _fit_config(config: dict, variant: KernelVariant, *, can_split: bool, can_sw
         del config["GROUP_DOTS"]
     if halves and input_halves_fit(variant, config):
         config["INPUT_HALVES"] = True
-    if rescaled and rescaled_acc_fit(variant, config):
-        config["RESCALED_ACC"] = True
     if not can_split:
         config["SPLIT_K"] = 1
     config.setdefault("SPLIT_K", 1)
