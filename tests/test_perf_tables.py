@@ -115,7 +115,7 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.18", "1.78"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.74", "0.81"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
-                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.56", "2.43"),
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.49", "2.49"),
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.06", "1.60"),
                 ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.35"),
                 # (measured again by the later of two runs, which replaces the earlier's cell)
@@ -131,18 +131,17 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.14", 13, 8, 18)
     assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.12", 7, 5, 9)
     # (the vLLM-Triton runs printed these per scheme)
-    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.18", "1.99", 1, 0, 6)
+    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.13", "2.00", 2, 0, 6)
     assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.04", "1.87", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
     assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | 23.0 (28%) | 40.9 | 1.78 |"
             in block)
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
-    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 425.5 (61%) | 662.4 | "
-            "1.56 | 579.1 (45%) | (1407.4) | (2.43) |") in block
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 451.2 (56%) | 673.2 | "
+            "1.49 | 573.3 (44%) | (1430.4) | (2.49) |") in block
     # each run's command measures the cells the record keeps of it (later runs replaced earlier runs' cells)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="512 4096" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` '
-                            '(vLLM-Triton); `MS="1 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
+                            '`MS="1 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
                             '(Marlin); `MS="1" bash tools/gpu_run.sh peer triton '
                             '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `MS="1" bash tools/gpu_run.sh '
                             'peer triton "fp8-block128"` (vLLM-Triton); '
@@ -153,7 +152,10 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                             'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128"` '
                             '(vLLM-Triton); `MS="512 4096" bash tools/gpu_run.sh peer triton "fp8-block128"` '
                             '(vLLM-Triton); `SHAPES="mixtral qwen3" MS="8" bash tools/gpu_run.sh peer marlin '
-                            '"awq-w4a16"` (Marlin), each one GPU call')
+                            '"awq-w4a16"` (Marlin); `MS="512 4096" bash tools/gpu_run.sh peer triton '
+                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `SHAPES="mixtral" MS="512" bash '
+                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton), each one '
+                            'GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
