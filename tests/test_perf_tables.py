@@ -154,8 +154,8 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                             '(vLLM-Triton); `SHAPES="mixtral qwen3" MS="8" bash tools/gpu_run.sh peer marlin '
                             '"awq-w4a16"` (Marlin); `MS="512 4096" bash tools/gpu_run.sh peer triton '
                             '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `SHAPES="mixtral" MS="512" bash '
-                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton), each one '
-                            'GPU call')
+                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton), '
+                            'each one GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
