@@ -605,3 +605,41 @@ def test_the_gemm_launches_a_step_made_run_again_alone(bench):
     for c, was in zip(written, before, strict=True):
         assert torch.equal(c, was)
     assert outs[0].isfinite().all()
+
+
+def test_the_gemm_launches_split_into_each_gemms(bench):
+    """gemm_graph_seconds times each GEMM alone from the launches of several layer calls: GEMM1's are every
+    call's first (its output is the second's input), GEMM2's every second; a count other than two a call gives
+    no split."""
+    import torch
+    from moe_registry_kernels import quant_ref
+    from moe_registry_kernels.triton.experts import TritonExperts
+
+    from moe_registry.core.keys import parse_quant_key
+    from moe_registry.layer.experts import ExpertsConfig
+
+    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float16:group(32):static"),
+                                                   parse_quant_key("unquantized"), num_experts=4, hidden=64,
+                                                   intermediate=64, dtype=torch.float16, seed=5)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    ids = torch.tensor([[0, 1], [2, 1], [3, 0]], dtype=torch.int32)
+    tw = torch.full((3, 2), 0.5)
+    experts = [TritonExperts(weights, ExpertsConfig()) for _ in range(2)]
+    launches = bench.record_gemm_launches(lambda: [e.apply(x, tw, ids) for e in experts])
+    first, second = bench.launches_by_gemm(launches, 2)
+    assert first == [launches[0], launches[2]] and second == [launches[1], launches[3]]
+    for g1, g2 in zip(first, second, strict=True):
+        assert g1[2][7].data_ptr() == g2[2][0].data_ptr()  # GEMM1's output (c_ptr) is GEMM2's input (a_ptr)
+    assert bench.launches_by_gemm(launches, 3) == ()
+
+
+def test_a_bench_record_from_before_the_per_gemm_times_reads_as_a_row(bench):
+    """Records written before bench.py timed each GEMM alone read back without those times."""
+    old = {"shape": "Qwen3-30B-A3B", "scheme": "gptq-w4a16", "m": 8, "us": 60.0, "roofline_us": 30.0,
+           "bytes_moved": 1.0, "flops": 1.0, "rel_error": 0.003, "gemm_us": 57.0, "gemm_roofline_us": 30.0,
+           "glue_us": 4.0, "pct_roofline": 50.0}
+    row = bench.row_from_record(old)
+    assert (row.gemm_us, row.gemm1_us, row.gemm2_us) == (57.0, None, None)
+    assert bench.row_from_record(bench.row_record(bench.Row(**{**{k: old[k] for k in bench.Row.__dataclass_fields__
+                                                                  if k in old}, "gemm1_us": 40.0,
+                                                               "gemm2_us": 17.0}))).gemm1_us == 40.0

@@ -195,9 +195,11 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
          _ours("compressed-tensors-w8a8-fp8-dynamic", 512, 1.0, 1.0), _ours("unquantized", 8, 1.0, 1.0)])
     marlin = _peer_run(tmp_path / "marlin", {
         "marlin.jsonl": [{"kind": "time", "shape": "qwen3-30b-a3b", "scheme": "int4_w4a16_zp", "M": 1,
-                          "t_gemms_us": 9.0, "t_layer_us": 11.0, "t_align_us": 2.0, "t_layer_align_us": 14.0}],
+                          "t_gemms_us": 9.0, "t_g1_us": 6.0, "t_g2_us": 3.0, "t_layer_us": 11.0, "t_align_us": 2.0,
+                          "t_layer_align_us": 14.0}],
         "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
-        [{**_ours("awq-w4a16", 1, 10.0, 12.0), "gemm_pct_roofline": 45.04, "pct_roofline": 49.6}])
+        [{**_ours("awq-w4a16", 1, 10.0, 12.0), "gemm_pct_roofline": 45.04, "pct_roofline": 49.6, "gemm1_us": 7.0,
+          "gemm2_us": 3.5}])
     doc = peer_record.distil([triton, marlin])
     cells = {(c["peer"], c["scheme"], c["m"]): c for c in doc["cells"]}
     assert sorted(cells) == [("Marlin", "awq-w4a16", 1), ("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 8),
@@ -209,6 +211,11 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
     assert cells[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 64)]["peer_config"] == "default"
     marlin_cell = cells[("Marlin", "awq-w4a16", 1)]
     assert (peer_record.gemm_ratio(marlin_cell), peer_record.layer_ratio(marlin_cell)) == (0.9, 14.0 / 12.0)
+    # each GEMM alone where both sides timed it (our rows from before the per-GEMM times, and the Triton times
+    # above, have none)
+    assert [marlin_cell[k] for k in ("ours_gemm1_us", "ours_gemm2_us", "peer_gemm1_us", "peer_gemm2_us")] == [
+        7.0, 3.5, 6.0, 3.0]
+    assert "ours_gemm1_us" not in t8
     assert [peer_record.command(r) for r in doc["runs"]] == [
         'SHAPES="qwen3" MS="8 64" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"',
         'SHAPES="qwen3" MS="1" bash tools/gpu_run.sh peer marlin "awq-w4a16"']

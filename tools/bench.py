@@ -208,6 +208,9 @@ class Row:
     gemm_us: float  # the two GEMM kernels alone, per layer call (GPU: gemm_graph_seconds; else the profiler)
     gemm_roofline_us: float
     glue_us: float  # every other kernel of the layer: alignment, quantisation, reduction
+    # each GEMM alone (GPU: gemm_graph_seconds, where each call made the two launches), to set beside the peer's
+    gemm1_us: float | None = None
+    gemm2_us: float | None = None
 
     @property
     def pct(self) -> float:
@@ -395,14 +398,15 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
         else:
             t = _median_time(step, 0.05, device) / len(kernels)
         gemm_s, glue_s = kernel_times(step, len(kernels), device)
+        each: tuple[float | None, float | None] = (None, None)
         if device.type == "cuda":  # the GEMMs alone as the peer harness times its own (see gemm_graph_seconds)
-            gemm_s = gemm_graph_seconds(step, len(kernels), rounds, device)
+            gemm_s, *each = gemm_graph_seconds(step, len(kernels), rounds, device)
         # the GEMMs alone move the weights, the hidden rows in and the top-k rows out (the
         # activation's round trip belongs to the layer); same FLOPs
         gemm_bytes = wbytes + m * shape.hidden * x.element_size() * (1 + shape.top_k)
         gemm_roof = max(gemm_bytes / ceilings["copy_bytes_per_s"], flops / peak)
         yield Row(shape.name, scheme.name, m, t * 1e6, roof * 1e6, bytes_moved, flops, rel,
-                  gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6)
+                  gemm_s * 1e6, gemm_roof * 1e6, glue_s * 1e6, *(None if s is None else s * 1e6 for s in each))
 
 
 # what the GEMM kernels are called in a CPU profile: the reference's matmuls (on a GPU, gemm_kernels asks the
@@ -474,17 +478,29 @@ def replay(launches: list[tuple]):  # type: ignore[no-untyped-def]
     return run
 
 
-def gemm_graph_seconds(step, calls_per_step: int, rounds: int, device: torch.device) -> float:  # type: ignore[no-untyped-def]
+def gemm_graph_seconds(step, calls_per_step: int, rounds: int,  # type: ignore[no-untyped-def]
+                       device: torch.device) -> tuple[float, float | None, float | None]:
     """Seconds per layer call in the GEMM kernels alone, timed as a peer's two launches are timed beside ours: the
     GEMM launches of one step, recorded with their arguments (record_gemm_launches), replayed ``rounds`` times over
-    in a CUDA graph, the median of its replays. A profile of a few eager steps (kernel_times) gave GEMM times that
-    followed the GPU's clock from call to call (up to 7% apart on an H200 where the layer's graph-timed median
-    moved by under 1%); the graph's replays run as long as the layer's own timing."""
+    in a CUDA graph, the median of its replays; then GEMM1's and GEMM2's launches each alone the same way (None
+    where a call made other than two: see launches_by_gemm). A profile of a few eager steps (kernel_times) gave
+    GEMM times that followed the GPU's clock from call to call (up to 7% apart on an H200 where the layer's
+    graph-timed median moved by under 1%); the graph's replays run as long as the layer's own timing."""
     launches = record_gemm_launches(step)
-    graph = capture_graph(replay(launches * rounds))
-    t = _median_time(graph.replay, 0.3, device)
-    del graph
-    return t / (calls_per_step * rounds)
+    times = []
+    for part in (launches, *launches_by_gemm(launches, calls_per_step)):
+        graph = capture_graph(replay(part * rounds))
+        times.append(_median_time(graph.replay, 0.3, device) / (calls_per_step * rounds))
+        del graph
+    return times[0], *(times[1:] or (None, None))
+
+
+def launches_by_gemm(launches: list[tuple], calls: int) -> tuple[list[tuple], ...]:
+    """The GEMM launches ``calls`` layer calls made, as (GEMM1's, GEMM2's): each call launches GEMM1, then GEMM2.
+    () where the count says a call made other than those two."""
+    if len(launches) != 2 * calls:
+        return ()
+    return launches[0::2], launches[1::2]
 
 
 def weight_copies(bytes_hit: float, bytes_all: float) -> int:
@@ -558,7 +574,8 @@ def row_record(r: Row) -> dict:
 
 
 def row_from_record(record: dict) -> Row:
-    return Row(**{f: record[f] for f in Row.__dataclass_fields__})
+    """A bench.json row as a Row (records from before the per-GEMM times lack them)."""
+    return Row(**{f: record[f] for f in Row.__dataclass_fields__ if f in record})
 
 
 def read_progress(out: Path) -> tuple[dict | None, list[dict]]:

@@ -149,6 +149,10 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
                             ("ours_layer_roofline_pct", "pct_roofline")):
             if field in row:
                 cell[ours] = round(row[field], 1)
+        # each GEMM alone on both sides, where both timed them (which of the two holds a cell back)
+        if row.get("gemm1_us") is not None and "t_g1_us" in t:
+            cell.update(ours_gemm1_us=round(row["gemm1_us"], 3), ours_gemm2_us=round(row["gemm2_us"], 3),
+                        peer_gemm1_us=round(t["t_g1_us"], 3), peer_gemm2_us=round(t["t_g2_us"], 3))
         if "config_src" in t:  # the Triton peer: vLLM's tuned table for this device and shape, or its default
             cell["peer_config"] = "tuned" if t["config_src"].startswith("tuned") else "default"
         if key in checks:
