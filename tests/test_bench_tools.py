@@ -633,6 +633,23 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
     assert bench.launches_by_gemm(launches, 3) == ()
 
 
+def test_the_gemm_graphs_time_both_gemms_then_each_alone(bench, monkeypatch):
+    """gemm_graph_seconds: the step's GEMM launches replayed together, then GEMM1's alone and GEMM2's alone, each
+    per layer call (here each "graph" stands for as many microseconds as it holds launches); no split where the
+    calls made other than two launches each."""
+    from types import SimpleNamespace
+
+    recorded: list = []
+    monkeypatch.setattr(bench, "record_gemm_launches", lambda step: recorded)
+    monkeypatch.setattr(bench, "replay", lambda launches: lambda: float(len(launches)))
+    monkeypatch.setattr(bench, "capture_graph", lambda step: SimpleNamespace(replay=step))
+    monkeypatch.setattr(bench, "_median_time", lambda fn, seconds, device: fn())
+    recorded[:] = ["g1", "g2", "g1", "g2"]
+    assert bench.gemm_graph_seconds(None, 2, 3, None) == (2.0, 1.0, 1.0)
+    recorded[:] = ["g1", "g2", "g1"]
+    assert bench.gemm_graph_seconds(None, 2, 3, None) == (1.5, None, None)
+
+
 def test_a_bench_record_from_before_the_per_gemm_times_reads_as_a_row(bench):
     """Records written before bench.py timed each GEMM alone read back without those times."""
     old = {"shape": "Qwen3-30B-A3B", "scheme": "gptq-w4a16", "m": 8, "us": 60.0, "roofline_us": 30.0,
