@@ -47,7 +47,7 @@ INTERPRETER_SMS = 132
 TRANSFER_ROWS = 0.5
 # from this many rows an expert, the decode defaults of 4-bit codes of a fixed zero under a 16-bit dot take one dot
 # per weight group on long tiles (GROUP_DOT_TILE): on an H200 at a quarter of a row (8 tokens) 1.19x the narrow
-# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.90-1.06x
+# tiles on DeepSeek-V3's shape and 1.07x on gpt-oss-120b's; at one token (a sixteenth of a row or less) 0.89-1.06x
 # over four shapes, so not there
 GROUP_DOT_ROWS = 0.25
 GROUP_DOT_TILE = {"BLOCK_N": 128, "BLOCK_K": 512, "GROUP_DOTS": True, "num_stages": 3}
@@ -97,7 +97,8 @@ def default_config(tokens: int, top_k: int, num_experts: int, n: int, k: int, we
     programs, and split-K when the tiles alone leave most of the ``num_sms`` idle; prefill: 64/128
     rows. Sub-16-bit weights take longer K tiles (a 4-bit tile of 128 is 64 bytes). Given the
     ``activation_key``, the tiles the pair runs best without a table (GROUP_DOT_ROWS); without it, the
-    base a tuned entry's keys are laid over (an entry names no key it does not take)."""
+    base a tuned entry's keys are laid over (an entry leaves out the options it does not take, so the base
+    holds none)."""
     qk = parse_quant_key(weight_key) if isinstance(weight_key, str) else weight_key
     narrow = qk.quantized and qk.dtype.bits <= 8
     pairs = max(tokens * top_k, 1)
