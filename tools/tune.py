@@ -820,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--try", dest="tries", nargs="+", type=_overlay, default=None, metavar="JSON",
                         help="no tile search: try these config keys laid over today's configs of both GEMMs "
                              '(\'{"num_stages": 3, "maxnreg": null}\': null removes a key; \'{"gemm2": {...}}\' '
-                             "one GEMM), then halves, rescaling and register caps on the winner")
+                             "one GEMM), then halves and register caps on the winner")
     parser.add_argument("--verbose", action="store_true",
                         help="after each entry, every candidate's time (us), refusal and the side-by-side check")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, interpreter, 2 candidates")
