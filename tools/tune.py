@@ -2,7 +2,7 @@
 
 For each model shape × scheme × token count, time the whole layer (CUDA graphs, weight copies
 rotated out of L2, as tools/bench.py does) under candidate configs: first GEMM1's tile for each
-BLOCK_M with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then the
+BLOCK_M (today's first) with GEMM2 at its default, then GEMM2's tile and split-K with GEMM1's best, then the
 winning GEMM2 reading its input in halves where the scheme's tiles can (``INPUT_HALVES``, 4-bit
 weights on 16-bit dots: GEMM1's epilogue stores them), then register caps on the winner
 (``maxnreg``, GEMM1's then GEMM2's: fewer registers per thread let more programs share an SM;
@@ -516,7 +516,9 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         t = measure(c1, c2)
         if t < best[2]:
             best = (c1, c2, t)
-    for bm in () if registers_only or seeds_only else block_ms(m, shape):
+    # today's BLOCK_M first: where a budget cuts the search short, the region of today's winner was searched
+    ordered = sorted(block_ms(m, shape), key=lambda bm: bm != d1["BLOCK_M"])
+    for bm in () if registers_only or seeds_only else ordered:
         g2 = fit_config({**d2, "BLOCK_M": bm}, variant, can_split=True)
         best1, t1 = None, math.inf
         tiles = scheme_tiles(bm, narrow, variant, limit)
