@@ -7,6 +7,7 @@ Timing is replaced by a counter (each measurement a new value), so a cell measur
 as a changed number, and no test depends on how long anything takes.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -574,11 +575,8 @@ def test_gpu_state_reads_nvidia_smis_line(bench):
     assert bench.gpu_state(bench.torch.device("cpu")) is None
 
 
-def test_the_gemm_launches_a_step_made_run_again_alone(bench):
-    """bench.py times the GEMMs alone on a GPU by replaying, in a CUDA graph, the GEMM launches one layer call made
-    (record_gemm_launches, replay): the recorded launches are the two GEMMs of the call, each kernel run as
-    recorded, and run again they write the same outputs into the call's own buffers (here through Triton's
-    interpreter: the graph around them is the GPU's)."""
+def _int4_call(seed: int, layers: int = 1):
+    """A step calling ``layers`` small GPTQ int4 Triton layers once each on 3 tokens routed top-2 (interpreter)."""
     import torch
     from moe_registry_kernels import quant_ref
     from moe_registry_kernels.triton.experts import TritonExperts
@@ -588,14 +586,25 @@ def test_the_gemm_launches_a_step_made_run_again_alone(bench):
 
     weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float16:group(32):static"),
                                                    parse_quant_key("unquantized"), num_experts=4, hidden=64,
-                                                   intermediate=64, dtype=torch.float16, seed=3)
-    g = torch.Generator().manual_seed(3)
+                                                   intermediate=64, dtype=torch.float16, seed=seed)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 64, generator=g).to(torch.float16)
     ids = torch.tensor([[0, 1], [2, 1], [3, 0]], dtype=torch.int32)
     tw = torch.rand(3, 2, generator=g) + 0.1
-    experts = TritonExperts(weights, ExpertsConfig())
+    experts = [TritonExperts(weights, ExpertsConfig()) for _ in range(layers)]
+    return lambda: [e.apply(x, tw, ids) for e in experts]
+
+
+def test_the_gemm_launches_a_step_made_run_again_alone(bench):
+    """bench.py times the GEMMs alone on a GPU by replaying, in a CUDA graph, the GEMM launches one layer call made
+    (record_gemm_launches, replay): the recorded launches are the two GEMMs of the call, each kernel run as
+    recorded, and run again they write the same outputs into the call's own buffers (here through Triton's
+    interpreter: the graph around them is the GPU's)."""
+    import torch
+
+    call = _int4_call(3)
     outs: list = []
-    launches = bench.record_gemm_launches(lambda: outs.append(experts.apply(x, tw, ids)))
+    launches = bench.record_gemm_launches(lambda: outs.extend(call()))
     assert [kernel.fn.__name__ for kernel, *_ in launches] == ["_fused_moe_kernel"] * 2
     written = [args[7] for _, _, args, _ in launches]  # c_ptr: each GEMM's output
     before = [c.clone() for c in written]
@@ -611,21 +620,7 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
     """gemm_graph_seconds times each GEMM alone from the launches of several layer calls: GEMM1's are every
     call's first (its output is the second's input), GEMM2's every second; a count other than two a call gives
     no split."""
-    import torch
-    from moe_registry_kernels import quant_ref
-    from moe_registry_kernels.triton.experts import TritonExperts
-
-    from moe_registry.core.keys import parse_quant_key
-    from moe_registry.layer.experts import ExpertsConfig
-
-    weights = quant_ref.make_random_expert_weights(parse_quant_key("uint4b8 scale:float16:group(32):static"),
-                                                   parse_quant_key("unquantized"), num_experts=4, hidden=64,
-                                                   intermediate=64, dtype=torch.float16, seed=5)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
-    ids = torch.tensor([[0, 1], [2, 1], [3, 0]], dtype=torch.int32)
-    tw = torch.full((3, 2), 0.5)
-    experts = [TritonExperts(weights, ExpertsConfig()) for _ in range(2)]
-    launches = bench.record_gemm_launches(lambda: [e.apply(x, tw, ids) for e in experts])
+    launches = bench.record_gemm_launches(_int4_call(5, layers=2))
     first, second = bench.launches_by_gemm(launches, 2)
     assert first == [launches[0], launches[2]] and second == [launches[1], launches[3]]
     for g1, g2 in zip(first, second, strict=True):
@@ -657,6 +652,5 @@ def test_a_bench_record_from_before_the_per_gemm_times_reads_as_a_row(bench):
            "glue_us": 4.0, "pct_roofline": 50.0}
     row = bench.row_from_record(old)
     assert (row.gemm_us, row.gemm1_us, row.gemm2_us) == (57.0, None, None)
-    assert bench.row_from_record(bench.row_record(bench.Row(**{**{k: old[k] for k in bench.Row.__dataclass_fields__
-                                                                  if k in old}, "gemm1_us": 40.0,
-                                                               "gemm2_us": 17.0}))).gemm1_us == 40.0
+    timed = dataclasses.replace(row, gemm1_us=40.0, gemm2_us=17.0)
+    assert bench.row_from_record(bench.row_record(timed)) == timed
