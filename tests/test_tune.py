@@ -437,19 +437,6 @@ def test_a_search_killed_midway_goes_on_from_its_last_measurement(tmp_path, monk
     assert seen == list(range(6, len(candidates) - tune.CONFIRM_ROUNDS + 1))
 
 
-class _NotingBlockMs(_SlowCandidates):
-    """_SlowCandidates noting the BLOCK_M of each GEMM1 config it times."""
-
-    def __init__(self, tune) -> None:
-        super().__init__(tune)
-        self.block_ms: list[int] = []
-
-    def time(self, configs, *args):
-        if configs != (None, None):
-            self.block_ms.append(configs[0]["BLOCK_M"])
-        return super().time(configs, *args)
-
-
 def test_the_search_takes_todays_block_m_first(tmp_path, monkeypatch):
     """A budget can cut a search short (Mixtral's M = 512 ran out after its 32-row tiles): the BLOCK_M of today's
     configs is searched first, then the others in their order."""
@@ -463,12 +450,12 @@ def test_the_search_takes_todays_block_m_first(tmp_path, monkeypatch):
     tile_config._load_config_file.cache_clear()
     table = {"E8_top2_N256_K128": {"1": today}, "E8_top2_N128_K128": {"1": today}}
     (tmp_path / tile_config.config_file(AWQ, "unquantized", "cpu").name).write_text(json.dumps(table))
-    layer = _NotingBlockMs(tune)
+    layer = _RegisterBound(tune)
     try:
         tune.tune_target(layer, 1, 1e-2, [], limit=2, splits=(1,), seeds=[])
     finally:
         tile_config._load_config_file.cache_clear()
-    assert list(dict.fromkeys(layer.block_ms)) == [64, 16, 32]
+    assert list(dict.fromkeys(c1["BLOCK_M"] for c1, _ in layer.timed)) == [64, 16, 32]
 
 
 def test_a_search_past_its_deadline_stops_at_the_first_candidate_not_measured(tmp_path, monkeypatch):
