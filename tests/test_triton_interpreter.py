@@ -1160,12 +1160,15 @@ def test_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     assert not chain.pdl_supported(torch.device("cpu"))
     assert chain.pdl_launch(False) == {} and chain.pdl_launch(True) == {"launch_pdl": True}
     chain._pdl_capable.cache_clear()
+    chain.compiles_ptx.cache_clear()  # (so the GPU check passes here and MOE_REGISTRY_PDL is what says no)
     monkeypatch.setenv("MOE_REGISTRY_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     try:
+        assert chain.compiles_ptx(torch.device("cuda", 0)) or torch.version.hip
         assert not chain.pdl_supported(torch.device("cuda", 0))
     finally:
         chain._pdl_capable.cache_clear()
+        chain.compiles_ptx.cache_clear()
 
 
 def test_plain_launches_turn_dependent_launch_off(monkeypatch):

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dequant_ptx import compiles_ptx
+
 try:  # grid dependency control (programmatic dependent launch), Triton builds that have it
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover (then pdl_supported() is False and the names are never compiled)
@@ -45,7 +47,7 @@ def plain_launches():
 
 @functools.cache
 def _pdl_capable(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+    if not compiles_ptx(device):
         return False
     if os.environ.get("MOE_REGISTRY_PDL", "1") == "0" or gdc_wait is None:
         return False

@@ -22,10 +22,7 @@ sum; per-channel ones, the bias, the router weight and the fused activation are 
 kernels' epilogue (:func:`gemm_common._finish_tile`).
 """
 
-import functools
-import os
 
-import torch
 import triton
 import triton.language as tl
 
@@ -43,14 +40,6 @@ HIGH_NIBBLES = tl.constexpr(-0x0F0F0F10)
 BYTE_SIGNS = tl.constexpr(-0x7F7F7F80)
 # an int4 byte holds 16 * (code - 8) once its nibble is moved up (see the module note)
 NIBBLE_UNIT = tl.constexpr(0.0625)
-
-
-@functools.cache
-def compiles_ptx(device: torch.device) -> bool:
-    """Whether kernels launched on ``device`` are compiled for an NVIDIA GPU, so inline PTX runs (this
-    kernel's ``dp4a`` dot products), not under the interpreter (which runs their plain-Triton
-    equivalents: the same numbers)."""
-    return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit

@@ -58,11 +58,18 @@ F32_CODE_WORD = _immediate(F32_CODE_BITS, 1)
 
 
 @functools.cache
+def compiles_ptx(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` are compiled for an NVIDIA GPU, so their inline PTX runs, not
+    under the interpreter (which runs the plain-Triton equivalents: the same numbers)."""
+    return device.type == "cuda" and not torch.version.hip and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@functools.cache
 def _paired_halves(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the PTX dequantisation (_nibble_asm, _byte_asm) runs: compiled for a GPU (not the
     interpreter) that converts float32 pairs to 16 bits (sm_80 and later) and, for bfloat16,
     has paired bf16 subtract/multiply (sm_90 and later)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+    if not compiles_ptx(device):
         return False
     return paired_halves_on(torch.cuda.get_device_capability(device), dtype)
 
@@ -78,7 +85,7 @@ def paired_halves_on(capability: tuple[int, int], dtype: torch.dtype) -> bool:
 def fp8_pair_convert(device: torch.device) -> bool:
     """Whether the GPU converts e4m3 pairs to float16 (cvt.rn.f16x2.e4m3x2, sm_89 and later), which the
     float16 form of :func:`_e4m3_asm` issues; before it, fp8 weights take :func:`_e4m3_value`."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+    if not compiles_ptx(device):
         return False
     return fp8_pair_convert_on(torch.cuda.get_device_capability(device))
 

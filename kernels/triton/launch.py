@@ -15,8 +15,8 @@ import triton.language as tl
 from . import decode_gemv
 from .activation_quant import act_quant
 from .chain import pdl_launch
-from .decode_gemv import _decode_gemv_kernel, compiles_ptx
-from .dequant_ptx import _paired_halves, fp8_pair_convert
+from .decode_gemv import _decode_gemv_kernel
+from .dequant_ptx import _paired_halves, compiles_ptx, fp8_pair_convert
 from .gemm import _fused_moe_kernel, _fused_moe_swap_kernel
 from .layout import _Proj, _word_halves_for
 from .variant import KernelVariant
