@@ -629,20 +629,45 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
 
 
 def test_the_gemm_graphs_time_both_gemms_then_each_alone(bench, monkeypatch):
-    """gemm_graph_seconds: the step's GEMM launches replayed together, then GEMM1's alone and GEMM2's alone, each
-    per layer call (here each "graph" stands for as many microseconds as it holds launches); no split where the
-    calls made other than two launches each."""
-    from types import SimpleNamespace
-
+    """gemm_graph_seconds: the step's GEMM launches timed together, then GEMM1's alone and GEMM2's alone, each
+    per layer call (here a burst of launches stands for as many microseconds as it holds launches); no split
+    where the calls made other than two launches each."""
     recorded: list = []
     monkeypatch.setattr(bench, "record_gemm_launches", lambda step: recorded)
     monkeypatch.setattr(bench, "replay", lambda launches: lambda: float(len(launches)))
-    monkeypatch.setattr(bench, "capture_graph", lambda step: SimpleNamespace(replay=step))
-    monkeypatch.setattr(bench, "_median_time", lambda fn, seconds, device: fn())
+    monkeypatch.setattr(bench, "burst_seconds", lambda run, device: run())
     recorded[:] = ["g1", "g2", "g1", "g2"]
-    assert bench.gemm_graph_seconds(None, 2, 3, None) == (2.0, 1.0, 1.0)
+    assert bench.gemm_graph_seconds(None, 2, None) == (2.0, 1.0, 1.0)
     recorded[:] = ["g1", "g2", "g1"]
-    assert bench.gemm_graph_seconds(None, 2, 3, None) == (1.5, None, None)
+    assert bench.gemm_graph_seconds(None, 2, None) == (1.5, None, None)
+
+
+@pytest.mark.parametrize(("run_ms", "reps"), [(0.4, 8), (3.0, 1), (5.0, 1), (1e-4, 400)])
+def test_a_burst_is_a_graph_of_about_three_ms_timed_replay_by_replay(bench, monkeypatch, run_ms, reps):
+    """burst_seconds times as the side-by-side harness times a peer: a graph holding about 3 ms of runs (at least
+    one, at most 400), replayed once untimed, then 15 replays each timed alone; the median per run. Here each run
+    takes ``run_ms`` and the graph runs its steps when replayed."""
+    from types import SimpleNamespace
+
+    runs: list = []
+    replays = []
+
+    def timed(fn, device):
+        before = len(runs)
+        fn()
+        return (len(runs) - before) * run_ms * 1e-3
+
+    def graph(step):
+        def replay():
+            replays.append(1)
+            step()
+        return SimpleNamespace(replay=replay)
+
+    monkeypatch.setattr(bench, "time_call", timed)
+    monkeypatch.setattr(bench, "capture_graph", graph)
+    assert bench.burst_seconds(lambda: runs.append(1), None) == pytest.approx(run_ms * 1e-3)
+    assert len(replays) == 1 + bench.BURST_REPLAYS == 16
+    assert len(runs) == 2 + reps * len(replays)  # a warm run and the timed one first
 
 
 def test_a_bench_record_from_before_the_per_gemm_times_reads_as_a_row(bench):
