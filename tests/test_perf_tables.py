@@ -198,8 +198,8 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
                           "t_gemms_us": 9.0, "t_g1_us": 6.0, "t_g2_us": 3.0, "t_layer_us": 11.0, "t_align_us": 2.0,
                           "t_layer_align_us": 14.0}],
         "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
-        [{**_ours("awq-w4a16", 1, 10.0, 12.0), "gemm_pct_roofline": 45.04, "pct_roofline": 49.6, "gemm1_us": 7.0,
-          "gemm2_us": 3.5}])
+        [{**_ours("awq-w4a16", 1, 10.0, 12.0), "gemm_pct_roofline": 47.25, "gemm_roofline_us": 4.725,
+          "pct_roofline": 49.6, "gemm1_us": 7.0, "gemm2_us": 3.5}])
     doc = peer_record.distil([triton, marlin])
     cells = {(c["peer"], c["scheme"], c["m"]): c for c in doc["cells"]}
     assert sorted(cells) == [("Marlin", "awq-w4a16", 1), ("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 8),
@@ -210,11 +210,13 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
     assert (t8["peer_rel_error"], t8["peer_check_ok"], t8["peer_config"]) == (0.02, False, "tuned")
     assert cells[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", 64)]["peer_config"] == "default"
     marlin_cell = cells[("Marlin", "awq-w4a16", 1)]
-    assert (peer_record.gemm_ratio(marlin_cell), peer_record.layer_ratio(marlin_cell)) == (0.9, 14.0 / 12.0)
     # each GEMM alone where both sides timed it (our rows from before the per-GEMM times, and the Triton times
-    # above, have none)
+    # above, have none); then our GEMMs are their sum, as the peer's are its two (not the 10 us our two took in
+    # one graph), and our share of the roofline is of that sum
     assert [marlin_cell[k] for k in ("ours_gemm1_us", "ours_gemm2_us", "peer_gemm1_us", "peer_gemm2_us")] == [
         7.0, 3.5, 6.0, 3.0]
+    assert (marlin_cell["ours_gemm_us"], marlin_cell["ours_gemm_roofline_pct"]) == (10.5, 45.0)
+    assert (peer_record.gemm_ratio(marlin_cell), peer_record.layer_ratio(marlin_cell)) == (9.0 / 10.5, 14.0 / 12.0)
     assert "ours_gemm1_us" not in t8
     assert [peer_record.command(r) for r in doc["runs"]] == [
         'SHAPES="qwen3" MS="8 64" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"',
@@ -229,7 +231,7 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
     # our share of the roofline beside our times, where tools/bench.py's row has it
     assert (marlin_cell["ours_gemm_roofline_pct"], marlin_cell["ours_layer_roofline_pct"]) == (45.0, 49.6)
     assert "ours_gemm_roofline_pct" not in t8
-    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.0 (45%) | 9.0 | 0.90 | 12.0 (50%) | 14.0 | 1.17 " \
+    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.5 (45%) | 9.0 | 0.86 | 12.0 (50%) | 14.0 | 1.17 " \
         "| 1.0e-02 | - | - |" in text
     assert "| M | ours GEMMs µs (% of roofline) | peer GEMMs µs | GEMM ratio | ours layer µs (% of roofline) |" in text
 
