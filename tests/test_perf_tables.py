@@ -107,20 +107,24 @@ def test_per_byte_markdown_is_one_table_per_shape(perf_tables, tmp_path, capsys)
 
 def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     """Cells and geo-means of the committed side-by-side record, against the harness's own ratios.md of the same
-    runs (peer time / our time: GEMMs, then layer)."""
+    runs (peer time / our time: GEMMs, then layer); where our run timed each GEMM alone, our GEMMs are the sum of
+    the two (the harness's ratios.md set the peer's sum against our two timed in one graph)."""
     import peer_record
 
     doc = perf_tables.json_record(perf_tables.read_manifest()["gpu_peer"], ROOT / "docs" / "bench")
     cells = {(c["peer"], c["shape"], c["scheme"], c["m"]): c for c in doc["cells"]}
     expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.18", "1.78"),
-                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.74", "0.81"),
+                # 203.4 / (158.9 + 105.6); the harness printed 0.77 against the two in one graph (264.3)
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.77", "0.83"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
-                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.49", "2.49"),
-                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.06", "1.60"),
+                # 668.9 / (252.9 + 184.4) and 737.4 / (436.8 + 239.9); the harness printed 1.61 and 1.13 (416.6
+                # and 655.4 in one graph)
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.53", "2.51"),
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.09", "1.58"),
                 ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.35"),
                 # (measured again by the later of two runs, which replaces the earlier's cell)
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.04", "1.37"),
-                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.09")}
+                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.10")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
@@ -128,34 +132,30 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     got = {key: (f"{rows[key]['gemm']:.2f}", f"{rows[key]['layer']:.2f}", rows[key]["gemm_below_1"],
                  rows[key]["layer_below_1"], rows[key]["cells"]) for key in rows}
     # (geo-means over the cells of two Marlin runs at M <= 64, the later one's replacing the earlier's)
-    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.92", "1.14", 13, 8, 18)
-    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.90", "1.12", 7, 5, 9)
+    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.94", "1.14", 14, 7, 18)
+    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.91", "1.12", 7, 4, 9)
     # (the vLLM-Triton runs printed these per scheme)
-    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.13", "2.00", 2, 0, 6)
+    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.15", "2.01", 2, 0, 6)
     assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.04", "1.87", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
-    assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | 23.0 (28%) | 40.9 | 1.78 |"
+    assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | - | 23.0 (28%) | 40.9 | 1.78 |"
             in block)
-    # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed
-    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 451.2 (56%) | 673.2 | "
-            "1.49 | 573.3 (44%) | (1430.4) | (2.49) |") in block
+    # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed; each GEMM's ratio beside
+    # the two's (668.9 = 368.1 + 300.8 against 252.9 + 184.4)
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 437.4 (59%) | 668.9 | "
+            "1.53 | 1.46 / 1.63 | 566.2 (45%) | (1419.6) | (2.51) |") in block
     # each run's command measures the cells the record keeps of it (later runs replaced earlier runs' cells)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="1 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
-                            '(Marlin); `MS="1" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `MS="1" bash tools/gpu_run.sh '
-                            'peer triton "fp8-block128"` (vLLM-Triton); '
-                            '`SHAPES="qwen3 mixtral" MS="64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
-                            '(Marlin); `MS="8" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
+                            '`MS="1" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
+                            '`MS="1" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` '
+                            '(vLLM-Triton); `MS="1" bash tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton); '
                             '`SHAPES="qwen3 dsv2lite" MS="1" bash tools/gpu_run.sh peer triton '
                             '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton); `MS="8 64" bash '
                             'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128"` '
-                            '(vLLM-Triton); `MS="512 4096" bash tools/gpu_run.sh peer triton "fp8-block128"` '
-                            '(vLLM-Triton); `SHAPES="mixtral qwen3" MS="8" bash tools/gpu_run.sh peer marlin '
-                            '"awq-w4a16"` (Marlin); `MS="512 4096" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton); `SHAPES="mixtral" MS="512" bash '
-                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` (vLLM-Triton), '
-                            'each one GPU call')
+                            '(vLLM-Triton); `MS="512 4096" bash tools/gpu_run.sh peer triton '
+                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128 quark-w8a8-int8 unquantized"` '
+                            '(vLLM-Triton); `MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
+                            '(Marlin), each one GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
@@ -225,15 +225,17 @@ def test_peer_record_pairs_each_peers_times_with_ours(perf_tables, tmp_path):
         "GPU X, 1000 MHz, torch 2.0, Triton 3.0, vLLM 0.33.0 (Marlin)"
     assert json.loads(peer_record.dumps(doc)) == doc
     text = peer_record.markdown(doc)
-    assert "| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 8 | 20.0 | 30.0 | 1.50 | 40.0 " \
-           "| (60.0) | (1.50) | 1.0e-02 | 2.0e-02 (failed) | tuned |" in text
+    # (no GEMM1 / GEMM2 ratios where the peer did not time each GEMM)
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 8 | 20.0 | 30.0 | 1.50 | - "
+            "| 40.0 | (60.0) | (1.50) | 1.0e-02 | 2.0e-02 (failed) | tuned |") in text
     # Marlin times vLLM's glue with its alignment (t_layer_align_us), and its layer figures are fair: no brackets
     # our share of the roofline beside our times, where tools/bench.py's row has it
     assert (marlin_cell["ours_gemm_roofline_pct"], marlin_cell["ours_layer_roofline_pct"]) == (45.0, 49.6)
     assert "ours_gemm_roofline_pct" not in t8
-    assert "| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.5 (45%) | 9.0 | 0.86 | 12.0 (50%) | 14.0 | 1.17 " \
-        "| 1.0e-02 | - | - |" in text
-    assert "| M | ours GEMMs µs (% of roofline) | peer GEMMs µs | GEMM ratio | ours layer µs (% of roofline) |" in text
+    assert ("| Marlin | Qwen3-30B-A3B | `awq-w4a16` | 1 | 10.5 (45%) | 9.0 | 0.86 | 0.86 / 0.86 | 12.0 (50%) | 14.0 "
+            "| 1.17 | 1.0e-02 | - | - |") in text
+    assert ("| M | ours GEMMs µs (% of roofline) | peer GEMMs µs | GEMM ratio | GEMM1 / GEMM2 "
+            "| ours layer µs (% of roofline) |") in text
 
 
 def _marlin_run(path: Path, times: dict[int, float]) -> Path:

@@ -292,14 +292,16 @@ def markdown(doc: dict) -> str:
               "runs vLLM's two Triton launches with torch glue and a torch moe_align_block_size, slower than vLLM's "
               "own CUDA ops, so only its GEMM ratio is a fair comparison. The peer's check is its own output's "
               "relative error against its own reference; its tiles are vLLM's tuned table for this device and "
-              "shape, or vLLM's default configuration where it has none.", ""]
+              "shape, or vLLM's default configuration where it has none. GEMM1 / GEMM2: the ratio of each GEMM "
+              "timed alone, where both sides timed each (our GEMMs are then the two alone summed, as the peer's "
+              "are).", ""]
     if pct:
         lines += ["Our times carry their share of tools/bench.py's roofline (the bytes of the weights and rows the "
                   "layer moves at the GPU's measured copy bandwidth, or its flops at the peak, whichever is "
                   "longer).", ""]
-    lines += [f"| peer | shape | scheme | M | ours GEMMs µs{pct} | peer GEMMs µs | GEMM ratio | ours layer µs{pct} "
-              "| peer layer µs | layer ratio | ours rel err | peer check | peer tiles |",
-              "|" + " --- |" * 13]
+    lines += [f"| peer | shape | scheme | M | ours GEMMs µs{pct} | peer GEMMs µs | GEMM ratio | GEMM1 / GEMM2 "
+              f"| ours layer µs{pct} | peer layer µs | layer ratio | ours rel err | peer check | peer tiles |",
+              "|" + " --- |" * 14]
     order = {key: {v: i for i, v in enumerate(dict.fromkeys(c[key] for c in doc["cells"]))}
              for key in ("peer", "scheme", "shape")}
     for c in sorted(doc["cells"], key=lambda c: (order["peer"][c["peer"]], order["scheme"][c["scheme"]],
@@ -308,12 +310,20 @@ def markdown(doc: dict) -> str:
             f"{c['peer_rel_error']:.1e}" + ("" if c["peer_check_ok"] else " (failed)"))
         lines.append(f"| {c['peer']} | {c['shape']} | `{c['scheme']}` | {c['m']} "
                      f"| {_with_pct(c['ours_gemm_us'], c.get('ours_gemm_roofline_pct'))} "
-                     f"| {c['peer_gemm_us']:.1f} | {gemm_ratio(c):.2f} "
+                     f"| {c['peer_gemm_us']:.1f} | {gemm_ratio(c):.2f} | {_each_gemm(c)} "
                      f"| {_with_pct(c['ours_layer_us'], c.get('ours_layer_roofline_pct'))} "
                      f"| {_layer(c['peer'], format(c['peer_layer_us'], '.1f'))} "
                      f"| {_layer(c['peer'], format(layer_ratio(c), '.2f'))} | {c['ours_rel_error']:.1e} | {check} "
                      f"| {c.get('peer_config', '-')} |")
     return "\n".join(lines) + "\n"
+
+
+def _each_gemm(cell: dict) -> str:
+    """Peer time / our time of GEMM1 and of GEMM2, each timed alone, or "-" where a side did not time each."""
+    if "ours_gemm1_us" not in cell:
+        return "-"
+    return (f"{cell['peer_gemm1_us'] / cell['ours_gemm1_us']:.2f} / "
+            f"{cell['peer_gemm2_us'] / cell['ours_gemm2_us']:.2f}")
 
 
 def dumps(doc: dict) -> str:
