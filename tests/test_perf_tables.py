@@ -147,8 +147,10 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     # each run's command measures the cells the record keeps of it (later runs replaced earlier runs' cells)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
                             '`MS="1" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="1" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"` '
-                            '(vLLM-Triton); `MS="1" bash tools/gpu_run.sh peer triton "fp8-block128"` (vLLM-Triton); '
+                            '`SHAPES="mixtral" MS="1" bash tools/gpu_run.sh peer triton '
+                            '"compressed-tensors-w8a8-fp8-dynamic"` '
+                            '(vLLM-Triton); `SHAPES="mixtral" MS="1" bash tools/gpu_run.sh peer triton "fp8-block128"` '
+                            '(vLLM-Triton); '
                             '`SHAPES="qwen3 dsv2lite" MS="1" bash tools/gpu_run.sh peer triton '
                             '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton); `MS="8 64" bash '
                             'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128"` '
@@ -245,6 +247,34 @@ def _marlin_run(path: Path, times: dict[int, float]) -> Path:
                           "t_layer_us": t, "t_align_us": 0.0, "t_layer_align_us": t} for m, t in times.items()],
         "marlin_meta.json": {"env": {"vllm_version": "0.33.0"}}},
         [_ours("awq-w4a16", m, 10.0, 10.0) for m in times])
+
+
+def test_a_run_in_a_record_names_only_the_shapes_and_schemes_of_the_cells_kept_of_it(perf_tables, tmp_path):
+    """A later run that times again one shape of an earlier run's two and one scheme of its two leaves the earlier
+    run's command naming the shape and scheme it still holds cells of, so that running it again measures no more
+    than those."""
+    import peer_record
+
+    def run(path, shapes, schemes):
+        names = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B"}
+        peer_schemes = {"compressed-tensors-w8a8-fp8-dynamic": "fp8_w8a8", "fp8-block128": "fp8_w8a8_block128"}
+        times = [{"kind": "time", "shape": shape, "scheme": peer_schemes[scheme], "M": 8, "t_gemms_us": 10.0,
+                  "t_layer_us": 20.0, "t_align_us": 1.0} for shape in shapes for scheme in schemes]
+        rows = [{**_ours(scheme, 8, 10.0, 20.0), "shape": names[shape]} for shape in shapes for scheme in schemes]
+        return _peer_run(path, {"times.jsonl": times, "env.json": {}}, rows)
+
+    both = ["compressed-tensors-w8a8-fp8-dynamic", "fp8-block128"]
+    first = peer_record.distil([run(tmp_path / "first", ["qwen3-30b-a3b", "mixtral-8x7b"], both)])
+    assert peer_record.command(first["runs"][0]) == (
+        'SHAPES="qwen3 mixtral" MS="8" bash tools/gpu_run.sh peer triton '
+        '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"')
+    # Mixtral's cells of both schemes and Qwen3's block-128 one timed again
+    doc = peer_record.distil([run(tmp_path / "mixtral", ["mixtral-8x7b"], both),
+                              run(tmp_path / "qwen3", ["qwen3-30b-a3b"], ["fp8-block128"])], first)
+    assert [peer_record.command(r) for r in doc["runs"]] == [
+        'SHAPES="qwen3" MS="8" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic"',
+        'SHAPES="mixtral" MS="8" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128"',
+        'SHAPES="qwen3" MS="8" bash tools/gpu_run.sh peer triton "fp8-block128"']
 
 
 def test_peer_record_onto_an_earlier_one_keeps_the_cells_a_run_did_not_time_again(perf_tables, tmp_path, capsys):

@@ -176,9 +176,9 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
 def distil(runs: list[Path], onto: dict | None = None, project: str | None = None) -> dict:
     """The record of one or more run folders: a header per run and every cell both sides timed, each cell
     naming its run (``run``: its index in ``runs``). ``onto``: an earlier record whose cells the runs' replace
-    and whose other cells stay; a run left with no cell goes, and each run's Ms are those of its cells, so
-    that its command measures what the record holds of it. ``project``: the commit the runs measured, over
-    their gpu.txt's."""
+    and whose other cells stay; a run left with no cell goes, and each run's shapes, schemes and Ms are those of
+    its cells, so that its command measures what the record holds of it (and no more, where they make a grid).
+    ``project``: the commit the runs measured, over their gpu.txt's."""
     headers, cells = [], {}
     if onto is not None:
         headers = [dict(h) for h in onto["runs"]]
@@ -194,10 +194,17 @@ def distil(runs: list[Path], onto: dict | None = None, project: str | None = Non
     kept = sorted({c["run"] for c in cells.values()})
     index = {old: new for new, old in enumerate(kept)}
     out_cells = [{**c, "run": index[c["run"]]} for c in cells.values()]
+    from bench import SHAPES
+
+    by_name = {shape.name: key for key, shape in SHAPES.items()}
     out_runs = []
     for old in kept:
-        ms = sorted({c["m"] for c in cells.values() if c["run"] == old})
-        out_runs.append({**headers[old], "ms": ms})
+        own = [c for c in cells.values() if c["run"] == old]
+        shapes = {by_name.get(c["shape"], c["shape"]) for c in own}
+        schemes = {c["scheme"] for c in own}
+        out_runs.append({**headers[old], "shapes": [s for s in headers[old]["shapes"] if s in shapes],
+                         "schemes": [s for s in headers[old]["schemes"] if s in schemes],
+                         "ms": sorted({c["m"] for c in own})})
     return {"tool": "tools/peer_record.py", "runs": out_runs, "cells": out_cells}
 
 
