@@ -159,7 +159,7 @@ def test_resume_profiles_only_the_cells_not_in_the_file(tmp_path, monkeypatch, c
     _write(tmp_path / profile_ncu.PROGRESS, [_profile("gptq-w4a16", 8, "gemm1", 42.0)])
     asked = []
 
-    def fake_cell(ncu, shape, scheme, m):
+    def fake_cell(ncu, shape, scheme, m, peer=None):
         asked.append((shape, scheme, m))
         return [_profile(scheme, m, "gemm1", 80.0)]
 
@@ -212,3 +212,73 @@ def test_bench_and_below_go_together(capsys):
     with pytest.raises(SystemExit):
         profile_ncu.main(["--below", "85"])
     assert "--bench and --below go together" in capsys.readouterr().err
+
+
+def test_the_peer_command_profiles_its_two_gemms_after_its_warm_layer():
+    """--peer: ncu over the harness's one case of the cell, our scheme's peer pair on the shape's peer name, its
+    GEMM1 and GEMM2 after the two launches of the warm layer, clocks left alone as for ours."""
+    command = profile_ncu.peer_command("ncu", "marlin", "mixtral", "awq-w4a16", 8)
+    assert command[command.index("--clock-control") + 1] == "none"
+    assert command[command.index("-k") + 1] == "regex:Marlin"
+    assert (command[command.index("--launch-skip") + 1], command[command.index("--launch-count") + 1]) == ("2", "2")
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--section"] == list(profile_ncu.SECTIONS)
+    assert command[-3:] == [str(profile_ncu.PEER_DIR / "marlin_peer_bench.py"), "--ncu-case",
+                            "mixtral-8x7b,int4_w4a16_zp,8"]
+    triton = profile_ncu.peer_command("ncu", "triton", "qwen3", "fp8-block128", 4096)
+    assert triton[triton.index("-k") + 1] == "regex:fused_moe_kernel"
+    assert triton[-3:] == [str(profile_ncu.PEER_DIR / "vllm_peer_bench.py"), "--ncu-case",
+                           "qwen3-30b-a3b,fp8_w8a8_block128,4096"]
+    with pytest.raises(ValueError, match="^no peer scheme of the same weights as mxfp4 "):
+        profile_ncu.peer_command("ncu", "triton", "qwen3", "mxfp4", 8)
+
+
+def test_the_peers_kernels_are_labelled_by_side_and_a_failure_names_the_peer(monkeypatch):
+    outputs = [raw_csv([GEMM1, GEMM2]), "==PROF== Connected\n"]
+
+    def fake_run(command, **kwargs):
+        assert "--ncu-case" in command
+        return subprocess.CompletedProcess(command, 0, stdout=outputs.pop(0), stderr="no kernel matched")
+
+    monkeypatch.setattr(profile_ncu.subprocess, "run", fake_run)
+    cell = profile_ncu.profile_cell("/x/ncu", "qwen3", "fp8-block128", 8, "triton")
+    assert [p.kernel for p in cell] == ["triton gemm1", "triton gemm2"]
+    assert [profile_ncu.side(p) for p in cell] == ["triton", "triton"]
+    assert cell[0].us == pytest.approx(41.5)
+    with pytest.raises(RuntimeError, match="^ncu profiled no kernel of the triton peer's qwen3 fp8-block128 M=8 "):
+        profile_ncu.profile_cell("/x/ncu", "qwen3", "fp8-block128", 8, "triton")
+
+
+def test_with_a_peer_each_cell_takes_ours_then_the_peers_and_resume_skips_each_side_it_has(tmp_path, monkeypatch,
+                                                                                          capsys):
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    (peer_dir / "marlin_peer_bench.py").write_text("")
+    monkeypatch.setattr(profile_ncu, "PEER_DIR", peer_dir)
+    out = tmp_path / "out"
+    out.mkdir()
+    _write(out / profile_ncu.PROGRESS, [_profile("awq-w4a16", 8, "gemm1", 42.0)])
+    asked = []
+
+    def fake_cell(ncu, shape, scheme, m, peer=None):
+        asked.append((m, peer))
+        return [_profile(scheme, m, f"{peer} gemm1" if peer else "gemm1", 80.0)]
+
+    monkeypatch.setattr(profile_ncu, "find_ncu", lambda: "/x/ncu")
+    monkeypatch.setattr(profile_ncu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(profile_ncu, "profile_cell", fake_cell)
+    argv = ["--schemes", "awq-w4a16", "--m", "8", "64", "--out", str(out), "--peer", "marlin", "--resume"]
+    assert profile_ncu.main(argv) == 0
+    assert asked == [(8, "marlin"), (64, None), (64, "marlin")]
+    capsys.readouterr()
+    # --show --gemms keeps both sides' GEMMs
+    assert profile_ncu.main(["--show", str(out / profile_ncu.PROGRESS), "--gemms"]) == 0
+    assert [line.split()[3:5] for line in capsys.readouterr().out.splitlines()[1:]] == [
+        ["gemm1", "42.0"], ["marlin", "gemm1"], ["gemm1", "80.0"], ["marlin", "gemm1"]]
+    # without the harness's script: one line, before any GPU work
+    (peer_dir / "marlin_peer_bench.py").unlink()
+    assert profile_ncu.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"profile_ncu.py: --peer marlin: no {peer_dir / 'marlin_peer_bench.py'}")
+    # a scheme the peer has no pair of: one line
+    (peer_dir / "marlin_peer_bench.py").write_text("")
+    assert profile_ncu.main(["--schemes", "mxfp4", "--out", str(out), "--peer", "marlin"]) == 2
+    assert capsys.readouterr().err.startswith("profile_ncu.py: --peer marlin: no peer scheme of the same weights")

@@ -17,6 +17,12 @@ plain launches, no CUDA graph) and reads back, per kernel:
     bash tools/gpu_run.sh profile --resume --shapes mixtral --schemes fp8-block128 --m 4096
     python tools/profile_ncu.py --show DIR/profile.jsonl --gemms   # the table again, no GPU
     bash tools/gpu_run.sh profile --bench /tmp/benchout --below 85 --shapes qwen3 --schemes mxfp4 --m 8 64
+    bash tools/gpu_run.sh profile --peer marlin --shapes mixtral --schemes awq-w4a16 --m 8   # carry .peer and .whl
+
+``--peer triton|marlin``: each cell's GEMMs beside the peer's own two (vLLM's Triton fused_moe_kernel or its CUDA
+Marlin MoE, run by the side-by-side harness in .peer/ as tools/gpu_run.sh peer runs it), profiled the same way:
+one launch each, the clocks left alone, so both sides' kernels are read at the clock the GPU runs them at, not
+at the clock a long timed burst left it at (``triton gemm1``, ``marlin gemm2``, ... in the kernel column).
 
 ``--bench DIR --below PCT``: of the cells asked for, only those a tools/bench.py run in DIR
 measured under PCT % of their roofline (the cells that miss a target).
@@ -53,6 +59,11 @@ SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpS
 NCU_CANDIDATES = ("ncu", "/opt/nvidia/nsight-compute/2025.3.1/ncu")
 PROGRESS = "profile.jsonl"
 CHILD_FLAG = "--child"
+# the side-by-side harness's scripts (in .peer/ at the repository root, git-ignored: tools/prepare_peer.sh) and the
+# kernels of theirs to profile: each script's --ncu-case runs one warm layer (two launches), then GEMM1 and GEMM2
+PEER_CASES = {"triton": ("vllm_peer_bench.py", "regex:fused_moe_kernel"),
+              "marlin": ("marlin_peer_bench.py", "regex:Marlin")}
+PEER_DIR = Path(__file__).resolve().parent.parent / ".peer"
 WARMUP_CALLS = 3  # compiles the kernels and fills the allocator before the profiled call
 
 
@@ -173,6 +184,26 @@ def ncu_command(ncu: str, shape: str, scheme: str, m: int) -> list[str]:
             sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, shape, scheme, str(m)]
 
 
+def peer_command(ncu: str, peer: str, shape: str, scheme: str, m: int) -> list[str]:
+    """ncu over the peer harness's one case of the cell (the same weights and M as our scheme, by
+    peer_record.SCHEME_PAIRS): its GEMM1 and GEMM2 after the warm layer's two launches; a one-line ValueError
+    where the peer runs no scheme of the same weights."""
+    from peer_record import SCHEME_PAIRS
+
+    if scheme not in SCHEME_PAIRS:
+        raise ValueError(f"no peer scheme of the same weights as {scheme} (wanted one of {', '.join(SCHEME_PAIRS)})")
+    script, kernels = PEER_CASES[peer]
+    sections = [arg for section in SECTIONS for arg in ("--section", section)]
+    return [ncu, "--csv", "--page", "raw", "--print-units", "base", "--clock-control", "none",
+            "--launch-skip", "2", "--launch-count", "2", "-k", kernels, *sections, sys.executable,
+            str(PEER_DIR / script), "--ncu-case", f"{bench.SHAPES[shape].name.lower()},{SCHEME_PAIRS[scheme]},{m}"]
+
+
+def side(profile: KernelProfile) -> str:
+    """Whose kernel a profile is: the peer's ("triton gemm1" -> "triton"), else "ours"."""
+    return profile.kernel.split(" ")[0] if profile.kernel.split(" ")[0] in PEER_CASES else "ours"
+
+
 def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALLS) -> int:
     """The child: build the layer as bench.py does, warm it up, then one call for the profiler.
     Returns the number of layer calls made (CPU: no profiler range, a check that it runs)."""
@@ -200,16 +231,21 @@ def run_cell(shape_name: str, scheme_name: str, m: int, calls: int = WARMUP_CALL
     return calls + 1
 
 
-def profile_cell(ncu: str, shape: str, scheme: str, m: int) -> list[KernelProfile]:
-    """One cell under ncu: its kernels' profiles, or a one-line error (RuntimeError)."""
+def profile_cell(ncu: str, shape: str, scheme: str, m: int, peer: str | None = None) -> list[KernelProfile]:
+    """One cell under ncu, ours or (``peer``) the peer's two GEMMs: the kernels' profiles, or a one-line error
+    (RuntimeError)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(ncu_command(ncu, shape, scheme, m), capture_output=True, text=True, env=env)
+    command = ncu_command(ncu, shape, scheme, m) if peer is None else peer_command(ncu, peer, shape, scheme, m)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     kernels = parse_raw_csv(done.stdout)
+    whose = "" if peer is None else f"the {peer} peer's "
     if not kernels:
         tail = " | ".join(line for line in (done.stderr + done.stdout).splitlines()[-4:] if line.strip())
-        raise RuntimeError(f"ncu profiled no kernel of {shape} {scheme} M={m} (exit {done.returncode}): {tail}")
+        raise RuntimeError(f"ncu profiled no kernel of {whose}{shape} {scheme} M={m} (exit {done.returncode}): "
+                           f"{tail}")
+    labels = label_kernels(kernels) if peer is None else [f"{peer} gemm{i + 1}" for i in range(len(kernels))]
     name = bench.SHAPES[shape].name
-    return [kernel_profile(k, name, scheme, m, label) for k, label in zip(kernels, label_kernels(kernels), strict=True)]
+    return [kernel_profile(k, name, scheme, m, label) for k, label in zip(kernels, labels, strict=True)]
 
 
 def load_profiles(path: Path) -> list[KernelProfile]:
@@ -262,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="skip the cells already in --out's " + PROGRESS)
     parser.add_argument("--show", nargs="+", type=Path, metavar="JSONL",
                         help="print the table of profile files this tool wrote, and profile nothing")
-    parser.add_argument("--gemms", action="store_true", help="with --show: the GEMM kernels only")
+    parser.add_argument("--gemms", action="store_true", help="with --show: the GEMM kernels only (both sides')")
     parser.add_argument("--bench", type=Path, metavar="DIR", help="a tools/bench.py --out directory, for --below")
     parser.add_argument("--below", type=float, metavar="PCT",
                         help="only the cells --bench measured under PCT %% of their roofline")
+    parser.add_argument("--peer", choices=list(PEER_CASES),
+                        help="also the peer's two GEMMs of each cell (the side-by-side harness in .peer/)")
     args = parser.parse_args(argv)
     if (args.bench is None) != (args.below is None):
         parser.error("--bench and --below go together")
@@ -275,12 +313,24 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as error:
             print(f"profile_ncu.py: {error}", file=sys.stderr)
             return 2
-        print_table([p for p in shown if not args.gemms or p.kernel.startswith("gemm")])
+        print_table([p for p in shown if not args.gemms or p.kernel.split(" ")[-1].startswith("gemm")])
         return 0
     bad = bench.check_names(args.schemes, list(schemes))
     if bad:
         print(f"profile_ncu.py: {bad}", file=sys.stderr)
         return 2
+    if args.peer is not None:
+        script = PEER_DIR / PEER_CASES[args.peer][0]
+        if not script.is_file():
+            print(f"profile_ncu.py: --peer {args.peer}: no {script} (make .peer/ with tools/prepare_peer.sh and "
+                  "carry it)", file=sys.stderr)
+            return 2
+        try:
+            for scheme in args.schemes:
+                peer_command("ncu", args.peer, args.shapes[0], scheme, args.m[0])
+        except ValueError as error:
+            print(f"profile_ncu.py: --peer {args.peer}: {error}", file=sys.stderr)
+            return 2
     cells = [(shape, scheme, m) for shape in args.shapes for scheme in args.schemes for m in args.m]
     if args.bench is not None:
         try:
@@ -305,24 +355,26 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"profile_ncu.py: {error}", file=sys.stderr)
         return 2
-    done = {(p.shape, p.scheme, p.m) for p in earlier}
+    done = {(p.shape, p.scheme, p.m, side(p)) for p in earlier}
     if not args.resume:  # a run starts its own file; only --resume adds to an earlier one
         progress.write_text("")
     for shape, scheme, m in cells:
-        if (bench.SHAPES[shape].name, scheme, m) in done:
-            print(f"{shape} {scheme} M={m}: in {progress} already", flush=True)
-            continue
-        try:
-            cell = profile_cell(ncu, shape, scheme, m)
-        except RuntimeError as error:
-            print(f"profile_ncu.py: {error}", file=sys.stderr)
-            failed += 1
-            continue
-        with progress.open("a") as f:
-            for p in cell:
-                f.write(json.dumps(asdict(p)) + "\n")
-        profiles += cell
-        print(f"{shape} {scheme} M={m}: {len(cell)} kernels profiled", flush=True)
+        for peer in (None, args.peer) if args.peer else (None,):
+            whose = f"{peer} peer's " if peer else ""
+            if (bench.SHAPES[shape].name, scheme, m, peer or "ours") in done:
+                print(f"{whose}{shape} {scheme} M={m}: in {progress} already", flush=True)
+                continue
+            try:
+                cell = profile_cell(ncu, shape, scheme, m, peer)
+            except RuntimeError as error:
+                print(f"profile_ncu.py: {error}", file=sys.stderr)
+                failed += 1
+                continue
+            with progress.open("a") as f:
+                for p in cell:
+                    f.write(json.dumps(asdict(p)) + "\n")
+            profiles += cell
+            print(f"{whose}{shape} {scheme} M={m}: {len(cell)} kernels profiled", flush=True)
     print_table(profiles)
     return 1 if failed else 0
 
