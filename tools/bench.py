@@ -487,12 +487,12 @@ def replay(launches: list[tuple]):  # type: ignore[no-untyped-def]
 def burst_seconds(run, device: torch.device) -> float:  # type: ignore[no-untyped-def]
     """Seconds one ``run`` takes, timed as the side-by-side harness times a peer's launches: ``run`` replayed in a
     CUDA graph of back-to-back runs that holds about BURST_SECONDS of work, the graph replayed BURST_REPLAYS times,
-    each replay timed alone, the median. Short bursts with idle gaps keep a GPU near its boost clock where 0.3 s
-    of back-to-back replays (_median_time, the layer's own timing) hold it at its power limit: an H200 running
-    FP8 prefill drew 690 W and fell from 1980 to 1000-1500 MHz within a second (nvidia-smi every 100 ms), and
-    timed so against the peer's bursts, our per-channel FP8 GEMMs at Mixtral's M = 4096 read 0.91-0.92x vLLM's
-    (two calls), where Nsight Compute, timing both sides' kernels alike (both at 1.55 GHz), read 1.01x. Both
-    sides timed one way compare kernels, not clocks."""
+    each replay timed alone, the median. 0.3 s of back-to-back replays (_median_time, the layer's own timing) hold
+    an H200 running FP8 prefill at its power limit (690 W, the SM clock down from 1980 to 1000-1500 MHz within a
+    second, nvidia-smi every 100 ms), where the peer's short bursts with idle gaps between run nearer its boost
+    clock: timed so against them, our per-channel FP8 GEMMs at Mixtral's M = 4096 read 0.91-0.92x vLLM's (two
+    calls); in bursts on both sides, 0.93x (each GEMM alone, summed as the peer sums its two). Nsight Compute,
+    one launch each at one clock (1.55 GHz), read 1.01x."""
     run()
     one = max(time_call(run, device), 1e-9)
     reps = max(1, min(BURST_STEPS, math.ceil(BURST_SECONDS / one)))

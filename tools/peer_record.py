@@ -179,6 +179,8 @@ def distil(runs: list[Path], onto: dict | None = None, project: str | None = Non
     and whose other cells stay; a run left with no cell goes, and each run's shapes, schemes and Ms are those of
     its cells, so that its command measures what the record holds of it (and no more, where they make a grid).
     ``project``: the commit the runs measured, over their gpu.txt's."""
+    from bench import SHAPES
+
     headers, cells = [], {}
     if onto is not None:
         headers = [dict(h) for h in onto["runs"]]
@@ -194,8 +196,6 @@ def distil(runs: list[Path], onto: dict | None = None, project: str | None = Non
     kept = sorted({c["run"] for c in cells.values()})
     index = {old: new for new, old in enumerate(kept)}
     out_cells = [{**c, "run": index[c["run"]]} for c in cells.values()]
-    from bench import SHAPES
-
     by_name = {shape.name: key for key, shape in SHAPES.items()}
     out_runs = []
     for old in kept:
