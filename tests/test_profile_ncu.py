@@ -233,6 +233,8 @@ def test_the_peer_command_profiles_its_two_gemms_after_its_warm_layer():
 
 
 def test_the_peers_kernels_are_labelled_by_side_and_a_failure_names_the_peer(monkeypatch):
+    """The peer's two profiled launches read as ``<peer> gemm1`` and ``<peer> gemm2`` (their kernel names are
+    not ours); a case ncu profiled nothing of is one line naming whose cell it was."""
     outputs = [raw_csv([GEMM1, GEMM2]), "==PROF== Connected\n"]
 
     def fake_run(command, **kwargs):
@@ -250,6 +252,9 @@ def test_the_peers_kernels_are_labelled_by_side_and_a_failure_names_the_peer(mon
 
 def test_with_a_peer_each_cell_takes_ours_then_the_peers_and_resume_skips_each_side_it_has(tmp_path, monkeypatch,
                                                                                           capsys):
+    """--peer: each cell's kernels, then the peer's; --resume skips a side the file holds for the cell (ours at
+    M = 8 here), not the cell; --show --gemms keeps both sides' GEMMs; a missing harness script, or a scheme the
+    peer has no pair of, is one line before any GPU work."""
     peer_dir = tmp_path / "peer"
     peer_dir.mkdir()
     (peer_dir / "marlin_peer_bench.py").write_text("")
