@@ -7,7 +7,8 @@
 #   bash tools/gpu_run.sh decode [args]  # tools/bench_decode.py with args (decode and alignment timings)
 #   bash tools/gpu_run.sh untuned [args] # tools/bench_untuned.py with args (shapes nobody tuned; $OUT/untuned.jsonl)
 #   bash tools/gpu_run.sh tune [args]    # tools/tune.py with args, into kernels/configs (copied to $OUT)
-#   bash tools/gpu_run.sh profile [args] # tools/profile_ncu.py with args (Nsight Compute counters per kernel)
+#   bash tools/gpu_run.sh profile [args] # tools/profile_ncu.py with args (Nsight Compute counters per kernel;
+#        --peer triton|marlin: vLLM's GEMMs beside ours, carry .peer)
 #   bash tools/gpu_run.sh peer triton|marlin "SCHEME_SPEC ..."  # vLLM's own MoE kernels, then tools/bench.py,
 #        on the same GPU in this call, and the ratio table (carry .peer and .whl: tools/prepare_peer.sh makes them)
 set -uo pipefail
