@@ -184,19 +184,24 @@ def ncu_command(ncu: str, shape: str, scheme: str, m: int) -> list[str]:
             sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, shape, scheme, str(m)]
 
 
-def peer_command(ncu: str, peer: str, shape: str, scheme: str, m: int) -> list[str]:
-    """ncu over the peer harness's one case of the cell (the same weights and M as our scheme, by
-    peer_record.SCHEME_PAIRS): its GEMM1 and GEMM2 after the warm layer's two launches; a one-line ValueError
-    where the peer runs no scheme of the same weights."""
+def peer_scheme(scheme: str) -> str:
+    """The peer's scheme of the same weights as ours (peer_record.SCHEME_PAIRS), or a one-line ValueError."""
     from peer_record import SCHEME_PAIRS
 
     if scheme not in SCHEME_PAIRS:
         raise ValueError(f"no peer scheme of the same weights as {scheme} (wanted one of {', '.join(SCHEME_PAIRS)})")
+    return SCHEME_PAIRS[scheme]
+
+
+def peer_command(ncu: str, peer: str, shape: str, scheme: str, m: int) -> list[str]:
+    """ncu over the peer harness's one case of the cell (the same weights and M as our scheme): its GEMM1 and
+    GEMM2 after the warm layer's two launches; a ValueError where the peer runs no scheme of the same weights."""
+    case = f"{bench.SHAPES[shape].name.lower()},{peer_scheme(scheme)},{m}"
     script, kernels = PEER_CASES[peer]
     sections = [arg for section in SECTIONS for arg in ("--section", section)]
     return [ncu, "--csv", "--page", "raw", "--print-units", "base", "--clock-control", "none",
             "--launch-skip", "2", "--launch-count", "2", "-k", kernels, *sections, sys.executable,
-            str(PEER_DIR / script), "--ncu-case", f"{bench.SHAPES[shape].name.lower()},{SCHEME_PAIRS[scheme]},{m}"]
+            str(PEER_DIR / script), "--ncu-case", case]
 
 
 def side(profile: KernelProfile) -> str:
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             for scheme in args.schemes:
-                peer_command("ncu", args.peer, args.shapes[0], scheme, args.m[0])
+                peer_scheme(scheme)
         except ValueError as error:
             print(f"profile_ncu.py: --peer {args.peer}: {error}", file=sys.stderr)
             return 2

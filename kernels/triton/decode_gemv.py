@@ -22,7 +22,6 @@ sum; per-channel ones, the bias, the router weight and the fused activation are 
 kernels' epilogue (:func:`gemm_common._finish_tile`).
 """
 
-
 import triton
 import triton.language as tl
 
