@@ -125,7 +125,9 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                 # 15.5 / (11.1 + 6.1); the harness printed 0.84 against the two in one graph (18.5)
                 ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 1): ("0.90", "2.87"),
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.05", "1.37"),
-                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.10")}
+                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.10"),
+                # 767.5 / (491.1 + 288.8); the harness printed 1.09 against the two in one graph (702.2)
+                ("vLLM-Triton", "Qwen3-30B-A3B", "unquantized", 4096): ("0.98", "1.35")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
@@ -149,10 +151,11 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
                             '`MS="1" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
                             '`MS="512 4096" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128 quark-w8a8-int8 unquantized"` '
+                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128 quark-w8a8-int8"` '
                             '(vLLM-Triton); `MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
                             '(Marlin); `MS="1 8 64" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton), each one GPU call')
+                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton); `MS="512 4096" bash '
+                            'tools/gpu_run.sh peer triton "unquantized"` (vLLM-Triton), each one GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
