@@ -294,14 +294,15 @@ def markdown(doc: dict) -> str:
     # our share of tools/bench.py's roofline beside our times, where the record has it
     pct = " (% of roofline)" if any("ours_gemm_roofline_pct" in c for c in doc["cells"]) else ""
     lines += ["", "Ratio = peer time / our time (geo-mean over the cells): above 1, ours is faster. The GEMM ratio "
-              "compares the two expert GEMM launches on each side. The layer ratio is fair for Marlin, whose layer "
-              "time holds vLLM's own CUDA glue and block alignment; for vLLM-Triton it is in brackets: the harness "
-              "runs vLLM's two Triton launches with torch glue and a torch moe_align_block_size, slower than vLLM's "
-              "own CUDA ops, so only its GEMM ratio is a fair comparison. The peer's check is its own output's "
-              "relative error against its own reference; its tiles are vLLM's tuned table for this device and "
-              "shape, or vLLM's default configuration where it has none. GEMM1 / GEMM2: the ratio of each GEMM "
-              "timed alone, where both sides timed each (our GEMMs are then the two alone summed, as the peer's "
-              "are).", ""]
+              "compares the two expert GEMM launches on each side (our GEMM1 also applies the gated activation to "
+              "its output, which both peers run as a torch launch of its own outside their GEMM time). The layer "
+              "ratio is fair for Marlin, whose layer time holds vLLM's own CUDA glue and block alignment; for "
+              "vLLM-Triton it is in brackets: the harness runs vLLM's two Triton launches with torch glue and a "
+              "torch moe_align_block_size, slower than vLLM's own CUDA ops, so only its GEMM ratio is a fair "
+              "comparison. The peer's check is its own output's relative error against its own reference; its tiles "
+              "are vLLM's tuned table for this device and shape, or vLLM's default configuration where it has none. "
+              "GEMM1 / GEMM2: the ratio of each GEMM timed alone, where both sides timed each (our GEMMs are then "
+              "the two alone summed, as the peer's are).", ""]
     if pct:
         lines += ["Our times carry their share of tools/bench.py's roofline (the bytes of the weights and rows the "
                   "layer moves at the GPU's measured copy bandwidth, or its flops at the peak, whichever is "
