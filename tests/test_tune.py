@@ -867,6 +867,26 @@ def test_verbose_prints_each_entrys_log(tune_fake, tmp_path, monkeypatch, capsys
     assert "  1.0 us candidate at M = 8" in out
 
 
+def test_each_entry_says_why_its_candidates_were_refused(tune_fake, tmp_path, monkeypatch, capsys):
+    """A register cap ptxas rejects is not an accuracy refusal: the entry's line counts each kind apart."""
+    tune = tune_fake
+
+    def search(layer, m, tolerance, log, **kwargs):
+        log += ["  reject {'a': 1} {'b': 1}: relative error 3.00e-02 > 1e-02",
+                "  skip {'a': 2} {'b': 2}: RuntimeError: ptxas fatal   : (C7602) Insufficient registers (80)",
+                "  skip {'a': 3} {'b': 3}: PTXASError: PTXAS error",
+                f"  skip {{'a': 4}} {{'b': 4}}: {tune.CUT_OFF_REFUSAL}", "  1.0 us {'a': 5} {'b': 5}"]
+        config = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}
+        return config, config, 1.0, 2.0
+
+    monkeypatch.setattr(tune, "tune_target", search)
+    assert tune.main(["--dry-run", "--schemes", "awq-w4a16", "--m", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("M=1: before 2000000.0 us, tuned 1000000.0 us (2.00x), 4 refused, 1 over tolerance, 2 not built or run, "
+            "1 in an earlier run\n") in out
+    assert out.rstrip().splitlines()[-2].endswith(f"{'2.00x':>10}{4:>9}")  # the summary's total
+
+
 def test_tables_hold_the_configs_as_the_layer_runs_them(tune_fake, tmp_path, monkeypatch):
     """A winner is written as the layer fits it: a W4A8 K tile of 512 columns without per-group dots
     runs as one group of 128 (its int8 dot takes one group's scale), and the table says so; GEMM2

@@ -443,6 +443,18 @@ def _entry_progress(done: int, total: int, label: str, started: float) -> Callab
     return lambda measured: _progress(done, total, f"{label}: {measured} measured", started)
 
 
+CUT_OFF_REFUSAL = "refused before the search was cut off"
+
+
+def refusals(log: list[str]) -> dict[str, int]:
+    """An entry's refused candidates by why, from its search log: over the scheme's tolerance, or not built or run
+    (a register cap ptxas rejects, a compiler error, out of resources), or refused by a run cut off before."""
+    lines = [line.lstrip() for line in log]
+    return {"over tolerance": sum(line.startswith("reject") for line in lines),
+            "not built or run": sum(line.startswith("skip") and not line.endswith(CUT_OFF_REFUSAL) for line in lines),
+            "in an earlier run": sum(line.startswith("skip") and line.endswith(CUT_OFF_REFUSAL) for line in lines)}
+
+
 def register_variants(config: dict) -> list[dict]:
     """``config`` under each register cap it does not already have (and uncapped, if it is capped)."""
     caps = [cap for cap in (None, *REGISTER_CAPS) if cap != config.get("maxnreg")]  # None: no cap
@@ -481,7 +493,7 @@ def tune_target(layer: Layer, m: int, tolerance: float, log: list[str], *, limit
         if taken is not None and taken.known(c1, c2):
             t = taken.seconds(c1, c2)
             if math.isinf(t):
-                log.append(f"  skip {c1} {c2}: refused before the search was cut off")
+                log.append(f"  skip {c1} {c2}: {CUT_OFF_REFUSAL}")
             return t
         if time.monotonic() > deadline:
             raise SearchCutOff
@@ -941,11 +953,12 @@ def main(argv: list[str] | None = None) -> int:
             write_entry(path, table["meta"], {key1: {str(target.m): c1}, key2: {str(target.m): c2}})
             kept.forget()
             done += 1
-            refused = sum(line.lstrip().startswith(("reject", "skip")) for line in log)
-            summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, refused))
+            why = refusals(log)
+            summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, sum(why.values())))
             # each entry's figures as it ends: a run cut off by a time limit keeps what it measured
             print(f"{label}: before {base_t * 1e6:.1f} us, tuned {t * 1e6:.1f} us ({base_t / t:.2f}x), "
-                  f"{refused} refused", flush=True)
+                  f"{sum(why.values())} refused" + "".join(f", {n} {reason}" for reason, n in why.items() if n),
+                  flush=True)
             if args.verbose:
                 print("\n".join(log), flush=True)
         del layer
