@@ -954,11 +954,11 @@ def main(argv: list[str] | None = None) -> int:
             kept.forget()
             done += 1
             why = refusals(log)
-            summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, sum(why.values())))
+            refused = sum(why.values())
+            summary.append((shape_name, name, target.m, base_t * 1e6, t * 1e6, refused))
             # each entry's figures as it ends: a run cut off by a time limit keeps what it measured
             print(f"{label}: before {base_t * 1e6:.1f} us, tuned {t * 1e6:.1f} us ({base_t / t:.2f}x), "
-                  f"{sum(why.values())} refused" + "".join(f", {n} {reason}" for reason, n in why.items() if n),
-                  flush=True)
+                  f"{refused} refused" + "".join(f", {n} {reason}" for reason, n in why.items() if n), flush=True)
             if args.verbose:
                 print("\n".join(log), flush=True)
         del layer
