@@ -629,17 +629,45 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
 
 
 def test_the_gemm_graphs_time_both_gemms_then_each_alone(bench, monkeypatch):
-    """gemm_graph_seconds: the step's GEMM launches timed together, then GEMM1's alone and GEMM2's alone, each
-    per layer call (here a burst of launches stands for as many microseconds as it holds launches); no split
-    where the calls made other than two launches each."""
+    """gemm_graph_seconds: after COOL_SECONDS idle, the step's GEMM launches timed together, then GEMM1's alone
+    and GEMM2's alone, each per layer call (here a burst of launches stands for as many microseconds as it holds
+    launches); no split where the calls made other than two launches each."""
     recorded: list = []
+    events: list = []
     monkeypatch.setattr(bench, "record_gemm_launches", lambda step: recorded)
     monkeypatch.setattr(bench, "replay", lambda launches: lambda: float(len(launches)))
-    monkeypatch.setattr(bench, "burst_seconds", lambda run, device: run())
+    monkeypatch.setattr(bench, "burst_seconds", lambda run, device: events.append("burst") or run())
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: events.append(("idle", seconds)))
     recorded[:] = ["g1", "g2", "g1", "g2"]
     assert bench.gemm_graph_seconds(None, 2, None) == (2.0, 1.0, 1.0)
+    assert events == [("idle", bench.COOL_SECONDS), "burst", "burst", "burst"] and bench.COOL_SECONDS >= 0.5
     recorded[:] = ["g1", "g2", "g1"]
     assert bench.gemm_graph_seconds(None, 2, None) == (1.5, None, None)
+
+
+def test_a_gpu_cell_times_the_gemms_before_the_layers_sustained_replays(bench, monkeypatch):
+    """gpu_cell_seconds: the GEMM bursts first (the layer's 0.3 s of back-to-back replays would leave the GPU at
+    its power limit for them), then the layer's graph of at least GRAPH_CALLS calls, the weight copies in turn;
+    the layer's time per call."""
+    from types import SimpleNamespace
+
+    order: list = []
+    calls: list = []
+    layers = [SimpleNamespace(apply=lambda x, tw, ti, n=n: calls.append(n)) for n in range(3)]
+    monkeypatch.setattr(bench, "gemm_graph_seconds",
+                        lambda step, per_step, device: order.append(("gemms", per_step)) or (3.0, 2.0, 1.0))
+    monkeypatch.setattr(bench, "capture_graph", lambda step: SimpleNamespace(replay=step))
+
+    def median(fn, seconds, device):
+        order.append(("layer", seconds))
+        fn()
+        return 9.0
+
+    monkeypatch.setattr(bench, "_median_time", median)
+    layer_s, gemms = bench.gpu_cell_seconds(layers, None, None, None, None)
+    assert order == [("gemms", 3), ("layer", 0.3)]
+    assert calls == [0, 1, 2] * 3 and len(calls) >= bench.GRAPH_CALLS
+    assert layer_s == 9.0 / 9 and gemms == (3.0, 2.0, 1.0)
 
 
 @pytest.mark.parametrize(("run_ms", "reps"), [(0.4, 8), (3.0, 1), (5.0, 1), (1e-4, 400)])

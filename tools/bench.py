@@ -199,6 +199,12 @@ GRAPH_CALLS = 8
 BURST_SECONDS = 3e-3
 BURST_STEPS = 400
 BURST_REPLAYS = 15
+# the idle pause before a cell's GEMM bursts, as the peer harness pauses after its sustained runs: the cell before
+# ends in the layer's 0.3 s of back-to-back replays, which hold an H200 running FP8 or bf16 prefill at its power
+# limit; GEMM1 bursts of Mixtral's per-channel FP8 at M = 4096 timed 0, 0.25, 0.5, 1 and 2 s after those replays
+# read 1773.8, 1594.4, 1525.3, 1539.5 and 1528.8 us (and vLLM's own 1818.8 us at once against 1560.1-1588.0 us
+# after a second's pause)
+COOL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -396,17 +402,13 @@ def bench_one(shape: Shape, scheme: Scheme, ms: list[int], ceilings: dict[str, f
 
         step = _calls(kernels, x, tw, ti)
 
+        each: tuple[float | None, float | None] = (None, None)
         if device.type == "cuda":
-            rounds = math.ceil(GRAPH_CALLS / len(kernels))  # the copies in turn, round after round
-            graph = capture_graph(_calls(kernels * rounds, x, tw, ti))
-            t = _median_time(graph.replay, 0.3, device) / (len(kernels) * rounds)
-            del graph
+            t, (gemm_s, *each) = gpu_cell_seconds(kernels, x, tw, ti, device)
+            _, glue_s = kernel_times(step, len(kernels), device)
         else:
             t = _median_time(step, 0.05, device) / len(kernels)
-        gemm_s, glue_s = kernel_times(step, len(kernels), device)
-        each: tuple[float | None, float | None] = (None, None)
-        if device.type == "cuda":  # the GEMMs alone as the peer harness times its own (see gemm_graph_seconds)
-            gemm_s, *each = gemm_graph_seconds(step, len(kernels), device)
+            gemm_s, glue_s = kernel_times(step, len(kernels), device)
         # the GEMMs alone move the weights, the hidden rows in and the top-k rows out (the
         # activation's round trip belongs to the layer); same FLOPs
         gemm_bytes = wbytes + m * shape.hidden * x.element_size() * (1 + shape.top_k)
@@ -487,12 +489,10 @@ def replay(launches: list[tuple]):  # type: ignore[no-untyped-def]
 def burst_seconds(run, device: torch.device) -> float:  # type: ignore[no-untyped-def]
     """Seconds one ``run`` takes, timed as the side-by-side harness times a peer's launches: ``run`` replayed in a
     CUDA graph of back-to-back runs that holds about BURST_SECONDS of work, the graph replayed BURST_REPLAYS times,
-    each replay timed alone, the median. 0.3 s of back-to-back replays (_median_time, the layer's own timing) hold
-    an H200 running FP8 prefill at its power limit (690 W, the SM clock down from 1980 to 1000-1500 MHz within a
-    second, nvidia-smi every 100 ms), where the peer's short bursts with idle gaps between run nearer its boost
-    clock: timed so against them, our per-channel FP8 GEMMs at Mixtral's M = 4096 read 0.91-0.92x vLLM's (two
-    calls); in bursts on both sides, 0.93x (each GEMM alone, summed as the peer sums its two). Nsight Compute,
-    one launch each at one clock (1.55 GHz), read 1.01x."""
+    each replay timed alone, the median. Short bursts with host syncs between run near the GPU's boost clock, as
+    the peer's do; 0.3 s of back-to-back replays (_median_time, the layer's own timing) hold an H200 running FP8
+    prefill at its power limit (690 W, the SM clock down from 1980 to 1000-1500 MHz within a second, nvidia-smi
+    every 100 ms)."""
     run()
     one = max(time_call(run, device), 1e-9)
     reps = max(1, min(BURST_STEPS, math.ceil(BURST_SECONDS / one)))
@@ -503,14 +503,30 @@ def burst_seconds(run, device: torch.device) -> float:  # type: ignore[no-untype
     return statistics.median(times) / reps
 
 
+def gpu_cell_seconds(kernels: list, x: torch.Tensor, tw: torch.Tensor, ti: torch.Tensor,
+                     device: torch.device) -> tuple[float, tuple[float, float | None, float | None]]:
+    """(seconds per layer call, gemm_graph_seconds) of one cell on a GPU, the layers of ``kernels`` (weight
+    copies) called in turn. The GEMMs alone come first, as the side-by-side harness times a peer's two launches
+    before its layer: the layer's 0.3 s of back-to-back replays hold a GPU running a power-bound cell at its
+    power limit, and bursts timed right after them read that lowered clock (see COOL_SECONDS)."""
+    gemms = gemm_graph_seconds(_calls(kernels, x, tw, ti), len(kernels), device)
+    rounds = math.ceil(GRAPH_CALLS / len(kernels))  # the copies in turn, round after round
+    graph = capture_graph(_calls(kernels * rounds, x, tw, ti))
+    layer = _median_time(graph.replay, 0.3, device) / (len(kernels) * rounds)
+    del graph
+    return layer, gemms
+
+
 def gemm_graph_seconds(step, calls_per_step: int,  # type: ignore[no-untyped-def]
                        device: torch.device) -> tuple[float, float | None, float | None]:
     """Seconds per layer call in the GEMM kernels alone, timed as a peer's two launches are timed beside ours
-    (burst_seconds): the GEMM launches of one step, recorded with their arguments (record_gemm_launches); then
-    GEMM1's and GEMM2's launches each alone the same way (None where a call made other than two: see
-    launches_by_gemm). A profile of a few eager steps (kernel_times) gave GEMM times that followed the GPU's clock
-    from call to call (up to 7% apart on an H200 where the layer's graph-timed median moved by under 1%)."""
+    (burst_seconds), after COOL_SECONDS idle: the GEMM launches of one step, recorded with their arguments
+    (record_gemm_launches); then GEMM1's and GEMM2's launches each alone the same way (None where a call made
+    other than two: see launches_by_gemm). A profile of a few eager steps (kernel_times) gave GEMM times that
+    followed the GPU's clock from call to call (up to 7% apart on an H200 where the layer's graph-timed median
+    moved by under 1%)."""
     launches = record_gemm_launches(step)
+    time.sleep(COOL_SECONDS)
     times = [burst_seconds(replay(part), device) / calls_per_step
              for part in (launches, *launches_by_gemm(launches, calls_per_step))]
     return times[0], *(times[1:] or (None, None))
