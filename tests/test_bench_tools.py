@@ -629,18 +629,19 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
 
 
 def test_the_gemm_graphs_time_both_gemms_then_each_alone(bench, monkeypatch):
-    """gemm_graph_seconds: after COOL_SECONDS idle, the step's GEMM launches timed together, then GEMM1's alone
-    and GEMM2's alone, each per layer call (here a burst of launches stands for as many microseconds as it holds
-    launches); no split where the calls made other than two launches each."""
+    """gemm_graph_seconds: after COOL_SECONDS idle, GEMM1's launches alone, then GEMM2's (as the peer harness times
+    its two), then the step's GEMM launches together, each per layer call (here a burst of launches stands for as
+    many microseconds as it holds launches); no split where the calls made other than two launches each."""
     recorded: list = []
     events: list = []
     monkeypatch.setattr(bench, "record_gemm_launches", lambda step: recorded)
-    monkeypatch.setattr(bench, "replay", lambda launches: lambda: float(len(launches)))
-    monkeypatch.setattr(bench, "burst_seconds", lambda run, device: events.append("burst") or run())
+    monkeypatch.setattr(bench, "replay", lambda launches: lambda: launches)
+    monkeypatch.setattr(bench, "burst_seconds", lambda run, device: events.append(run()) or float(len(run())))
     monkeypatch.setattr(bench.time, "sleep", lambda seconds: events.append(("idle", seconds)))
     recorded[:] = ["g1", "g2", "g1", "g2"]
     assert bench.gemm_graph_seconds(None, 2, None) == (2.0, 1.0, 1.0)
-    assert events == [("idle", bench.COOL_SECONDS), "burst", "burst", "burst"] and bench.COOL_SECONDS >= 0.5
+    assert events == [("idle", bench.COOL_SECONDS), ["g1", "g1"], ["g2", "g2"], recorded]
+    assert bench.COOL_SECONDS >= 0.5
     recorded[:] = ["g1", "g2", "g1"]
     assert bench.gemm_graph_seconds(None, 2, None) == (1.5, None, None)
 

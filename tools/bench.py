@@ -521,15 +521,18 @@ def gemm_graph_seconds(step, calls_per_step: int,  # type: ignore[no-untyped-def
                        device: torch.device) -> tuple[float, float | None, float | None]:
     """Seconds per layer call in the GEMM kernels alone, timed as a peer's two launches are timed beside ours
     (burst_seconds), after COOL_SECONDS idle: the GEMM launches of one step, recorded with their arguments
-    (record_gemm_launches); then GEMM1's and GEMM2's launches each alone the same way (None where a call made
-    other than two: see launches_by_gemm). A profile of a few eager steps (kernel_times) gave GEMM times that
-    followed the GPU's clock from call to call (up to 7% apart on an H200 where the layer's graph-timed median
-    moved by under 1%)."""
+    (record_gemm_launches), GEMM1's and GEMM2's launches each alone (None where a call made other than two: see
+    launches_by_gemm), then all of them together: (together, GEMM1, GEMM2). A profile of a few eager steps
+    (kernel_times) gave GEMM times that followed the GPU's clock from call to call (up to 7% apart on an H200
+    where the layer's graph-timed median moved by under 1%)."""
     launches = record_gemm_launches(step)
     time.sleep(COOL_SECONDS)
-    times = [burst_seconds(replay(part), device) / calls_per_step
-             for part in (launches, *launches_by_gemm(launches, calls_per_step))]
-    return times[0], *(times[1:] or (None, None))
+    # each GEMM alone first, GEMM1 then GEMM2 as the peer harness times its two: a burst heats the GPU for the
+    # next (Mixtral's per-channel FP8 GEMM1 at M = 4096 on an H200: 1530 us a second after the layer's replays,
+    # 1807 us after the two GEMMs' own burst had run first)
+    each = [burst_seconds(replay(part), device) / calls_per_step for part in launches_by_gemm(launches, calls_per_step)]
+    both = burst_seconds(replay(launches), device) / calls_per_step
+    return both, *(each or (None, None))
 
 
 def launches_by_gemm(launches: list[tuple], calls: int) -> tuple[list[tuple], ...]:
