@@ -117,17 +117,19 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                 # 203.4 / (158.9 + 105.6); the harness printed 0.77 against the two in one graph (264.3)
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.77", "0.83"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
-                # 668.9 / (252.9 + 184.4) and 737.4 / (436.8 + 239.9); the harness printed 1.61 and 1.13 (416.6
-                # and 655.4 in one graph)
-                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.53", "2.51"),
-                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.09", "1.58"),
+                # 668.5 / (241.4 + 174.8) and 748.2 / (427.8 + 237.6); the harness printed 1.58 and 1.11 (422.0
+                # and 672.3 in one graph, timed after each alone)
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.61", "2.50"),
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.12", "1.60"),
+                # 2435.2 / (1526.4 + 830.0); the harness printed 0.94 (2595.0 in one graph)
+                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.03", "1.73"),
                 ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.35"),
                 # 15.5 / (11.1 + 6.1); the harness printed 0.84 against the two in one graph (18.5)
                 ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 1): ("0.90", "2.87"),
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.05", "1.37"),
                 ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.10"),
-                # 767.5 / (491.1 + 288.8); the harness printed 1.09 against the two in one graph (702.2)
-                ("vLLM-Triton", "Qwen3-30B-A3B", "unquantized", 4096): ("0.98", "1.35")}
+                # 699.0 / (411.6 + 292.2); the harness printed 1.00 against the two in one graph (697.5)
+                ("vLLM-Triton", "Qwen3-30B-A3B", "unquantized", 4096): ("0.99", "1.36")}
     for key, (gemm, layer) in expected.items():
         assert (f"{peer_record.gemm_ratio(cells[key]):.2f}", f"{peer_record.layer_ratio(cells[key]):.2f}") == (
             gemm, layer), key
@@ -137,25 +139,25 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     # (geo-means over the cells of two Marlin runs at M <= 64, the later one's replacing the earlier's)
     assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.94", "1.14", 14, 7, 18)
     assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.91", "1.12", 7, 4, 9)
-    # (the vLLM-Triton runs printed these per scheme)
-    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.15", "2.01", 2, 0, 6)
+    # (the vLLM-Triton run at M = 1, 8, 64 printed block-128's decode geo-mean; the prefill run printed 1.16 for
+    # per-channel FP8, two cells below 1, against our two timed in one graph after each alone)
+    assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.20", "2.01", 1, 0, 6)
     assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.06", "1.87", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
     assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | - | 23.0 (28%) | 40.9 | 1.78 |"
             in block)
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed; each GEMM's ratio beside
-    # the two's (668.9 = 368.1 + 300.8 against 252.9 + 184.4)
-    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 437.4 (59%) | 668.9 | "
-            "1.53 | 1.46 / 1.63 | 566.2 (45%) | (1419.6) | (2.51) |") in block
+    # the two's (668.5 = 368.7 + 299.8 against 241.4 + 174.8)
+    assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 416.2 (61%) | 668.5 | "
+            "1.61 | 1.53 / 1.72 | 565.3 (45%) | (1414.8) | (2.50) |") in block
     # each run's command measures the cells the record keeps of it (later runs replaced earlier runs' cells)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
                             '`MS="1" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="512 4096" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128 quark-w8a8-int8"` '
-                            '(vLLM-Triton); `MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` '
-                            '(Marlin); `MS="1 8 64" bash tools/gpu_run.sh peer triton '
+                            '`MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
+                            '`MS="1 8 64" bash tools/gpu_run.sh peer triton '
                             '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton); `MS="512 4096" bash '
-                            'tools/gpu_run.sh peer triton "unquantized"` (vLLM-Triton), each one GPU call')
+                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128 '
+                            'quark-w8a8-int8 unquantized"` (vLLM-Triton), each one GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:

@@ -150,8 +150,9 @@ def read_run(run: Path) -> tuple[dict, list[dict]]:
             if field in row:
                 cell[ours] = round(row[field], 1)
         # each GEMM alone on both sides, where both timed them (which of the two holds a cell back); then our
-        # GEMMs are the sum of the two, as the peer's t_gemms_us is its t_g1_us + t_g2_us: the two timed in one
-        # graph, one after the other, read up to 13% less than their sum (H200, Mixtral's FP8 and bf16 prefill)
+        # GEMMs are the sum of the two, as the peer's t_gemms_us is its t_g1_us + t_g2_us (tools/bench.py times our
+        # two in one graph after each alone, on a GPU those bursts left warmer: up to 10% more than the sum on an
+        # H200's Mixtral FP8 and bf16 prefill)
         if row.get("gemm1_us") is not None and "t_g1_us" in t:
             cell.update(ours_gemm1_us=round(row["gemm1_us"], 3), ours_gemm2_us=round(row["gemm2_us"], 3),
                         peer_gemm1_us=round(t["t_g1_us"], 3), peer_gemm2_us=round(t["t_g2_us"], 3))
