@@ -113,9 +113,10 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
 
     doc = perf_tables.json_record(perf_tables.read_manifest()["gpu_peer"], ROOT / "docs" / "bench")
     cells = {(c["peer"], c["shape"], c["scheme"], c["m"]): c for c in doc["cells"]}
-    expected = {("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.18", "1.78"),
-                # 203.4 / (158.9 + 105.6); the harness printed 0.77 against the two in one graph (264.3)
-                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.77", "0.83"),
+    expected = {# 24.7 / (12.3 + 6.7); the harness printed 1.27 against the two in one graph (19.4)
+                ("Marlin", "DeepSeek-V2-Lite", "gptq-w4a16", 1): ("1.30", "1.80"),
+                # 199.6 / (157.2 + 105.0); the harness printed 0.76 against the two in one graph (261.8)
+                ("Marlin", "Mixtral-8x7B", "awq-w4a16", 8): ("0.76", "0.81"),
                 ("Marlin", "Mixtral-8x7B", "awq-w4a16", 512): ("1.05", "1.08"),
                 # 668.5 / (241.4 + 174.8) and 748.2 / (427.8 + 237.6); the harness printed 1.58 and 1.11 (422.0
                 # and 672.3 in one graph, timed after each alone)
@@ -123,11 +124,11 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
                 ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 512): ("1.12", "1.60"),
                 # 2435.2 / (1526.4 + 830.0); the harness printed 0.94 (2595.0 in one graph)
                 ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 4096): ("1.03", "1.73"),
-                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.02", "1.35"),
-                # 15.5 / (11.1 + 6.1); the harness printed 0.84 against the two in one graph (18.5)
-                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 1): ("0.90", "2.87"),
-                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.05", "1.37"),
-                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.00", "1.10"),
+                ("vLLM-Triton", "Mixtral-8x7B", "compressed-tensors-w8a8-fp8-dynamic", 64): ("1.00", "1.33"),
+                # 15.4 / (11.9 + 6.3); the harness printed 0.82 against the two in one graph (18.7)
+                ("vLLM-Triton", "Qwen3-30B-A3B", "compressed-tensors-w8a8-fp8-dynamic", 1): ("0.85", "2.89"),
+                ("vLLM-Triton", "Mixtral-8x7B", "fp8-block128", 64): ("1.05", "1.39"),
+                ("Marlin", "Qwen3-30B-A3B", "gptq-w4a16", 64): ("1.01", "1.12"),
                 # 699.0 / (411.6 + 292.2); the harness printed 1.00 against the two in one graph (697.5)
                 ("vLLM-Triton", "Qwen3-30B-A3B", "unquantized", 4096): ("0.99", "1.36")}
     for key, (gemm, layer) in expected.items():
@@ -136,28 +137,26 @@ def test_the_vllm_record_gives_the_ratios_the_peer_harness_printed(perf_tables):
     rows = {(s["peer"], s["scheme"], s["bucket"]): s for s in peer_record.summary(doc)}
     got = {key: (f"{rows[key]['gemm']:.2f}", f"{rows[key]['layer']:.2f}", rows[key]["gemm_below_1"],
                  rows[key]["layer_below_1"], rows[key]["cells"]) for key in rows}
-    # (geo-means over the cells of two Marlin runs at M <= 64, the later one's replacing the earlier's)
-    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.94", "1.14", 14, 7, 18)
-    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.91", "1.12", 7, 4, 9)
-    # (the vLLM-Triton run at M = 1, 8, 64 printed block-128's decode geo-mean; the prefill run printed 1.16 for
-    # per-channel FP8, two cells below 1, against our two timed in one graph after each alone)
+    # (the harness printed 0.92 and 1.14 for AWQ's decode, 1.04 for block-128's, against our two timed in one graph;
+    # 1.16 for per-channel FP8's prefill, two cells below 1)
+    assert got[("Marlin", "all schemes", "decode, M <= 64")] == ("0.96", "1.16", 13, 7, 18)
+    assert got[("Marlin", "awq-w4a16", "decode, M <= 64")] == ("0.92", "1.14", 7, 4, 9)
     assert got[("vLLM-Triton", "compressed-tensors-w8a8-fp8-dynamic", "prefill, M >= 512")] == ("1.20", "2.01", 1, 0, 6)
-    assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.06", "1.87", 4, 0, 9)
+    assert got[("vLLM-Triton", "fp8-block128", "decode, M <= 64")] == ("1.05", "1.89", 4, 0, 9)
     block = perf_tables.blocks(perf_tables.read_manifest(), ROOT / "docs" / "bench")["gpu-peer"]
-    assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 20.2 (32%) | 23.8 | 1.18 | - | 23.0 (28%) | 40.9 | 1.78 |"
-            in block)
+    assert ("| Marlin | DeepSeek-V2-Lite | `gptq-w4a16` | 1 | 19.0 (34%) | 24.7 | 1.30 | 1.15 / 1.58 | 23.1 (28%) "
+            "| 41.6 | 1.80 |") in block
     # the Triton harness's layer is not vLLM's own glue: its layer figures are bracketed; each GEMM's ratio beside
     # the two's (668.5 = 368.7 + 299.8 against 241.4 + 174.8)
     assert ("| vLLM-Triton | Qwen3-30B-A3B | `compressed-tensors-w8a8-fp8-dynamic` | 4096 | 416.2 (61%) | 668.5 | "
             "1.61 | 1.53 / 1.72 | 565.3 (45%) | (1414.8) | (2.50) |") in block
     # each run's command measures the cells the record keeps of it (later runs replaced earlier runs' cells)
     assert block.startswith('Commands: `MS="512" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="1" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="8 64" bash tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); '
-                            '`MS="1 8 64" bash tools/gpu_run.sh peer triton '
-                            '"compressed-tensors-w8a8-fp8-dynamic fp8-block128"` (vLLM-Triton); `MS="512 4096" bash '
-                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128 '
-                            'quark-w8a8-int8 unquantized"` (vLLM-Triton), each one GPU call')
+                            '`MS="512 4096" bash tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic '
+                            'fp8-block128 quark-w8a8-int8 unquantized"` (vLLM-Triton); `MS="1 8 64" bash '
+                            'tools/gpu_run.sh peer marlin "gptq-w4a16 awq-w4a16"` (Marlin); `MS="1 8 64" bash '
+                            'tools/gpu_run.sh peer triton "compressed-tensors-w8a8-fp8-dynamic fp8-block128"` '
+                            '(vLLM-Triton), each one GPU call')
 
 
 def _peer_run(path: Path, files: dict[str, list[dict] | dict], rows: list[dict]) -> Path:
