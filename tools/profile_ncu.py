@@ -7,6 +7,8 @@ built and warmed up as bench.py builds it, then one call between cudaProfilerSta
 plain launches, no CUDA graph) and reads back, per kernel:
 
 - time, and DRAM throughput as % of its peak (a 4-bit decode GEMM near its roofline is near 100);
+- the megabytes read from DRAM and L2's hit rate (the same tile beside a peer's: do both read
+  their weights once?);
 - issue slots busy (% of the schedulers' cycles that issued an instruction: near 100 is
   instruction-bound) and the tensor pipes' busy % (matrix-unit bound);
 - achieved occupancy, registers a thread, and the three largest stall reasons (warp cycles
@@ -55,7 +57,8 @@ import bench  # noqa: E402
 # the sections read (each one's metrics come back as columns of ncu's raw page; sections, not
 # metric names, so a metric an ncu version names differently is missing from the table, not an
 # error that loses the run)
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "SchedulerStats", "WarpStateStats", "ComputeWorkloadAnalysis",
+            "MemoryWorkloadAnalysis")
 NCU_CANDIDATES = ("ncu", "/opt/nvidia/nsight-compute/2025.3.1/ncu")
 PROGRESS = "profile.jsonl"
 CHILD_FLAG = "--child"
@@ -81,6 +84,10 @@ class KernelProfile:
     occupancy_pct: float | None
     registers: int | None
     stalls: dict  # reason -> warp cycles stalled per issued instruction, largest first
+    # L2's hit rate over its sectors, and the megabytes read from DRAM (profiles written before these were read
+    # have None): two kernels of the same tile and time apart in DRAM bytes read their weights differently
+    l2_hit_pct: float | None = None
+    dram_read_mb: float | None = None
 
     def top_stalls(self, count: int = 3) -> str:
         return " ".join(f"{reason} {value:.1f}" for reason, value in list(self.stalls.items())[:count])
@@ -93,11 +100,15 @@ COLUMNS = {
     "issue_pct": r"^(sm__inst_issued|smsp__issue_active)\.avg\.pct_of_peak_sustained_active$",
     "occupancy_pct": r"^sm__warps_active\.avg\.pct_of_peak_sustained_active$",
     "registers": r"^launch__registers_per_thread$",
+    "l2_hit_pct": r"^lts__t_sector_hit_rate\.pct$",
+    "dram_read_mb": r"^dram__bytes_read\.sum$",
 }
 TENSOR_PIPES = r"^sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$"
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 # time units ncu may print a duration in, as microseconds
 TIME_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6}
+# byte units ncu may print a size in, as megabytes
+BYTE_UNITS = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
 
 
 def _number(text: str) -> float | None:
@@ -146,6 +157,8 @@ def kernel_profile(kernel: dict, shape: str, scheme: str, m: int, label: str) ->
         fields[field] = None if picked is None else picked[1]
         if field == "us" and picked is not None:
             fields[field] = picked[1] * TIME_UNITS.get(units.get(picked[0], "nsecond"), 1e-3)
+        if field == "dram_read_mb" and picked is not None:
+            fields[field] = picked[1] * BYTE_UNITS.get(units.get(picked[0], "byte"), 1e-6)
     tensor = [value for name, value in metrics.items() if re.search(TENSOR_PIPES, name) and value is not None]
     stalls = {STALL.match(name).group(1): value for name, value in metrics.items()
               if STALL.match(name) and value is not None and not name.endswith("_not_issued_per_issue_active.ratio")}
@@ -268,16 +281,16 @@ def load_profiles(path: Path) -> list[KernelProfile]:
 
 
 def print_table(profiles: list[KernelProfile]) -> None:
-    print(f"{'shape':<18}{'scheme':<28}{'M':>5}  {'kernel':<12}{'us':>8}{'dram%':>7}{'issue%':>7}"
-          f"{'tensor%':>8}{'occ%':>6}{'regs':>5}  top stalls (cycles per issued instruction)")
+    print(f"{'shape':<18}{'scheme':<28}{'M':>5}  {'kernel':<12}{'us':>8}{'dram%':>7}{'dramMB':>8}{'L2hit%':>7}"
+          f"{'issue%':>7}{'tensor%':>8}{'occ%':>6}{'regs':>5}  top stalls (cycles per issued instruction)")
 
     def show(value: float | None, digits: int = 0) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     for p in profiles:
         print(f"{p.shape:<18}{p.scheme:<28}{p.m:>5}  {p.kernel[:12]:<12}{show(p.us, 1):>8}{show(p.dram_pct):>7}"
-              f"{show(p.issue_pct):>7}{show(p.tensor_pct):>8}{show(p.occupancy_pct):>6}"
-              f"{show(p.registers):>5}  {p.top_stalls()}")
+              f"{show(p.dram_read_mb, 1):>8}{show(p.l2_hit_pct):>7}{show(p.issue_pct):>7}{show(p.tensor_pct):>8}"
+              f"{show(p.occupancy_pct):>6}{show(p.registers):>5}  {p.top_stalls()}")
 
 
 def cells_below(asked: list[tuple[str, str, int]], rows: list[dict], below: float) -> list[tuple[str, str, int]]:
