@@ -26,8 +26,9 @@ METRICS = ["gpu__time_duration.sum", "gpu__dram_throughput.avg.pct_of_peak_susta
            "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
            "smsp__average_warps_issue_stalled_wait_not_issued_per_issue_active.ratio", "lts__t_sector_hit_rate.pct",
-           "dram__bytes_read.sum"]
-UNITS = ["nsecond", "%", "%", "%", "register/thread", "%", "%", "inst", "inst", "inst", "inst", "inst", "%", "byte"]
+           "dram__bytes.sum.per_second"]
+UNITS = ["nsecond", "%", "%", "%", "register/thread", "%", "%", "inst", "inst", "inst", "inst", "inst", "%",
+         "byte/second"]
 
 
 def _row(values: list[str]) -> str:
@@ -46,9 +47,9 @@ def raw_csv(kernels: list[tuple[str, list[str]]]) -> str:
 ALIGN = ("_align_kernel", ["3,072", "2.5", "5.1", "10.0", "32", "0", "0", "1.5", "0.5", "0.1", "1", "9", "80",
                            "4,096"])
 GEMM1 = ("_fused_moe_kernel", ["41,500", "61.25", "78.5", "18.75", "168", "22.5", "0", "2.5", "7.25", "0.75", "1",
-                               "99", "34.24", "962,507,776"])
+                               "99", "34.24", "3,113,867,310,012.06"])
 GEMM2 = ("_fused_moe_kernel", ["30,000.5", "55", "70", "20", "128", "n/a", "35.5", "6", "1", "3", "1", "0", "n/a",
-                               "500,000"])
+                               "1,000,000,000"])
 
 
 def test_raw_csv_becomes_one_profile_per_kernel_gemms_labelled_in_order():
@@ -60,9 +61,9 @@ def test_raw_csv_becomes_one_profile_per_kernel_gemms_labelled_in_order():
     # nanoseconds (thousands separators and all) -> microseconds
     assert (align.us, g1.us, g2.us) == (pytest.approx(3.072), pytest.approx(41.5), pytest.approx(30.0005))
     assert (g1.dram_pct, g1.issue_pct, g1.occupancy_pct, g1.registers) == (61.25, 78.5, 18.75, 168)
-    # L2's hit rate, and DRAM bytes read as megabytes
-    assert (g1.l2_hit_pct, g1.dram_read_mb, g2.l2_hit_pct) == (34.24, pytest.approx(962.507776), None)
-    assert g2.dram_read_mb == pytest.approx(0.5)
+    # L2's hit rate, and the megabytes DRAM moved: its throughput (bytes a second) times the kernel's time
+    assert (g1.l2_hit_pct, g1.dram_mb, g2.l2_hit_pct) == (34.24, pytest.approx(3113.867310012 * 41.5e-3), None)
+    assert g2.dram_mb == pytest.approx(30.0005e-3)
     # the busiest tensor pipe; a pipe reading n/a is left out
     assert (g1.tensor_pct, g2.tensor_pct) == (22.5, 35.5)
     # stall reasons largest first; "selected" (issuing) and the not-issued variants are not stalls
@@ -79,7 +80,7 @@ def test_metrics_an_ncu_version_lacks_are_none_and_shown_as_dashes(capsys):
     p = profile_ncu.kernel_profile(kernel, "Mixtral-8x7B", "fp8-block128", 4096, "gemm1")
     assert p.us == 12.5  # already in microseconds
     assert (p.dram_pct, p.issue_pct, p.tensor_pct, p.occupancy_pct, p.registers, p.stalls, p.l2_hit_pct,
-            p.dram_read_mb) == (None, None, None, None, None, {}, None, None)
+            p.dram_mb) == (None, None, None, None, None, {}, None, None)
     profile_ncu.print_table([p])
     line = capsys.readouterr().out.splitlines()[1].split()
     assert line[-9:] == ["gemm1", "12.5", "-", "-", "-", "-", "-", "-", "-"]
@@ -157,7 +158,7 @@ def test_a_profile_written_before_the_memory_columns_reads_back_without_them(tmp
            "issue_pct": 44.0, "tensor_pct": 10.0, "occupancy_pct": 18.0, "registers": 164, "stalls": {"wait": 2.0}}
     (tmp_path / "profile.jsonl").write_text(json.dumps(old) + "\n")
     (profile,) = profile_ncu.load_profiles(tmp_path / "profile.jsonl")
-    assert (profile.us, profile.l2_hit_pct, profile.dram_read_mb) == (165.2, None, None)
+    assert (profile.us, profile.l2_hit_pct, profile.dram_mb) == (165.2, None, None)
     assert profile_ncu.main(["--show", str(tmp_path / "profile.jsonl")]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[4:8] == ["165.2", "55", "-", "-"]
 

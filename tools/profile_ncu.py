@@ -7,8 +7,8 @@ built and warmed up as bench.py builds it, then one call between cudaProfilerSta
 plain launches, no CUDA graph) and reads back, per kernel:
 
 - time, and DRAM throughput as % of its peak (a 4-bit decode GEMM near its roofline is near 100);
-- the megabytes read from DRAM and L2's hit rate (the same tile beside a peer's: do both read
-  their weights once?);
+- the megabytes DRAM moved and L2's hit rate (the same tile beside a peer's: do both read their
+  weights once?);
 - issue slots busy (% of the schedulers' cycles that issued an instruction: near 100 is
   instruction-bound) and the tensor pipes' busy % (matrix-unit bound);
 - achieved occupancy, registers a thread, and the three largest stall reasons (warp cycles
@@ -84,10 +84,11 @@ class KernelProfile:
     occupancy_pct: float | None
     registers: int | None
     stalls: dict  # reason -> warp cycles stalled per issued instruction, largest first
-    # L2's hit rate over its sectors, and the megabytes read from DRAM (profiles written before these were read
-    # have None): two kernels of the same tile and time apart in DRAM bytes read their weights differently
+    # L2's hit rate over its sectors, and the megabytes DRAM moved (read and written: its throughput times the
+    # kernel's time; profiles written before these were read have None): two kernels of one tile whose DRAM bytes
+    # differ read their weights differently
     l2_hit_pct: float | None = None
-    dram_read_mb: float | None = None
+    dram_mb: float | None = None
 
     def top_stalls(self, count: int = 3) -> str:
         return " ".join(f"{reason} {value:.1f}" for reason, value in list(self.stalls.items())[:count])
@@ -101,14 +102,14 @@ COLUMNS = {
     "occupancy_pct": r"^sm__warps_active\.avg\.pct_of_peak_sustained_active$",
     "registers": r"^launch__registers_per_thread$",
     "l2_hit_pct": r"^lts__t_sector_hit_rate\.pct$",
-    "dram_read_mb": r"^dram__bytes_read\.sum$",
+    "dram_bytes_per_s": r"^dram__bytes\.sum\.per_second$",
 }
 TENSOR_PIPES = r"^sm__pipe_tensor\w*_cycles_active\.avg\.pct_of_peak_sustained_active$"
 STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 # time units ncu may print a duration in, as microseconds
 TIME_UNITS = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6}
-# byte units ncu may print a size in, as megabytes
-BYTE_UNITS = {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+# rate units ncu may print a throughput in, as bytes a second
+RATE_UNITS = {"byte/second": 1.0, "Kbyte/second": 1e3, "Mbyte/second": 1e6, "Gbyte/second": 1e9, "Tbyte/second": 1e12}
 
 
 def _number(text: str) -> float | None:
@@ -157,14 +158,16 @@ def kernel_profile(kernel: dict, shape: str, scheme: str, m: int, label: str) ->
         fields[field] = None if picked is None else picked[1]
         if field == "us" and picked is not None:
             fields[field] = picked[1] * TIME_UNITS.get(units.get(picked[0], "nsecond"), 1e-3)
-        if field == "dram_read_mb" and picked is not None:
-            fields[field] = picked[1] * BYTE_UNITS.get(units.get(picked[0], "byte"), 1e-6)
+        if field == "dram_bytes_per_s" and picked is not None:
+            fields[field] = picked[1] * RATE_UNITS.get(units.get(picked[0], "byte/second"), 1.0)
     tensor = [value for name, value in metrics.items() if re.search(TENSOR_PIPES, name) and value is not None]
     stalls = {STALL.match(name).group(1): value for name, value in metrics.items()
               if STALL.match(name) and value is not None and not name.endswith("_not_issued_per_issue_active.ratio")}
     stalls = dict(sorted(((reason, value) for reason, value in stalls.items() if reason != "selected"),
                          key=lambda item: -item[1]))
     registers = fields.pop("registers")
+    rate = fields.pop("dram_bytes_per_s")
+    fields["dram_mb"] = None if rate is None or fields["us"] is None else rate * fields["us"] * 1e-12
     return KernelProfile(shape, scheme, m, label, **fields, tensor_pct=max(tensor) if tensor else None,
                          registers=None if registers is None else int(registers), stalls=stalls)
 
@@ -289,7 +292,7 @@ def print_table(profiles: list[KernelProfile]) -> None:
 
     for p in profiles:
         print(f"{p.shape:<18}{p.scheme:<28}{p.m:>5}  {p.kernel[:12]:<12}{show(p.us, 1):>8}{show(p.dram_pct):>7}"
-              f"{show(p.dram_read_mb, 1):>8}{show(p.l2_hit_pct):>7}{show(p.issue_pct):>7}{show(p.tensor_pct):>8}"
+              f"{show(p.dram_mb, 1):>8}{show(p.l2_hit_pct):>7}{show(p.issue_pct):>7}{show(p.tensor_pct):>8}"
               f"{show(p.occupancy_pct):>6}{show(p.registers):>5}  {p.top_stalls()}")
 
 
