@@ -9,7 +9,8 @@ bandwidth, bf16 / int8 / fp8 matrix rates) are measured in the same run. Rooflin
 max(minimum bytes / copy bandwidth, FLOPs / peak of the matrix unit the scheme uses), minimum
 bytes = weights + scales + zero points of the experts the routing hits + activations in and out
 + routing; FLOPs = 6·M·top-k·hidden·intermediate. The two GEMMs are also reported alone (on a GPU
-their launches replayed alone in a CUDA graph, the median of its replays; elsewhere their kernel
+their launches replayed alone in short CUDA-graph bursts before the layer is timed, from an idle
+GPU as the side-by-side harness times a peer's: see gpu_cell_seconds; elsewhere their kernel
 times from the profiler; against a roofline of the weights, the hidden rows in and the top-k rows
 out), and the rest of the layer's kernels as glue (the profiler's kernel times, its CUPTI torn down
 after each profile, so it does not slow the cells timed after it).
