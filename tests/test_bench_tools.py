@@ -628,7 +628,7 @@ def test_the_gemm_launches_split_into_each_gemms(bench):
     assert bench.launches_by_gemm(launches, 3) == ()
 
 
-def test_the_gemm_graphs_time_both_gemms_then_each_alone(bench, monkeypatch):
+def test_the_gemm_graphs_time_each_gemm_alone_then_both(bench, monkeypatch):
     """gemm_graph_seconds: after COOL_SECONDS idle, GEMM1's launches alone, then GEMM2's (as the peer harness times
     its two), then the step's GEMM launches together, each per layer call (here a burst of launches stands for as
     many microseconds as it holds launches); no split where the calls made other than two launches each."""
